@@ -1,0 +1,287 @@
+"""Each op against its float64 NumPy reference on the GPU: fresh random inputs, NaN-poisoned outputs."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.gpu.conftest import TOL, host, poisoned, rand, rel_err
+
+cupy = pytest.importorskip("cupy")
+
+from tilekit.autotune.compile import precompile  # noqa: E402
+from tilekit.device import device_info  # noqa: E402
+from tilekit.kernels import (attention, decode_attention, embedding, gelu, greedy_step, layer_norm,  # noqa: E402
+                             linear, write_kv)
+from tilekit.kernels.attention import ATTENTION, attention_reference  # noqa: E402
+from tilekit.kernels.decode_attention import DECODE_ATTENTION, decode_attention_reference  # noqa: E402
+from tilekit.kernels.embedding import embedding_reference  # noqa: E402
+from tilekit.kernels.gelu import GELU, gelu_reference  # noqa: E402
+from tilekit.kernels.kv_cache import write_kv_reference  # noqa: E402
+from tilekit.kernels.layernorm import LAYER_NORM, layer_norm_reference  # noqa: E402
+from tilekit.kernels.linear import LINEAR, linear_reference  # noqa: E402
+from tilekit.kernels.sampling import greedy_reference  # noqa: E402
+
+GPU = settings(max_examples=12, deadline=None, derandomize=True)
+DTYPES = st.sampled_from(["bfloat16", "float16", "float32"])
+
+
+# -- linear ----------------------------------------------------------------------------------
+
+def check_linear(M, N, K, dtype, layout="in_out", bias=True, act=None, res=False, tf32=False):
+    x = rand((M, K), dtype)
+    w = rand((K, N) if layout == "in_out" else (N, K), dtype, 1 / math.sqrt(K))
+    b = rand((N,), dtype) if bias else None
+    r = rand((M, N), dtype) if res else None
+    out = poisoned((M, N), dtype)
+    y = linear(x, w, b, activation=act, residual=r, out=out, weight_layout=layout, allow_tf32=tf32)
+    assert y is out
+    ref = linear_reference(host(x), host(w), None if b is None else host(b), activation=act,
+                           residual=None if r is None else host(r), weight_layout=layout)
+    tol = TOL["tf32"] if tf32 else TOL[dtype]
+    assert rel_err(host(y), ref) < tol, (M, N, K, dtype, layout, bias, act, res)
+
+
+@GPU
+@given(M=st.sampled_from([1, 3, 8, 64, 127, 1000]), N=st.sampled_from([64, 200, 768, 1031]),
+       K=st.sampled_from([64, 72, 768]), dtype=DTYPES, layout=st.sampled_from(["in_out", "out_in"]),
+       bias=st.booleans(), act=st.sampled_from([None, "gelu"]), res=st.booleans())
+def test_linear_matches_reference(M, N, K, dtype, layout, bias, act, res):
+    check_linear(M, N, K, dtype, layout, bias, act, res)
+
+
+@pytest.mark.parametrize("M", [1, 8191])
+def test_linear_edge_rows(M):
+    check_linear(M, 768, 768, "bfloat16", act="gelu", res=True)
+
+
+def test_linear_tf32():
+    check_linear(300, 256, 512, "float32", tf32=True)
+
+
+def test_linear_torch_in_torch_out():
+    torch = pytest.importorskip("torch")
+    x = torch.randn(2, 5, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16) / 8
+    y = linear(x, w)
+    assert isinstance(y, torch.Tensor) and y.shape == (2, 5, 96) and y.dtype == torch.bfloat16
+    ref = x.double() @ w.double()
+    assert rel_err(y.double().cpu().numpy(), ref.cpu().numpy()) < TOL["bfloat16"]
+
+
+# -- every sampled config of every space is correct -------------------------------------------
+
+SPACE_CASES = {
+    "linear": dict(dtype="bfloat16", M=300, N=200, K=136, wt="kn", bias=1, act="gelu", res=1, tf32=0),
+    "layer_norm": dict(dtype="bfloat16", M=37, N=1600),
+    "gelu": dict(dtype="bfloat16", n=10007, exact=0),
+    "attention": dict(dtype="bfloat16", B=2, H=3, Tq=300, Tk=300, D=64, causal=1),
+    "decode_attention": dict(dtype="bfloat16", B=2, H=3, nq=1, capacity=700, D=64),
+}
+OPS = {"linear": LINEAR, "layer_norm": LAYER_NORM, "gelu": GELU, "attention": ATTENTION,
+       "decode_attention": DECODE_ATTENTION}
+
+
+def sampled_configs(name, k=5):
+    op, p = OPS[name], SPACE_CASES[name]
+    candidates = op.space.candidates(p)
+    picks = random.Random(0).sample(candidates, min(k, len(candidates)))
+    return [op.default(p)] + [c for c in picks if c != op.default(p)]
+
+
+@pytest.fixture(scope="module")
+def precompiled_space_samples():
+    """Fill cuTile's disk cache for the sampled configs in parallel before measuring them."""
+    tasks = [(name, OPS[name].problem_key(p)[0], c)
+             for name, p in SPACE_CASES.items() for c in sampled_configs(name)]
+    precompile(tasks, device_info().arch)
+
+
+def run_case(name):
+    p = SPACE_CASES[name]
+    if name == "linear":
+        check_linear(p["M"], p["N"], p["K"], p["dtype"], act="gelu", res=True)
+    elif name == "layer_norm":
+        check_layer_norm((p["M"], p["N"]), p["dtype"])
+    elif name == "gelu":
+        check_gelu((p["n"],), p["dtype"], "tanh")
+    elif name == "attention":
+        check_attention(p["B"], p["H"], p["Tq"], p["Tk"], p["D"], p["dtype"], True)
+    elif name == "decode_attention":
+        check_decode(p["B"], p["H"], p["nq"], p["capacity"], p["D"], p["dtype"])
+
+
+@pytest.mark.parametrize("name", list(SPACE_CASES))
+def test_sampled_configs_are_correct(name, precompiled_space_samples):
+    for config in sampled_configs(name):
+        with OPS[name].pinned(config):
+            run_case(name)
+
+
+# -- layer_norm, gelu ------------------------------------------------------------------------
+
+def check_layer_norm(shape, dtype, eps=1e-5):
+    x = rand(shape, dtype, 2.0, mean=0.5)
+    w = rand(shape[-1:], dtype)
+    b = rand(shape[-1:], dtype)
+    out = poisoned(shape, dtype)
+    layer_norm(x, w, b, eps, out=out)
+    assert rel_err(host(out), layer_norm_reference(host(x), host(w), host(b), eps)) < TOL[dtype], shape
+
+
+@GPU
+@given(shape=st.sampled_from([(1, 768), (3, 7, 1600), (8191, 768), (5, 20000), (2, 1)]), dtype=DTYPES)
+def test_layer_norm_matches_reference(shape, dtype):
+    check_layer_norm(shape, dtype)
+
+
+def check_gelu(shape, dtype, approximate):
+    x = rand(shape, dtype, 3.0)
+    out = poisoned(shape, dtype)
+    gelu(x, approximate=approximate, out=out)
+    assert rel_err(host(out), gelu_reference(host(x), approximate)) < TOL[dtype]
+
+
+@GPU
+@given(shape=st.sampled_from([(1,), (1000,), (3, 333), ((1 << 20) + 3,)]), dtype=DTYPES,
+       approximate=st.sampled_from(["tanh", "none"]))
+def test_gelu_matches_reference(shape, dtype, approximate):
+    check_gelu(shape, dtype, approximate)
+
+
+# -- attention -------------------------------------------------------------------------------
+
+def check_attention(B, H, Tq, Tk, D, dtype, causal):
+    """q, k, v as strided views of one fused QKV buffer, the way GPT-2 calls it."""
+    qkv = rand((B, Tk, 3, H, D), dtype)
+    q = qkv[:, Tk - Tq:, 0].transpose(0, 2, 1, 3)
+    k = qkv[:, :, 1].transpose(0, 2, 1, 3)
+    v = qkv[:, :, 2].transpose(0, 2, 1, 3)
+    out = poisoned((B, Tq, H, D), dtype).transpose(0, 2, 1, 3)
+    attention(q, k, v, causal=causal, out=out)
+    ref = attention_reference(host(q), host(k), host(v), causal=causal)
+    assert rel_err(host(out), ref) < TOL[dtype], (B, H, Tq, Tk, D, dtype, causal)
+
+
+@GPU
+@given(T=st.sampled_from([1, 7, 64, 1023, 1025]), D=st.sampled_from([64, 128, 80]),
+       dtype=st.sampled_from(["bfloat16", "float16"]), causal=st.booleans())
+def test_attention_matches_reference(T, D, dtype, causal):
+    check_attention(2, 3, T, T, D, dtype, causal)
+
+
+def test_attention_fp32_and_shorter_queries():
+    check_attention(1, 2, 5, 77, 64, "float32", True)
+    check_attention(2, 1, 33, 40, 64, "bfloat16", False)
+
+
+# -- decode attention, KV cache, embedding, greedy -------------------------------------------
+
+def check_decode(B, H, nq, capacity, D, dtype, rng=np.random.default_rng(0)):
+    q = rand((B, H, nq, D), dtype)
+    kc = rand((B, H, capacity, D), dtype)
+    vc = rand((B, H, capacity, D), dtype)
+    lengths_h = rng.integers(nq, capacity + 1, B).astype(np.int32)
+    lengths_h[0] = capacity
+    out = poisoned((B, H, nq, D), dtype)
+    decode_attention(q, kc, vc, cupy.asarray(lengths_h), out=out)
+    ref = decode_attention_reference(host(q), host(kc), host(vc), lengths_h)
+    assert rel_err(host(out), ref) < TOL[dtype], (B, H, nq, capacity, D, dtype)
+
+
+@GPU
+@given(B=st.sampled_from([1, 3, 32]), nq=st.sampled_from([1, 3]), capacity=st.sampled_from([100, 1024, 4100]),
+       dtype=st.sampled_from(["bfloat16", "float32"]))
+def test_decode_attention_matches_reference(B, nq, capacity, dtype):
+    check_decode(B, 4, nq, capacity, 64, dtype)
+
+
+def test_decode_attention_length_offset():
+    q = rand((2, 2, 1, 64), "bfloat16")
+    kc, vc = rand((2, 2, 50, 64), "bfloat16"), rand((2, 2, 50, 64), "bfloat16")
+    cached = np.array([9, 30], np.int32)
+    out = decode_attention(q, kc, vc, cupy.asarray(cached), length_offset=1)
+    ref = decode_attention_reference(host(q), host(kc), host(vc), cached + 1)
+    assert rel_err(host(out), ref) < TOL["bfloat16"]
+
+
+def test_write_kv():
+    B, H, T, cap, D = 3, 2, 5, 9, 64
+    qkv = rand((B, T, 3, H, D), "bfloat16")
+    k, v = qkv[:, :, 1].transpose(0, 2, 1, 3), qkv[:, :, 2].transpose(0, 2, 1, 3)
+    kc, vc = rand((B, H, cap, D), "bfloat16"), rand((B, H, cap, D), "bfloat16")
+    start = np.array([0, 2, 6], np.int32)   # the last one runs past the capacity: clipped
+    ref_k, ref_v = write_kv_reference(host(k), host(v), host(kc), host(vc), start)
+    write_kv(k, v, kc, vc, cupy.asarray(start))
+    assert np.array_equal(host(kc), ref_k) and np.array_equal(host(vc), ref_v)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_embedding(dtype):
+    V, P, C = 1031, 64, 1600
+    wte, wpe = rand((V, C), dtype), rand((P, C), dtype)
+    ids = cupy.random.randint(0, V, (3, 17)).astype(cupy.int32)
+    pos = cupy.random.randint(0, P, (3, 17)).astype(cupy.int32)
+    out = poisoned((3, 17, C), dtype)
+    embedding(ids, wte, wpe, pos, out=out)
+    assert rel_err(host(out), embedding_reference(host(ids), host(wte), host(wpe), host(pos))) < TOL[dtype]
+    default_pos = embedding(ids, wte, wpe)
+    assert rel_err(host(default_pos), embedding_reference(host(ids), host(wte), host(wpe),
+                                                           np.broadcast_to(np.arange(17), (3, 17)))) < TOL[dtype]
+
+
+def test_greedy_step():
+    B, V, L = 4, 50257, 16
+    logits = rand((B, V), "float32")
+    tokens = cupy.full((B,), -5, cupy.int32)
+    positions = cupy.asarray(np.array([0, 3, 7, 14], np.int32))
+    history = cupy.zeros((B, L), cupy.int32)
+    finished = cupy.asarray(np.array([0, 0, 1, 0], np.int32))
+    expected = greedy_reference(host(logits))
+    greedy_step(logits, tokens, positions, history, finished, eos_id=int(expected[3]))
+    got = host(tokens)
+    assert list(got[[0, 1, 3]]) == list(expected[[0, 1, 3]])
+    assert got[2] == expected[3]                    # finished row emits eos
+    assert list(host(positions)) == [1, 4, 8, 15]
+    h = host(history)
+    assert [h[0, 1], h[1, 4], h[2, 8], h[3, 15]] == list(got)
+    assert list(host(finished)) == [0, 0, 1, 1]
+
+
+# -- bad input is refused before launch ------------------------------------------------------
+
+def test_bad_inputs_name_the_argument():
+    x = rand((4, 64), "bfloat16")
+    w = rand((64, 32), "bfloat16")
+    with pytest.raises(TypeError, match="x must be a CUDA device array"):
+        linear(np.zeros((4, 64), np.float32), w)
+    with pytest.raises(TypeError, match="weight has dtype float32"):
+        linear(x, rand((64, 32), "float32"))
+    with pytest.raises(ValueError, match="weight shape"):
+        linear(x, rand((63, 32), "bfloat16"))
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        linear(x, rand((64,), "bfloat16"))
+    with pytest.raises(ValueError, match="x must be contiguous in its last dimension"):
+        linear(rand((64, 4), "bfloat16").T, w)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        linear(x, w, rand((31,), "bfloat16"))
+    with pytest.raises(ValueError, match="activation"):
+        linear(x, w, activation="relu")
+    with pytest.raises(ValueError, match="head_dim 512 is not supported"):
+        q = rand((1, 1, 4, 512), "bfloat16")
+        attention(q, q, q)
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        attention(x, x, x)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        layer_norm(x, rand((63,), "bfloat16"), rand((64,), "bfloat16"))
+    with pytest.raises(TypeError, match="lengths has dtype int64"):
+        q = rand((1, 2, 1, 64), "bfloat16")
+        kv = rand((1, 2, 8, 64), "bfloat16")
+        decode_attention(q, kv, kv, cupy.zeros((1,), cupy.int64))
+    if cupy.cuda.runtime.getDeviceCount() > 1:
+        with cupy.cuda.Device(1):
+            w1 = rand((64, 32), "bfloat16")
+        with pytest.raises(ValueError, match="GPU"):
+            linear(x, w1)

@@ -1,0 +1,48 @@
+"""CI's proof that every kernel compiles: each op's default and a sample of its space, for sm_90 and sm_100,
+built ahead of time by tileiras on this CPU-only machine."""
+
+import random
+
+import pytest
+
+from tilekit.autotune.compile import precompile
+from tilekit.autotune.op import registered_ops
+
+PROBLEMS = {
+    "linear": [dict(dtype="bfloat16", M=8192, N=2304, K=768, wt="kn", bias=1, act="gelu", res=0, tf32=0),
+               dict(dtype="float32", M=3, N=1031, K=72, wt="nk", bias=0, act="none", res=1, tf32=1)],
+    "layer_norm": [dict(dtype="bfloat16", M=8192, N=1600), dict(dtype="float32", M=3, N=20000)],
+    "gelu": [dict(dtype="float16", n=1 << 20, exact=1), dict(dtype="float32", n=7, exact=0)],
+    "attention": [dict(dtype="bfloat16", B=8, H=12, Tq=1024, Tk=1024, D=64, causal=1),
+                  dict(dtype="float16", B=1, H=2, Tq=7, Tk=9, D=128, causal=0)],
+    "decode_attention": [dict(dtype="bfloat16", B=1, H=25, nq=1, capacity=1024, D=64),
+                         dict(dtype="float32", B=3, H=2, nq=4, capacity=100, D=64)],
+    "embedding": [dict(dtype="bfloat16", ids="int32", M=8192, C=1600, V=50257, P=1024),
+                  dict(dtype="float32", ids="int64", M=1, C=64, V=1031, P=64)],
+    "kv_write": [dict(dtype="bfloat16", B=8, H=12, T=1024, capacity=1024, D=64),
+                 dict(dtype="float32", B=1, H=2, T=1, capacity=100, D=80)],
+    "greedy": [dict(dtype="bfloat16", B=8, V=50257, L=1024), dict(dtype="float32", B=1, V=1031, L=64)],
+}
+
+
+def test_every_op_has_compile_cases():
+    assert set(PROBLEMS) == set(registered_ops())
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path / "cutile"))   # really run tileiras
+    ops = registered_ops()
+    tasks = []
+    for name, problems in PROBLEMS.items():
+        op = ops[name]
+        for problem in problems:
+            bucketed = op.problem_key(problem)[0]
+            candidates = op.space.candidates(bucketed)
+            assert candidates, f"{name}: empty search space for {problem}"
+            assert op.space.contains(op.default(bucketed)), f"{name}: default outside its space"
+            sample = random.Random(arch).sample(candidates, min(2, len(candidates)))
+            tasks += [(name, bucketed, c) for c in [op.default(bucketed)] + sample]
+    ok, errors = precompile(tasks, arch, workers=2)
+    assert not errors, "\n".join(f"{tasks[i][0]} {tasks[i][2]}: {e}" for i, e in errors.items())
+    assert len(ok) == len(tasks)

@@ -1,0 +1,56 @@
+"""Where the tuning databases live: the user cache (writable) over the shipped tuning_db/ (read-only)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tilekit.autotune.db import TuningDB
+
+_layers: list[TuningDB] | None = None
+
+
+def user_dir() -> Path:
+    """TILEKIT_CACHE_DIR, else the platform's user cache dir (e.g. ~/.cache/tilekit)."""
+    env = os.environ.get("TILEKIT_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("tilekit", appauthor=False))
+
+
+def shipped_dir() -> Path:
+    """TILEKIT_SHIPPED_DB, else the tuning_db/ packaged with tilekit (or beside a source checkout)."""
+    env = os.environ.get("TILEKIT_SHIPPED_DB")
+    if env:
+        return Path(env).expanduser()
+    packaged = Path(__file__).resolve().parent.parent / "tuning_db"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "tuning_db"
+
+
+def layers() -> list[TuningDB]:
+    """[user, shipped], created on first use from the environment."""
+    global _layers
+    if _layers is None:
+        _layers = [TuningDB(user_dir() / "tuning", "user", writable=True),
+                   TuningDB(shipped_dir(), "shipped", writable=False)]
+    return _layers
+
+
+def user_db() -> TuningDB:
+    return layers()[0]
+
+
+def shipped_db() -> TuningDB:
+    return layers()[1]
+
+
+def reset() -> None:
+    """Re-read the environment and forget every in-process answer (tests, `db clear`, imports)."""
+    global _layers
+    _layers = None
+    from tilekit.autotune.op import _REGISTRY
+    for op in _REGISTRY.values():
+        op.forget()

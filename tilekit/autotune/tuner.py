@@ -1,0 +1,129 @@
+"""The tuner: compile candidates in parallel, measure them with cuTile's exhaustive_search, store the winner.
+
+Compilation dominates tuning time (about a second of tileiras per config), so every candidate of
+every requested problem is compiled first in a pool of worker processes; their cubins land in
+cuTile's disk cache and the measuring process then only pays the Python front end. Measurement
+is `cuda.tile.tune.exhaustive_search` (L2 flushed before each run, sampled until its 95%
+confidence interval is within 1%). Each winner is stored as soon as it is measured, so an
+interrupted run keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from tilekit.autotune import store
+from tilekit.autotune.compile import precompile
+from tilekit.autotune.space import Config, split_hints
+from tilekit.device import device_info, toolchain
+
+
+@dataclass
+class TuneResult:
+    op: str
+    key: str
+    config: Config
+    time_us: float
+    default_config: Config
+    default_time_us: float | None
+    candidates: int
+    measured: int
+    failures: list = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float | None:
+        return self.default_time_us / self.time_us if self.default_time_us else None
+
+
+def tune(op, problem: dict, **kwargs) -> TuneResult:
+    """Tune one problem of one op on the current GPU and store the result in the user database."""
+    results = tune_many([(op, problem)], **kwargs)
+    if not results:
+        raise RuntimeError(f"tuning {op.name} {problem} produced no result (budget too small?)")
+    return results[0]
+
+
+def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers: int | None = None,
+              save: bool = True, progress: Callable[..., None] | None = None) -> list[TuneResult]:
+    """Tune each (op, problem); compile everything in parallel first, then measure one by one."""
+    import cupy
+    import cuda.tile as ct
+
+    start = time.monotonic()
+    notify = progress or (lambda *a, **k: None)
+    dev = device_info()
+    plans = []
+    for op, problem in items:
+        bucketed, key = op.problem_key(problem)
+        candidates = op.space.candidates(bucketed)
+        default = op.default(bucketed)
+        if op.space.contains(default):
+            candidates = [default] + [c for c in candidates if c != default]
+        plans.append((op, bucketed, key, candidates, default))
+
+    # Phase 1: compile every candidate of every problem in parallel (fills cuTile's disk cache).
+    tasks, owner = [], []
+    for i, (op, bucketed, key, candidates, _) in enumerate(plans):
+        for config in candidates:
+            tasks.append((op.name, bucketed, config))
+            owner.append(i)
+    deadline = None if budget_s is None else start + 0.6 * budget_s
+    finished = 0
+
+    def tick(index):
+        nonlocal finished
+        finished += 1
+        notify("compile", done=finished, total=len(tasks), op=tasks[index][0])
+
+    notify("compile-start", total=len(tasks))
+    ok, _errors = precompile(tasks, dev.arch, workers=workers, deadline=deadline, progress=tick)
+    compiled: dict[int, list] = {i: [] for i in range(len(plans))}
+    for index in sorted(ok):
+        compiled[owner[index]].append(tasks[index][2])
+
+    # Phase 2: measure, store as we go.
+    results = []
+    stream = cupy.cuda.get_current_stream()
+    for i, (op, bucketed, key, candidates, default) in enumerate(plans):
+        if budget_s is not None and time.monotonic() > start + budget_s:
+            notify("budget-exhausted", key=key)
+            break
+        configs = compiled[i]
+        if not configs:
+            notify("skipped", key=key, reason="no candidate compiled")
+            continue
+        notify("measure", op=op.name, key=key, n=len(configs), index=i, count=len(plans))
+        case = op.bench(bucketed)
+        found = ct.tune.exhaustive_search(
+            configs, stream, case.grid, op.kernel, case.args,
+            lambda c: split_hints(c)[1], quiet=True)
+        stream.synchronize()
+        timings = {_freeze(m.config): m.mean_us for m in found.successes}
+        best = dict(found.best.config)
+        result = TuneResult(op=op.name, key=key, config=best, time_us=found.best.mean_us,
+                            default_config=default, default_time_us=timings.get(_freeze(default)),
+                            candidates=len(candidates), measured=len(found.successes),
+                            failures=[(c, e.__name__, m.splitlines()[0] if m else "")
+                                      for c, e, m in found.failures])
+        if save:
+            store.user_db().store(dev, {key: _entry(op, result, dev)})
+            op.forget()
+        notify("tuned", result=result)
+        results.append(result)
+    return results
+
+
+def _freeze(config: dict) -> tuple:
+    return tuple(sorted(config.items()))
+
+
+def _entry(op, r: TuneResult, dev) -> dict:
+    return {"config": r.config, "time_us": round(r.time_us, 3),
+            "default_config": r.default_config,
+            "default_time_us": None if r.default_time_us is None else round(r.default_time_us, 3),
+            "kernel_hash": op.kernel_hash(), "space_hash": op.space_hash(), "toolchain": toolchain(),
+            "device": dev.as_dict(), "candidates": r.candidates, "measured": r.measured,
+            "tuned_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

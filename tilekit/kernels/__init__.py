@@ -1,0 +1,12 @@
+"""cuTile kernels, one module per op; each registers a TunableOp with the autotuner."""
+
+from tilekit.kernels.attention import attention
+from tilekit.kernels.decode_attention import decode_attention
+from tilekit.kernels.embedding import embedding
+from tilekit.kernels.gelu import gelu
+from tilekit.kernels.layernorm import layer_norm
+from tilekit.kernels.kv_cache import write_kv
+from tilekit.kernels.linear import linear
+from tilekit.kernels.sampling import greedy_step
+
+__all__ = ["attention", "decode_attention", "embedding", "gelu", "greedy_step", "layer_norm", "linear", "write_kv"]

@@ -1,0 +1,117 @@
+"""GELU: GPT-2's tanh approximation ("gelu_new") and the exact erf form, elementwise on any shape."""
+
+from __future__ import annotations
+
+import math
+
+import cuda.tile as ct
+import numpy as np
+
+from tilekit.autotune.compile import ArraySpec
+from tilekit.autotune.keys import pow2_bucket
+from tilekit.autotune.op import BenchCase, TunableOp
+from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels import arrays
+
+SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@ct.function
+def gelu_tanh(x):
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) on an fp32 tile."""
+    return 0.5 * x * (1.0 + ct.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+
+
+@ct.function
+def gelu_erf(x):
+    """0.5 x (1 + erf(x / sqrt 2)) on an fp32 tile; erf from a Chebyshev-fitted erfc (|err| < 1.2e-7)."""
+    z = ct.abs(x) * 0.7071067811865476
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = -z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    erfc = t * ct.exp(poly)
+    erf = ct.where(x >= 0.0, 1.0 - erfc, erfc - 1.0)
+    return 0.5 * x * (1.0 + erf)
+
+
+@ct.kernel
+def gelu_kernel(X, Y, BLOCK: ct.Constant[int], EXACT: ct.Constant[bool]):
+    """Y = gelu(X) over flat arrays, one BLOCK-sized tile per program."""
+    pid = ct.bid(0)
+    x = ct.load(X, (pid,), (BLOCK,), padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
+    if EXACT:
+        y = gelu_erf(x)
+    else:
+        y = gelu_tanh(x)
+    ct.store(Y, (pid,), y.astype(Y.dtype))
+
+
+def _fits(c: dict, p: dict) -> bool:
+    return c["BLOCK"] <= max(256, pow2_ceil(p["n"]))
+
+
+SPACE = SearchSpace(_fits, BLOCK=(256, 512, 1024, 2048, 4096, 8192), occupancy=(1, 2, 4))
+FIELDS = ("dtype", "n", "exact")
+
+
+def default_config(p: dict) -> dict:
+    return dict(BLOCK=min(1024, max(256, pow2_ceil(p["n"]))), occupancy=2)
+
+
+def _grid(p: dict, c: dict) -> tuple:
+    return (ct.cdiv(p["n"], c["BLOCK"]), 1, 1)
+
+
+def _kernel_args(x, y, p: dict, c: dict) -> tuple:
+    return (x, y, c["BLOCK"], bool(p["exact"]))
+
+
+def _signature(p: dict, c: dict):
+    spec = ArraySpec(p["dtype"], (p["n"],))
+    return [(gelu_kernel, _kernel_args(spec, spec, p, c))]
+
+
+def _bench(p: dict) -> BenchCase:
+    import cupy
+    dev = cupy.cuda.runtime.getDevice()
+    x = arrays.random_array((p["n"],), p["dtype"], dev, cupy.random.default_rng())
+    y = arrays.empty("cupy", dev, (p["n"],), p["dtype"])
+    return BenchCase(grid=lambda c: _grid(p, c), args=lambda c: _kernel_args(x, y, p, c))
+
+
+GELU = TunableOp("gelu", kernel=gelu_kernel, fields=FIELDS, space=SPACE, default=default_config,
+                 buckets={"n": pow2_bucket}, bench=_bench, signature=_signature,
+                 source_of=(gelu_tanh, gelu_erf))
+
+
+def gelu(x, *, approximate: str = "tanh", out=None):
+    """Elementwise GELU of a contiguous array; approximate='tanh' (GPT-2) or 'none' (erf)."""
+    x = arrays.as_device_array(x, "x")
+    xi = arrays.info(x, "x")
+    arrays.check_dtype(xi, "x", arrays.FLOAT_DTYPES)
+    arrays.check_contiguous(xi, "x")
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+    if out is None:
+        out = arrays.empty(xi.kind, xi.device, xi.shape, xi.dtype)
+    else:
+        out = arrays.check_out(out, "out", xi.kind, xi.device, xi.shape, xi.dtype)
+    n = math.prod(xi.shape)
+    if n == 0:
+        return out
+    p = (xi.dtype, n, int(approximate == "none"))
+    plan = GELU.plan((xi.device,) + p)
+    problem = dict(zip(FIELDS, p))
+    ct.launch(arrays.stream_for(xi.kind, xi.device), _grid(problem, plan.config), plan.kernel,
+              _kernel_args(x.reshape(n), out.reshape(n), problem, plan.config))
+    return out
+
+
+def gelu_reference(x, approximate: str = "tanh") -> np.ndarray:
+    """float64 NumPy GELU; approximate='tanh' is GPT-2's gelu_new, 'none' the erf form."""
+    x = np.asarray(x, np.float64)
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))

@@ -1,0 +1,219 @@
+"""Fused linear layer: act(x @ W + b) + residual, with W stored [in, out] (GPT-2 Conv1D) or [out, in].
+
+One kernel does the matrix product on tensor cores with an fp32 accumulator and applies bias,
+GELU and the residual add in its epilogue, so the output makes one trip to memory. The tied LM
+head (x @ wte^T) reads wte as it is stored, through a transposed tile load.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.tile as ct
+import numpy as np
+
+from tilekit.autotune.compile import ArraySpec
+from tilekit.autotune.keys import pow2_bucket
+from tilekit.autotune.op import BenchCase, TunableOp
+from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels import arrays
+from tilekit.kernels.gelu import gelu_reference, gelu_tanh
+
+ZERO = ct.PaddingMode.ZERO
+
+
+@ct.kernel
+def linear_kernel(X, W, Bias, Res, Y,
+                  TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
+                  GROUP_M: ct.Constant[int], W_NK: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
+                  GELU: ct.Constant[bool], HAS_RES: ct.Constant[bool], TF32: ct.Constant[bool]):
+    """Y[M, N] = act(X[M, K] @ W + Bias) + Res; W is [K, N], or [N, K] when W_NK."""
+    M = X.shape[0]
+    K = X.shape[1]
+    N = Y.shape[1]
+    # Grouped ordering: GROUP_M row-tiles share each column panel of W while it sits in L2.
+    pid = ct.bid(0)
+    tiles_m = ct.cdiv(M, TM)
+    tiles_n = ct.cdiv(N, TN)
+    group_width = GROUP_M * tiles_n
+    first_m = (pid // group_width) * GROUP_M
+    group_rows = ct.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_width) % group_rows
+    pid_n = (pid % group_width) // group_rows
+
+    acc = ct.zeros((TM, TN), dtype=ct.float32)
+    for k in range(ct.cdiv(K, TK)):
+        a = ct.load(X, (pid_m, k), (TM, TK), padding_mode=ZERO)
+        if W_NK:
+            b = ct.load(W, (k, pid_n), (TK, TN), order=(1, 0), padding_mode=ZERO)
+        else:
+            b = ct.load(W, (k, pid_n), (TK, TN), padding_mode=ZERO)
+        if TF32:
+            a = a.astype(ct.tfloat32)
+            b = b.astype(ct.tfloat32)
+        acc = ct.mma(a, b, acc)
+
+    if HAS_BIAS:
+        acc = acc + ct.load(Bias, (pid_n,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
+    if GELU:
+        acc = gelu_tanh(acc)
+    if HAS_RES:
+        acc = acc + ct.load(Res, (pid_m, pid_n), (TM, TN), padding_mode=ZERO).astype(ct.float32)
+    ct.store(Y, (pid_m, pid_n), acc.astype(Y.dtype))
+
+
+# -- search space and heuristic default ---------------------------------------------------------
+
+def _fits(c: dict, p: dict) -> bool:
+    """Prune tiles larger than the problem, register/shared-memory hogs and pointless hints."""
+    item = 4 if p["dtype"] == "float32" else 2
+    m = pow2_ceil(p["M"])
+    tm_min = 64 if m >= 256 else max(16, m // 4)
+    return (tm_min <= c["TM"] <= max(16, m)
+            and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
+            and c["TM"] * c["TN"] <= 128 * 256
+            and (c["TM"] + c["TN"]) * c["TK"] * item <= 48 * 1024
+            and (c["occupancy"] == 1 or c["TM"] * c["TN"] <= 128 * 128)
+            and (c["num_ctas"] == 1 or (m >= 1024 and c["TM"] >= 128)))
+
+
+SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128, 256), TN=(32, 64, 128, 256), TK=(32, 64, 128),
+                    GROUP_M=(8,), occupancy=(1, 2), num_ctas=(1, 2))
+
+
+def default_config(p: dict) -> dict:
+    m = pow2_ceil(p["M"])
+    if m >= 128:
+        return dict(TM=128, TN=128, TK=64, GROUP_M=8, occupancy=1, num_ctas=1)
+    return dict(TM=max(16, m), TN=64, TK=64 if p["dtype"] == "float32" else 128, GROUP_M=8,
+                occupancy=1, num_ctas=1)
+
+
+FIELDS = ("dtype", "M", "N", "K", "wt", "bias", "act", "res", "tf32")
+
+
+def _grid(p: dict, c: dict) -> tuple:
+    return (ct.cdiv(p["M"], c["TM"]) * ct.cdiv(p["N"], c["TN"]), 1, 1)
+
+
+def _kernel_args(x, w, bias, res, y, p: dict, c: dict) -> tuple:
+    return (x, w, bias, res, y, c["TM"], c["TN"], c["TK"], c["GROUP_M"], p["wt"] == "nk",
+            bool(p["bias"]), p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
+
+
+def _shapes(p: dict) -> dict:
+    M, N, K = p["M"], p["N"], p["K"]
+    return {"x": (M, K), "w": (N, K) if p["wt"] == "nk" else (K, N), "bias": (N,), "res": (M, N),
+            "y": (M, N)}
+
+
+def _signature(p: dict, c: dict):
+    s = _shapes(p)
+    spec = {k: ArraySpec(p["dtype"], v) for k, v in s.items()}
+    if not p["bias"]:
+        spec["bias"] = ArraySpec(p["dtype"], (16,))
+    if not p["res"]:
+        spec["res"] = ArraySpec(p["dtype"], (16, 16))
+    return [(linear_kernel, _kernel_args(spec["x"], spec["w"], spec["bias"], spec["res"], spec["y"], p, c))]
+
+
+def _bench(p: dict) -> BenchCase:
+    import cupy
+    dev = cupy.cuda.runtime.getDevice()
+    rng = cupy.random.default_rng()
+    s = _shapes(p)
+    x = arrays.random_array(s["x"], p["dtype"], dev, rng)
+    w = arrays.random_array(s["w"], p["dtype"], dev, rng, 1 / math.sqrt(p["K"]))
+    bias = arrays.random_array(s["bias"], p["dtype"], dev, rng) if p["bias"] else arrays.placeholder(dev, p["dtype"], 1)
+    res = arrays.random_array(s["res"], p["dtype"], dev, rng) if p["res"] else arrays.placeholder(dev, p["dtype"], 2)
+    y = arrays.empty("cupy", dev, s["y"], p["dtype"])
+    return BenchCase(grid=lambda c: _grid(p, c), args=lambda c: _kernel_args(x, w, bias, res, y, p, c))
+
+
+LINEAR = TunableOp("linear", kernel=linear_kernel, fields=FIELDS, space=SPACE, default=default_config,
+                   buckets={"M": pow2_bucket}, bench=_bench, signature=_signature,
+                   source_of=(gelu_tanh,))
+
+
+# -- public function ---------------------------------------------------------------------------
+
+def linear(x, weight, bias=None, *, activation: str | None = None, residual=None, out=None,
+           weight_layout: str = "in_out", allow_tf32: bool = False):
+    """act(x @ W + bias) + residual over the last dimension of x.
+
+    weight is [in, out] (weight_layout='in_out', GPT-2's Conv1D) or [out, in] ('out_in', e.g. the
+    tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). fp32 inputs use exact fp32
+    products unless allow_tf32=True. Returns an array of x's kind, or writes into `out`.
+    """
+    x = arrays.as_device_array(x, "x")
+    weight = arrays.as_device_array(weight, "weight")
+    xi, wi = arrays.info(x, "x"), arrays.info(weight, "weight")
+    arrays.check_dtype(xi, "x", arrays.FLOAT_DTYPES)
+    arrays.check_same("x", xi, "weight", wi)
+    if len(xi.shape) < 1 or xi.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {xi.shape}")
+    if len(wi.shape) != 2:
+        raise ValueError(f"weight must be 2-D, got shape {wi.shape}")
+    if weight_layout not in ("in_out", "out_in"):
+        raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {weight_layout!r}")
+    K = xi.shape[-1]
+    N = wi.shape[1] if weight_layout == "in_out" else wi.shape[0]
+    if (wi.shape[0] if weight_layout == "in_out" else wi.shape[1]) != K:
+        raise ValueError(f"weight shape {wi.shape} ({weight_layout}) does not match x's last dimension {K}")
+    if activation not in (None, "gelu"):
+        raise ValueError(f"activation must be None or 'gelu', got {activation!r}")
+    if allow_tf32 and xi.dtype != "float32":
+        raise ValueError("allow_tf32 applies to float32 inputs only")
+    arrays.check_last_contiguous(xi, "x")
+    arrays.check_last_contiguous(wi, "weight")
+    M = math.prod(xi.shape[:-1])
+    out_shape = xi.shape[:-1] + (N,)
+    x2 = x.reshape(M, K)
+    dev = xi.device
+    if bias is not None:
+        bias = arrays.as_device_array(bias, "bias")
+        bi = arrays.info(bias, "bias")
+        arrays.check_same("x", xi, "bias", bi)
+        if bi.shape != (N,):
+            raise ValueError(f"bias must have shape ({N},), got {bi.shape}")
+        arrays.check_contiguous(bi, "bias")
+    if residual is not None:
+        residual = arrays.as_device_array(residual, "residual")
+        ri = arrays.info(residual, "residual")
+        arrays.check_same("x", xi, "residual", ri)
+        if ri.shape != out_shape:
+            raise ValueError(f"residual must have shape {out_shape}, got {ri.shape}")
+        arrays.check_contiguous(ri, "residual")
+        residual = residual.reshape(M, N)
+    if out is None:
+        out = arrays.empty(xi.kind, dev, out_shape, xi.dtype)
+    else:
+        out = arrays.check_out(out, "out", xi.kind, dev, out_shape, xi.dtype)
+    if M == 0:
+        return out
+    p = (xi.dtype, M, N, K, "kn" if weight_layout == "in_out" else "nk", int(bias is not None),
+         activation or "none", int(residual is not None), int(allow_tf32))
+    plan = LINEAR.plan((dev,) + p)
+    problem = dict(zip(FIELDS, p))
+    y2 = out.reshape(M, N)
+    args = _kernel_args(x2, weight,
+                        bias if bias is not None else arrays.placeholder(dev, xi.dtype, 1),
+                        residual if residual is not None else arrays.placeholder(dev, xi.dtype, 2),
+                        y2, problem, plan.config)
+    ct.launch(arrays.stream_for(xi.kind, dev), _grid(problem, plan.config), plan.kernel, args)
+    return out
+
+
+def linear_reference(x, weight, bias=None, *, activation=None, residual=None,
+                     weight_layout: str = "in_out") -> np.ndarray:
+    """float64 NumPy linear; weight is [in, out] ('in_out', GPT-2 Conv1D) or [out, in] ('out_in')."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(weight, np.float64)
+    y = x @ (w if weight_layout == "in_out" else w.T)
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)
+    if activation == "gelu":
+        y = gelu_reference(y)
+    if residual is not None:
+        y = y + np.asarray(residual, np.float64)
+    return y

@@ -74,7 +74,11 @@ class DeviceFile:
             stat = self.path.stat()
         except FileNotFoundError:
             return {}
-        stamp = (stat.st_mtime_ns, stat.st_size)
+        except OSError as e:  # e.g. the arch "directory" is a file
+            warn_once(f"tilekit: ignoring tuning file {self.path}: unreadable ({e})")
+            return {}
+        # st_ino too: every write lands as a new file (rename), while size and a coarse mtime may not change
+        stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         if self._cache is not None and self._cache[0] == stamp:
             return self._cache[1]
         data, problem = _parse(self.path)
@@ -96,7 +100,7 @@ class DeviceFile:
             if self.path.exists():
                 data, problem = _parse(self.path)
                 if problem:
-                    aside = self.path.with_name(f"{self.path.name}.{int(time.time())}.bad")
+                    aside = self.path.with_name(f"{self.path.name}.{time.time_ns()}.bad")
                     os.replace(self.path, aside)
                     warnings.warn(f"tilekit: tuning file {self.path} was unusable ({problem}); "
                                   f"moved it to {aside.name} and started a new one", TuningDBWarning,
@@ -127,11 +131,13 @@ class DeviceFile:
 def _parse(path: Path) -> tuple[dict | None, str | None]:
     """(data, None) for a valid file, (None, reason) otherwise, ({}, None) when missing."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}, None
     except OSError as e:
         return None, f"unreadable ({e})"
+    except UnicodeDecodeError as e:
+        return None, f"not valid JSON (not UTF-8: {e.reason} at byte {e.start})"
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

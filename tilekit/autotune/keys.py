@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Mapping
 
 from tilekit.autotune.space import pow2_ceil
 
 Buckets = Mapping[str, Callable[[int], int]]
+
+_INT = re.compile(r"-?[0-9]+")  # what parse_key reads back as an int
 
 
 def bucket_problem(problem: Mapping[str, object], buckets: Buckets) -> dict:
@@ -17,9 +20,14 @@ def bucket_problem(problem: Mapping[str, object], buckets: Buckets) -> dict:
 
 def key_string(op: str, problem: Mapping[str, object]) -> str:
     """Canonical text key, e.g. 'linear/K=768,M=8192,N=2304,dtype=bfloat16'."""
+    if not op or "/" in op or not problem:
+        raise ValueError(f"cannot key op {op!r} with problem {dict(problem)!r}")
     for k, v in problem.items():
-        if not isinstance(v, (int, str)) or isinstance(v, bool) or any(c in str(v) for c in ",=/"):
+        if not isinstance(v, (int, str)) or isinstance(v, bool) or any(c in str(v) for c in ",=/") \
+                or (isinstance(v, str) and _INT.fullmatch(v)):
             raise ValueError(f"problem field {k}={v!r} must be an int or a plain string")
+        if not isinstance(k, str) or not k or any(c in k for c in ",=/"):
+            raise ValueError(f"problem field name {k!r} must be a plain non-empty string")
     return op + "/" + ",".join(f"{k}={problem[k]}" for k in sorted(problem))
 
 
@@ -33,7 +41,7 @@ def parse_key(key: str) -> tuple[str, dict]:
         name, sep, value = item.partition("=")
         if not sep or not name:
             raise ValueError(f"malformed tuning key {key!r}")
-        problem[name] = int(value) if value.lstrip("-").isdigit() else value
+        problem[name] = int(value) if _INT.fullmatch(value) else value
     return op, problem
 
 
@@ -42,7 +50,7 @@ def bucket_distance(a: Mapping, b: Mapping, buckets: Buckets) -> float | None:
     if set(a) != set(b):
         return None
     distance = 0.0
-    for k in a:
+    for k in sorted(a):  # one summation order, so that the distance is symmetric
         if k in buckets:
             if not (isinstance(a[k], int) and isinstance(b[k], int) and a[k] > 0 and b[k] > 0):
                 return None

@@ -47,7 +47,7 @@ class SearchSpace:
     def contains(self, config: Mapping) -> bool:
         """True when `config` names exactly this space's parameters with declared values."""
         return (isinstance(config, Mapping) and set(config) == set(self.params)
-                and all(config[k] in v for k, v in self.params.items()))
+                and all(type(config[k]) is int and config[k] in v for k, v in self.params.items()))
 
     def digest(self) -> str:
         """Hash of the grid and the constraint's source: changes when the space changes."""

@@ -18,8 +18,13 @@ SQRT_2_OVER_PI = 0.7978845608028654
 
 @ct.function
 def gelu_tanh(x):
-    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) on an fp32 tile."""
-    return 0.5 * x * (1.0 + ct.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+    """0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), on an fp32 tile.
+
+    Written as x / (1 + exp(-2u)), the same function, so that the negative tail keeps its relative
+    accuracy instead of cancelling in 1 + tanh(u).
+    """
+    u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
+    return x / (1.0 + ct.exp(-2.0 * u))
 
 
 @ct.function
@@ -30,9 +35,8 @@ def gelu_erf(x):
     poly = -z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
         -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
             -0.82215223 + t * 0.17087277))))))))
-    erfc = t * ct.exp(poly)
-    erf = ct.where(x >= 0.0, 1.0 - erfc, erfc - 1.0)
-    return 0.5 * x * (1.0 + erf)
+    erfc = t * ct.exp(poly)   # erfc(|x| / sqrt 2); 1 + erf(x / sqrt 2) is 2 - erfc or erfc
+    return 0.5 * x * ct.where(x >= 0.0, 2.0 - erfc, erfc)
 
 
 @ct.kernel

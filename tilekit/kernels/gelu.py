@@ -115,7 +115,9 @@ def gelu(x, *, approximate: str = "tanh", out=None):
 def gelu_reference(x, approximate: str = "tanh") -> np.ndarray:
     """float64 NumPy GELU; approximate='tanh' is GPT-2's gelu_new, 'none' the erf form."""
     x = np.asarray(x, np.float64)
-    if approximate == "tanh":
-        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-    erf = np.vectorize(math.erf, otypes=[np.float64])
-    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+    if approximate == "tanh":   # 0.5 (1 + tanh u) == 1 / (1 + exp(-2u)), free of cancellation in the tails
+        u = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)
+        with np.errstate(over="ignore"):
+            return x / (1.0 + np.exp(-2.0 * u))
+    erfc = np.vectorize(math.erfc, otypes=[np.float64])
+    return 0.5 * x * erfc(-x / math.sqrt(2.0))

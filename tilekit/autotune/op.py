@@ -88,6 +88,7 @@ class TunableOp:
         self._hot: dict[tuple, Plan] = {}
         self._hinted: dict[tuple, Any] = {}
         self._lock = threading.Lock()
+        self._saved_by_pins: list[dict] = []
         _REGISTRY[name] = self
 
     # -- identity -------------------------------------------------------------------------
@@ -140,12 +141,16 @@ class TunableOp:
         if mode == "off":
             return Resolution(self.default(problem), "default")
         bucketed, _ = self.problem_key(problem)
-        for db in store.layers():
-            match = db.lookup(self.name, bucketed, device, self.buckets,
-                              lambda k, e, layer=db.layer: self.why_unusable(e, layer))
-            if match is not None:
-                return Resolution(dict(match.entry["config"]), db.layer, match)
-        if mode == "auto":
+        found = [m for db in store.layers()
+                 if (m := db.lookup(self.name, bucketed, device, self.buckets,
+                                    lambda k, e, layer=db.layer: self.why_unusable(e, layer)))]
+        best = None
+        if found:   # the closest match wins; the user layer only breaks ties
+            best = min(found, key=lambda m: (m.device_rule != "exact-gpu", m.bucket_rule != "exact"))
+            exact = best.device_rule == "exact-gpu" and best.bucket_rule == "exact"
+            if exact or mode != "auto":
+                return Resolution(dict(best.entry["config"]), best.layer, best)
+        if mode == "auto":   # tune what this GPU and bucket lack, even where a fallback exists
             from tilekit.autotune.tuner import tune
             result = tune(self, problem)
             return Resolution(result.config, "tuned")
@@ -169,15 +174,19 @@ class TunableOp:
         if not self.space.contains(config):
             raise ValueError(f"{config} is not in the {self.name} search space")
         saved, self._hot = self._hot, _Always(self.make_plan(config))
+        self._saved_by_pins.append(saved)
         try:
             yield
         finally:
+            self._saved_by_pins.pop()
             self._hot = saved
 
     def forget(self) -> None:
         """Drop in-process answers (after the databases changed)."""
         with self._lock:
             self._hot.clear()
+            for saved in self._saved_by_pins:   # what pinned() will restore must forget too
+                saved.clear()
 
 
 class _Always(dict):

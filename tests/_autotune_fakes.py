@@ -1,0 +1,62 @@
+"""A fake TunableOp, devices and entries for CPU tests of the tuning database and dispatch."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+from tilekit.autotune.keys import pow2_bucket
+from tilekit.autotune.op import TunableOp
+from tilekit.autotune.space import SearchSpace
+from tilekit.device import DeviceInfo, toolchain
+
+H100 = DeviceInfo("NVIDIA H100 80GB HBM3", "sm_90", 132)
+H100_PCIE = DeviceInfo("NVIDIA H100 PCIe", "sm_90", 114)
+H200 = DeviceInfo("NVIDIA H200", "sm_90", 132)
+B200 = DeviceInfo("NVIDIA B200", "sm_100", 148)
+
+SPACE = SearchSpace(A=(1, 2, 4), occupancy=(1, 2))
+DEFAULT = {"A": 1, "occupancy": 1}
+
+_names = itertools.count()
+
+
+def fake_kernel_body(x):
+    """Stands in for a cuTile kernel's Python function: only its source matters (kernel_hash)."""
+    return x + 1
+
+
+def other_kernel_body(x):
+    return x + 2
+
+
+class FakeKernel:
+    def __init__(self, func=fake_kernel_body):
+        self._pyfunc = func
+        self.hint_calls: list[dict] = []
+
+    def replace_hints(self, **hints):
+        self.hint_calls.append(hints)
+        return self
+
+
+def make_op(space: SearchSpace = SPACE, func=fake_kernel_body) -> TunableOp:
+    """A new op with a unique name (the registry is keyed by name)."""
+    return TunableOp(f"fake_xyz{os.getpid()}_{next(_names)}", kernel=FakeKernel(func),
+                     fields=("dtype", "M", "N"), space=space, default=lambda p: dict(DEFAULT),
+                     buckets={"M": pow2_bucket}, bench=None, signature=None)
+
+
+def entry(op: TunableOp, config: dict, device: DeviceInfo = H100, time_us: float = 10.0,
+          **overrides) -> dict:
+    """An entry shaped like the tuner's `_entry`."""
+    e = {"config": dict(config), "time_us": time_us, "default_config": dict(DEFAULT),
+         "default_time_us": 20.0, "kernel_hash": op.kernel_hash(), "space_hash": op.space_hash(),
+         "toolchain": toolchain(), "device": device.as_dict(), "candidates": len(op.space),
+         "measured": len(op.space), "tuned_at": "2025-01-01T00:00:00+00:00"}
+    e.update(overrides)
+    return e
+
+
+def problem(M: int = 1024, N: int = 768, dtype: str = "bfloat16") -> dict:
+    return {"dtype": dtype, "M": M, "N": N}

@@ -1,0 +1,340 @@
+"""The tuning database on CPU: round trips, layered and nearest lookups, and damaged or stale files."""
+
+import contextlib
+import json
+import os
+import warnings
+
+import pytest
+
+from _autotune_fakes import B200, DEFAULT, H100, H100_PCIE, H200, entry, make_op, problem
+from tilekit.autotune import store
+from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, TuningDBWarning, device_file_name
+
+
+@pytest.fixture(autouse=True)
+def shipped(tmp_path, monkeypatch):
+    """An empty shipped layer of our own (never the repository's tuning_db/), writable for setup."""
+    root = tmp_path / "shipped"
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(root))
+    monkeypatch.delenv("TILEKIT_AUTOTUNE", raising=False)
+    store.reset()
+    return TuningDB(root, "shipped", writable=True)
+
+
+@contextlib.contextmanager
+def tuning_warnings():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got: list[str] = []
+        yield got
+    got.extend(str(w.message) for w in caught if issubclass(w.category, TuningDBWarning))
+
+
+def key_of(op, **kw):
+    return op.problem_key(problem(**kw))[1]
+
+
+def user_file(device=H100):
+    return store.user_db().file_for(device).path
+
+
+# -- round trips -----------------------------------------------------------------------------
+
+def test_store_then_lookup_exact():
+    op = make_op()
+    key = key_of(op, M=1000)
+    assert key == f"{op.name}/M=1024,N=768,dtype=bfloat16"
+    store.user_db().store(H100, {key: entry(op, {"A": 4, "occupancy": 2})})
+
+    path = user_file()
+    assert path == store.user_dir() / "tuning" / "sm_90" / "NVIDIA_H100_80GB_HBM3.json"
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA_VERSION and data["device"] == H100.as_dict()
+    assert list(data["entries"]) == [key]
+
+    for M in (513, 1000, 1024):   # every M of the bucket
+        r = op.resolve(problem(M=M), H100)
+        assert (r.source, r.config) == ("user", {"A": 4, "occupancy": 2})
+        assert (r.match.layer, r.match.device_rule, r.match.bucket_rule) == ("user", "exact-gpu", "exact")
+        assert r.describe() == "user db, exact-gpu, exact bucket"
+    r = op.resolve(problem(M=1000), H100, mode="off")
+    assert (r.source, r.config, r.describe()) == ("default", DEFAULT, "heuristic default")
+
+
+def test_merge_keeps_other_entries_and_replaces_same_key():
+    op = make_op()
+    db = store.user_db()
+    db.store(H100, {key_of(op, M=64): entry(op, {"A": 1, "occupancy": 1})})
+    db.store(H100, {key_of(op, M=128): entry(op, {"A": 2, "occupancy": 1})})
+    db.store(H100, {key_of(op, M=64): entry(op, {"A": 4, "occupancy": 1})})
+    entries = db.file_for(H100).read()
+    assert {k: e["config"]["A"] for k, e in entries.items()} == {key_of(op, M=64): 4, key_of(op, M=128): 2}
+    assert db.file_for(H100).remove({key_of(op, M=64)}) == 1
+    assert list(db.file_for(H100).read()) == [key_of(op, M=128)]
+
+
+def test_rewrites_of_the_same_size_are_seen():
+    """The per-file cache must notice a rewrite even when size and (coarse) mtime are unchanged."""
+    op = make_op()
+    db, key = store.user_db(), key_of(op)
+    db.store(H100, {key: entry(op, {"A": 1, "occupancy": 1})})
+    assert op.resolve(problem(), H100).config["A"] == 1
+    before = user_file().stat()
+    for i in range(30):
+        a = (2, 1)[i % 2]
+        db.store(H100, {key: entry(op, {"A": a, "occupancy": 1})})
+        if i == 0:   # what a file system with coarse timestamps does to two quick writes
+            os.utime(user_file(), ns=(before.st_atime_ns, before.st_mtime_ns))
+            assert user_file().stat().st_size == before.st_size
+        assert op.resolve(problem(), H100).config["A"] == a
+
+
+def test_nearest_bucket_in_log_space():
+    op = make_op()
+    store.user_db().store(H100, {key_of(op, M=1024): entry(op, {"A": 1, "occupancy": 2}),
+                                 key_of(op, M=8192): entry(op, {"A": 4, "occupancy": 2})})
+    r = op.resolve(problem(M=2048), H100)   # log2 distances 1 and 2
+    assert r.config["A"] == 1 and r.match.bucket_rule == "nearest (M=1024,N=768,dtype=bfloat16)"
+    assert r.describe() == "user db, exact-gpu, nearest (M=1024,N=768,dtype=bfloat16) bucket"
+    assert op.resolve(problem(M=3000), H100).config["A"] == 4     # bucket 4096: distances 2 and 1
+    assert op.resolve(problem(M=1), H100).config["A"] == 1
+    assert op.resolve(problem(M=10**6), H100).config["A"] == 4
+    # Never across an unbucketed field.
+    assert op.resolve(problem(M=1024, N=1024), H100).source == "default"
+    assert op.resolve(problem(M=1024, dtype="float16"), H100).source == "default"
+
+
+def test_exact_gpu_before_same_arch_before_nothing():
+    op = make_op()
+    key = key_of(op)
+    store.user_db().store(H100, {key: entry(op, {"A": 4, "occupancy": 1})})
+    store.user_db().store(H100_PCIE, {key: entry(op, {"A": 2, "occupancy": 1}, device=H100_PCIE)})
+
+    r = op.resolve(problem(), H100)
+    assert r.config["A"] == 4 and r.match.device_rule == "exact-gpu"
+    r = op.resolve(problem(), H100_PCIE)
+    assert r.config["A"] == 2 and r.match.device_rule == "exact-gpu"
+    r = op.resolve(problem(), H200)   # no file of its own: another GPU of the same compute capability
+    assert r.match.device_rule == "same-arch (NVIDIA_H100_80GB_HBM3)" and r.config["A"] == 4
+    assert "same-arch (NVIDIA_H100_80GB_HBM3)" in r.describe()
+    assert op.resolve(problem(), B200).source == "default"   # another arch is never used
+
+
+def test_same_arch_when_own_file_lacks_a_compatible_entry():
+    op = make_op()
+    store.user_db().store(H200, {key_of(op, N=1024): entry(op, {"A": 4, "occupancy": 1}, device=H200)})
+    store.user_db().store(H100_PCIE, {key_of(op): entry(op, {"A": 2, "occupancy": 2}, device=H100_PCIE)})
+    r = op.resolve(problem(), H200)
+    assert r.config == {"A": 2, "occupancy": 2}
+    assert r.match.device_rule == "same-arch (NVIDIA_H100_PCIe)" and r.match.bucket_rule == "exact"
+
+
+def test_other_arch_file_never_used(shipped):
+    op = make_op()
+    store.user_db().store(B200, {key_of(op): entry(op, {"A": 4, "occupancy": 1}, device=B200)})
+    shipped.store(B200, {key_of(op): entry(op, {"A": 4, "occupancy": 1}, device=B200)})
+    assert op.resolve(problem(), H100).source == "default"
+    assert op.resolve(problem(), B200).config["A"] == 4
+
+
+def test_user_layer_over_shipped_layer(shipped):
+    op = make_op()
+    key = key_of(op)
+    shipped.store(H100, {key: entry(op, {"A": 2, "occupancy": 2})})
+    r = op.resolve(problem(), H100)
+    assert (r.source, r.config["A"]) == ("shipped", 2)
+    assert r.describe() == "shipped db, exact-gpu, exact bucket"
+
+    store.user_db().store(H100, {key: entry(op, {"A": 4, "occupancy": 2})})
+    r = op.resolve(problem(), H100)
+    assert (r.source, r.config["A"], r.match.layer) == ("user", 4, "user")
+    assert r.describe() == "user db, exact-gpu, exact bucket"
+
+    assert store.user_db().file_for(H100).remove() == 1
+    assert op.resolve(problem(), H100).source == "shipped"
+    with pytest.raises(PermissionError):
+        store.shipped_db().store(H100, {key: entry(op, {"A": 4, "occupancy": 2})})
+
+
+def test_layer_dirs_follow_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "ship2"))
+    store.reset()
+    user, shipped_db = store.layers()
+    assert (user.layer, user.writable, user.root) == ("user", True, tmp_path / "elsewhere" / "tuning")
+    assert (shipped_db.layer, shipped_db.writable, shipped_db.root) == ("shipped", False, tmp_path / "ship2")
+    assert device_file_name(" NVIDIA H100 80GB HBM3 ") == "NVIDIA_H100_80GB_HBM3.json"
+    assert device_file_name("A/B:C") == "A_B_C.json"
+
+
+# -- damaged files ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "not-an-object", "no-schema", "garbage"])
+def test_corrupt_file_is_one_warning_then_moved_aside(damage):
+    op = make_op()
+    db = store.user_db()
+    db.store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    path = user_file()
+    text = path.read_bytes()
+    bad = {"truncated": text[: len(text) // 2], "empty": b"", "not-an-object": b"[1, 2]\n",
+           "no-schema": b'{"entries": {}}', "garbage": b"\x00\xff\xfe not json"}[damage]
+    path.write_bytes(bad)
+
+    with tuning_warnings() as got:
+        for _ in range(3):
+            assert op.resolve(problem(), H100).source == "default"
+            assert db.lookup(op.name, problem(), H100, op.buckets, lambda k, e: None) is None
+        store.reset()   # a fresh process-level view does not warn again either
+        assert op.resolve(problem(), H100).source == "default"
+    assert len(got) == 1, got
+    assert str(path) in got[0] and "ignoring tuning file" in got[0]
+    assert path.read_bytes() == bad   # reading never rewrites
+
+    with tuning_warnings() as got:
+        store.user_db().store(H100, {key_of(op, M=64): entry(op, {"A": 2, "occupancy": 1})})
+    assert len(got) == 1 and "moved it to" in got[0], got
+    (aside,) = path.parent.glob("*.bad")
+    assert aside.read_bytes() == bad
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA_VERSION and list(data["entries"]) == [key_of(op, M=64)]
+    assert op.resolve(problem(M=64), H100).config == {"A": 2, "occupancy": 1}
+
+
+def test_two_corrupt_files_in_a_row_are_both_kept():
+    op = make_op()
+    db = store.user_db()
+    path = user_file()
+    for i in range(3):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"broken {i}")
+        with tuning_warnings():
+            db.store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    assert sorted(p.read_text() for p in path.parent.glob("*.bad")) == ["broken 0", "broken 1", "broken 2"]
+
+
+def test_corrupt_entries_are_skipped_others_still_work():
+    op = make_op()
+    good = entry(op, {"A": 2, "occupancy": 2})
+    store.user_db().store(H100, {
+        key_of(op, M=1024): good,
+        key_of(op, M=2048): {**good, "time_us": "fast"},
+        key_of(op, M=4096): {**good, "config": [2, 2]},
+        key_of(op, M=8192): "not an entry",
+        key_of(op, M=16384): {k: v for k, v in good.items() if k != "kernel_hash"},
+        f"{op.name}/garbage": good,
+        f"{op.name}/M=x,N=768,dtype=bfloat16": good,
+    })
+    with tuning_warnings() as got:
+        for _ in range(2):
+            for M in (2048, 4096, 8192, 16384):
+                r = op.resolve(problem(M=M), H100)
+                assert r.config == good["config"]
+                assert r.match.bucket_rule == "nearest (M=1024,N=768,dtype=bfloat16)"
+            assert op.resolve(problem(M=1024), H100).match.bucket_rule == "exact"
+    joined = "\n".join(got)
+    for M in (2048, 4096, 8192, 16384):
+        assert f"{key_of(op, M=M)} " in joined
+    assert f"{op.name}/garbage" in joined
+    assert len(got) == len(set(got)) == 5, got   # each problem once
+
+
+def test_other_schema_version_is_ignored_then_moved_aside():
+    op = make_op()
+    path = user_file()
+    path.parent.mkdir(parents=True)
+    original = json.dumps({"schema": SCHEMA_VERSION + 1, "device": H100.as_dict(),
+                           "entries": {key_of(op): entry(op, {"A": 4, "occupancy": 1})}})
+    path.write_text(original)
+    with tuning_warnings() as got:
+        assert op.resolve(problem(), H100).source == "default"
+        assert op.resolve(problem(), H100).source == "default"
+    assert len(got) == 1 and f"schema version {SCHEMA_VERSION + 1}" in got[0], got
+
+    with tuning_warnings() as got:
+        store.user_db().store(H100, {key_of(op, M=64): entry(op, {"A": 2, "occupancy": 1})})
+    assert len(got) == 1 and "moved it to" in got[0]
+    (aside,) = path.parent.glob("*.bad")
+    assert aside.read_text() == original
+    assert json.loads(path.read_text())["schema"] == SCHEMA_VERSION
+
+
+def test_unreadable_layout_is_a_miss_not_an_exception():
+    op = make_op()
+    root = store.user_db().root
+    root.mkdir(parents=True)
+    (root / "sm_90").write_text("a file where the arch directory should be")
+    (root / "sm_100").mkdir()
+    (root / "sm_100" / "NVIDIA_B200.json").mkdir()   # a directory named like a device file
+    with tuning_warnings():
+        assert op.resolve(problem(), H100).source == "default"
+        assert op.resolve(problem(), B200).source == "default"
+
+
+# -- entries this kernel may not use ---------------------------------------------------------
+
+@pytest.mark.parametrize("field, why", [("kernel_hash", "another version of the kernel source"),
+                                        ("space_hash", "another search space")])
+def test_stale_hash_is_not_used(field, why, shipped):
+    op = make_op()
+    stale = entry(op, {"A": 4, "occupancy": 1}, **{field: "0123456789abcdef"})
+    for db in (store.user_db(), shipped):
+        db.store(H100, {key_of(op): stale})
+    with tuning_warnings() as got:
+        assert op.resolve(problem(), H100).source == "default"
+    assert len(got) == 2 and all("stale" in m and why in m for m in got), got
+    assert {m.split()[3] for m in got} == {"user", "shipped"}
+
+    # a usable neighbour is still found
+    store.user_db().store(H100, {key_of(op, M=2048): entry(op, {"A": 2, "occupancy": 1})})
+    with tuning_warnings():
+        r = op.resolve(problem(), H100)
+    assert r.config["A"] == 2 and r.match.bucket_rule.startswith("nearest")
+
+
+def test_changed_kernel_source_invalidates():
+    from _autotune_fakes import other_kernel_body
+    op = make_op()
+    store.user_db().store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    op2 = make_op(func=other_kernel_body)
+    assert op2.kernel_hash() != op.kernel_hash()
+    key2 = key_of(op2)
+    store.user_db().store(H100, {key2: entry(op, {"A": 4, "occupancy": 1})})   # op's hash, op2's key
+    with tuning_warnings() as got:
+        assert op2.resolve(problem(), H100).source == "default"
+    assert any("stale" in m for m in got)
+    assert op.resolve(problem(), H100).source == "user"
+
+
+def test_other_toolchain_stale_in_user_layer_but_fine_when_shipped(shipped):
+    op = make_op()
+    old = entry(op, {"A": 4, "occupancy": 2}, toolchain={"cuda_tile": "0.0.1", "tileiras": "1.0.0"})
+    store.user_db().store(H100, {key_of(op): old})
+    with tuning_warnings() as got:
+        assert op.resolve(problem(), H100).source == "default"
+    assert len(got) == 1 and "stale" in got[0] and "0.0.1" in got[0], got
+
+    shipped.store(H100, {key_of(op): old})
+    with tuning_warnings():
+        r = op.resolve(problem(), H100)
+    assert (r.source, r.config) == ("shipped", {"A": 4, "occupancy": 2})
+
+
+@pytest.mark.parametrize("config", [{"A": 3, "occupancy": 1}, {"A": 2.0, "occupancy": 1}, {"A": 2},
+                                    {"A": 2, "occupancy": 1, "B": 1}, {"A": True, "occupancy": 1},
+                                    {"A": "2", "occupancy": 1}, {}])
+def test_config_outside_space_is_rejected(config):
+    op = make_op()
+    store.user_db().store(H100, {key_of(op): entry(op, config)})
+    with tuning_warnings() as got:
+        r = op.resolve(problem(), H100)
+    assert (r.source, r.config) == ("default", DEFAULT)
+    assert len(got) == 1 and "not in the current search space" in got[0], got
+
+
+def test_exact_shipped_beats_a_distant_user_guess(shipped):
+    op = make_op()
+    shipped.store(H100, {key_of(op, M=8192): entry(op, {"A": 4, "occupancy": 2})})
+    store.user_db().store(H100_PCIE, {key_of(op, M=16): entry(op, {"A": 1, "occupancy": 1}, device=H100_PCIE)})
+    r = op.resolve(problem(M=8192), H100)
+    assert r.describe() == "shipped db, exact-gpu, exact bucket"

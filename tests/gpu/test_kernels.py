@@ -75,7 +75,7 @@ def test_linear_torch_in_torch_out():
 
 SPACE_CASES = {
     "linear": dict(dtype="bfloat16", M=300, N=200, K=136, wt="kn", bias=1, act="gelu", res=1, tf32=0),
-    "layer_norm": dict(dtype="bfloat16", M=37, N=1600),
+    "layer_norm": dict(dtype="bfloat16", M=37, N=1600, gather=0),
     "gelu": dict(dtype="bfloat16", n=10007, exact=0),
     "attention": dict(dtype="bfloat16", B=2, H=3, Tq=300, Tk=300, D=64, causal=1),
     "decode_attention": dict(dtype="bfloat16", B=2, H=3, nq=1, capacity=700, D=64),
@@ -285,3 +285,13 @@ def test_bad_inputs_name_the_argument():
             w1 = rand((64, 32), "bfloat16")
         with pytest.raises(ValueError, match="GPU"):
             linear(x, w1)
+
+
+def test_layer_norm_selected_rows():
+    x = rand((5, 9, 768), "bfloat16", 2.0, mean=0.3)
+    w, b = rand((768,), "bfloat16"), rand((768,), "bfloat16")
+    rows = np.array([8, 17, 44, 0], np.int32)
+    out = poisoned((4, 768), "bfloat16")
+    layer_norm(x, w, b, rows=cupy.asarray(rows), out=out)
+    ref = layer_norm_reference(host(x).reshape(45, 768)[rows], host(w), host(b))
+    assert rel_err(host(out), ref) < TOL["bfloat16"]

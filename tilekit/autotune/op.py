@@ -68,15 +68,17 @@ class TunableOp:
     buckets: which fields are bucketed and how (others must match exactly).
     default: heuristic config for a problem, used when nothing is tuned.
     bench: builds a BenchCase for a (bucketed) problem on the current GPU.
-    signature: (problem, config) -> the cuTile argument spec, for ahead-of-time compiles.
+    signature: (problem, config) -> [(kernel, argument specs)], for ahead-of-time compiles.
+    field_defaults: values the command line fills in for fields a user leaves out.
     """
 
     def __init__(self, name: str, *, kernel, fields: tuple[str, ...], space: SearchSpace,
                  default: Callable[[Problem], Config], buckets: Buckets,
                  bench: Callable[[Problem], BenchCase],
                  signature: Callable[[Problem, Config], tuple],
-                 source_of: tuple = ()):
+                 source_of: tuple = (), field_defaults: Mapping | None = None):
         self.name = name
+        self.field_defaults = dict(field_defaults or {})
         self.kernel = kernel
         self.fields = fields
         self.space = space

@@ -131,7 +131,8 @@ def _bench(p: dict) -> BenchCase:
 
 ATTENTION = TunableOp("attention", kernel=attention_kernel, fields=FIELDS, space=SPACE,
                       default=default_config, buckets={"Tq": pow2_bucket, "Tk": pow2_bucket},
-                      bench=_bench, signature=_signature, source_of=(online_softmax_step,))
+                      bench=_bench, signature=_signature, source_of=(online_softmax_step,),
+                      field_defaults=dict(causal=1))
 
 
 def check_qkv(q, k, v, names=("q", "k", "v")):

@@ -165,7 +165,8 @@ def _bench(p: dict) -> BenchCase:
 DECODE_ATTENTION = TunableOp("decode_attention", kernel=decode_split_kernel, fields=FIELDS, space=SPACE,
                              default=default_config, buckets={"B": pow2_bucket, "capacity": pow2_bucket},
                              bench=_bench, signature=_signature,
-                             source_of=(decode_merge_kernel, online_softmax_step))
+                             source_of=(decode_merge_kernel, online_softmax_step),
+                             field_defaults=dict(nq=1))
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, scale: float | None = None, length_offset: int = 0,

@@ -28,8 +28,9 @@ def embedding_kernel(Ids, Pos, Wte, Wpe, Out, TM: ct.Constant[int], TC: ct.Const
 
 
 def _fits(c: dict, p: dict) -> bool:
-    return c["TC"] <= max(64, pow2_ceil(p["C"])) and c["TM"] <= max(1, pow2_ceil(p["M"])) \
-        and c["TM"] * c["TC"] <= 16384
+    c_pow2 = pow2_ceil(p["C"])
+    return (min(256, c_pow2) <= c["TC"] <= max(64, c_pow2) and c["TM"] <= max(1, pow2_ceil(p["M"]))
+            and c["TM"] * c["TC"] <= 16384)
 
 
 SPACE = SearchSpace(_fits, TM=(1, 2, 4, 8, 16), TC=(64, 128, 256, 512, 1024, 2048), occupancy=(2, 4))
@@ -69,7 +70,8 @@ def _bench(p: dict) -> BenchCase:
 
 EMBEDDING = TunableOp("embedding", kernel=embedding_kernel, fields=FIELDS, space=SPACE,
                       default=default_config, buckets={"M": pow2_bucket}, bench=_bench,
-                      signature=_signature)
+                      signature=_signature,
+                      field_defaults=dict(ids="int32"))
 
 
 def embedding(ids, wte, wpe, positions=None, *, out=None):

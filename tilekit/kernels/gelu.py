@@ -86,7 +86,8 @@ def _bench(p: dict) -> BenchCase:
 
 GELU = TunableOp("gelu", kernel=gelu_kernel, fields=FIELDS, space=SPACE, default=default_config,
                  buckets={"n": pow2_bucket}, bench=_bench, signature=_signature,
-                 source_of=(gelu_tanh, gelu_erf))
+                 source_of=(gelu_tanh, gelu_erf),
+                 field_defaults=dict(exact=0))
 
 
 def gelu(x, *, approximate: str = "tanh", out=None):

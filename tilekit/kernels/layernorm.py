@@ -20,17 +20,22 @@ from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels import arrays
 
 ZERO = ct.PaddingMode.ZERO
+MAX_GATHER_N = 8192
 
 
 @ct.kernel
-def layer_norm_kernel(X, W, B, Y, eps: float, TM: ct.Constant[int], TN: ct.Constant[int],
-                      ONE_TILE: ct.Constant[bool]):
-    """Y = (X - mean) / sqrt(var + eps) * W + B over rows of X[M, N]."""
+def layer_norm_kernel(X, W, B, Y, Rows, eps: float, TM: ct.Constant[int], TN: ct.Constant[int],
+                      ONE_TILE: ct.Constant[bool], GATHER: ct.Constant[bool]):
+    """Y = (X - mean) / sqrt(var + eps) * W + B over rows of X[M, N] (rows X[Rows[i]] when GATHER)."""
     pid = ct.bid(0)
     N = X.shape[1]
     cols = ct.arange(TN, dtype=ct.int32).reshape((1, TN))
     if ONE_TILE:
-        x = ct.load(X, (pid, 0), (TM, TN), padding_mode=ZERO).astype(ct.float32)
+        if GATHER:
+            rows = ct.load(Rows, (pid,), (TM,), padding_mode=ZERO).reshape((TM, 1))
+            x = ct.gather(X, (rows, cols)).astype(ct.float32)
+        else:
+            x = ct.load(X, (pid, 0), (TM, TN), padding_mode=ZERO).astype(ct.float32)
         mean = ct.sum(x, axis=1, keepdims=True) / N
         centered = ct.where(cols < N, x - mean, 0.0)
         var = ct.sum(centered * centered, axis=1, keepdims=True) / N
@@ -63,14 +68,15 @@ def layer_norm_kernel(X, W, B, Y, eps: float, TM: ct.Constant[int], TN: ct.Const
 
 
 def _fits(c: dict, p: dict) -> bool:
+    """A row in one tile when it fits (one read of x); long rows stream through 2K-8K wide tiles."""
     n = pow2_ceil(p["N"])
-    return (c["TN"] <= max(256, n) and c["TM"] <= max(1, pow2_ceil(p["M"]))
-            and c["TM"] * min(c["TN"], n) <= 16384)
+    width_ok = c["TN"] == max(256, n) if n <= 8192 else (c["TN"] >= 2048 and not p["gather"])
+    return width_ok and c["TM"] <= max(1, pow2_ceil(p["M"])) and c["TM"] * min(c["TN"], n) <= 16384
 
 
 SPACE = SearchSpace(_fits, TM=(1, 2, 4, 8, 16), TN=(256, 512, 1024, 2048, 4096, 8192),
                     occupancy=(1, 2, 4))
-FIELDS = ("dtype", "M", "N")
+FIELDS = ("dtype", "M", "N", "gather")
 
 
 def default_config(p: dict) -> dict:
@@ -82,14 +88,15 @@ def _grid(p: dict, c: dict) -> tuple:
     return (ct.cdiv(p["M"], c["TM"]), 1, 1)
 
 
-def _kernel_args(x, w, b, y, eps: float, p: dict, c: dict) -> tuple:
-    return (x, w, b, y, float(eps), c["TM"], c["TN"], c["TN"] >= p["N"])
+def _kernel_args(x, w, b, y, rows, eps: float, p: dict, c: dict) -> tuple:
+    return (x, w, b, y, rows, float(eps), c["TM"], c["TN"], c["TN"] >= p["N"], bool(p["gather"]))
 
 
 def _signature(p: dict, c: dict):
     x = ArraySpec(p["dtype"], (p["M"], p["N"]))
     w = ArraySpec(p["dtype"], (p["N"],))
-    return [(layer_norm_kernel, _kernel_args(x, w, w, x, 1e-5, p, c))]
+    rows = ArraySpec("int32", (p["M"],) if p["gather"] else (16,))
+    return [(layer_norm_kernel, _kernel_args(x, w, w, x, rows, 1e-5, p, c))]
 
 
 def _bench(p: dict) -> BenchCase:
@@ -100,16 +107,22 @@ def _bench(p: dict) -> BenchCase:
     w = arrays.random_array((p["N"],), p["dtype"], dev, rng)
     b = arrays.random_array((p["N"],), p["dtype"], dev, rng)
     y = arrays.empty("cupy", dev, (p["M"], p["N"]), p["dtype"])
-    return BenchCase(grid=lambda c: _grid(p, c), args=lambda c: _kernel_args(x, w, b, y, 1e-5, p, c))
+    rows = cupy.arange(p["M"], dtype=cupy.int32)[::-1].copy() if p["gather"] else arrays.placeholder(dev, "int32", 1)
+    return BenchCase(grid=lambda c: _grid(p, c), args=lambda c: _kernel_args(x, w, b, y, rows, 1e-5, p, c))
 
 
 LAYER_NORM = TunableOp("layer_norm", kernel=layer_norm_kernel, fields=FIELDS, space=SPACE,
                        default=default_config, buckets={"M": pow2_bucket}, bench=_bench,
-                       signature=_signature)
+                       signature=_signature,
+                       field_defaults=dict(gather=0))
 
 
-def layer_norm(x, weight, bias, eps: float = 1e-5, *, out=None):
-    """LayerNorm of x over its last dimension with affine weight and bias (fp32 statistics)."""
+def layer_norm(x, weight, bias, eps: float = 1e-5, *, rows=None, out=None):
+    """LayerNorm of x over its last dimension with affine weight and bias (fp32 statistics).
+
+    rows: optional int32 device array of row indices into x viewed as (M, N); then only those
+    rows are normalised and the result is (len(rows), N) (e.g. the last token of each sequence).
+    """
     x = arrays.as_device_array(x, "x")
     weight = arrays.as_device_array(weight, "weight")
     bias = arrays.as_device_array(bias, "bias")
@@ -127,18 +140,32 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, *, out=None):
     arrays.check_contiguous(xi, "x")
     if not (isinstance(eps, (int, float)) and eps > 0):
         raise ValueError(f"eps must be a positive number, got {eps!r}")
-    if out is None:
-        out = arrays.empty(xi.kind, xi.device, xi.shape, xi.dtype)
-    else:
-        out = arrays.check_out(out, "out", xi.kind, xi.device, xi.shape, xi.dtype)
     M = math.prod(xi.shape[:-1])
-    if M == 0:
+    out_shape = xi.shape
+    if rows is not None:
+        rows = arrays.as_device_array(rows, "rows")
+        ri = arrays.info(rows, "rows")
+        arrays.check_dtype(ri, "rows", ("int32",))
+        if len(ri.shape) != 1 or ri.device != xi.device:
+            raise ValueError(f"rows must be a 1-D int32 array on GPU {xi.device}, got shape {ri.shape}")
+        arrays.check_contiguous(ri, "rows")
+        if N > MAX_GATHER_N:
+            raise ValueError(f"rows= needs a last dimension <= {MAX_GATHER_N}, got {N}")
+        out_shape = (ri.shape[0], N)
+    if out is None:
+        out = arrays.empty(xi.kind, xi.device, out_shape, xi.dtype)
+    else:
+        out = arrays.check_out(out, "out", xi.kind, xi.device, out_shape, xi.dtype)
+    R = out_shape[0] if rows is not None else M
+    if R == 0:
         return out
-    p = (xi.dtype, M, N)
+    p = (xi.dtype, R, N, int(rows is not None))
     plan = LAYER_NORM.plan((xi.device,) + p)
     problem = dict(zip(FIELDS, p))
     ct.launch(arrays.stream_for(xi.kind, xi.device), _grid(problem, plan.config), plan.kernel,
-              _kernel_args(x.reshape(M, N), weight, bias, out.reshape(M, N), eps, problem, plan.config))
+              _kernel_args(x.reshape(M, N), weight, bias, out.reshape(R, N),
+                           rows if rows is not None else arrays.placeholder(xi.device, "int32", 1),
+                           eps, problem, plan.config))
     return out
 
 

@@ -71,6 +71,7 @@ def _fits(c: dict, p: dict) -> bool:
     tm_min = 64 if m >= 256 else max(16, m // 4)
     return (tm_min <= c["TM"] <= max(16, m)
             and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
+            and (m < 256 or (c["TN"] >= 64 and c["TK"] >= 64))   # thin tiles only pay off for few rows
             and c["TM"] * c["TN"] <= 128 * 256
             and (c["TM"] + c["TN"]) * c["TK"] * item <= 48 * 1024
             and (c["occupancy"] == 1 or c["TM"] * c["TN"] <= 128 * 128)
@@ -132,7 +133,8 @@ def _bench(p: dict) -> BenchCase:
 
 LINEAR = TunableOp("linear", kernel=linear_kernel, fields=FIELDS, space=SPACE, default=default_config,
                    buckets={"M": pow2_bucket}, bench=_bench, signature=_signature,
-                   source_of=(gelu_tanh,))
+                   source_of=(gelu_tanh,),
+                   field_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0))
 
 
 # -- public function ---------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""The GPT model on the GPU against the NumPy reference, KV-cache and CUDA-graph decoding against recomputation."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.gpu.conftest import rel_err
+
+cupy = pytest.importorskip("cupy")
+
+from tilekit.models import GPT, GPTConfig, ReferenceGPT  # noqa: E402
+from tilekit.models.checkpoint import random_state_dict  # noqa: E402
+
+TINY = Path(__file__).resolve().parents[1] / "data" / "tiny-gpt2"
+MODEL_TOL = {"float32": 1e-4, "tf32": 5e-3, "bfloat16": 3e-2}
+
+
+def logits_error(model: GPT, reference: ReferenceGPT, ids) -> float:
+    return rel_err(cupy.asnumpy(model(ids)).astype(np.float64), reference.forward(ids))
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"])
+def test_logits_match_reference_at_preset_shapes(preset):
+    """Every per-layer shape of the preset (two layers, to keep the float64 reference quick)."""
+    config = GPTConfig.preset(preset).replace(n_layer=2)
+    state = random_state_dict(config, seed=1)
+    reference = ReferenceGPT(config, state)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 37))
+    for dtype, tf32 in (("float32", False), ("float32", True), ("bfloat16", False)):
+        model = GPT(config, dtype=dtype, state=state, allow_tf32=tf32)
+        err = logits_error(model, reference, ids)
+        assert err < MODEL_TOL["tf32" if tf32 else dtype], (preset, dtype, tf32, err)
+
+
+def test_tiny_checkpoint_matches_hugging_face():
+    model = GPT.from_pretrained(TINY, dtype="float32")
+    ids = np.load(TINY / "input_ids.npy")
+    assert rel_err(cupy.asnumpy(model(ids)), np.load(TINY / "logits.npy")) < 1e-5
+
+
+def greedy_by_recomputation(model: GPT, prompt, n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        logits = cupy.asnumpy(model(np.array([seq])))[0, -1]
+        seq.append(int(np.argmax(logits)))
+    return seq
+
+
+@pytest.fixture(scope="module")
+def small_fp32():
+    config = GPTConfig.preset("gpt2").replace(n_layer=2, block_size=256)
+    return GPT(config, dtype="float32", seed=3)
+
+
+def test_kv_cache_greedy_equals_recomputation(small_fp32):
+    prompts = [[5, 17, 900, 4], [3, 1, 4, 1, 5, 9, 2, 6, 5], [42]]   # different lengths in one batch
+    out = small_fp32.generate(prompts, 12, temperature=0)
+    for prompt, seq in zip(prompts, out):
+        assert seq.tolist() == greedy_by_recomputation(small_fp32, prompt, 12)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_decode_equals_eager_decode(dtype):
+    config = GPTConfig.preset("gpt2").replace(n_layer=2, block_size=256)
+    model = GPT(config, dtype=dtype, seed=4)
+    prompts = np.random.default_rng(1).integers(0, config.vocab_size, (3, 20))
+    graph = model.generate(prompts, 30, temperature=0, use_graph=True)
+    eager = model.generate(prompts, 30, temperature=0, use_graph=False)
+    assert [s.tolist() for s in graph] == [s.tolist() for s in eager]
+
+
+def test_sampling(small_fp32):
+    prompts = [[1, 2, 3], [7, 8]]
+    a = small_fp32.generate(prompts, 10, temperature=0.8, top_k=40, top_p=0.9, seed=11)
+    b = small_fp32.generate(prompts, 10, temperature=0.8, top_k=40, top_p=0.9, seed=11)
+    assert [s.tolist() for s in a] == [s.tolist() for s in b]
+    top1 = small_fp32.generate(prompts, 10, temperature=1.0, top_k=1, seed=5)
+    greedy = small_fp32.generate(prompts, 10, temperature=0)
+    assert [s.tolist() for s in top1] == [s.tolist() for s in greedy]
+
+
+def test_eos_stops_each_sequence(small_fp32):
+    prompt = [[10, 11, 12]]
+    free = small_fp32.generate(prompt, 8, temperature=0)[0]
+    eos = int(free[3 + 2])                  # the third generated token
+    stopped = small_fp32.generate(prompt, 8, temperature=0, eos_token_id=eos)[0]
+    first = 3 + int(np.flatnonzero(free[3:] == eos)[0])
+    assert stopped.tolist() == free[:first + 1].tolist()
+
+
+def test_generate_text_and_save_round_trip(tmp_path):
+    model = GPT.from_pretrained(TINY, dtype="float32")
+    streamed = []
+    text = model.generate_text("the quick brown fox", 10, temperature=0, stream_to=streamed.append)
+    assert isinstance(text, str) and "".join(streamed) == text
+    model.save_pretrained(tmp_path)
+    again = GPT.from_pretrained(tmp_path, dtype="float32")
+    for name, array in model.state_dict().items():
+        assert np.array_equal(array, again.state_dict()[name]), name
+
+
+def test_bad_input_is_refused(small_fp32):
+    V, P = small_fp32.config.vocab_size, small_fp32.config.block_size
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, "):
+        small_fp32(np.array([[0, V]]))
+    with pytest.raises(ValueError, match="more than block_size"):
+        small_fp32(np.zeros((1, P + 1), np.int64))
+    with pytest.raises(TypeError, match="ids must be integers"):
+        small_fp32(np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError, match="non-empty 2-D"):
+        small_fp32(np.zeros((0, 4), np.int64))
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        small_fp32.generate([[1, 2]], P)
+    with pytest.raises(ValueError, match="temperature"):
+        small_fp32.generate([[1, 2]], 3, temperature=-1)
+    bad = random_state_dict(small_fp32.config, seed=0)
+    bad["h.0.mlp.c_fc.weight"] = bad["h.0.mlp.c_fc.weight"][:, :10]
+    with pytest.raises(ValueError, match="h.0.mlp.c_fc.weight"):
+        GPT(small_fp32.config, state=bad)

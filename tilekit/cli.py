@@ -1,0 +1,454 @@
+"""The `tilekit` command: tune kernels, inspect and move tuning databases, generate text, benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                 "fp32": "float32", "float32": "float32"}
+
+
+class UsageError(Exception):
+    """Misuse of a command: one line on stderr, exit status 2."""
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _dtype(text: str) -> str:
+    try:
+        return DTYPE_ALIASES[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"dtype must be one of {', '.join(DTYPE_ALIASES)}") from None
+
+
+def _config_for(model: str):
+    """A preset name or a checkpoint (directory or HF cache name) -> GPTConfig."""
+    from tilekit.models.checkpoint import CONFIG_NAME, resolve_checkpoint
+    from tilekit.models.config import PRESETS, GPTConfig
+    if model in PRESETS:
+        return GPTConfig.preset(model)
+    try:
+        return GPTConfig.from_json(resolve_checkpoint(model) / CONFIG_NAME)
+    except FileNotFoundError as e:
+        raise UsageError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint: {e}")
+
+
+def _parse_shape(op, text: str, dtype: str) -> dict:
+    problem = dict(op.field_defaults, dtype=dtype)
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--shape items look like NAME=VALUE, got {item!r}")
+        problem[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    unknown = set(problem) - set(op.fields)
+    missing = [f for f in op.fields if f not in problem]
+    if unknown or missing:
+        raise UsageError(f"--shape for {op.name} takes {', '.join(op.fields)}"
+                         + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else "")
+                         + (f"; missing: {', '.join(missing)}" if missing else ""))
+    return {f: problem[f] for f in op.fields}
+
+
+class Progress:
+    """One status line on a terminal (rewritten in place), plain lines otherwise."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last = 0.0
+
+    def line(self, text: str, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.tty:
+            self.stream.write("\r\033[K" + text[:120])
+            self.stream.flush()
+        elif force or now - self.last > 5:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+            self.last = now
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def _bar(done: int, total: int, width: int = 24) -> str:
+    filled = int(width * done / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
+
+
+# -- tune ------------------------------------------------------------------------------------
+
+def cmd_tune(args) -> int:
+    from tilekit.autotune.op import registered_ops
+    from tilekit.device import gpu_unavailable_reason
+    if (args.model is None) == (args.kernel is None):
+        raise UsageError("tune needs exactly one of --model or --kernel")
+    if args.kernel is not None:
+        ops = registered_ops()
+        if args.kernel not in ops:
+            raise UsageError(f"--kernel must be one of {', '.join(sorted(ops))}")
+        if not args.shape:
+            raise UsageError("--kernel needs --shape, e.g. --shape M=8192,N=2304,K=768")
+        items = [(ops[args.kernel], _parse_shape(ops[args.kernel], args.shape, args.dtype))]
+    else:
+        from tilekit.models.workload import model_problems
+        items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens)
+    reason = gpu_unavailable_reason()
+    if reason:
+        raise UsageError(f"tuning needs a GPU: {reason}")
+    if args.devices is not None:
+        return _tune_on_devices(args, items)
+    return _tune_here(args, items, shard=args.shard)
+
+
+def _pending(items, force: bool):
+    """Split items into (to tune, already tuned exactly for this GPU)."""
+    from tilekit.device import device_info
+    todo, cached = [], []
+    dev = device_info()
+    for op, problem in items:
+        r = op.resolve(problem, dev, mode="cached")
+        exact = r.match is not None and r.match.device_rule == "exact-gpu" and r.match.bucket_rule == "exact"
+        (cached if exact and not force else todo).append((op, problem))
+    return todo, cached
+
+
+def _tune_here(args, items, shard: str | None) -> int:
+    from tilekit.autotune.tuner import tune_many
+    from tilekit.device import device_info
+    if shard:
+        index, count = (int(v) for v in shard.split("/"))
+        items = items[index::count]
+    todo, cached = _pending(items, args.force)
+    out = sys.stdout
+    print(f"tilekit tune on {device_info().name}: {len(items)} kernel shapes, {len(cached)} already tuned, "
+          f"{len(todo)} to tune", file=out, flush=True)
+    if not todo:
+        return 0
+    progress = Progress()
+    start = time.monotonic()
+    budget_s = None if args.budget is None else args.budget * 60
+    results = []
+
+    def notify(event, **info):
+        elapsed = time.monotonic() - start
+        left = "" if budget_s is None else f", {max(0, budget_s - elapsed) / 60:.1f} min left"
+        if event == "compile":
+            progress.line(f"compile {_bar(info['done'], info['total'])} {info['op']}{left}")
+        elif event == "measure":
+            progress.line(f"measure {_bar(info['index'], info['count'])} {info['key']} "
+                          f"({info['n']} configs){left}")
+        elif event == "tuned":
+            r = info["result"]
+            results.append(r)
+            progress.line(f"tuned {r.key}: {r.time_us:.1f} us", force=True)
+        elif event in ("skipped", "budget-exhausted"):
+            progress.line(f"{event}: {info.get('key', '')} {info.get('reason', '')}", force=True)
+
+    try:
+        tune_many(todo, budget_s=budget_s, workers=args.workers, progress=notify)
+    except KeyboardInterrupt:
+        progress.done()
+        print(f"interrupted: {len(results)} results were stored; run the command again to continue",
+              file=sys.stderr)
+        _print_results(results, out)
+        return 130
+    progress.done()
+    _print_results(results, out)
+    print(f"tuned {len(results)} of {len(todo)} shapes in {time.monotonic() - start:.0f} s", file=out)
+    return 0 if len(results) == len(todo) else 1
+
+
+def _print_results(results, out) -> None:
+    if not results:
+        return
+    width = max(len(r.key) for r in results)
+    width = min(width, 78)
+    print(f"{'kernel shape':<{width}}  {'default us':>10}  {'tuned us':>9}  {'speedup':>7}", file=out)
+    for r in results:
+        default = f"{r.default_time_us:10.1f}" if r.default_time_us else f"{'-':>10}"
+        speed = f"{r.speedup:6.2f}x" if r.speedup else f"{'-':>7}"
+        print(f"{r.key[:width]:<{width}}  {default}  {r.time_us:9.1f}  {speed}", file=out)
+
+
+def _tune_on_devices(args, items) -> int:
+    """One worker process per GPU, each tuning a shard; all write into the one user database."""
+    import cupy
+    count = cupy.cuda.runtime.getDeviceCount()
+    if args.devices == "all":
+        devices = list(range(count))
+    else:
+        try:
+            devices = sorted(set(int(d) for d in args.devices.split(",")))
+        except ValueError:
+            devices = []
+    if not devices or any(not 0 <= d < count for d in devices):
+        raise UsageError(f"--devices must be 'all' or GPU indices below {count}, got {args.devices!r}")
+    argv = list(sys.argv[1:])
+    i = argv.index("--devices")
+    del argv[i:i + 2]
+    workers = max(1, (os.cpu_count() or 2) // len(devices))
+    procs = []
+    for n, dev in enumerate(devices):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(dev))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tilekit", *argv, "--shard", f"{n}/{len(devices)}",
+                                       "--workers", str(workers)], env=env))
+    codes = [p.wait() for p in procs]
+    return max(codes)
+
+
+# -- db --------------------------------------------------------------------------------------
+
+def cmd_db(args) -> int:
+    from tilekit.autotune import store
+    handler = {"list": _db_list, "show": _db_show, "explain": _db_explain, "export": _db_export,
+               "import": _db_import, "verify": _db_verify, "clear": _db_clear}[args.db_command]
+    result = handler(args)
+    store.reset()
+    return result
+
+
+def _all_entries(layers=("user", "shipped")):
+    from tilekit.autotune import store
+    for db in store.layers():
+        if db.layer in layers:
+            for dfile, key, entry in db.items():
+                yield db, dfile, key, entry
+
+
+def _db_list(args) -> int:
+    rows = []
+    for db, dfile, key, entry in _all_entries():
+        op = key.partition("/")[0]
+        if args.kernel and op != args.kernel:
+            continue
+        if args.device and args.device.lower() not in dfile.path.stem.lower():
+            continue
+        time_us = entry.get("time_us") if isinstance(entry, dict) else None
+        rows.append((db.layer, dfile.path.stem, key, f"{time_us:.1f}" if isinstance(time_us, (int, float)) else "?"))
+    if not rows:
+        print("no tuning entries" + (" match" if args.kernel or args.device else ""))
+        return 0
+    print(f"{'layer':<8} {'device':<24} {'time us':>9}  key")
+    for layer, device, key, t in rows:
+        print(f"{layer:<8} {device[:24]:<24} {t:>9}  {key}")
+    print(f"{len(rows)} entries")
+    return 0
+
+
+def _db_show(args) -> int:
+    found = [(db, dfile, entry) for db, dfile, key, entry in _all_entries() if key == args.key]
+    if not found:
+        raise UsageError(f"no entry with key {args.key!r} (see `tilekit db list`)")
+    for db, dfile, entry in found:
+        print(f"# {db.layer} db: {dfile.path}")
+        print(json.dumps(entry, indent=2, sort_keys=True))
+    return 0
+
+
+def _db_explain(args) -> int:
+    from tilekit.device import DeviceInfo, device_info, gpu_unavailable_reason
+    from tilekit.models.workload import model_problems
+    items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens)
+    if args.gpu:
+        device = DeviceInfo(args.gpu, args.arch, 0)
+    elif gpu_unavailable_reason() is None:
+        device = device_info()
+    else:
+        raise UsageError("no GPU here: name one with --gpu NAME --arch sm_XX")
+    print(f"{device.name} ({device.arch}), TILEKIT_AUTOTUNE={os.environ.get('TILEKIT_AUTOTUNE', 'cached')}")
+    for op, problem in items:
+        r = op.resolve(problem, device, mode="cached")
+        print(f"{op.problem_key(problem)[1]:<90} {r.describe()}")
+    return 0
+
+
+def _db_export(args) -> int:
+    from tilekit.autotune.db import SCHEMA_VERSION
+    files = {}
+    for db, dfile, key, entry in _all_entries(("user",)):
+        files.setdefault(str(dfile.path), {"device": dfile.header_device(), "entries": {}})["entries"][key] = entry
+    payload = {"schema": SCHEMA_VERSION, "kind": "tilekit-tuning-export", "files": list(files.values())}
+    Path(args.file).write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    print(f"exported {sum(len(f['entries']) for f in files.values())} entries to {args.file}")
+    return 0
+
+
+def _db_import(args) -> int:
+    from tilekit.autotune import store
+    from tilekit.autotune.db import SCHEMA_VERSION, entry_problem
+    from tilekit.device import DeviceInfo
+    try:
+        payload = json.loads(Path(args.file).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"cannot read {args.file}: {e}")
+    if not isinstance(payload, dict) or payload.get("kind") != "tilekit-tuning-export":
+        raise UsageError(f"{args.file} is not a tilekit export (made by `tilekit db export`)")
+    if payload.get("schema") != SCHEMA_VERSION:
+        raise UsageError(f"{args.file} has schema {payload.get('schema')!r}; this tilekit reads {SCHEMA_VERSION}")
+    total = 0
+    for f in payload.get("files", []):
+        device = DeviceInfo.from_dict(f["device"])
+        good = {k: e for k, e in f["entries"].items() if entry_problem(k, e) is None}
+        store.user_db().store(device, good)
+        total += len(good)
+    print(f"imported {total} entries into {store.user_db().root}")
+    return 0
+
+
+def _db_verify(args) -> int:
+    from tilekit.autotune import store
+    from tilekit.autotune.db import entry_problem
+    from tilekit.autotune.op import registered_ops
+    ops = registered_ops()
+    invalid = stale = ok = 0
+    for db, dfile, key, entry in _all_entries():
+        where = f"{db.layer} {dfile.path.name} {key}"
+        problem = entry_problem(key, entry)
+        op = ops.get(key.partition("/")[0])
+        if problem is None and op is None:
+            problem = f"unknown kernel {key.partition('/')[0]!r}"
+        if problem is None and not op.space.contains(entry["config"]):
+            problem = f"config {entry['config']} is outside the {op.name} search space"
+        if problem:
+            invalid += 1
+            print(f"INVALID {where}: {problem}")
+            continue
+        why = op.why_unusable(entry, db.layer)
+        if why:
+            stale += 1
+            print(f"STALE   {where}: {why}")
+        else:
+            ok += 1
+    for db in store.layers():
+        for dfile in db.device_files():
+            dfile.read()   # an unreadable file warns here
+    print(f"{ok} usable, {stale} stale, {invalid} invalid")
+    return 1 if invalid or (stale and args.strict) else 0
+
+
+def _db_clear(args) -> int:
+    from tilekit.autotune import store
+    removed = sum(dfile.remove() for dfile in store.user_db().device_files())
+    print(f"removed {removed} entries from {store.user_db().root}")
+    return 0
+
+
+# -- generate, bench -------------------------------------------------------------------------
+
+def cmd_generate(args) -> int:
+    from tilekit.models import GPT
+    try:
+        model = GPT.from_pretrained(args.model, dtype=args.dtype)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e))
+    print(args.prompt, end="", flush=True)
+    model.generate_text(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed, stream_to=lambda s: print(s, end="", flush=True))
+    print()
+    return 0
+
+
+def cmd_bench(args) -> int:
+    try:
+        from benchmarks.cli import main as bench_main
+    except ImportError:
+        raise UsageError("the benchmark suite lives in the source checkout (benchmarks/); run from there")
+    return bench_main(args.bench_args)
+
+
+# -- parser ----------------------------------------------------------------------------------
+
+def _model_args(p, default_model=None):
+    p.add_argument("--model", default=default_model,
+                   help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a checkpoint directory / HF cache name")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 8], help="comma-separated (default 1,8)")
+    p.add_argument("--seq-lens", type=_int_list, default=[128, 1024], help="comma-separated (default 128,1024)")
+    p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tilekit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tune = sub.add_parser("tune", help="tune the kernels a model (or one kernel shape) uses on this GPU")
+    _model_args(tune)
+    tune.add_argument("--kernel", help="tune one kernel instead of a model (with --shape)")
+    tune.add_argument("--shape", help="problem fields, e.g. M=8192,N=2304,K=768")
+    tune.add_argument("--budget", type=float, help="time budget in minutes")
+    tune.add_argument("--force", action="store_true", help="re-tune shapes that are already tuned")
+    tune.add_argument("--devices", help="'all' or GPU indices '0,1': one worker process per GPU")
+    tune.add_argument("--workers", type=int, help="compile processes (default: CPU cores - 1)")
+    tune.add_argument("--shard", help=argparse.SUPPRESS)
+    tune.set_defaults(func=cmd_tune)
+
+    db = sub.add_parser("db", help="inspect, move and check tuning databases")
+    dbs = db.add_subparsers(dest="db_command", required=True)
+    p = dbs.add_parser("list", help="list tuned entries (user and shipped)")
+    p.add_argument("--kernel")
+    p.add_argument("--device", help="substring of the GPU name")
+    p = dbs.add_parser("show", help="print one entry")
+    p.add_argument("key")
+    p = dbs.add_parser("explain", help="which layer and rule answers each shape a model uses")
+    _model_args(p, "gpt2")
+    p.add_argument("--gpu", help="explain for this GPU name instead of the local one")
+    p.add_argument("--arch", default="sm_90", help="compute capability with --gpu (default sm_90)")
+    p = dbs.add_parser("export", help="write the user database to one portable JSON file")
+    p.add_argument("file")
+    p = dbs.add_parser("import", help="merge an exported file into the user database")
+    p.add_argument("file")
+    p = dbs.add_parser("verify", help="check schema, spaces and staleness; non-zero exit when invalid")
+    p.add_argument("--strict", action="store_true", help="treat stale entries as invalid too")
+    dbs.add_parser("clear", help="delete the user database")
+    db.set_defaults(func=cmd_db)
+
+    gen = sub.add_parser("generate", help="generate text from a checkpoint, streaming tokens")
+    gen.add_argument("--model", required=True, help="checkpoint directory or HF cache name")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=50)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--dtype", type=_dtype, default="bfloat16")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="run the benchmark suite (arguments go to benchmarks)",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"tilekit: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"tilekit: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""GPT-2 on tilekit's cuTile kernels: prefill, KV-cache decode, CUDA-graph generation.
+
+Every op of the forward pass is a tilekit kernel dispatched with the config the tuning database
+holds for this GPU and shape; CuPy only allocates memory and moves data. Names follow the Hugging
+Face checkpoint (wte, wpe, h.i.ln_1, attn.c_attn, ...), weights stay [in, out] as stored, and the
+LM head reads wte in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tilekit.kernels import (attention, decode_attention, embedding, greedy_step, layer_norm, linear,
+                             write_kv)
+from tilekit.kernels.arrays import numpy_dtype
+from tilekit.models.checkpoint import (check_state_dict, load_state_dict, random_state_dict,
+                                       resolve_checkpoint, save_state_dict)
+from tilekit.models.config import GPTConfig
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class Block:
+    """One transformer block's parameters (device arrays)."""
+
+    ln_1_w: object
+    ln_1_b: object
+    attn_w: object
+    attn_b: object
+    proj_w: object
+    proj_b: object
+    ln_2_w: object
+    ln_2_b: object
+    fc_w: object
+    fc_b: object
+    mlp_proj_w: object
+    mlp_proj_b: object
+
+
+class KVCache:
+    """Keys and values of every layer for B sequences, preallocated to `capacity` positions."""
+
+    def __init__(self, config: GPTConfig, batch: int, capacity: int, dtype: str):
+        import cupy
+        shape = (config.n_layer, batch, config.n_head, capacity, config.head_dim)
+        self.k = cupy.empty(shape, dtype=numpy_dtype(dtype))
+        self.v = cupy.empty(shape, dtype=numpy_dtype(dtype))
+        self.capacity = capacity
+
+
+class GPT:
+    """A GPT-2 family model whose forward pass runs entirely on tilekit kernels."""
+
+    def __init__(self, config: GPTConfig, *, dtype: str = "bfloat16", seed: int = 0,
+                 state: dict[str, np.ndarray] | None = None, allow_tf32: bool = False):
+        """Random GPT-2 initialisation from `seed`, or the given state dict (canonical HF names)."""
+        import cupy
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if allow_tf32 and dtype != "float32":
+            raise ValueError("allow_tf32 applies to dtype='float32' only")
+        if state is None:
+            state = random_state_dict(config, seed)
+        check_state_dict(config, state)
+        self.config, self.dtype, self.allow_tf32 = config, dtype, allow_tf32
+        self.device = cupy.cuda.runtime.getDevice()
+        self.checkpoint_dir: Path | None = None
+        host_dtype = numpy_dtype(dtype)
+        w = {name: cupy.asarray(np.ascontiguousarray(a, dtype=np.float32).astype(host_dtype))
+             for name, a in state.items()}
+        self.wte, self.wpe = w["wte.weight"], w["wpe.weight"]
+        self.ln_f_w, self.ln_f_b = w["ln_f.weight"], w["ln_f.bias"]
+        self.blocks = [Block(*(w[f"h.{i}.{n}"] for n in (
+            "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+            "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+            "mlp.c_proj.weight", "mlp.c_proj.bias"))) for i in range(config.n_layer)]
+        self._graphs: dict[tuple, object] = {}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_name: str | Path, *, dtype: str = "bfloat16",
+                        allow_tf32: bool = False) -> "GPT":
+        """Load a local Hugging Face GPT-2 checkpoint directory or a model in the local HF cache."""
+        directory = resolve_checkpoint(path_or_name)
+        config, state = load_state_dict(directory)
+        model = cls(config, dtype=dtype, state=state, allow_tf32=allow_tf32)
+        model.checkpoint_dir = directory
+        return model
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """float32 host copies of every parameter, under the Hugging Face names."""
+        def host(a):
+            return a.get().astype(np.float32)
+        state = {"wte.weight": host(self.wte), "wpe.weight": host(self.wpe),
+                 "ln_f.weight": host(self.ln_f_w), "ln_f.bias": host(self.ln_f_b)}
+        names = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                 "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                 "mlp.c_proj.weight", "mlp.c_proj.bias")
+        for i, block in enumerate(self.blocks):
+            for name, array in zip(names, vars(block).values()):
+                state[f"h.{i}.{name}"] = host(array)
+        return state
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write config.json and model.safetensors in the Hugging Face GPT-2 format."""
+        save_state_dict(directory, self.config, self.state_dict())
+
+    # -- forward --------------------------------------------------------------------------------
+    def __call__(self, ids):
+        return self.forward(ids)
+
+    def forward(self, ids):
+        """Logits (B, T, vocab_size) for token ids (B, T) (host or device integers)."""
+        ids_host = self._check_ids(ids)
+        import cupy
+        B, T = ids_host.shape
+        ids_dev = cupy.asarray(ids_host, dtype=cupy.int32)
+        x = self._prefill_hidden(ids_dev, cache=None)
+        x = layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon)
+        return self._linear(x, self.wte, weight_layout="out_in")
+
+    def _linear(self, x, w, b=None, **kw):
+        return linear(x, w, b, allow_tf32=self.allow_tf32, **kw)
+
+    def _prefill_hidden(self, ids, cache: KVCache | None):
+        """Hidden states (B, T, C) before the final LayerNorm; writes K, V into `cache` when given."""
+        import cupy
+        cfg = self.config
+        B, T = ids.shape
+        H, D, C, eps = cfg.n_head, cfg.head_dim, cfg.n_embd, cfg.layer_norm_epsilon
+        positions = cupy.broadcast_to(cupy.arange(T, dtype=cupy.int32), (B, T)).copy()
+        x = embedding(ids, self.wte, self.wpe, positions)
+        other = cupy.empty_like(x)
+        y = cupy.empty_like(x)
+        zeros = cupy.zeros((B,), dtype=cupy.int32)
+        for i, blk in enumerate(self.blocks):
+            h = layer_norm(x, blk.ln_1_w, blk.ln_1_b, eps)
+            qkv = self._linear(h, blk.attn_w, blk.attn_b).reshape(B, T, 3, H, D)
+            q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
+            if cache is not None:
+                write_kv(k, v, cache.k[i], cache.v[i], zeros)
+            attention(q, k, v, causal=True, out=y.reshape(B, T, H, D).transpose(0, 2, 1, 3))
+            self._linear(y, blk.proj_w, blk.proj_b, residual=x, out=other)
+            x, other = other, x
+            h = layer_norm(x, blk.ln_2_w, blk.ln_2_b, eps)
+            f = self._linear(h, blk.fc_w, blk.fc_b, activation="gelu")
+            self._linear(f, blk.mlp_proj_w, blk.mlp_proj_b, residual=x, out=other)
+            x, other = other, x
+        return x
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, ids, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id: int | None = None, seed: int | None = None,
+                 use_graph: bool = True, on_token: Callable[[np.ndarray], None] | None = None):
+        """Continue each prompt by up to `max_new_tokens` tokens with a KV cache.
+
+        ids: a 2-D integer array (B, T) of equal-length prompts, or a list of token lists of
+        different lengths. temperature 0 is greedy (argmax on the GPU); otherwise tokens are sampled
+        (with optional top_k / top_p) from the softmax at that temperature on the host. A sequence
+        stops after emitting eos_token_id. After the first decode step each step is one CUDA graph
+        replay (use_graph=False runs the same kernels one by one). on_token(tokens) is called with
+        the (B,) new tokens of each step. Returns a list of 1-D int arrays (prompt + continuation).
+        """
+        import cupy
+        prompts = self._check_prompts(ids)
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, (int, np.integer)) or top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+        if eos_token_id is not None and not 0 <= eos_token_id < self.config.vocab_size:
+            raise ValueError(f"eos_token_id must be in [0, {self.config.vocab_size}), got {eos_token_id}")
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        need = int(lengths.max()) + max_new_tokens
+        if need > self.config.block_size:
+            raise ValueError(f"prompt length {int(lengths.max())} + max_new_tokens {max_new_tokens} "
+                             f"exceeds block_size {self.config.block_size}")
+        if max_new_tokens == 0:
+            return [np.asarray(p, np.int64) for p in prompts]
+        B, T0 = len(prompts), int(lengths.max())
+        capacity = min(self.config.block_size, -(-need // 64) * 64)
+        greedy = temperature == 0
+        eos = -1 if eos_token_id is None else eos_token_id
+        rng = np.random.default_rng(seed)
+        padded = np.zeros((B, T0), np.int32)
+        for b, p in enumerate(prompts):
+            padded[b, :len(p)] = p
+        pos = lengths - 1                      # position of each sequence's newest token
+        history = np.zeros((B, capacity + 1), np.int32)
+        history[:, :T0] = padded
+        finished = np.zeros(B, bool)
+
+        def pick_on_host():
+            nonlocal pos
+            new = _sample(state.logits.get().astype(np.float64), temperature, top_k, top_p, rng)
+            new = np.where(finished, eos, new).astype(np.int32)
+            pos = pos + 1
+            history[np.arange(B), pos] = new
+            state.tokens.set(new)
+            state.positions.set(pos.astype(np.int32))
+            return new
+
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            state = DecodeState(self, B, KVCache(self.config, B, capacity, self.dtype), eos)
+            state.history.set(history)
+            state.positions.set(pos)
+            x = self._prefill_hidden(cupy.asarray(padded), state.cache)
+            last = cupy.asarray(np.arange(B, dtype=np.int32) * T0 + pos)
+            h = layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon, rows=last)
+            self._linear(h, self.wte, weight_layout="out_in", out=state.logits)
+            if greedy:
+                state.pick()
+            graph, produced = None, 0
+            while True:
+                new = None if greedy else pick_on_host()
+                produced += 1
+                if on_token is not None or produced % 8 == 0 or produced == max_new_tokens:
+                    if greedy:
+                        new = state.tokens.get()
+                        finished |= state.finished.get().astype(bool)
+                    if on_token is not None:
+                        on_token(new)
+                if not greedy and eos_token_id is not None:
+                    finished |= new == eos
+                if produced == max_new_tokens or finished.all():
+                    break
+                if use_graph and graph is None and produced >= 2:
+                    graph = state.capture(stream, greedy)   # after one eager decode step
+                if graph is not None:
+                    graph.launch(stream)
+                else:
+                    state.step(greedy)
+            stream.synchronize()
+            if greedy:
+                history = state.history.get()
+        out = []
+        for b in range(B):
+            seq = history[b, :lengths[b] + produced].astype(np.int64)
+            hits = np.flatnonzero(seq[lengths[b]:] == eos) if eos_token_id is not None else []
+            out.append(seq[:lengths[b] + hits[0] + 1] if len(hits) else seq)
+        return out
+
+    def generate_text(self, prompt: str, max_new_tokens: int = 50, *, stream_to: Callable[[str], None] | None = None,
+                      **kwargs) -> str:
+        """Tokenize `prompt` with the checkpoint's own tokenizer, generate, and decode."""
+        tokenizer = self.tokenizer()
+        ids = tokenizer.encode(prompt).ids
+        if not ids:
+            raise ValueError("prompt encodes to no tokens")
+        eos = kwargs.pop("eos_token_id", self._eos_id(tokenizer))
+        on_token = None
+        if stream_to is not None:
+            def on_token(tokens):
+                stream_to(tokenizer.decode([int(tokens[0])]))
+        seq = self.generate([ids], max_new_tokens, eos_token_id=eos, on_token=on_token, **kwargs)[0]
+        return tokenizer.decode(seq[len(ids):].tolist())
+
+    def tokenizer(self):
+        """The checkpoint's tokenizer (tokenizer.json, or vocab.json + merges.txt) via `tokenizers`."""
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import ByteLevel as ByteLevelDecoder
+        from tokenizers.models import BPE
+        from tokenizers.pre_tokenizers import ByteLevel
+        if self.checkpoint_dir is None:
+            raise ValueError("this model has no checkpoint directory to read a tokenizer from "
+                             "(use GPT.from_pretrained)")
+        d = self.checkpoint_dir
+        if (d / "tokenizer.json").is_file():
+            return Tokenizer.from_file(str(d / "tokenizer.json"))
+        if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+            tok = Tokenizer(BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
+            tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
+            tok.decoder = ByteLevelDecoder()
+            return tok
+        raise FileNotFoundError(f"no tokenizer.json or vocab.json + merges.txt in {d}")
+
+    @staticmethod
+    def _eos_id(tokenizer) -> int | None:
+        return tokenizer.token_to_id("<|endoftext|>")
+
+    # -- validation -----------------------------------------------------------------------------
+    def _check_ids(self, ids) -> np.ndarray:
+        """Host int64 copy of (B, T) ids after checking dtype, shape, range and length."""
+        if hasattr(ids, "__cuda_array_interface__") or hasattr(ids, "__dlpack__") and not isinstance(ids, np.ndarray):
+            import cupy
+            ids = cupy.asnumpy(cupy.asarray(ids)) if hasattr(ids, "__cuda_array_interface__") \
+                else cupy.asnumpy(cupy.from_dlpack(ids))
+        ids = np.asarray(ids)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"ids must be integers, got dtype {ids.dtype}")
+        if ids.ndim != 2 or ids.size == 0:
+            raise ValueError(f"ids must be a non-empty 2-D (batch, time) array, got shape {ids.shape}")
+        self._check_range(ids, "ids")
+        return ids.astype(np.int64)
+
+    def _check_prompts(self, ids) -> list[np.ndarray]:
+        if isinstance(ids, (list, tuple)) and ids and all(isinstance(p, (list, tuple, np.ndarray)) for p in ids):
+            prompts = [np.asarray(p) for p in ids]
+            for b, p in enumerate(prompts):
+                if p.ndim != 1 or p.size == 0 or not np.issubdtype(p.dtype, np.integer):
+                    raise ValueError(f"ids[{b}] must be a non-empty 1-D list of token ids")
+                self._check_range(p, f"ids[{b}]")
+            return prompts
+        return list(self._check_ids(ids))
+
+    def _check_range(self, ids: np.ndarray, name: str) -> None:
+        if ids.shape[-1] > self.config.block_size:
+            raise ValueError(f"{name} has {ids.shape[-1]} positions, more than block_size {self.config.block_size}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"{name} must lie in [0, {self.config.vocab_size}), got values in "
+                             f"[{ids.min()}, {ids.max()}]")
+
+
+class DecodeState:
+    """Static device buffers of one decode step, so the step can be captured as a CUDA graph."""
+
+    def __init__(self, model: GPT, batch: int, cache: KVCache, eos: int):
+        import cupy
+        cfg = model.config
+        C, dt = cfg.n_embd, numpy_dtype(model.dtype)
+        self.model, self.batch, self.cache, self.eos = model, batch, cache, eos
+        capacity = cache.capacity
+        self.tokens = cupy.zeros((batch,), cupy.int32)
+        self.positions = cupy.zeros((batch,), cupy.int32)
+        self.finished = cupy.zeros((batch,), cupy.int32)
+        self.history = cupy.zeros((batch, capacity + 1), cupy.int32)
+        self.x = cupy.empty((batch, 1, C), dt)
+        self.other = cupy.empty((batch, 1, C), dt)
+        self.h = cupy.empty((batch, 1, C), dt)
+        self.qkv = cupy.empty((batch, 1, 3 * C), dt)
+        self.y = cupy.empty((batch, 1, C), dt)
+        self.f = cupy.empty((batch, 1, 4 * C), dt)
+        self.logits = cupy.empty((batch, cfg.vocab_size), dt)
+
+    def pick(self) -> None:
+        """Greedy token from the logits, written to tokens and history; positions advance."""
+        greedy_step(self.logits, self.tokens, self.positions, self.history, self.finished, self.eos)
+
+    def step(self, greedy: bool) -> None:
+        """One token for every sequence: embed tokens at positions, run the blocks, LM head logits."""
+        m, cfg = self.model, self.model.config
+        B, H, D, eps = self.batch, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
+        cache = self.cache
+        x, other = self.x, self.other
+        embedding(self.tokens.reshape(B, 1), m.wte, m.wpe, self.positions.reshape(B, 1), out=x)
+        for i, blk in enumerate(m.blocks):
+            layer_norm(x, blk.ln_1_w, blk.ln_1_b, eps, out=self.h)
+            m._linear(self.h, blk.attn_w, blk.attn_b, out=self.qkv)
+            q, k, v = (self.qkv.reshape(B, 1, 3, H, D)[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
+            write_kv(k, v, cache.k[i], cache.v[i], self.positions)
+            decode_attention(q, cache.k[i], cache.v[i], self.positions, length_offset=1,
+                             out=self.y.reshape(B, 1, H, D).transpose(0, 2, 1, 3))
+            m._linear(self.y, blk.proj_w, blk.proj_b, residual=x, out=other)
+            x, other = other, x
+            layer_norm(x, blk.ln_2_w, blk.ln_2_b, eps, out=self.h)
+            m._linear(self.h, blk.fc_w, blk.fc_b, activation="gelu", out=self.f)
+            m._linear(self.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=x, out=other)
+            x, other = other, x
+        layer_norm(x, m.ln_f_w, m.ln_f_b, eps, out=self.h)
+        m._linear(self.h.reshape(B, cfg.n_embd), m.wte, weight_layout="out_in", out=self.logits)
+        if greedy:
+            self.pick()
+
+    def capture(self, stream, greedy: bool):
+        """Record step() (and the greedy pick) on `stream` as a CUDA graph."""
+        stream.begin_capture()
+        try:
+            self.step(greedy)
+        finally:
+            graph = stream.end_capture()
+        return graph
+
+
+def _sample(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None,
+            rng: np.random.Generator) -> np.ndarray:
+    """One token per row from softmax(logits / temperature), restricted to top_k / nucleus top_p."""
+    out = np.empty(logits.shape[0], np.int64)
+    for b, row in enumerate(logits):
+        z = row / temperature
+        if top_k is not None and top_k < z.size:
+            kth = np.partition(z, -top_k)[-top_k]
+            z = np.where(z < kth, -np.inf, z)
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if top_p is not None and top_p < 1:
+            order = np.argsort(-p)
+            keep = np.cumsum(p[order]) - p[order] < top_p
+            mask = np.zeros_like(p, bool)
+            mask[order[keep]] = True
+            p = np.where(mask, p, 0.0)
+            p /= p.sum()
+        out[b] = rng.choice(p.size, p=p)
+    return out

@@ -22,7 +22,7 @@ from tilekit.kernels.gelu import GELU, gelu_reference  # noqa: E402
 from tilekit.kernels.kv_cache import write_kv_reference  # noqa: E402
 from tilekit.kernels.layernorm import LAYER_NORM, layer_norm_reference  # noqa: E402
 from tilekit.kernels.linear import LINEAR, linear_reference  # noqa: E402
-from tilekit.kernels.sampling import greedy_reference  # noqa: E402
+from tilekit.kernels.sampling import GREEDY, greedy_reference  # noqa: E402
 
 GPU = settings(max_examples=12, deadline=None, derandomize=True)
 DTYPES = st.sampled_from(["bfloat16", "float16", "float32"])
@@ -75,18 +75,20 @@ def test_linear_torch_in_torch_out():
 
 SPACE_CASES = {
     "linear": dict(dtype="bfloat16", M=300, N=200, K=136, wt="kn", bias=1, act="gelu", res=1, tf32=0),
+    "linear_split_k": dict(dtype="bfloat16", M=5, N=1000, K=1536, wt="kn", bias=1, act="gelu", res=1, tf32=0),
     "layer_norm": dict(dtype="bfloat16", M=37, N=1600, gather=0),
     "gelu": dict(dtype="bfloat16", n=10007, exact=0),
     "attention": dict(dtype="bfloat16", B=2, H=3, Tq=300, Tk=300, D=64, causal=1),
     "decode_attention": dict(dtype="bfloat16", B=2, H=3, nq=1, capacity=700, D=64),
+    "greedy": dict(dtype="bfloat16", B=3, V=50257, L=16),
 }
-OPS = {"linear": LINEAR, "layer_norm": LAYER_NORM, "gelu": GELU, "attention": ATTENTION,
-       "decode_attention": DECODE_ATTENTION}
+OPS = {"linear": LINEAR, "linear_split_k": LINEAR, "layer_norm": LAYER_NORM, "gelu": GELU, "attention": ATTENTION,
+       "decode_attention": DECODE_ATTENTION, "greedy": GREEDY}
 
 
 def sampled_configs(name, k=5):
     op, p = OPS[name], SPACE_CASES[name]
-    candidates = op.space.candidates(p)
+    candidates = op.space.candidates(op.problem_key(p)[0])
     picks = random.Random(0).sample(candidates, min(k, len(candidates)))
     return [op.default(p)] + [c for c in picks if c != op.default(p)]
 
@@ -94,14 +96,14 @@ def sampled_configs(name, k=5):
 @pytest.fixture(scope="module")
 def precompiled_space_samples():
     """Fill cuTile's disk cache for the sampled configs in parallel before measuring them."""
-    tasks = [(name, OPS[name].problem_key(p)[0], c)
+    tasks = [(OPS[name].name, OPS[name].problem_key(p)[0], c)
              for name, p in SPACE_CASES.items() for c in sampled_configs(name)]
     precompile(tasks, device_info().arch)
 
 
 def run_case(name):
     p = SPACE_CASES[name]
-    if name == "linear":
+    if name.startswith("linear"):
         check_linear(p["M"], p["N"], p["K"], p["dtype"], act="gelu", res=True)
     elif name == "layer_norm":
         check_layer_norm((p["M"], p["N"]), p["dtype"])
@@ -111,6 +113,8 @@ def run_case(name):
         check_attention(p["B"], p["H"], p["Tq"], p["Tk"], p["D"], p["dtype"], True)
     elif name == "decode_attention":
         check_decode(p["B"], p["H"], p["nq"], p["capacity"], p["D"], p["dtype"])
+    elif name == "greedy":
+        check_greedy(p["B"], p["V"], p["L"], p["dtype"])
 
 
 @pytest.mark.parametrize("name", list(SPACE_CASES))
@@ -232,22 +236,27 @@ def test_embedding(dtype):
                                                            np.broadcast_to(np.arange(17), (3, 17)))) < TOL[dtype]
 
 
-def test_greedy_step():
-    B, V, L = 4, 50257, 16
-    logits = rand((B, V), "float32")
+def check_greedy(B, V, L, dtype):
+    logits = rand((B, V), dtype)
     tokens = cupy.full((B,), -5, cupy.int32)
-    positions = cupy.asarray(np.array([0, 3, 7, 14], np.int32))
+    positions = cupy.asarray(np.arange(B, dtype=np.int32) % (L - 1))
     history = cupy.zeros((B, L), cupy.int32)
-    finished = cupy.asarray(np.array([0, 0, 1, 0], np.int32))
+    finished = cupy.asarray((np.arange(B) == 1).astype(np.int32))    # row 1 is already done
     expected = greedy_reference(host(logits))
-    greedy_step(logits, tokens, positions, history, finished, eos_id=int(expected[3]))
+    eos = int(expected[0])
+    greedy_step(logits, tokens, positions, history, finished, eos_id=eos)
     got = host(tokens)
-    assert list(got[[0, 1, 3]]) == list(expected[[0, 1, 3]])
-    assert got[2] == expected[3]                    # finished row emits eos
-    assert list(host(positions)) == [1, 4, 8, 15]
-    h = host(history)
-    assert [h[0, 1], h[1, 4], h[2, 8], h[3, 15]] == list(got)
-    assert list(host(finished)) == [0, 0, 1, 1]
+    want = np.where(np.arange(B) == 1, eos, expected)
+    assert got.tolist() == want.tolist()
+    new_pos = np.arange(B) % (L - 1) + 1
+    assert host(positions).tolist() == new_pos.tolist()
+    assert host(history)[np.arange(B), new_pos].tolist() == want.tolist()
+    assert host(finished).tolist() == (want == eos).astype(int).tolist()
+
+
+@pytest.mark.parametrize("B,V", [(1, 50257), (4, 1031), (9, 50257)])
+def test_greedy_step(B, V):
+    check_greedy(B, V, 16, "float32")
 
 
 # -- bad input is refused before launch ------------------------------------------------------

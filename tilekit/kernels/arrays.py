@@ -140,6 +140,11 @@ def stream_for(kind: str, device: int):
     return cupy.cuda.get_current_stream(device)
 
 
+def stream_handle(stream) -> int:
+    """The raw cudaStream_t of a torch or CuPy stream (0 for the legacy default stream)."""
+    return stream.cuda_stream if hasattr(stream, "cuda_stream") else stream.ptr
+
+
 @functools.cache
 def placeholder(device: int, dtype: str, ndim: int):
     """A tiny array passed where an optional kernel argument is absent (never read)."""

@@ -207,8 +207,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale: float | None = None
     plan = DECODE_ATTENTION.plan((qi.device,) + p)
     problem = dict(zip(FIELDS, p))
     stream = arrays.stream_for(qi.kind, qi.device)
-    handle = stream.cuda_stream if qi.kind == "torch" else stream.ptr
-    opart, mpart, lpart = _partials(qi.device, handle, problem, plan.config)
+    opart, mpart, lpart = _partials(qi.device, arrays.stream_handle(stream), problem, plan.config)
     ct.launch(stream, (B * H, _splits(problem, plan.config), 1), plan.kernel,
               _split_args(q, k_cache, v_cache, lengths, opart, mpart, lpart, scale, length_offset,
                           problem, plan.config))

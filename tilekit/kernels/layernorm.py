@@ -81,7 +81,8 @@ FIELDS = ("dtype", "M", "N", "gather")
 
 def default_config(p: dict) -> dict:
     tn = min(8192, max(256, pow2_ceil(p["N"])))
-    return dict(TM=max(1, min(4, 8192 // tn, pow2_ceil(p["M"]))), TN=tn, occupancy=2)
+    rows = 1 if p["gather"] else max(1, min(4, 8192 // tn, pow2_ceil(p["M"])))
+    return dict(TM=rows, TN=tn, occupancy=2)
 
 
 def _grid(p: dict, c: dict) -> tuple:

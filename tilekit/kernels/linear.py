@@ -23,26 +23,36 @@ ZERO = ct.PaddingMode.ZERO
 
 
 @ct.kernel
-def linear_kernel(X, W, Bias, Res, Y,
+def linear_kernel(X, W, Bias, Res, Y, Partial, Counter,
                   TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
-                  GROUP_M: ct.Constant[int], W_NK: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
-                  GELU: ct.Constant[bool], HAS_RES: ct.Constant[bool], TF32: ct.Constant[bool]):
-    """Y[M, N] = act(X[M, K] @ W + Bias) + Res; W is [K, N], or [N, K] when W_NK."""
+                  GROUP_M: ct.Constant[int], SPLIT_K: ct.Constant[int], W_NK: ct.Constant[bool],
+                  HAS_BIAS: ct.Constant[bool], GELU: ct.Constant[bool], HAS_RES: ct.Constant[bool],
+                  TF32: ct.Constant[bool]):
+    """Y[M, N] = act(X[M, K] @ W + Bias) + Res; W is [K, N], or [N, K] when W_NK.
+
+    With SPLIT_K > 1 (few rows, as in decoding) SPLIT_K programs share each output tile, each
+    summing a slice of K into the fp32 Partial[M, N] with atomics; the last to arrive, counted in
+    Counter[tile], takes the sum (leaving zeros for the next call) and runs the epilogue.
+    """
     M = X.shape[0]
     K = X.shape[1]
     N = Y.shape[1]
-    # Grouped ordering: GROUP_M row-tiles share each column panel of W while it sits in L2.
     pid = ct.bid(0)
+    tile = pid // SPLIT_K
+    split = pid % SPLIT_K
+    # Grouped ordering: GROUP_M row-tiles share each column panel of W while it sits in L2.
     tiles_m = ct.cdiv(M, TM)
     tiles_n = ct.cdiv(N, TN)
     group_width = GROUP_M * tiles_n
-    first_m = (pid // group_width) * GROUP_M
+    first_m = (tile // group_width) * GROUP_M
     group_rows = ct.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_width) % group_rows
-    pid_n = (pid % group_width) // group_rows
+    pid_m = first_m + (tile % group_width) % group_rows
+    pid_n = (tile % group_width) // group_rows
 
+    k_tiles = ct.cdiv(K, TK)
+    per_split = ct.cdiv(k_tiles, SPLIT_K)
     acc = ct.zeros((TM, TN), dtype=ct.float32)
-    for k in range(ct.cdiv(K, TK)):
+    for k in range(split * per_split, ct.minimum(k_tiles, (split + 1) * per_split)):
         a = ct.load(X, (pid_m, k), (TM, TK), padding_mode=ZERO)
         if W_NK:
             b = ct.load(W, (k, pid_n), (TK, TN), order=(1, 0), padding_mode=ZERO)
@@ -53,13 +63,26 @@ def linear_kernel(X, W, Bias, Res, Y,
             b = b.astype(ct.tfloat32)
         acc = ct.mma(a, b, acc)
 
+    rows = (ct.arange(TM, dtype=ct.int32) + pid_m * TM).reshape((TM, 1))
+    cols = (ct.arange(TN, dtype=ct.int32) + pid_n * TN).reshape((1, TN))
+    if SPLIT_K > 1:
+        ct.atomic_add(Partial, (rows, cols), acc, memory_order=ct.MemoryOrder.RELAXED)
+        arrived = ct.atomic_add(Counter, tile, 1)       # acq_rel: orders our partial sums before it
+        last = arrived == SPLIT_K - 1
+        rows = ct.where(last, rows, M)                   # other programs address no row at all
+        acc = ct.atomic_xchg(Partial, (rows, cols), 0.0)
+        ct.atomic_xchg(Counter, ct.where(last, tile, tiles_m * tiles_n), 0)
+
     if HAS_BIAS:
         acc = acc + ct.load(Bias, (pid_n,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
     if GELU:
         acc = gelu_tanh(acc)
     if HAS_RES:
         acc = acc + ct.load(Res, (pid_m, pid_n), (TM, TN), padding_mode=ZERO).astype(ct.float32)
-    ct.store(Y, (pid_m, pid_n), acc.astype(Y.dtype))
+    if SPLIT_K > 1:
+        ct.scatter(Y, (rows, cols), acc.astype(Y.dtype))
+    else:
+        ct.store(Y, (pid_m, pid_n), acc.astype(Y.dtype))
 
 
 # -- search space and heuristic default ---------------------------------------------------------
@@ -68,10 +91,13 @@ def _fits(c: dict, p: dict) -> bool:
     """Prune tiles larger than the problem, register/shared-memory hogs and pointless hints."""
     item = 4 if p["dtype"] == "float32" else 2
     m = pow2_ceil(p["M"])
+    few_rows = m <= 64
     tm_min = 64 if m >= 256 else max(16, m // 4)
     return (tm_min <= c["TM"] <= max(16, m)
             and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
-            and (m < 256 or (c["TN"] >= 64 and c["TK"] >= 64))   # thin tiles only pay off for few rows
+            and (m < 256 or (c["TN"] >= 64 and c["TK"] >= 64))      # thin tiles only pay off for few rows
+            and (not few_rows or (c["TN"] <= 128 and c["TK"] >= 64 and c["num_ctas"] == 1))
+            and (c["SPLIT_K"] == 1 or (few_rows and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])))
             and c["TM"] * c["TN"] <= 128 * 256
             and (c["TM"] + c["TN"]) * c["TK"] * item <= 48 * 1024
             and (c["occupancy"] == 1 or c["TM"] * c["TN"] <= 128 * 128)
@@ -79,27 +105,52 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128, 256), TN=(32, 64, 128, 256), TK=(32, 64, 128),
-                    GROUP_M=(8,), occupancy=(1, 2), num_ctas=(1, 2))
+                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8, 16), occupancy=(1, 2), num_ctas=(1, 2))
 
 
 def default_config(p: dict) -> dict:
     m = pow2_ceil(p["M"])
     if m >= 128:
-        return dict(TM=128, TN=128, TK=64, GROUP_M=8, occupancy=1, num_ctas=1)
-    return dict(TM=max(16, m), TN=64, TK=64 if p["dtype"] == "float32" else 128, GROUP_M=8,
+        return dict(TM=128, TN=128, TK=64, GROUP_M=8, SPLIT_K=1, occupancy=1, num_ctas=1)
+    tk = 64 if p["dtype"] == "float32" else 128
+    tiles = ct.cdiv(p["N"], 64) * ct.cdiv(p["M"], max(16, m))
+    split = 1
+    while split < 16 and tiles * split * 2 <= 264 and split * 2 <= ct.cdiv(p["K"], tk):
+        split *= 2
+    return dict(TM=max(16, m), TN=64, TK=tk, GROUP_M=8, SPLIT_K=split if m <= 64 else 1,
                 occupancy=1, num_ctas=1)
 
 
 FIELDS = ("dtype", "M", "N", "K", "wt", "bias", "act", "res", "tf32")
 
 
+def _tiles(p: dict, c: dict) -> int:
+    return ct.cdiv(p["M"], c["TM"]) * ct.cdiv(p["N"], c["TN"])
+
+
 def _grid(p: dict, c: dict) -> tuple:
-    return (ct.cdiv(p["M"], c["TM"]) * ct.cdiv(p["N"], c["TN"]), 1, 1)
+    return (_tiles(p, c) * c["SPLIT_K"], 1, 1)
 
 
-def _kernel_args(x, w, bias, res, y, p: dict, c: dict) -> tuple:
-    return (x, w, bias, res, y, c["TM"], c["TN"], c["TK"], c["GROUP_M"], p["wt"] == "nk",
-            bool(p["bias"]), p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
+def _kernel_args(x, w, bias, res, y, partial, counter, p: dict, c: dict) -> tuple:
+    return (x, w, bias, res, y, partial, counter, c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"],
+            p["wt"] == "nk", bool(p["bias"]), p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
+
+
+_split_scratch: dict[tuple, tuple] = {}
+
+
+def _scratch(device: int, stream: int, p: dict, c: dict) -> tuple:
+    """(Partial, Counter) for split-K, zeroed once and left zeroed by every launch; per device and stream."""
+    if c["SPLIT_K"] == 1:
+        return arrays.placeholder(device, "float32", 2), arrays.placeholder(device, "int32", 1)
+    key = (device, stream, p["M"], p["N"], _tiles(p, c))
+    if key not in _split_scratch:
+        import cupy
+        with cupy.cuda.Device(device):
+            _split_scratch[key] = (cupy.zeros((p["M"], p["N"]), cupy.float32),
+                                   cupy.zeros((_tiles(p, c),), cupy.int32))
+    return _split_scratch[key]
 
 
 def _shapes(p: dict) -> dict:
@@ -115,7 +166,12 @@ def _signature(p: dict, c: dict):
         spec["bias"] = ArraySpec(p["dtype"], (16,))
     if not p["res"]:
         spec["res"] = ArraySpec(p["dtype"], (16, 16))
-    return [(linear_kernel, _kernel_args(spec["x"], spec["w"], spec["bias"], spec["res"], spec["y"], p, c))]
+    if c["SPLIT_K"] == 1:
+        partial, counter = ArraySpec("float32", (16, 16)), ArraySpec("int32", (16,))
+    else:
+        partial, counter = ArraySpec("float32", (p["M"], p["N"])), ArraySpec("int32", (_tiles(p, c),))
+    return [(linear_kernel, _kernel_args(spec["x"], spec["w"], spec["bias"], spec["res"], spec["y"],
+                                         partial, counter, p, c))]
 
 
 def _bench(p: dict) -> BenchCase:
@@ -128,7 +184,8 @@ def _bench(p: dict) -> BenchCase:
     bias = arrays.random_array(s["bias"], p["dtype"], dev, rng) if p["bias"] else arrays.placeholder(dev, p["dtype"], 1)
     res = arrays.random_array(s["res"], p["dtype"], dev, rng) if p["res"] else arrays.placeholder(dev, p["dtype"], 2)
     y = arrays.empty("cupy", dev, s["y"], p["dtype"])
-    return BenchCase(grid=lambda c: _grid(p, c), args=lambda c: _kernel_args(x, w, bias, res, y, p, c))
+    return BenchCase(grid=lambda c: _grid(p, c),
+                     args=lambda c: _kernel_args(x, w, bias, res, y, *_scratch(dev, 0, p, c), p, c))
 
 
 LINEAR = TunableOp("linear", kernel=linear_kernel, fields=FIELDS, space=SPACE, default=default_config,
@@ -197,12 +254,13 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
          activation or "none", int(residual is not None), int(allow_tf32))
     plan = LINEAR.plan((dev,) + p)
     problem = dict(zip(FIELDS, p))
-    y2 = out.reshape(M, N)
+    stream = arrays.stream_for(xi.kind, dev)
     args = _kernel_args(x2, weight,
                         bias if bias is not None else arrays.placeholder(dev, xi.dtype, 1),
                         residual if residual is not None else arrays.placeholder(dev, xi.dtype, 2),
-                        y2, problem, plan.config)
-    ct.launch(arrays.stream_for(xi.kind, dev), _grid(problem, plan.config), plan.kernel, args)
+                        out.reshape(M, N), *_scratch(dev, arrays.stream_handle(stream), problem, plan.config),
+                        problem, plan.config)
+    ct.launch(stream, _grid(problem, plan.config), plan.kernel, args)
     return out
 
 

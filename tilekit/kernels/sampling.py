@@ -15,69 +15,92 @@ from tilekit.kernels import arrays
 
 
 @ct.kernel
-def greedy_kernel(Logits, Tokens, Positions, History, Finished, eos: int, BV: ct.Constant[int]):
-    """Row b: token = argmax(Logits[b]) (first index on ties; eos once finished).
+def argmax_chunk_kernel(Logits, BestVal, BestIdx, CH: ct.Constant[int]):
+    """BestVal/BestIdx[b, s] = max and first argmax of Logits[b, s*CH:(s+1)*CH]."""
+    b = ct.bid(0)
+    s = ct.bid(1)
+    x = ct.load(Logits, (b, s), (1, CH), padding_mode=ct.PaddingMode.NEG_INF).astype(ct.float32)
+    ct.store(BestVal, (b, s), ct.max(x, axis=1, keepdims=True))
+    ct.store(BestIdx, (b, s), ct.argmax(x, axis=1, keepdims=True).astype(ct.int32) + s * CH)
+
+
+@ct.kernel
+def greedy_finish_kernel(BestVal, BestIdx, Tokens, Positions, History, Finished, eos: int,
+                         SP: ct.Constant[int]):
+    """Row b: token = overall argmax (eos once finished); then the decode bookkeeping.
 
     Tokens[b] = token; History[b, Positions[b] + 1] = token; Positions[b] += 1; Finished[b] |= token == eos.
     """
     b = ct.bid(0)
-    V = Logits.shape[1]
-    best = ct.full((1, 1), -math.inf, dtype=ct.float32)
-    best_i = ct.zeros((1, 1), dtype=ct.int32)
-    for t in range(ct.cdiv(V, BV)):
-        x = ct.load(Logits, (b, t), (1, BV), padding_mode=ct.PaddingMode.NEG_INF).astype(ct.float32)
-        m = ct.max(x, axis=1, keepdims=True)
-        i = ct.argmax(x, axis=1, keepdims=True).astype(ct.int32) + t * BV
-        better = m > best
-        best_i = ct.where(better, i, best_i)
-        best = ct.where(better, m, best)
-    done = ct.load(Finished, (b,), (1,)).reshape((1, 1))
-    token = ct.where(done != 0, eos, best_i).reshape((1,))
+    vals = ct.load(BestVal, (b, 0), (1, SP), padding_mode=ct.PaddingMode.NEG_INF)
+    which = ct.argmax(vals, axis=1, keepdims=True).astype(ct.int32)
+    best = ct.gather(BestIdx, (b, which)).reshape((1,))
+    done = ct.load(Finished, (b,), (1,))
+    token = ct.where(done != 0, eos, best)
     pos = ct.load(Positions, (b,), (1,))
     ct.store(Tokens, (b,), token)
     ct.scatter(History, (b, pos + 1), token)
     ct.store(Positions, (b,), pos + 1)
-    ct.store(Finished, (b,), ct.where(token == eos, 1, done.reshape((1,))))
+    ct.store(Finished, (b,), ct.where(token == eos, 1, done))
 
 
 def _fits(c: dict, p: dict) -> bool:
-    return c["BV"] <= max(1024, pow2_ceil(p["V"]))
+    return c["CH"] <= max(512, pow2_ceil(p["V"])) and ct.cdiv(p["V"], c["CH"]) <= 1024
 
 
-SPACE = SearchSpace(_fits, BV=(1024, 2048, 4096, 8192), occupancy=(1,))
+SPACE = SearchSpace(_fits, CH=(512, 1024, 2048, 4096, 8192), occupancy=(1, 2, 4))
 FIELDS = ("dtype", "B", "V", "L")
 
 
 def default_config(p: dict) -> dict:
-    return dict(BV=4096, occupancy=1)
+    return dict(CH=2048, occupancy=2)
 
 
-def _kernel_args(logits, tokens, positions, history, finished, eos: int, c: dict) -> tuple:
-    return (logits, tokens, positions, history, finished, int(eos), c["BV"])
+def _chunks(p: dict, c: dict) -> int:
+    return ct.cdiv(p["V"], c["CH"])
+
+
+def _split_args(logits, best_val, best_idx, c: dict) -> tuple:
+    return (logits, best_val, best_idx, c["CH"])
+
+
+def _finish_args(best_val, best_idx, tokens, positions, history, finished, eos: int, p: dict, c: dict) -> tuple:
+    return (best_val, best_idx, tokens, positions, history, finished, int(eos), pow2_ceil(_chunks(p, c)))
 
 
 def _signature(p: dict, c: dict):
     i32 = ArraySpec("int32", (p["B"],))
-    return [(greedy_kernel, _kernel_args(ArraySpec(p["dtype"], (p["B"], p["V"])), i32, i32,
-                                         ArraySpec("int32", (p["B"], p["L"])), i32, 0, c))]
+    part = (p["B"], _chunks(p, c))
+    val, idx = ArraySpec("float32", part), ArraySpec("int32", part)
+    return [(argmax_chunk_kernel, _split_args(ArraySpec(p["dtype"], (p["B"], p["V"])), val, idx, c)),
+            (greedy_finish_kernel, _finish_args(val, idx, i32, i32, ArraySpec("int32", (p["B"], p["L"])), i32,
+                                                0, p, c))]
+
+
+_scratch: dict[tuple, tuple] = {}
+
+
+def _partials(device: int, stream: int, p: dict, c: dict) -> tuple:
+    """(BestVal, BestIdx) scratch per device, stream and shape."""
+    key = (device, stream, p["B"], _chunks(p, c))
+    if key not in _scratch:
+        import cupy
+        with cupy.cuda.Device(device):
+            _scratch[key] = (cupy.empty(key[2:], cupy.float32), cupy.empty(key[2:], cupy.int32))
+    return _scratch[key]
 
 
 def _bench(p: dict) -> BenchCase:
     import cupy
     dev = cupy.cuda.runtime.getDevice()
     logits = arrays.random_array((p["B"], p["V"]), p["dtype"], dev, cupy.random.default_rng())
-    tokens, positions, finished = (cupy.zeros((p["B"],), cupy.int32) for _ in range(3))
-    history = cupy.zeros((p["B"], p["L"]), cupy.int32)
-
-    def args(c):
-        positions.fill(0)   # keep the history write in bounds across repeats
-        return _kernel_args(logits, tokens, positions, history, finished, -1, c)
-
-    return BenchCase(grid=lambda c: (p["B"], 1, 1), args=args)
+    return BenchCase(grid=lambda c: (p["B"], _chunks(p, c), 1),
+                     args=lambda c: _split_args(logits, *_partials(dev, 0, p, c), c))
 
 
-GREEDY = TunableOp("greedy", kernel=greedy_kernel, fields=FIELDS, space=SPACE, default=default_config,
-                   buckets={"B": pow2_bucket}, bench=_bench, signature=_signature)
+GREEDY = TunableOp("greedy", kernel=argmax_chunk_kernel, fields=FIELDS, space=SPACE, default=default_config,
+                   buckets={"B": pow2_bucket}, bench=_bench, signature=_signature,
+                   source_of=(greedy_finish_kernel,))
 
 
 def greedy_step(logits, tokens, positions, history, finished, eos_id: int = -1) -> None:
@@ -106,8 +129,13 @@ def greedy_step(logits, tokens, positions, history, finished, eos_id: int = -1) 
         arrays.check_contiguous(ai, name)
     p = (li.dtype, B, li.shape[1], arrays.info(arrs[3], "history").shape[1])
     plan = GREEDY.plan((li.device,) + p)
-    ct.launch(arrays.stream_for(li.kind, li.device), (B, 1, 1), plan.kernel,
-              _kernel_args(*arrs, eos_id, plan.config))
+    problem = dict(zip(FIELDS, p))
+    stream = arrays.stream_for(li.kind, li.device)
+    best_val, best_idx = _partials(li.device, arrays.stream_handle(stream), problem, plan.config)
+    ct.launch(stream, (B, _chunks(problem, plan.config), 1), plan.kernel,
+              _split_args(arrs[0], best_val, best_idx, plan.config))
+    ct.launch(stream, (B, 1, 1), greedy_finish_kernel,
+              _finish_args(best_val, best_idx, *arrs[1:], eos_id, problem, plan.config))
 
 
 def greedy_reference(logits) -> np.ndarray:

@@ -1,0 +1,122 @@
+"""Command line: python -m benchmarks [--quick|--full] [--out DIR] [--only kernels|model] [--no-plots].
+
+Progress goes to stderr; the summary table is the last thing printed to stdout. GPU libraries
+are imported only after the arguments are parsed, so --help works anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import report
+
+DEFAULT_OUT = Path("bench-results")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="tilekit kernels and GPT-2 against torch / CuPy / Hugging Face on this GPU. "
+                    "Writes results.json, results.csv, summary.txt and PNG charts under --out.")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
+                      help="a representative subset, about 2 minutes beyond kernel compilation (default)")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full",
+                      help="every shape, both HF attention implementations, torch.compile; longer")
+    ap.set_defaults(mode="quick")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
+                    help=f"output directory (default: {DEFAULT_OUT}/)")
+    ap.add_argument("--only", choices=("kernels", "model"), help="run one suite only")
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+class Log:
+    """Timestamped progress lines on stderr."""
+
+    def __init__(self, stream=None):
+        self.t0 = time.perf_counter()
+        self.stream = stream if stream is not None else sys.stderr
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", file=self.stream, flush=True)
+
+
+def calibrate(log) -> dict:
+    from benchmarks import timing
+    log("calibrating: device-to-device copy bandwidth")
+    copy = timing.copy_bandwidth()
+    log(f"    copy {copy['gbs']:.0f} GB/s (memcpy {copy['memcpy_gbs']:.0f}, kernel {copy['kernel_gbs']:.0f})")
+    log("calibrating: torch.matmul bf16 8192^3")
+    peak = timing.matmul_peak_tflops()
+    log(f"    matmul {peak:.0f} TFLOP/s")
+    return {"copy_bandwidth_gbs": copy["gbs"], "copy": copy, "matmul_peak_tflops": peak}
+
+
+def gpu_problem() -> str | None:
+    """Why the benchmarks cannot run here, or None."""
+    from tilekit.device import gpu_unavailable_reason
+    reason = gpu_unavailable_reason()
+    if reason:
+        return reason
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed (every anchor is a torch op)"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    return None
+
+
+def write_outputs(out: Path, meta: dict, rows: list, plots: bool, log) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    report.write_json(out / "results.json", meta, rows)
+    report.write_csv(out / "results.csv", rows)
+    table = report.format_table(rows, meta)
+    (out / "summary.txt").write_text(table + "\n")
+    if plots:
+        from benchmarks import plots as charts
+        if charts.available():
+            try:
+                for path in charts.write_all(rows, meta, out):
+                    log(f"wrote {path}")
+            except Exception as e:  # noqa: BLE001 - a chart is never worth the results
+                log(f"plots failed: {type(e).__name__}: {e}")
+        else:
+            log("matplotlib is not installed: no plots")
+    log(f"wrote {out / 'results.json'}, {out / 'results.csv'}, {out / 'summary.txt'}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    log = Log()
+    problem = gpu_problem()
+    if problem:
+        print(f"benchmarks need a CUDA GPU with PyTorch: {problem}", file=sys.stderr)
+        return 2
+    from benchmarks import kernels, model, system, timing
+    meta = system.environment(args.mode, argv)
+    log(f"{meta['gpu']['name']} ({meta['gpu']['sm_count']} SMs), mode {args.mode}, out {args.out}")
+    rows: list = []
+    try:
+        with timing.shared_stream():
+            meta["calibration"] = calibrate(log)
+            if args.only in (None, "kernels"):
+                rows += kernels.run(args.mode, meta["calibration"], log)
+            if args.only in (None, "model"):
+                rows += model.run(args.mode, meta["calibration"], log)
+    finally:   # an interrupted or crashed run still leaves what it measured
+        meta["nvidia_smi_end"] = system.nvidia_smi(meta["gpu"].get("pci_bus_id"))
+        meta["elapsed_s"] = round(time.perf_counter() - log.t0, 1)
+        table = write_outputs(args.out, meta, rows, not args.no_plots, log)
+    print(table, flush=True)
+    return report.exit_code(rows)

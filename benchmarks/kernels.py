@@ -1,0 +1,247 @@
+"""Each tilekit kernel against its anchor (torch, CuPy) with the same timer and L2 policy.
+
+`plan(mode)` lists the cases as plain data (no GPU needed); `build(case)` makes fresh random
+inputs on the GPU and the callables to time; `run_case` checks every output against the anchor
+before timing and turns the result into report rows.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+from benchmarks import checks, timing
+from benchmarks.report import Row, fill_times
+
+M_TOKENS = 8192
+HEAD_DIM = 64
+PRESET_WIDTH = {"gpt2": 768, "gpt2-xl": 1600}
+DECODE_HEADS = 12                       # gpt2
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str          # linear | linear_gelu | attention | layer_norm | gelu | decode_attention
+    params: tuple      # kind-specific, see build()
+
+
+def linear_layers(C: int) -> list[tuple[str, int, int]]:
+    """(layer, K, N) of GPT-2's four matmuls for width C (weights are [K, N] = [in, out])."""
+    return [("attn.c_attn", C, 3 * C), ("attn.c_proj", C, C), ("mlp.c_fc", C, 4 * C), ("mlp.c_proj", 4 * C, C)]
+
+
+def plan(mode: str) -> list[Case]:
+    """The cases of a run; quick is a subset of full."""
+    if mode not in ("quick", "full"):
+        raise ValueError(f"mode must be 'quick' or 'full', got {mode!r}")
+    full = mode == "full"
+    cases = []
+    for preset, C in PRESET_WIDTH.items():
+        cases += [Case("linear", (preset, layer, M_TOKENS, K, N)) for layer, K, N in linear_layers(C)]
+    for preset, C in PRESET_WIDTH.items():
+        cases.append(Case("linear_gelu", (preset, "mlp.c_fc", M_TOKENS, C, 4 * C)))
+    attn = [(8, 12, 1024), (1, 25, 1024)] + ([(4, 16, 4096)] if full else [])
+    cases += [Case("attention", (B, H, T, HEAD_DIM)) for B, H, T in attn]
+    ln = [(8192, 768), (8192, 1600), (32768, 1600)] + ([(16384, 4096)] if full else [])
+    cases += [Case("layer_norm", s) for s in ln]
+    cases.append(Case("gelu", (16384, 4096)))
+    decode = [(b, t) for b in (1, 8, 32) for t in (1024, 8192)] if full else [(1, 1024), (8, 8192), (32, 8192)]
+    cases += [Case("decode_attention", (B, DECODE_HEADS, ctx, HEAD_DIM)) for B, ctx in decode]
+    return cases
+
+
+@dataclass
+class Built:
+    label: str
+    shape: str
+    unit: str                                  # "TFLOP/s" or "GB/s"
+    work: float
+    roofline_name: str                         # "matmul_peak_tflops" or "copy_bandwidth_gbs"
+    tilekit: Callable
+    anchors: list[tuple[str, Callable]]
+
+
+def describe(case: Case) -> tuple[str, str]:
+    """(table label, full shape) of a case, without touching the GPU."""
+    p = case.params
+    if case.kind in ("linear", "linear_gelu"):
+        preset, layer, M, K, N = p
+        name = "linear" if case.kind == "linear" else "lin+gelu"
+        return f"{name} {preset} {layer} {K}x{N}", f"M={M} K={K} N={N}"
+    if case.kind == "attention":
+        B, H, T, D = p
+        return f"attention causal B{B} H{H} T{T}", f"B={B} H={H} T={T} D={D}"
+    if case.kind == "layer_norm":
+        return f"layer_norm {p[0]}x{p[1]}", f"M={p[0]} N={p[1]}"
+    if case.kind == "gelu":
+        return f"gelu tanh {p[0]}x{p[1]}", f"{p[0]}x{p[1]}"
+    if case.kind == "decode_attention":
+        B, H, ctx, D = p
+        return f"decode_attn B{B} H{H} ctx{ctx}", f"B={B} H={H} nq=1 ctx={ctx} D={D}"
+    raise ValueError(f"unknown case kind {case.kind!r}")
+
+
+def work_of(case: Case, itemsize: int = 2) -> tuple[str, float, str]:
+    """(unit, flops or bytes of one call, roofline key) of a case."""
+    p = case.params
+    if case.kind in ("linear", "linear_gelu"):
+        _, _, M, K, N = p
+        return "TFLOP/s", 2.0 * M * N * K, "matmul_peak_tflops"
+    if case.kind == "attention":
+        B, H, T, D = p
+        return "TFLOP/s", 2.0 * B * H * T * T * D, "matmul_peak_tflops"
+    if case.kind == "layer_norm":
+        M, N = p
+        return "GB/s", float(2 * M * N * itemsize + 2 * N * itemsize), "copy_bandwidth_gbs"
+    if case.kind == "gelu":
+        return "GB/s", float(2 * math.prod(p) * itemsize), "copy_bandwidth_gbs"
+    if case.kind == "decode_attention":
+        B, H, ctx, D = p
+        return "GB/s", float(2 * B * H * ctx * D * itemsize), "copy_bandwidth_gbs"
+    raise ValueError(f"unknown case kind {case.kind!r}")
+
+
+class Unavailable(Exception):
+    """An anchor this installation cannot run: its rows are skipped, with the reason."""
+
+
+def _raiser(exc: Exception) -> Callable:
+    def fail():
+        raise exc
+    return fail
+
+
+def _cupy_matmul(x, w) -> Callable:
+    """cupy.matmul on zero-copy views of x and w, or a callable raising Unavailable."""
+    try:
+        import cupy
+        xc, wc = cupy.from_dlpack(x), cupy.from_dlpack(w)
+        cupy.matmul(xc[:16, :16], wc[:16, :16])          # probe: bf16 support differs by CuPy version
+    except Exception as e:  # noqa: BLE001
+        return _raiser(Unavailable(f"cupy.matmul on {x.dtype}: {_short(e)}"))
+    return lambda: cupy.matmul(xc, wc)
+
+
+def build(case: Case) -> Built:
+    """Fresh random bf16 inputs (torch.randn) and the callables: tilekit first, then anchors."""
+    import torch
+    import torch.nn.functional as F
+    import tilekit.kernels as tk
+    bf16, dev = torch.bfloat16, "cuda"
+    label, shape = describe(case)
+    unit, work, roof = work_of(case)
+    p = case.params
+
+    def randn(*shape, scale=1.0, mean=0.0):
+        return (torch.randn(*shape, device=dev, dtype=torch.float32) * scale + mean).to(bf16)
+
+    if case.kind in ("linear", "linear_gelu"):
+        _, _, M, K, N = p
+        x, w = randn(M, K), randn(K, N, scale=1 / math.sqrt(K))
+        if case.kind == "linear":
+            return Built(label, shape, unit, work, roof, lambda: tk.linear(x, w),
+                         [("torch.matmul", lambda: torch.matmul(x, w)), ("cupy.matmul", _cupy_matmul(x, w))])
+        b = randn(N, scale=0.5)
+        return Built(label, shape, unit, work, roof, lambda: tk.linear(x, w, b, activation="gelu"),
+                     [("mm+bias+gelu", lambda: F.gelu(torch.matmul(x, w) + b, approximate="tanh")),
+                      ("addmm+gelu", lambda: F.gelu(torch.addmm(b, x, w), approximate="tanh"))])
+    if case.kind == "attention":
+        B, H, T, D = p
+        q, k, v = (randn(B, H, T, D) for _ in range(3))
+        return Built(label, shape, unit, work, roof, lambda: tk.attention(q, k, v, causal=True),
+                     [("torch.sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))])
+    if case.kind == "layer_norm":
+        M, N = p
+        x, w, b = randn(M, N), randn(N, scale=0.1, mean=1.0), randn(N, scale=0.1)
+        return Built(label, shape, unit, work, roof, lambda: tk.layer_norm(x, w, b, 1e-5),
+                     [("F.layer_norm", lambda: F.layer_norm(x, (N,), w, b, 1e-5))])
+    if case.kind == "gelu":
+        x = randn(*p, scale=2.0)
+        return Built(label, shape, unit, work, roof, lambda: tk.gelu(x, approximate="tanh"),
+                     [("F.gelu", lambda: F.gelu(x, approximate="tanh"))])
+    if case.kind == "decode_attention":
+        B, H, ctx, D = p
+        q, k, v = randn(B, H, 1, D), randn(B, H, ctx, D), randn(B, H, ctx, D)
+        lengths = torch.full((B,), ctx, dtype=torch.int32, device=dev)
+        return Built(label, shape, unit, work, roof, lambda: tk.decode_attention(q, k, v, lengths),
+                     [("torch.sdpa", lambda: F.scaled_dot_product_attention(q, k, v))])
+    raise ValueError(f"unknown case kind {case.kind!r}")
+
+
+def _row(case: Case, anchor: str, calib: dict) -> Row:
+    label, shape = describe(case)
+    unit, work, roof = work_of(case)
+    return Row(suite="kernels", name=case.kind, label=label, shape=shape, anchor=anchor, unit=unit,
+               work=work, roofline=calib.get(roof), roofline_name=roof,
+               tolerance=checks.TOLERANCE["bfloat16"], params={"kind": case.kind, "params": list(case.params)})
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def run_case(case: Case, calib: dict, *, reps: int, warmup: int = 5, log=print) -> list[Row]:
+    """One row per anchor: check tilekit's output against the anchor's, then time both."""
+    try:
+        b = build(case)
+    except Exception as e:  # noqa: BLE001
+        log(traceback.format_exc())
+        row = _row(case, "-", calib)
+        row.status, row.note = "error", f"inputs: {_short(e)}"
+        return [row]
+    rows = [_row(case, name, calib) for name, _ in b.anchors]
+    try:
+        out = b.tilekit()                                    # also compiles the kernel
+    except Exception as e:  # noqa: BLE001
+        log(traceback.format_exc())
+        for r in rows:
+            r.status, r.note = "error", f"tilekit: {_short(e)}"
+        return rows
+    tk_time = None
+    for r, (name, fn) in zip(rows, b.anchors):
+        try:
+            ref = fn()
+            r.error = checks.rel_error(out, ref)
+            del ref
+            if not r.error < r.tolerance:
+                r.status, r.note = "failed", f"relative error {r.error:.3g} >= tolerance {r.tolerance:g}"
+                continue
+            if tk_time is None:
+                tk_time = timing.measure(b.tilekit, flush_l2=True, warmup=warmup, reps=reps)
+            fill_times(r, tk_time, timing.measure(fn, flush_l2=True, warmup=warmup, reps=reps))
+        except Unavailable as e:
+            r.status, r.note = "skipped", str(e)
+        except Exception as e:  # noqa: BLE001
+            log(traceback.format_exc())
+            r.status, r.note = "error", f"{name}: {_short(e)}"
+    return rows
+
+
+def run(mode: str, calib: dict, log=print) -> list[Row]:
+    reps = 30 if mode == "quick" else 100
+    rows, cases = [], plan(mode)
+    for i, case in enumerate(cases):
+        label, _ = describe(case)
+        log(f"[kernels {i + 1}/{len(cases)}] {label}")
+        new = run_case(case, calib, reps=reps, log=log)
+        for r in new:
+            log(f"    vs {r.anchor}: " + (f"tilekit {r.tilekit_ms:.4f} ms, anchor {r.anchor_ms:.4f} ms, "
+                                          f"ratio {r.ratio:.2f}, err {r.error:.1e}" if r.status == "ok"
+                                          else f"{r.status}: {r.note}"))
+        rows += new
+        _free()
+    return rows
+
+
+def _free() -> None:
+    """Return the cases' inputs to the allocators so later cases see the same free memory."""
+    import gc
+    gc.collect()
+    try:
+        import torch
+        torch.cuda.empty_cache()
+    except ImportError:
+        pass

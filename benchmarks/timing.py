@@ -1,0 +1,167 @@
+"""One timer for tilekit and its anchors: CUDA events on one shared stream, L2 flushed per rep.
+
+Both sides must run on the same stream, or the events would time the wrong work. tilekit
+launches on torch's current stream for torch tensors and on CuPy's current stream for CuPy
+arrays; torch and cuBLAS run on torch's current stream. `shared_stream()` makes CuPy's current
+stream torch's current stream (by default the legacy default stream, handle 0), and `measure`
+refuses to run when the two differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import time
+
+import numpy as np
+
+FLUSH_MIN_BYTES = 256 << 20     # well above any current L2 (H100: 50 MB, B200: 126 MB)
+_flush_buffers: dict[int, object] = {}
+
+
+def summarize(times_ms) -> dict:
+    """median / p10 / p90 (ms) of individually timed reps."""
+    t = np.asarray(list(times_ms), np.float64)
+    if t.size == 0:
+        raise ValueError("no timings to summarize")
+    return {"median_ms": float(np.median(t)), "p10_ms": float(np.percentile(t, 10)),
+            "p90_ms": float(np.percentile(t, 90)), "reps": int(t.size)}
+
+
+@contextlib.contextmanager
+def shared_stream():
+    """Run the block with CuPy's current stream set to torch's current stream."""
+    import cupy
+    torch_stream = None
+    if "torch" in sys.modules or _torch_importable():
+        import torch
+        torch_stream = torch.cuda.current_stream()
+    if torch_stream is None or torch_stream.cuda_stream == 0:
+        stream = cupy.cuda.Stream.null                 # the legacy default stream
+    else:
+        try:
+            stream = cupy.cuda.Stream.from_external(torch_stream)
+        except (AttributeError, TypeError):            # older CuPy / torch without the protocol
+            stream = cupy.cuda.ExternalStream(torch_stream.cuda_stream)
+    with stream:
+        yield stream
+
+
+def _torch_importable() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _check_streams(stream) -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        handle = torch.cuda.current_stream().cuda_stream
+        if handle != stream.ptr:
+            raise RuntimeError(f"torch's current stream ({handle:#x}) is not CuPy's ({stream.ptr:#x}); "
+                               "run inside benchmarks.timing.shared_stream()")
+
+
+def flush_buffer():
+    """A device buffer of max(256 MB, 4 x L2) bytes; writing it evicts everything from L2."""
+    import cupy
+    dev = cupy.cuda.runtime.getDevice()
+    buf = _flush_buffers.get(dev)
+    if buf is None:
+        l2 = int(cupy.cuda.Device(dev).attributes.get("L2CacheSize", 0))
+        buf = _flush_buffers[dev] = cupy.empty(max(FLUSH_MIN_BYTES, 4 * l2), dtype=cupy.uint8)
+    return buf
+
+
+def measure(fn, *, flush_l2: bool, warmup: int = 5, reps: int = 30) -> dict:
+    """GPU time of fn() on the current stream: each rep between two CUDA events, median of reps.
+
+    With flush_l2 a >= 256 MB buffer is written before each rep, outside the timed region, so
+    every rep starts with a cold L2. Returns dict(median_ms, p10_ms, p90_ms, reps).
+    """
+    import cupy
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
+    stream = cupy.cuda.get_current_stream()
+    _check_streams(stream)
+    buf = flush_buffer() if flush_l2 else None
+    for _ in range(warmup):
+        fn()
+    starts = [cupy.cuda.Event() for _ in range(reps)]
+    ends = [cupy.cuda.Event() for _ in range(reps)]
+    for i in range(reps):
+        if buf is not None:
+            buf.fill(1 + i % 250)        # non-zero: an elementwise kernel that writes every byte
+        starts[i].record(stream)
+        fn()
+        ends[i].record(stream)
+    ends[-1].synchronize()
+    return summarize(cupy.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends))
+
+
+def synchronize() -> None:
+    """Wait for all work on the current device, whichever stream or library issued it."""
+    import cupy
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def wall_time(fn, *, warmup: int = 1, runs: int = 3) -> dict:
+    """Host wall time (perf_counter) of fn(), device-synchronized before and after; median of runs."""
+    for _ in range(warmup):
+        synchronize()
+        fn()
+    synchronize()
+    times = []
+    for _ in range(runs):
+        synchronize()
+        t0 = time.perf_counter()
+        fn()
+        synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return summarize(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> dict:
+    """Device-to-device copy bandwidth, (bytes read + bytes written) / median time, in GB/s.
+
+    Two copies are timed (cudaMemcpyAsync and an 8-byte-per-thread CuPy kernel); `gbs` is the
+    faster of the two, the roofline used for memory-bound rows.
+    """
+    import cupy
+    n = nbytes // 8
+    src = cupy.arange(n, dtype=cupy.int64)
+    dst = cupy.empty_like(src)
+    stream = cupy.cuda.get_current_stream()
+    copy_kernel = cupy.ElementwiseKernel("T x", "T y", "y = x", "tilekit_bench_copy")
+    moved = 2 * n * 8
+    memcpy = measure(lambda: dst.data.copy_from_device_async(src.data, n * 8, stream),
+                     flush_l2=False, warmup=3, reps=reps)
+    kernel = measure(lambda: copy_kernel(src, dst), flush_l2=False, warmup=3, reps=reps)
+    if not bool((dst == src).all()):
+        raise RuntimeError("copy bandwidth probe produced a wrong copy")
+    result = {"bytes_moved": moved, "memcpy_gbs": gbs(moved, memcpy["median_ms"]),
+              "kernel_gbs": gbs(moved, kernel["median_ms"])}
+    result["gbs"] = max(result["memcpy_gbs"], result["kernel_gbs"])
+    return result
+
+
+def copy_bandwidth_gbs() -> float:
+    return copy_bandwidth()["gbs"]
+
+
+def matmul_peak_tflops(n: int = 8192, reps: int = 20) -> float:
+    """torch.matmul bf16 n^3 on random data with the same timer: 2 n^3 / median time."""
+    import torch
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    t = measure(lambda: torch.matmul(a, b), flush_l2=False, warmup=5, reps=reps)
+    return tflops(2 * n ** 3, t["median_ms"])
+
+
+def gbs(nbytes: float, ms: float) -> float:
+    """GB/s (1e9 bytes per second) for nbytes moved in ms milliseconds."""
+    return nbytes / ms / 1e6
+
+
+def tflops(flops: float, ms: float) -> float:
+    """TFLOP/s for flops in ms milliseconds."""
+    return flops / ms / 1e9

@@ -261,6 +261,7 @@ def _forward(model):
 
 def _compiled(model, log):
     import torch
+    import torch._dynamo
     for knob in ("recompile_limit", "cache_size_limit"):    # one graph per (B, T): keep them all
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
@@ -275,28 +276,36 @@ def run_preset(p: ModelPlan, calib: dict, log, seed: int = 0) -> list[Row]:
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     impls = sorted(set(p.prefill_impls) | set(p.decode_impls), key=("sdpa", "eager").index)
-    models = {}
+    models, rows = {}, []
     with torch.no_grad():      # not inference_mode: its tensors would become the parameters
         base = build_hf(config, "sdpa", seed=seed)
         models["sdpa"] = base
         for impl in impls:
-            if impl not in models:
+            if impl in models:
+                continue
+            try:
                 models[impl] = build_hf(config, impl, like=base)
+            except Exception as e:  # noqa: BLE001 - the other variants still run
+                log(traceback.format_exc())
+                rows.append(Row(suite="model", name="prefill", label=f"model {p.preset}", shape="-",
+                                anchor=f"HF {impl}", status="error", note=f"building HF {impl}: {_short(e)}"))
         state = tilekit_state(base, config)
     gpt = GPT(config, dtype="bfloat16", state=state)
     del state
-    log(f"[model {p.preset}] built HF ({', '.join(impls)}) and tilekit models in {time.perf_counter() - t0:.1f} s")
-    rows = []
+    log(f"[model {p.preset}] built HF ({', '.join(models)}) and tilekit models in {time.perf_counter() - t0:.1f} s")
     with torch.inference_mode():
-        prefill = {f"HF {i}": _forward(models[i]) for i in p.prefill_impls}
+        prefill = {f"HF {i}": _forward(models[i]) for i in p.prefill_impls if i in models}
         if p.compile:
             try:
                 prefill["HF compile"] = _compiled(base, log)
             except Exception as e:  # noqa: BLE001
                 log(f"    torch.compile unavailable: {_short(e)}")
+                rows.append(Row(suite="model", name="prefill", label=f"model {p.preset}", shape="-",
+                                anchor="HF compile", status="skipped", note=f"torch.compile: {_short(e)}"))
         rows += run_prefill(p, config, gpt, prefill, calib, log, rng)
-        rows += run_decode(p, config, gpt, {f"HF {i}": models[i] for i in p.decode_impls}, calib, log, rng)
-    del gpt, models, base, prefill
+        decode = {f"HF {i}": models[i] for i in p.decode_impls if i in models}
+        rows += run_decode(p, config, gpt, decode, calib, log, rng)
+    del gpt, models, base, prefill, decode
     _free()
     return rows
 

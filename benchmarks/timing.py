@@ -42,7 +42,7 @@ def shared_stream():
     else:
         try:
             stream = cupy.cuda.Stream.from_external(torch_stream)
-        except (AttributeError, TypeError):            # older CuPy / torch without the protocol
+        except Exception:  # noqa: BLE001 - older CuPy or torch without the stream protocol
             stream = cupy.cuda.ExternalStream(torch_stream.cuda_stream)
     with stream:
         yield stream

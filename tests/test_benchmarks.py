@@ -269,6 +269,29 @@ def test_write_outputs_without_plots(tmp_path):
     assert (tmp_path / "out" / "summary.txt").read_text().strip() == table.strip()
 
 
+def test_main_orchestration(tmp_path, monkeypatch, capsys):
+    import contextlib
+    calls = []
+    monkeypatch.setattr(cli, "gpu_problem", lambda: None)
+    monkeypatch.setattr(cli, "calibrate", lambda log: dict(META["calibration"]))
+    monkeypatch.setattr(system, "environment", lambda mode, argv: {"mode": mode, "argv": argv, "gpu": dict(META["gpu"])})
+    monkeypatch.setattr(system, "nvidia_smi", lambda bus=None: {})
+    monkeypatch.setattr(timing, "shared_stream", contextlib.nullcontext)
+    monkeypatch.setattr(kernels, "run", lambda mode, cal, log: calls.append(("kernels", mode)) or fake_rows()[:2])
+    monkeypatch.setattr(model, "run", lambda mode, cal, log: calls.append(("model", mode)) or fake_rows()[5:])
+    out = tmp_path / "res"
+    assert cli.main(["--full", "--out", str(out), "--no-plots"]) == 0
+    assert calls == [("kernels", "full"), ("model", "full")]
+    stdout = capsys.readouterr().out
+    assert stdout.rstrip().splitlines()[-1].startswith("3/3 rows measured")
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["meta"]["mode"] == "full" and doc["meta"]["calibration"]["matmul_peak_tflops"] == 765.2
+    assert "elapsed_s" in doc["meta"] and len(doc["rows"]) == 3
+    calls.clear()
+    assert cli.main(["--only", "kernels", "--out", str(out), "--no-plots"]) == 0
+    assert calls == [("kernels", "quick")]
+
+
 def test_charts(tmp_path):
     pytest.importorskip("matplotlib")
     from benchmarks import plots
@@ -284,3 +307,91 @@ def test_smi_parsing():
     assert d == {"name": "NVIDIA H200", "clocks.current.sm": "1980 MHz", "clocks.current.memory": "3201 MHz",
                  "clocks.max.sm": "1980 MHz", "driver_version": "580.159.03"}
     assert system.parse_smi_csv("") == {}
+
+
+# -- GPU smoke tests: small shapes through every GPU path; skipped without a GPU and PyTorch ------
+
+def _gpu_reason():
+    import importlib.util
+    from tilekit.device import gpu_unavailable_reason
+    reason = gpu_unavailable_reason()
+    if reason:
+        return reason
+    if importlib.util.find_spec("torch") is None:
+        return "PyTorch is not installed"
+    import torch
+    return None if torch.cuda.is_available() else "torch sees no CUDA device"
+
+
+GPU_REASON = _gpu_reason()
+gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"GPU smoke test: {GPU_REASON}")
+CALIB = {"copy_bandwidth_gbs": 3000.0, "matmul_peak_tflops": 800.0}
+
+
+@gpu
+def test_gpu_timer_streams_and_calibration():
+    import torch
+    with timing.shared_stream() as s:
+        assert s.ptr == torch.cuda.current_stream().cuda_stream
+        a = torch.randn(1024, 1024, device="cuda")
+        t = timing.measure(lambda: a @ a, flush_l2=True, warmup=1, reps=5)
+        assert t["reps"] == 5 and 0 < t["p10_ms"] <= t["median_ms"] <= t["p90_ms"]
+        cal = cli.calibrate(lambda m: None)
+        assert 300 < cal["copy_bandwidth_gbs"] < 50000 and 20 < cal["matmul_peak_tflops"] < 10000
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with timing.shared_stream() as s:          # follows torch onto a side stream
+            assert s.ptr == side.cuda_stream
+            assert timing.measure(lambda: a @ a, flush_l2=False, warmup=0, reps=2)["reps"] == 2
+        with pytest.raises(RuntimeError, match="current stream"):
+            timing.measure(lambda: None, flush_l2=False, reps=1)   # CuPy still on its own stream
+
+
+@gpu
+def test_gpu_rel_error_across_kinds():
+    import cupy
+    import torch
+    x = torch.randn(4096, device="cuda").to(torch.bfloat16)
+    assert checks.rel_error(x, x) == 0.0
+    assert checks.rel_error(x, cupy.from_dlpack(x.float())) == 0.0
+    assert checks.rel_error(x.float() * 1.01, x.float()) == pytest.approx(0.01, rel=1e-4)
+    from tilekit.kernels.arrays import random_array
+    c = random_array((64, 64), "bfloat16", 0, cupy.random.default_rng(0))
+    widened = checks.bf16_bits_to_f64(c.view(cupy.uint16), cupy)
+    assert checks.rel_error(c, widened) == 0.0 and checks.rel_error(c.T, widened.T) == 0.0
+
+
+SMALL_CASES = [kernels.Case("linear", ("tiny", "x", 256, 128, 384)),
+               kernels.Case("linear_gelu", ("tiny", "x", 256, 128, 512)),
+               kernels.Case("attention", (1, 2, 128, 64)),
+               kernels.Case("layer_norm", (64, 256)),
+               kernels.Case("gelu", (64, 256)),
+               kernels.Case("decode_attention", (2, 2, 256, 64))]
+
+
+@gpu
+@pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: c.kind)
+def test_gpu_kernel_cases(case):
+    with timing.shared_stream():
+        rows = kernels.run_case(case, CALIB, reps=3, warmup=1, log=print)
+    assert rows
+    for r in rows:
+        allowed = ("ok", "skipped") if r.anchor == "cupy.matmul" else ("ok",)
+        assert r.status in allowed, (r.anchor, r.status, r.note)
+        if r.status == "ok":
+            assert r.tilekit_ms > 0 and r.anchor_ms > 0 and r.error < r.tolerance and r.tilekit_perf > 0
+
+
+@gpu
+def test_gpu_model_tiny():
+    pytest.importorskip("transformers")
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=1000, block_size=512)
+    p = model.ModelPlan("tiny", prefill=((2, 64),), decode=(1,), prefill_reps=2, config=config)
+    with timing.shared_stream():
+        rows = model.run_preset(p, CALIB, log=print)
+    assert [(r.name, r.anchor) for r in rows] == [("prefill", "HF sdpa"), ("prefill", "HF eager"),
+                                                  ("generate", "HF sdpa"), ("generate", "HF eager")]
+    for r in rows:
+        assert r.status == "ok", (r.label, r.anchor, r.status, r.note)
+        assert r.tilekit_ms > 0 and r.anchor_ms > 0 and r.pct_roofline is not None
+    assert all(r.error < 5e-2 for r in rows if r.name == "prefill")

@@ -304,3 +304,11 @@ def test_layer_norm_selected_rows():
     layer_norm(x, w, b, rows=cupy.asarray(rows), out=out)
     ref = layer_norm_reference(host(x).reshape(45, 768)[rows], host(w), host(b))
     assert rel_err(host(out), ref) < TOL["bfloat16"]
+
+
+def test_split_k_scratch_is_left_clean_for_the_next_call():
+    """The last-arriving program zeroes the split-K partial sums: repeated calls stay exact."""
+    config = dict(TM=16, TN=64, TK=64, GROUP_M=8, SPLIT_K=8, occupancy=1, num_ctas=1)
+    with LINEAR.pinned(config):
+        for _ in range(3):
+            check_linear(3, 777, 1024, "bfloat16", act="gelu", res=True)

@@ -67,14 +67,14 @@ def test_precompiled_configs_are_cache_hits_for_the_jit(tmp_path):
         from tilekit.autotune.compile import precompile
         from tilekit.autotune.op import registered_ops
         from tilekit.device import device_info
-        from tests.gpu.test_kernels import SPACE_CASES
+        from tests.gpu.test_kernels import OPS, SPACE_CASES
         import os
         cache = os.environ["CUDA_TILE_CACHE_DIR"]
         ops = registered_ops()
-        cases = dict(SPACE_CASES, embedding=dict(dtype="bfloat16", ids="int32", M=100, C=768, V=1031, P=64),
-                     kv_write=dict(dtype="bfloat16", B=2, H=3, T=5, capacity=64, D=64),
-                     greedy=dict(dtype="float32", B=2, V=1031, L=64))
-        tasks = [(n, ops[n].problem_key(p)[0], ops[n].default(ops[n].problem_key(p)[0])) for n, p in cases.items()]
+        cases = [(OPS[n].name, p) for n, p in SPACE_CASES.items()] + [
+            ("embedding", dict(dtype="bfloat16", ids="int32", M=100, C=768, V=1031, P=64)),
+            ("kv_write", dict(dtype="bfloat16", B=2, H=3, T=5, capacity=64, D=64))]
+        tasks = [(n, ops[n].problem_key(p)[0], ops[n].default(ops[n].problem_key(p)[0])) for n, p in cases]
         ok, errors = precompile(tasks, device_info().arch, workers=4)
         assert not errors, errors
         before = sum(1 for _ in cache_entries(cache))

@@ -9,8 +9,8 @@ from tilekit.autotune.compile import precompile
 from tilekit.autotune.op import registered_ops
 
 PROBLEMS = {
-    "linear": [dict(dtype="bfloat16", M=8192, N=2304, K=768, wt="kn", bias=1, act="gelu", res=0, tf32=0, ln=0),
-               dict(dtype="float32", M=3, N=1031, K=72, wt="nk", bias=0, act="none", res=1, tf32=1, ln=1)],
+    "linear": [dict(dtype="bfloat16", M=8192, N=2304, K=768, wt="kn", bias=1, act="gelu", res=0, tf32=0),
+               dict(dtype="float32", M=3, N=1031, K=72, wt="nk", bias=0, act="none", res=1, tf32=1)],
     "layer_norm": [dict(dtype="bfloat16", M=8192, N=1600, gather=0), dict(dtype="float32", M=3, N=20000, gather=0),
                    dict(dtype="bfloat16", M=8, N=768, gather=1)],
     "gelu": [dict(dtype="float16", n=1 << 20, exact=1), dict(dtype="float32", n=7, exact=0)],

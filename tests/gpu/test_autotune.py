@@ -15,7 +15,7 @@ from tilekit.autotune.tuner import tune  # noqa: E402
 from tilekit.device import device_info  # noqa: E402
 from tilekit.kernels.linear import LINEAR  # noqa: E402
 
-SMALL = dict(dtype="bfloat16", M=512, N=256, K=256, wt="kn", bias=1, act="none", res=0, tf32=0, ln=0)
+SMALL = dict(dtype="bfloat16", M=512, N=256, K=256, wt="kn", bias=1, act="none", res=0, tf32=0)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

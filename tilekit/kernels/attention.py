@@ -90,7 +90,7 @@ FIELDS = ("dtype", "B", "H", "Tq", "Tk", "D", "causal")
 
 
 def default_config(p: dict) -> dict:
-    return dict(BM=128 if p["Tq"] >= 128 else 64, BN=64, occupancy=2 if pow2_ceil(p["D"]) <= 64 else 1)
+    return dict(BM=64, BN=128 if p["Tk"] >= 128 else 64, occupancy=2 if pow2_ceil(p["D"]) <= 64 else 1)
 
 
 def _grid(p: dict, c: dict) -> tuple:

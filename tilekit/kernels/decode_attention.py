@@ -86,7 +86,7 @@ def _fits(c: dict, p: dict) -> bool:
     return c["BN"] <= c["CHUNK"] and c["CHUNK"] <= max(256, pow2_ceil(p["capacity"]))
 
 
-SPACE = SearchSpace(_fits, BN=(32, 64, 128), CHUNK=(128, 256, 512, 1024, 2048), occupancy=(1, 2, 4))
+SPACE = SearchSpace(_fits, BN=(64, 128), CHUNK=(128, 256, 512, 1024, 2048), occupancy=(2, 4))
 FIELDS = ("dtype", "B", "H", "nq", "capacity", "D")
 
 
@@ -94,7 +94,7 @@ def default_config(p: dict) -> dict:
     # Aim for about two programs per SM on a 132-SM GPU.
     per_seq = max(1, 264 // (p["B"] * p["H"]))
     chunk = max(256, pow2_ceil(math.ceil(p["capacity"] / per_seq)))
-    return dict(BN=64, CHUNK=min(2048, chunk), occupancy=2)
+    return dict(BN=128, CHUNK=min(2048, chunk), occupancy=4)
 
 
 def _splits(p: dict, c: dict) -> int:

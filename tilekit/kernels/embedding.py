@@ -33,7 +33,7 @@ def _fits(c: dict, p: dict) -> bool:
             and c["TM"] * c["TC"] <= 16384)
 
 
-SPACE = SearchSpace(_fits, TM=(1, 2, 4, 8, 16), TC=(64, 128, 256, 512, 1024, 2048), occupancy=(2, 4))
+SPACE = SearchSpace(_fits, TM=(1, 2, 4), TC=(64, 128, 256, 512, 1024, 2048), occupancy=(2, 4))
 FIELDS = ("dtype", "ids", "M", "C", "V", "P")
 
 

@@ -75,7 +75,7 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, TM=(1, 2, 4, 8, 16), TN=(256, 512, 1024, 2048, 4096, 8192),
-                    occupancy=(1, 2, 4))
+                    occupancy=(2, 4, 8))
 FIELDS = ("dtype", "M", "N", "gather")
 
 

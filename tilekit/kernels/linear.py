@@ -18,23 +18,17 @@ from tilekit.autotune.op import BenchCase, TunableOp
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels import arrays
 from tilekit.kernels.gelu import gelu_reference, gelu_tanh
-from tilekit.kernels.layernorm import layer_norm_reference
 
 ZERO = ct.PaddingMode.ZERO
 
 
 @ct.kernel
-def linear_kernel(X, W, Bias, Res, Y, Partial, Counter, LnW, LnB, eps: float,
+def linear_kernel(X, W, Bias, Res, Y, Partial, Counter,
                   TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
                   GROUP_M: ct.Constant[int], SPLIT_K: ct.Constant[int], W_NK: ct.Constant[bool],
                   HAS_BIAS: ct.Constant[bool], GELU: ct.Constant[bool], HAS_RES: ct.Constant[bool],
-                  TF32: ct.Constant[bool], LN: ct.Constant[bool]):
-    """Y[M, N] = act(norm(X[M, K]) @ W + Bias) + Res; W is [K, N], or [N, K] when W_NK.
-
-    With LN, norm is LayerNorm(LnW, LnB, eps) over each row of X, fused into the loads: the
-    program first takes its rows' mean and variance (two passes over X, which is small next to
-    W and stays in L2), then normalises each X tile before the product, rounding it to X's dtype
-    as a separate LayerNorm kernel would.
+                  TF32: ct.Constant[bool]):
+    """Y[M, N] = act(X[M, K] @ W + Bias) + Res; W is [K, N], or [N, K] when W_NK.
 
     With SPLIT_K > 1 (few rows, as in decoding) SPLIT_K programs share each output tile, each
     summing a slice of K into the fp32 Partial[M, N] with atomics; the last to arrive, counted in
@@ -56,27 +50,10 @@ def linear_kernel(X, W, Bias, Res, Y, Partial, Counter, LnW, LnB, eps: float,
     pid_n = (tile % group_width) // group_rows
 
     k_tiles = ct.cdiv(K, TK)
-    if LN:
-        total = ct.zeros((TM, 1), dtype=ct.float32)
-        for k in range(k_tiles):
-            total = total + ct.sum(ct.load(X, (pid_m, k), (TM, TK), padding_mode=ZERO).astype(ct.float32),
-                                   axis=1, keepdims=True)
-        mean = total / K
-        sq = ct.zeros((TM, 1), dtype=ct.float32)
-        for k in range(k_tiles):
-            x = ct.load(X, (pid_m, k), (TM, TK), padding_mode=ZERO).astype(ct.float32)
-            in_row = (ct.arange(TK, dtype=ct.int32) + k * TK).reshape((1, TK)) < K
-            d = ct.where(in_row, x - mean, 0.0)
-            sq = sq + ct.sum(d * d, axis=1, keepdims=True)
-        rstd = ct.rsqrt(sq / K + eps)
     per_split = ct.cdiv(k_tiles, SPLIT_K)
     acc = ct.zeros((TM, TN), dtype=ct.float32)
     for k in range(split * per_split, ct.minimum(k_tiles, (split + 1) * per_split)):
         a = ct.load(X, (pid_m, k), (TM, TK), padding_mode=ZERO)
-        if LN:
-            lw = ct.load(LnW, (k,), (TK,), padding_mode=ZERO).astype(ct.float32).reshape((1, TK))
-            lb = ct.load(LnB, (k,), (TK,), padding_mode=ZERO).astype(ct.float32).reshape((1, TK))
-            a = ((a.astype(ct.float32) - mean) * rstd * lw + lb).astype(X.dtype)
         if W_NK:
             b = ct.load(W, (k, pid_n), (TK, TN), order=(1, 0), padding_mode=ZERO)
         else:
@@ -120,7 +97,8 @@ def _fits(c: dict, p: dict) -> bool:
             and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
             and (few_rows or c["TN"] >= 32)
             and (m < 256 or (c["TN"] >= 64 and c["TK"] >= 64))      # thin tiles only pay off for few rows
-            and (not few_rows or (c["TN"] <= 128 and c["TK"] >= 64 and c["num_ctas"] == 1))
+            and (c["TK"] <= 128 or few_rows)      # long K steps cut the serial loop when rows are few
+            and (not few_rows or (c["TN"] <= 64 and c["TK"] >= 128 and c["num_ctas"] == 1))
             and (c["SPLIT_K"] == 1 or (few_rows and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])))
             and c["TM"] * c["TN"] <= 128 * 256
             and (c["TM"] + c["TN"]) * c["TK"] * item <= 48 * 1024
@@ -128,24 +106,19 @@ def _fits(c: dict, p: dict) -> bool:
             and (c["num_ctas"] == 1 or (m >= 1024 and c["TM"] >= 128)))
 
 
-SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128, 256), TN=(16, 32, 64, 128, 256), TK=(32, 64, 128),
-                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8, 16), occupancy=(1, 2), num_ctas=(1, 2))
+SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128, 256), TN=(16, 32, 64, 128, 256), TK=(32, 64, 128, 256, 512),
+                    GROUP_M=(8,), SPLIT_K=(1, 2, 4), occupancy=(1, 2), num_ctas=(1, 2))
 
 
 def default_config(p: dict) -> dict:
     m = pow2_ceil(p["M"])
     if m >= 128:
         return dict(TM=128, TN=128, TK=64, GROUP_M=8, SPLIT_K=1, occupancy=1, num_ctas=1)
-    tk = 64 if p["dtype"] == "float32" else 128
-    tiles = ct.cdiv(p["N"], 64) * ct.cdiv(p["M"], max(16, m))
-    split = 1
-    while split < 16 and tiles * split * 2 <= 264 and split * 2 <= ct.cdiv(p["K"], tk):
-        split *= 2
-    return dict(TM=max(16, m), TN=64, TK=tk, GROUP_M=8, SPLIT_K=split if m <= 64 else 1,
-                occupancy=1, num_ctas=1)
+    # Few rows: a GEMV in disguise, bound by how fast W streams in; narrow tiles give more programs.
+    return dict(TM=max(16, m), TN=32, TK=128, GROUP_M=8, SPLIT_K=1, occupancy=1, num_ctas=1)
 
 
-FIELDS = ("dtype", "M", "N", "K", "wt", "bias", "act", "res", "tf32", "ln")
+FIELDS = ("dtype", "M", "N", "K", "wt", "bias", "act", "res", "tf32")
 
 
 def _tiles(p: dict, c: dict) -> int:
@@ -156,10 +129,9 @@ def _grid(p: dict, c: dict) -> tuple:
     return (_tiles(p, c) * c["SPLIT_K"], 1, 1)
 
 
-def _kernel_args(x, w, bias, res, y, partial, counter, ln_w, ln_b, eps: float, p: dict, c: dict) -> tuple:
-    return (x, w, bias, res, y, partial, counter, ln_w, ln_b, float(eps), c["TM"], c["TN"], c["TK"],
-            c["GROUP_M"], c["SPLIT_K"], p["wt"] == "nk", bool(p["bias"]), p["act"] == "gelu", bool(p["res"]),
-            bool(p["tf32"]), bool(p["ln"]))
+def _kernel_args(x, w, bias, res, y, partial, counter, p: dict, c: dict) -> tuple:
+    return (x, w, bias, res, y, partial, counter, c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"],
+            p["wt"] == "nk", bool(p["bias"]), p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
 
 
 _split_scratch: dict[tuple, tuple] = {}
@@ -181,7 +153,7 @@ def _scratch(device: int, stream: int, p: dict, c: dict) -> tuple:
 def _shapes(p: dict) -> dict:
     M, N, K = p["M"], p["N"], p["K"]
     return {"x": (M, K), "w": (N, K) if p["wt"] == "nk" else (K, N), "bias": (N,), "res": (M, N),
-            "y": (M, N), "ln": (K,)}
+            "y": (M, N)}
 
 
 def _signature(p: dict, c: dict):
@@ -191,14 +163,12 @@ def _signature(p: dict, c: dict):
         spec["bias"] = ArraySpec(p["dtype"], (16,))
     if not p["res"]:
         spec["res"] = ArraySpec(p["dtype"], (16, 16))
-    if not p["ln"]:
-        spec["ln"] = ArraySpec(p["dtype"], (16,))
     if c["SPLIT_K"] == 1:
         partial, counter = ArraySpec("float32", (16, 16)), ArraySpec("int32", (16,))
     else:
         partial, counter = ArraySpec("float32", (p["M"], p["N"])), ArraySpec("int32", (_tiles(p, c),))
     return [(linear_kernel, _kernel_args(spec["x"], spec["w"], spec["bias"], spec["res"], spec["y"],
-                                         partial, counter, spec["ln"], spec["ln"], 1e-5, p, c))]
+                                         partial, counter, p, c))]
 
 
 def _bench(p: dict) -> BenchCase:
@@ -210,40 +180,26 @@ def _bench(p: dict) -> BenchCase:
     w = arrays.random_array(s["w"], p["dtype"], dev, rng, 1 / math.sqrt(p["K"]))
     bias = arrays.random_array(s["bias"], p["dtype"], dev, rng) if p["bias"] else arrays.placeholder(dev, p["dtype"], 1)
     res = arrays.random_array(s["res"], p["dtype"], dev, rng) if p["res"] else arrays.placeholder(dev, p["dtype"], 2)
-    ln_w, ln_b = ((arrays.random_array(s["ln"], p["dtype"], dev, rng), arrays.random_array(s["ln"], p["dtype"], dev, rng))
-                  if p["ln"] else (arrays.placeholder(dev, p["dtype"], 1),) * 2)
     y = arrays.empty("cupy", dev, s["y"], p["dtype"])
     return BenchCase(grid=lambda c: _grid(p, c),
-                     args=lambda c: _kernel_args(x, w, bias, res, y, *_scratch(dev, 0, p, c), ln_w, ln_b, 1e-5, p, c))
+                     args=lambda c: _kernel_args(x, w, bias, res, y, *_scratch(dev, 0, p, c), p, c))
 
 
 LINEAR = TunableOp("linear", kernel=linear_kernel, fields=FIELDS, space=SPACE, default=default_config,
                    buckets={"M": pow2_bucket}, bench=_bench, signature=_signature,
                    source_of=(gelu_tanh,),
-                   field_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0, ln=0))
+                   field_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0))
 
 
 # -- public function ---------------------------------------------------------------------------
 
-def _vector(v, name: str, n: int, xi: arrays.Info):
-    """A contiguous (n,) device array of x's dtype and device."""
-    v = arrays.as_device_array(v, name)
-    vi = arrays.info(v, name)
-    arrays.check_same("x", xi, name, vi)
-    if vi.shape != (n,):
-        raise ValueError(f"{name} must have shape ({n},), got {vi.shape}")
-    arrays.check_contiguous(vi, name)
-    return v
-
-
-def linear(x, weight, bias=None, *, activation: str | None = None, residual=None, norm=None, out=None,
+def linear(x, weight, bias=None, *, activation: str | None = None, residual=None, out=None,
            weight_layout: str = "in_out", allow_tf32: bool = False):
-    """act(norm(x) @ W + bias) + residual over the last dimension of x.
+    """act(x @ W + bias) + residual over the last dimension of x.
 
     weight is [in, out] (weight_layout='in_out', GPT-2's Conv1D) or [out, in] ('out_in', e.g. the
-    tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). norm: None or a LayerNorm
-    (weight, bias, eps) applied to x inside the kernel. fp32 inputs use exact fp32 products unless
-    allow_tf32=True. Returns an array of x's kind, or writes into `out`.
+    tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). fp32 inputs use exact fp32
+    products unless allow_tf32=True. Returns an array of x's kind, or writes into `out`.
     """
     x = arrays.as_device_array(x, "x")
     weight = arrays.as_device_array(weight, "weight")
@@ -268,16 +224,15 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
     arrays.check_last_contiguous(wi, "weight")
     M = math.prod(xi.shape[:-1])
     out_shape = xi.shape[:-1] + (N,)
+    x2 = x.reshape(M, K)
     dev = xi.device
     if bias is not None:
-        bias = _vector(bias, "bias", N, xi)
-    if norm is not None:
-        if not (isinstance(norm, tuple) and len(norm) == 3 and isinstance(norm[2], (int, float)) and norm[2] > 0):
-            raise ValueError("norm must be a (weight, bias, eps) tuple with eps > 0")
-        ln_w, ln_b, eps = _vector(norm[0], "norm weight", K, xi), _vector(norm[1], "norm bias", K, xi), norm[2]
-    else:
-        ln_w = ln_b = arrays.placeholder(dev, xi.dtype, 1)
-        eps = 1e-5
+        bias = arrays.as_device_array(bias, "bias")
+        bi = arrays.info(bias, "bias")
+        arrays.check_same("x", xi, "bias", bi)
+        if bi.shape != (N,):
+            raise ValueError(f"bias must have shape ({N},), got {bi.shape}")
+        arrays.check_contiguous(bi, "bias")
     if residual is not None:
         residual = arrays.as_device_array(residual, "residual")
         ri = arrays.info(residual, "residual")
@@ -293,25 +248,23 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
     if M == 0:
         return out
     p = (xi.dtype, M, N, K, "kn" if weight_layout == "in_out" else "nk", int(bias is not None),
-         activation or "none", int(residual is not None), int(allow_tf32), int(norm is not None))
+         activation or "none", int(residual is not None), int(allow_tf32))
     plan = LINEAR.plan((dev,) + p)
     problem = dict(zip(FIELDS, p))
     stream = arrays.stream_for(xi.kind, dev)
-    args = _kernel_args(x.reshape(M, K), weight,
+    args = _kernel_args(x2, weight,
                         bias if bias is not None else arrays.placeholder(dev, xi.dtype, 1),
                         residual if residual is not None else arrays.placeholder(dev, xi.dtype, 2),
                         out.reshape(M, N), *_scratch(dev, arrays.stream_handle(stream), problem, plan.config),
-                        ln_w, ln_b, eps, problem, plan.config)
+                        problem, plan.config)
     ct.launch(stream, _grid(problem, plan.config), plan.kernel, args)
     return out
 
 
-def linear_reference(x, weight, bias=None, *, activation=None, residual=None, norm=None,
+def linear_reference(x, weight, bias=None, *, activation=None, residual=None,
                      weight_layout: str = "in_out") -> np.ndarray:
     """float64 NumPy linear; weight is [in, out] ('in_out', GPT-2 Conv1D) or [out, in] ('out_in')."""
     x = np.asarray(x, np.float64)
-    if norm is not None:
-        x = layer_norm_reference(x, *norm)
     w = np.asarray(weight, np.float64)
     y = x @ (w if weight_layout == "in_out" else w.T)
     if bias is not None:

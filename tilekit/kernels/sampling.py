@@ -45,15 +45,15 @@ def greedy_finish_kernel(BestVal, BestIdx, Tokens, Positions, History, Finished,
 
 
 def _fits(c: dict, p: dict) -> bool:
-    return c["CH"] <= max(512, pow2_ceil(p["V"])) and ct.cdiv(p["V"], c["CH"]) <= 1024
+    return c["CH"] <= max(256, pow2_ceil(p["V"])) and ct.cdiv(p["V"], c["CH"]) <= 1024
 
 
-SPACE = SearchSpace(_fits, CH=(512, 1024, 2048, 4096, 8192), occupancy=(1, 2, 4))
+SPACE = SearchSpace(_fits, CH=(256, 512, 1024, 2048), occupancy=(1, 2, 4))
 FIELDS = ("dtype", "B", "V", "L")
 
 
 def default_config(p: dict) -> dict:
-    return dict(CH=2048, occupancy=2)
+    return dict(CH=512, occupancy=2)
 
 
 def _chunks(p: dict, c: dict) -> int:

@@ -337,6 +337,7 @@ class DecodeState:
         self.history = cupy.zeros((batch, capacity + 1), cupy.int32)
         self.x = cupy.empty((batch, 1, C), dt)
         self.other = cupy.empty((batch, 1, C), dt)
+        self.h = cupy.empty((batch, 1, C), dt)
         self.qkv = cupy.empty((batch, 1, 3 * C), dt)
         self.y = cupy.empty((batch, 1, C), dt)
         self.f = cupy.empty((batch, 1, 4 * C), dt)
@@ -353,19 +354,21 @@ class DecodeState:
         cache = self.cache
         x, other = self.x, self.other
         embedding(self.tokens.reshape(B, 1), m.wte, m.wpe, self.positions.reshape(B, 1), out=x)
-        for i, blk in enumerate(m.blocks):   # LayerNorms ride inside the next linear: one launch less each
-            m._linear(x, blk.attn_w, blk.attn_b, norm=(blk.ln_1_w, blk.ln_1_b, eps), out=self.qkv)
+        for i, blk in enumerate(m.blocks):
+            layer_norm(x, blk.ln_1_w, blk.ln_1_b, eps, out=self.h)
+            m._linear(self.h, blk.attn_w, blk.attn_b, out=self.qkv)
             q, k, v = (self.qkv.reshape(B, 1, 3, H, D)[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
             write_kv(k, v, cache.k[i], cache.v[i], self.positions)
             decode_attention(q, cache.k[i], cache.v[i], self.positions, length_offset=1,
                              out=self.y.reshape(B, 1, H, D).transpose(0, 2, 1, 3))
             m._linear(self.y, blk.proj_w, blk.proj_b, residual=x, out=other)
             x, other = other, x
-            m._linear(x, blk.fc_w, blk.fc_b, activation="gelu", norm=(blk.ln_2_w, blk.ln_2_b, eps), out=self.f)
+            layer_norm(x, blk.ln_2_w, blk.ln_2_b, eps, out=self.h)
+            m._linear(self.h, blk.fc_w, blk.fc_b, activation="gelu", out=self.f)
             m._linear(self.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=x, out=other)
             x, other = other, x
-        m._linear(x.reshape(B, cfg.n_embd), m.wte, weight_layout="out_in", norm=(m.ln_f_w, m.ln_f_b, eps),
-                  out=self.logits)
+        layer_norm(x, m.ln_f_w, m.ln_f_b, eps, out=self.h)
+        m._linear(self.h.reshape(B, cfg.n_embd), m.wte, weight_layout="out_in", out=self.logits)
         if greedy:
             self.pick()
 

@@ -1,8 +1,7 @@
 """The kernel problems a GPT-2 model runs: what `tilekit tune --model` tunes and `db explain` reports.
 
-Mirrors GPT's prefill (full logits, or last-token logits when generating) and its decode step
-(LayerNorms fused into the following linears), so that every key tuned here is a key the model
-asks for.
+Mirrors GPT's prefill (full logits, or last-token logits when generating) and its decode step, so
+that every key tuned here is a key the model asks for.
 """
 
 from __future__ import annotations
@@ -18,15 +17,14 @@ from tilekit.kernels.sampling import GREEDY
 from tilekit.models.config import GPTConfig
 
 
-def _linears(dtype: str, M: int, C: int, V: int, logits_rows: int | None, ln: int) -> list[tuple[TunableOp, dict]]:
-    """The block's four projections (LayerNorm fused into c_attn and c_fc when ln) and the LM head."""
-    base = dict(dtype=dtype, M=M, wt="kn", bias=1, act="none", res=0, tf32=0, ln=0)
-    out = [(LINEAR, dict(base, N=3 * C, K=C, ln=ln)),                 # ln_1 + attn.c_attn
+def _linears(dtype: str, M: int, C: int, V: int, logits_rows: int | None) -> list[tuple[TunableOp, dict]]:
+    base = dict(dtype=dtype, M=M, wt="kn", bias=1, act="none", res=0, tf32=0)
+    out = [(LINEAR, dict(base, N=3 * C, K=C)),                        # attn.c_attn
            (LINEAR, dict(base, N=C, K=C, res=1)),                     # attn.c_proj + residual
-           (LINEAR, dict(base, N=4 * C, K=C, act="gelu", ln=ln)),     # ln_2 + mlp.c_fc + GELU
+           (LINEAR, dict(base, N=4 * C, K=C, act="gelu")),            # mlp.c_fc + GELU
            (LINEAR, dict(base, N=C, K=4 * C, res=1))]                 # mlp.c_proj + residual
-    if logits_rows is not None:                                       # (ln_f +) tied LM head
-        out.append((LINEAR, dict(base, M=logits_rows, N=V, K=C, wt="nk", bias=0, ln=ln)))
+    if logits_rows is not None:                                       # tied LM head
+        out.append((LINEAR, dict(base, M=logits_rows, N=V, K=C, wt="nk", bias=0)))
     return out
 
 
@@ -47,15 +45,16 @@ def model_problems(config: GPTConfig, dtype: str = "bfloat16", batch_sizes=(1, 8
                 M = B * T
                 add(EMBEDDING, dict(dtype=dtype, ids="int32", M=M, C=C, V=V, P=P))
                 add(LAYER_NORM, dict(dtype=dtype, M=M, N=C, gather=0))
-                for pair in _linears(dtype, M, C, V, M if full_logits else None, ln=0):
+                for pair in _linears(dtype, M, C, V, M if full_logits else None):
                     add(*pair)
                 add(ATTENTION, dict(dtype=dtype, B=B, H=H, Tq=T, Tk=T, D=D, causal=1))
                 add(KV_WRITE, dict(dtype=dtype, B=B, H=H, T=T, capacity=capacity, D=D))
                 add(LAYER_NORM, dict(dtype=dtype, M=B, N=C, gather=1))      # last-token rows
-                add(*_linears(dtype, B, C, V, B, ln=0)[-1])
+                add(LINEAR, _linears(dtype, B, C, V, B)[-1][1])
             if decode:
                 add(EMBEDDING, dict(dtype=dtype, ids="int32", M=B, C=C, V=V, P=P))
-                for pair in _linears(dtype, B, C, V, B, ln=1):
+                add(LAYER_NORM, dict(dtype=dtype, M=B, N=C, gather=0))
+                for pair in _linears(dtype, B, C, V, B):
                     add(*pair)
                 add(KV_WRITE, dict(dtype=dtype, B=B, H=H, T=1, capacity=capacity, D=D))
                 add(DECODE_ATTENTION, dict(dtype=dtype, B=B, H=H, nq=1, capacity=capacity, D=D))

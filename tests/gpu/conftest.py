@@ -29,6 +29,12 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def rounded(ref, dtype: str) -> np.ndarray:
+    """The float64 reference as the output dtype can hold it (tiny values flush to zero in fp16)."""
+    from tilekit.kernels.arrays import numpy_dtype
+    return np.asarray(ref, np.float64).astype(numpy_dtype(dtype)).astype(np.float64)
+
+
 def host(a) -> np.ndarray:
     """Device array (CuPy or torch) -> float64 or int NumPy array."""
     import cupy

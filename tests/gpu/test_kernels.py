@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tests.gpu.conftest import TOL, host, poisoned, rand, rel_err
+from tests.gpu.conftest import TOL, host, poisoned, rand, rel_err, rounded
 
 cupy = pytest.importorskip("cupy")
 
@@ -145,7 +145,8 @@ def check_gelu(shape, dtype, approximate):
     x = rand(shape, dtype, 3.0)
     out = poisoned(shape, dtype)
     gelu(x, approximate=approximate, out=out)
-    assert rel_err(host(out), gelu_reference(host(x), approximate)) < TOL[dtype]
+    ref = rounded(gelu_reference(host(x), approximate), dtype)   # GELU's tail underflows fp16 (gelu(-6.45) ~ 1e-12)
+    assert rel_err(host(out), ref) < TOL[dtype]
 
 
 @GPU

@@ -232,16 +232,6 @@ def run(mode: str, calib: dict, log=print) -> list[Row]:
                                           f"ratio {r.ratio:.2f}, err {r.error:.1e}" if r.status == "ok"
                                           else f"{r.status}: {r.note}"))
         rows += new
-        _free()
+        timing.free_memory()
     return rows
 
-
-def _free() -> None:
-    """Return the cases' inputs to the allocators so later cases see the same free memory."""
-    import gc
-    gc.collect()
-    try:
-        import torch
-        torch.cuda.empty_cache()
-    except ImportError:
-        pass

@@ -8,7 +8,6 @@ so both hold bit-identical bf16 weights.
 
 from __future__ import annotations
 
-import gc
 import time
 import traceback
 from dataclasses import dataclass
@@ -188,7 +187,7 @@ def run_prefill(p: ModelPlan, config, gpt, hf: dict, calib: dict, log, rng) -> l
                 if name == compile_name:         # one failed compile is enough
                     compile_spent = float("inf")
         del out
-        _free()
+        timing.free_memory()
     return rows
 
 
@@ -249,7 +248,7 @@ def run_decode(p: ModelPlan, config, gpt, hf: dict, calib: dict, log, rng) -> li
             except Exception as e:  # noqa: BLE001
                 log(traceback.format_exc())
                 r.status, r.note = "error", f"{name}: {_short(e)}"
-        _free()
+        timing.free_memory()
     return rows
 
 
@@ -306,7 +305,7 @@ def run_preset(p: ModelPlan, calib: dict, log, seed: int = 0) -> list[Row]:
         decode = {f"HF {i}": models[i] for i in p.decode_impls if i in models}
         rows += run_decode(p, config, gpt, decode, calib, log, rng)
     del gpt, models, base, prefill, decode
-    _free()
+    timing.free_memory()
     return rows
 
 
@@ -325,19 +324,6 @@ def run(mode: str, calib: dict, log=print) -> list[Row]:
             log(traceback.format_exc())
             rows.append(Row(suite="model", name="prefill", label=f"model {p.preset}", shape="-",
                             anchor="HF", status="error", note=_short(e)))
-            _free()
+            timing.free_memory()
     return rows
 
-
-def _free() -> None:
-    gc.collect()
-    try:
-        import torch
-        torch.cuda.empty_cache()
-    except ImportError:
-        pass
-    try:
-        import cupy
-        cupy.get_default_memory_pool().free_all_blocks()
-    except ImportError:
-        pass

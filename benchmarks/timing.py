@@ -165,3 +165,19 @@ def gbs(nbytes: float, ms: float) -> float:
 def tflops(flops: float, ms: float) -> float:
     """TFLOP/s for flops in ms milliseconds."""
     return flops / ms / 1e9
+
+
+def free_memory() -> None:
+    """Return finished cases' buffers to torch's and CuPy's allocators, so later cases see the same free memory."""
+    import gc
+    gc.collect()
+    try:
+        import torch
+        torch.cuda.empty_cache()
+    except ImportError:
+        pass
+    try:
+        import cupy
+        cupy.get_default_memory_pool().free_all_blocks()
+    except ImportError:
+        pass

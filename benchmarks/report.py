@@ -9,7 +9,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STATUSES = ("ok", "failed", "error", "skipped")
 
 DEFINITIONS = {
     "ratio": "anchor_ms / tilekit_ms: > 1 means tilekit is faster",

@@ -144,10 +144,6 @@ def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> dict:
     return result
 
 
-def copy_bandwidth_gbs() -> float:
-    return copy_bandwidth()["gbs"]
-
-
 def matmul_peak_tflops(n: int = 8192, reps: int = 20) -> float:
     """torch.matmul bf16 n^3 on random data with the same timer: 2 n^3 / median time."""
     import torch

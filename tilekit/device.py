@@ -35,11 +35,6 @@ def device_info(index: int | None = None) -> DeviceInfo:
                       sm_count=int(props["multiProcessorCount"]))
 
 
-def current_device_index() -> int:
-    import cupy
-    return cupy.cuda.runtime.getDevice()
-
-
 def gpu_unavailable_reason() -> str | None:
     """None when a CUDA GPU and driver are usable, else a one-line reason."""
     try:

@@ -146,7 +146,6 @@ class TunableOp:
         found = [m for db in store.layers()
                  if (m := db.lookup(self.name, bucketed, device, self.buckets,
                                     lambda k, e, layer=db.layer: self.why_unusable(e, layer)))]
-        best = None
         if found:   # the closest match wins; the user layer only breaks ties
             best = min(found, key=lambda m: (m.device_rule != "exact-gpu", m.bucket_rule != "exact"))
             exact = best.device_rule == "exact-gpu" and best.bucket_rule == "exact"

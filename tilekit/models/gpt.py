@@ -81,7 +81,6 @@ class GPT:
             "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
             "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
             "mlp.c_proj.weight", "mlp.c_proj.bias"))) for i in range(config.n_layer)]
-        self._graphs: dict[tuple, object] = {}
 
     # -- checkpoints ----------------------------------------------------------------------------
     @classmethod

@@ -395,3 +395,18 @@ def test_gpu_model_tiny():
         assert r.status == "ok", (r.label, r.anchor, r.status, r.note)
         assert r.tilekit_ms > 0 and r.anchor_ms > 0 and r.pct_roofline is not None
     assert all(r.error < 5e-2 for r in rows if r.name == "prefill")
+
+
+def test_markdown_table_from_the_committed_run():
+    """The README's results table is rendered from docs/results/results.json, row for row."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.markdown import render
+    results = json.loads((Path(__file__).resolve().parents[1] / "docs/results/results.json").read_text())
+    text = render(results)
+    table = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]
+    assert len(table) == len(results["rows"])
+    assert results["meta"]["gpu"]["name"] in text
+    first = results["rows"][0]
+    assert f"{first['tilekit_ms']:.3f}" in table[0] and f"{first['ratio']:.2f}x" in table[0]

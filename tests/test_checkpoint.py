@@ -181,3 +181,20 @@ def test_resolve_reports_what_it_searched(hf_home, tmp_path):
     assert "models--gpt2" in str(info.value) and "models--openai-community--gpt2" in str(info.value)
     with pytest.raises(FileNotFoundError, match="no-such-dir"):
         resolve_checkpoint(tmp_path / "no-such-dir")
+
+
+@pytest.mark.parametrize("field,value", [("activation_function", "relu"), ("scale_attn_by_inverse_layer_idx", True),
+                                         ("n_inner", 100), ("scale_attn_weights", False)])
+def test_unsupported_gpt2_variants_are_refused(field, value):
+    from tilekit.models.config import GPTConfig
+    d = GPTConfig.preset("gpt2").to_hf_dict()
+    d[field] = value
+    with pytest.raises(ValueError, match=field):
+        GPTConfig.from_hf_dict(d)
+
+
+def test_written_config_names_the_end_of_text_token():
+    from tilekit.models.config import GPTConfig
+    d = GPTConfig.preset("gpt2").to_hf_dict()
+    assert d["eos_token_id"] == d["bos_token_id"] == 50256
+    assert GPTConfig.from_hf_dict(d) == GPTConfig.preset("gpt2")

@@ -44,7 +44,16 @@ class GPTConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "GPTConfig":
-        """Build from a Hugging Face GPT2Config dict (config.json)."""
+        """Build from a Hugging Face GPT2Config dict (config.json); variants this model does not compute are refused."""
+        unsupported = {
+            "activation_function": (d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh")),
+            "scale_attn_by_inverse_layer_idx": bool(d.get("scale_attn_by_inverse_layer_idx", False)),
+            "scale_attn_weights": not d.get("scale_attn_weights", True),
+            "n_inner": d.get("n_inner") not in (None, 4 * d.get("n_embd", 0)),
+        }
+        bad = [f"{k}={d[k]!r}" for k, is_bad in unsupported.items() if is_bad]
+        if bad:
+            raise ValueError(f"config.json asks for a GPT-2 variant tilekit does not compute: {', '.join(bad)}")
         try:
             return cls(n_layer=int(d["n_layer"]), n_head=int(d["n_head"]), n_embd=int(d["n_embd"]),
                        vocab_size=int(d["vocab_size"]), block_size=int(d.get("n_positions", d.get("n_ctx", 1024))),
@@ -66,6 +75,7 @@ class GPTConfig:
                 "n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
                 "vocab_size": self.vocab_size, "n_positions": self.block_size, "n_ctx": self.block_size,
                 "layer_norm_epsilon": self.layer_norm_epsilon, "activation_function": "gelu_new",
+                "bos_token_id": self.vocab_size - 1, "eos_token_id": self.vocab_size - 1,
                 "tie_word_embeddings": True}
 
     def replace(self, **changes) -> "GPTConfig":

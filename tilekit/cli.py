@@ -18,6 +18,14 @@ class UsageError(Exception):
     """Misuse of a command: one line on stderr, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with misuse reported as one `tilekit: ...` line (exit 2), like UsageError."""
+
+    def error(self, message):
+        self.exit(2, f"tilekit: {self.prog.removeprefix('tilekit ')}: {message} (see `{self.prog} --help`)\n"
+                  if self.prog != "tilekit" else f"tilekit: {message} (see `tilekit --help`)\n")
+
+
 # -- small helpers ---------------------------------------------------------------------------
 
 def _int_list(text: str) -> list[int]:
@@ -235,12 +243,13 @@ def _all_entries(layers=("user", "shipped")):
 
 
 def _db_list(args) -> int:
+    from tilekit.autotune.db import device_file_name
     rows = []
     for db, dfile, key, entry in _all_entries():
         op = key.partition("/")[0]
         if args.kernel and op != args.kernel:
             continue
-        if args.device and args.device.lower() not in dfile.path.stem.lower():
+        if args.device and device_file_name(args.device)[:-5].lower() not in dfile.path.stem.lower():
             continue
         time_us = entry.get("time_us") if isinstance(entry, dict) else None
         rows.append((db.layer, dfile.path.stem, key, f"{time_us:.1f}" if isinstance(time_us, (int, float)) else "?"))
@@ -386,7 +395,7 @@ def _model_args(p, default_model=None):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tilekit", description=__doc__)
+    parser = _Parser(prog="tilekit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     tune = sub.add_parser("tune", help="tune the kernels a model (or one kernel shape) uses on this GPU")
@@ -439,15 +448,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:   # everything after `bench` is the suite's own (argparse REMAINDER drops options)
+        args = argparse.Namespace(func=cmd_bench, bench_args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except UsageError as e:
+    except (UsageError, ValueError) as e:
         print(f"tilekit: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:
-        print(f"tilekit: {e}", file=sys.stderr)
-        return 2
+    except BrokenPipeError:   # output piped into `head` and the like: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

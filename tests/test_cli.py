@@ -1,0 +1,349 @@
+"""The `tilekit` command on CPU: help, misuse, the db subcommands, concurrent imports, db explain."""
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _autotune_fakes import H100, H200, entry
+from tilekit import cli
+from tilekit.autotune import store
+from tilekit.device import DeviceInfo, gpu_unavailable_reason
+from tilekit.kernels.layernorm import LAYER_NORM
+from tilekit.kernels.linear import LINEAR
+from tilekit.models.config import GPTConfig
+from tilekit.models.workload import model_problems
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_GPU = gpu_unavailable_reason() is None
+
+
+@pytest.fixture(autouse=True)
+def empty_shipped(tmp_path, monkeypatch):
+    """An empty shipped layer (tests that want the real tuning_db/ point at it themselves)."""
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "no-shipped"))
+    monkeypatch.delenv("TILEKIT_AUTOTUNE", raising=False)
+    store.reset()
+
+
+def run(argv, capsys) -> tuple[int, str, str]:
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:   # argparse: --help and its own errors
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def misuse(argv, capsys) -> str:
+    rc, out, err = run(argv, capsys)
+    assert rc == 2, (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tilekit: "), err
+    return lines[0]
+
+
+def linear_problem(M=8192, N=2304, K=768, **kw) -> dict:
+    return dict(dict(dtype="bfloat16", M=M, N=N, K=K, wt="kn", bias=1, act="none", res=0, tf32=0), **kw)
+
+
+LINEAR_CONFIG = next(iter(LINEAR.space))
+LN_CONFIG = next(iter(LAYER_NORM.space))
+
+
+def seed_user_db() -> dict[str, set[str]]:
+    """Real-op entries in the user db for two GPUs; returns {file stem: keys}."""
+    h100 = {LINEAR.problem_key(linear_problem(M=m))[1]: entry(LINEAR, LINEAR_CONFIG, H100, time_us=m / 100)
+            for m in (8, 128, 8192)}
+    ln = LAYER_NORM.problem_key(dict(dtype="bfloat16", M=1024, N=768, gather=0))[1]
+    h100[ln] = entry(LAYER_NORM, LN_CONFIG, H100)
+    h200 = {LINEAR.problem_key(linear_problem(M=1024, N=768, res=1))[1]: entry(LINEAR, LINEAR_CONFIG, H200)}
+    store.user_db().store(H100, h100)
+    store.user_db().store(H200, h200)
+    store.reset()
+    return {"NVIDIA_H100_80GB_HBM3": set(h100), "NVIDIA_H200": set(h200)}
+
+
+def user_entries() -> dict:
+    store.reset()
+    return {(dfile.path.name, key): e for dfile, key, e in store.user_db().items()}
+
+
+def listed_keys(out: str) -> set[str]:
+    return {line.split()[-1] for line in out.splitlines()[1:-1]}
+
+
+# -- help and misuse -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [[], ["tune"], ["db"], ["db", "list"], ["db", "show"], ["db", "explain"],
+                                  ["db", "export"], ["db", "import"], ["db", "verify"], ["db", "clear"],
+                                  ["generate"], ["bench"]])
+def test_help_exits_0(argv, capsys):
+    rc, out, err = run(argv + ["--help"], capsys)
+    assert rc == 0, err
+    assert "usage:" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["tune"], "exactly one of --model or --kernel"),
+    (["tune", "--model", "gpt2", "--kernel", "linear"], "exactly one of --model or --kernel"),
+    (["tune", "--kernel", "nosuch"], "--kernel must be one of"),
+    (["tune", "--kernel", "linear"], "needs --shape"),
+    (["tune", "--kernel", "linear", "--shape", "M=8,N=8"], "missing: K"),
+    (["tune", "--kernel", "linear", "--shape", "M=8,N=8,K=8,Q=1"], "unknown: Q"),
+    (["tune", "--kernel", "linear", "--shape", "M8"], "NAME=VALUE"),
+    (["tune", "--model", "gpt2", "--dtype", "int8"], "dtype must be one of"),
+    (["tune", "--model", "gpt2", "--batch-sizes", "0"], "positive integers"),
+    (["tune", "--model", "gpt2", "--seq-lens", "x"], "comma-separated integers"),
+    (["tune", "--model", "no-such-model"], "neither a preset"),
+    (["db", "show", "nosuchkey"], "no entry with key 'nosuchkey'"),
+    (["db", "frobnicate"], "invalid choice"),
+    ([], "required"),
+])
+def test_misuse_exits_2_with_one_line(argv, says, capsys):
+    assert says in misuse(argv, capsys)
+
+
+def test_import_of_a_non_export_file(tmp_path, capsys):
+    not_json = tmp_path / "notes.txt"
+    not_json.write_text("hello\n")
+    assert "cannot read" in misuse(["db", "import", str(not_json)], capsys)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"schema": 1, "device": H100.as_dict(), "entries": {}}))  # a device file
+    assert "is not a tilekit export" in misuse(["db", "import", str(other)], capsys)
+    assert "cannot read" in misuse(["db", "import", str(tmp_path / "missing.json")], capsys)
+    assert user_entries() == {}
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("argv", [["tune", "--model", "gpt2"],
+                                  ["tune", "--kernel", "linear", "--shape", "M=8,N=8,K=8"]])
+def test_tune_without_gpu_says_so(argv, capsys):
+    assert "tuning needs a GPU" in misuse(argv, capsys)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the message on a machine without a GPU")
+def test_explain_without_gpu_needs_gpu_name(capsys):
+    assert "--gpu NAME" in misuse(["db", "explain", "--model", "gpt2"], capsys)
+
+
+def _module(*args, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "tilekit", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=60)
+
+
+def test_module_entry_point():
+    p = _module("--help")
+    assert p.returncode == 0 and "usage: tilekit" in p.stdout
+    for sub in ("tune", "db", "generate", "bench"):
+        assert sub in p.stdout
+    p = _module("tune", "--kernel", "nosuch")
+    assert p.returncode == 2 and p.stdout == ""
+    assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("tilekit: --kernel must be one of")
+
+
+def test_module_entry_point_reads_the_db(isolated_cache):
+    keys = seed_user_db()
+    p = _module("db", "list", "--device", "H200",
+                env_extra={"TILEKIT_CACHE_DIR": os.environ["TILEKIT_CACHE_DIR"],
+                           "TILEKIT_SHIPPED_DB": os.environ["TILEKIT_SHIPPED_DB"]})
+    assert p.returncode == 0, p.stderr
+    assert listed_keys(p.stdout) == keys["NVIDIA_H200"]
+
+
+# -- db list / show / export / clear / import ------------------------------------------------
+
+def test_db_list_and_filters(capsys):
+    rc, out, _ = run(["db", "list"], capsys)
+    assert (rc, out.strip()) == (0, "no tuning entries")
+    keys = seed_user_db()
+    everything = keys["NVIDIA_H100_80GB_HBM3"] | keys["NVIDIA_H200"]
+
+    rc, out, _ = run(["db", "list"], capsys)
+    assert rc == 0 and listed_keys(out) == everything
+    assert out.splitlines()[-1] == f"{len(everything)} entries"
+    assert all(line.startswith("user ") for line in out.splitlines()[1:-1])
+
+    rc, out, _ = run(["db", "list", "--kernel", "layer_norm"], capsys)
+    assert listed_keys(out) == {k for k in everything if k.startswith("layer_norm/")} != set()
+    for device in ("H100", "h100", "NVIDIA H100 80GB", "H100 80GB HBM3"):
+        rc, out, _ = run(["db", "list", "--device", device], capsys)
+        assert listed_keys(out) == keys["NVIDIA_H100_80GB_HBM3"], device
+    rc, out, _ = run(["db", "list", "--device", "NVIDIA H200", "--kernel", "linear"], capsys)
+    assert listed_keys(out) == keys["NVIDIA_H200"]
+    rc, out, _ = run(["db", "list", "--device", "B200"], capsys)
+    assert (rc, out.strip()) == (0, "no tuning entries match")
+
+
+def test_db_show_prints_json(capsys):
+    seed_user_db()
+    key = LINEAR.problem_key(linear_problem(M=128))[1]
+    rc, out, _ = run(["db", "show", key], capsys)
+    assert rc == 0
+    header, *body = out.splitlines()
+    assert header.startswith("# user db: ") and header.endswith("NVIDIA_H100_80GB_HBM3.json")
+    shown = json.loads("\n".join(body))
+    assert shown == user_entries()[("NVIDIA_H100_80GB_HBM3.json", key)]
+    assert shown["config"] == LINEAR_CONFIG and shown["kernel_hash"] == LINEAR.kernel_hash()
+
+
+def test_db_export_clear_import_round_trip(tmp_path, capsys):
+    seed_user_db()
+    before = user_entries()
+    assert len(before) == 5
+    export = tmp_path / "export.json"
+    rc, out, _ = run(["db", "export", str(export)], capsys)
+    assert rc == 0 and out.startswith("exported 5 entries")
+    payload = json.loads(export.read_text())
+    assert payload["kind"] == "tilekit-tuning-export"
+    assert sorted(f["device"]["name"] for f in payload["files"]) == [H100.name, H200.name]
+
+    rc, out, _ = run(["db", "clear"], capsys)
+    assert rc == 0 and out.startswith("removed 5 entries")
+    assert user_entries() == {}
+    rc, out, _ = run(["db", "list"], capsys)
+    assert out.strip() == "no tuning entries"
+
+    rc, out, _ = run(["db", "import", str(export)], capsys)
+    assert rc == 0 and out.startswith("imported 5 entries")
+    assert user_entries() == before
+    for device in (H100, H200):   # the device header survives the trip
+        data = json.loads(store.user_db().file_for(device).path.read_text())
+        assert data["device"] == device.as_dict()
+    r = LINEAR.resolve(linear_problem(M=8000), H100, mode="cached")   # and dispatch uses the entries
+    assert (r.source, r.config, r.match.bucket_rule) == ("user", LINEAR_CONFIG, "exact")
+
+    rc, out, _ = run(["db", "import", str(export)], capsys)   # importing twice changes nothing
+    assert rc == 0 and user_entries() == before
+
+
+# -- db verify -------------------------------------------------------------------------------
+
+def test_db_verify_good_entries(capsys):
+    seed_user_db()
+    for argv in (["db", "verify"], ["db", "verify", "--strict"]):
+        rc, out, _ = run(argv, capsys)
+        assert rc == 0 and out.strip() == "5 usable, 0 stale, 0 invalid", out
+
+
+def test_db_verify_reports_stale(capsys):
+    seed_user_db()
+    key = LINEAR.problem_key(linear_problem(M=4096))[1]
+    store.user_db().store(H100, {key: entry(LINEAR, LINEAR_CONFIG, H100, kernel_hash="0" * 16)})
+    store.reset()
+    rc, out, _ = run(["db", "verify"], capsys)
+    assert rc == 0
+    (stale,) = [line for line in out.splitlines() if line.startswith("STALE")]
+    assert key in stale and "another version of the kernel source" in stale
+    assert out.splitlines()[-1] == "5 usable, 1 stale, 0 invalid"
+    rc, out, _ = run(["db", "verify", "--strict"], capsys)
+    assert rc == 1
+
+
+def test_db_verify_reports_invalid(capsys):
+    seed_user_db()
+    key = LINEAR.problem_key(linear_problem(M=4096))[1]
+    outside = dict(LINEAR_CONFIG, **{next(iter(LINEAR_CONFIG)): 3})   # 3 is in no tile-size list
+    assert not LINEAR.space.contains(outside)
+    store.user_db().store(H100, {key: entry(LINEAR, outside, H100)})
+    store.reset()
+    rc, out, _ = run(["db", "verify"], capsys)
+    assert rc == 1
+    (invalid,) = [line for line in out.splitlines() if line.startswith("INVALID")]
+    assert key in invalid and "outside the linear search space" in invalid
+    assert out.splitlines()[-1] == "5 usable, 0 stale, 1 invalid"
+
+
+# -- concurrent imports ----------------------------------------------------------------------
+
+PROCS = 8
+KEYS = 12
+
+
+def _import_worker(path: str, start) -> None:
+    start.wait(60)
+    sys.exit(cli.main(["db", "import", path]))
+
+
+def test_concurrent_imports_lose_nothing(tmp_path, monkeypatch, capsys):
+    files, expected = [], {}
+    for i in range(PROCS):   # distinct exports, made by `db export` from separate caches
+        monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / f"src{i}"))
+        store.reset()
+        for device in (H100, H200):
+            batch = {LINEAR.problem_key(linear_problem(M=2 ** j, N=64 * (i + 1)))[1]:
+                     entry(LINEAR, LINEAR_CONFIG, device, time_us=float(i * 100 + j)) for j in range(KEYS)}
+            store.user_db().store(device, batch)
+            expected.update({(device.name, k): v for k, v in batch.items()})
+        files.append(tmp_path / f"export{i}.json")
+        assert run(["db", "export", str(files[-1])], capsys)[0] == 0
+
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "shared"))
+    store.reset()
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Event()
+    procs = [ctx.Process(target=_import_worker, args=(str(f), start)) for f in files]
+    for p in procs:
+        p.start()
+    time.sleep(0.2)
+    start.set()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * PROCS
+
+    got = {(dfile.header_device()["name"], key): e for dfile, key, e in store.user_db().items()}
+    assert len(got) == PROCS * KEYS * 2 and got == expected
+    leftovers = [p.name for p in (tmp_path / "shared" / "tuning" / "sm_90").iterdir()
+                 if p.suffix not in (".json", ".lock")]
+    assert not leftovers
+
+
+# -- db explain ------------------------------------------------------------------------------
+
+GPT2_SHAPES = model_problems(GPTConfig.preset("gpt2"), "bfloat16", (1, 8), (128, 1024))
+
+
+def explain(gpu: str, capsys) -> list[str]:
+    rc, out, err = run(["db", "explain", "--model", "gpt2", "--gpu", gpu, "--arch", "sm_90"], capsys)
+    assert rc == 0, err
+    header, *lines = out.splitlines()
+    assert header == f"{gpu} (sm_90), TILEKIT_AUTOTUNE=cached"
+    assert len(lines) == len(GPT2_SHAPES)
+    assert [line.split()[0] for line in lines] == [op.problem_key(p)[1] for op, p in GPT2_SHAPES]
+    return lines
+
+
+def test_explain_without_any_db(capsys):
+    assert all(line.endswith("heuristic default") for line in explain("NVIDIA H200", capsys))
+
+
+def test_explain_with_shipped_db_exact_gpu(monkeypatch, capsys):
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(ROOT / "tuning_db"))
+    store.reset()
+    lines = explain("NVIDIA H200", capsys)
+    assert all(line.endswith("shipped db, exact-gpu, exact bucket") for line in lines), lines
+
+
+def test_explain_with_shipped_db_same_arch(monkeypatch, capsys):
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(ROOT / "tuning_db"))
+    store.reset()
+    lines = explain("NVIDIA H800", capsys)
+    assert all("shipped db, same-arch (NVIDIA_H" in line and line.endswith("exact bucket")
+               for line in lines), lines
+
+
+def test_explain_prefers_the_user_db_for_its_gpu(monkeypatch, capsys):
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(ROOT / "tuning_db"))
+    store.reset()
+    op, problem = next((op, p) for op, p in GPT2_SHAPES if op is LINEAR)
+    h800 = DeviceInfo("NVIDIA H800", "sm_90", 132)
+    store.user_db().store(h800, {op.problem_key(problem)[1]: entry(op, LINEAR_CONFIG, h800)})
+    store.reset()
+    lines = explain("NVIDIA H800", capsys)
+    assert sum(line.endswith("user db, exact-gpu, exact bucket") for line in lines) == 1

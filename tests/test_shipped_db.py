@@ -1,0 +1,110 @@
+"""The shipped tuning_db/ against the current kernels: parseable, sound, in-space, covering the models.
+
+Stale entries (tuned for another kernel source or search space) are reported, not failed: dispatch
+skips them with a warning, and re-tuning on the GPU refreshes them.
+"""
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, _parse, device_file_name, entry_problem
+from tilekit.autotune.keys import bucket_problem, key_string, parse_key
+from tilekit.autotune.op import registered_ops
+from tilekit.device import DeviceInfo
+from tilekit.models.config import GPTConfig
+from tilekit.models.workload import model_problems
+
+SHIPPED = Path(__file__).resolve().parents[1] / "tuning_db"
+FILES = sorted(p for p in SHIPPED.rglob("*") if p.is_file())
+H200_FILE = SHIPPED / "sm_90" / "NVIDIA_H200.json"
+H100_FILE = SHIPPED / "sm_90" / "NVIDIA_H100_80GB_HBM3.json"
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(SHIPPED))
+
+
+def _entries(path: Path) -> dict:
+    data, problem = _parse(path)
+    assert problem is None and data, f"{_rel(path)}: {problem or 'missing'}"
+    return data["entries"]
+
+
+def test_shipped_files_exist():
+    assert H200_FILE in FILES and H100_FILE in FILES
+
+
+@pytest.mark.parametrize("path", FILES, ids=_rel)
+def test_file_parses_and_header_matches_path(path):
+    assert path.suffix == ".json" and len(path.relative_to(SHIPPED).parts) == 2, \
+        f"{_rel(path)}: tuning_db/ holds only <arch>/<GPU>.json"
+    data, problem = _parse(path)
+    assert problem is None, f"{_rel(path)}: {problem}"
+    assert data["schema"] == SCHEMA_VERSION
+    device = DeviceInfo.from_dict(data["device"])
+    assert device.arch == path.parent.name
+    assert device_file_name(device.name) == path.name
+    assert device.sm_count > 0
+    assert data["entries"], f"{_rel(path)} has no entries"
+    # the loader sees every entry (nothing ignored with a warning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = {key for dfile, key, _ in TuningDB(SHIPPED, "shipped", writable=False).items()
+                  if dfile.path == path}
+    assert loaded == set(data["entries"])
+
+
+@pytest.mark.parametrize("path", FILES, ids=_rel)
+def test_entries_are_sound_and_in_space(path):
+    ops = registered_ops()
+    header = _parse(path)[0]["device"]
+    problems, stale = [], []
+    for key, entry in _entries(path).items():
+        where = f"{_rel(path)} {key}"
+        why = entry_problem(key, entry)
+        if why:
+            problems.append(f"{where}: {why}")
+            continue
+        name, fields = parse_key(key)
+        op = ops.get(name)
+        if op is None:
+            problems.append(f"{where}: no registered op {name!r}")
+            continue
+        if set(fields) != set(op.fields):
+            problems.append(f"{where}: fields {sorted(fields)} are not {op.name}'s {sorted(op.fields)}")
+        elif key_string(name, fields) != key or bucket_problem(fields, op.buckets) != fields:
+            problems.append(f"{where}: not a canonical, bucketed key (no lookup would ask for it)")
+        if not op.space.contains(entry["config"]):
+            problems.append(f"{where}: config {entry['config']} is outside the current {name} search space")
+        if "device" in entry and entry["device"] != header:
+            problems.append(f"{where}: entry device {entry['device']} is not the file's {header}")
+        if entry["kernel_hash"] != op.kernel_hash():
+            stale.append(f"{where}: kernel_hash {entry['kernel_hash']} != current {op.kernel_hash()}")
+        elif entry["space_hash"] != op.space_hash():
+            stale.append(f"{where}: space_hash {entry['space_hash']} != current {op.space_hash()}")
+    if stale:   # reported, not failed
+        print(f"{len(stale)} stale shipped entries in {_rel(path)}:", *stale, sep="\n  ")
+        warnings.warn(f"{len(stale)} stale entries in tuning_db/{_rel(path)} (re-tune on that GPU); "
+                      f"first: {stale[0]}", UserWarning)
+    assert not problems, "\n".join(problems)
+
+
+def _missing(path: Path, model: str) -> list[str]:
+    have = set(_entries(path))
+    want = {op.problem_key(p)[1] for op, p in
+            model_problems(GPTConfig.preset(model), "bfloat16", (1, 8), (128, 1024))}
+    assert want
+    return sorted(want - have)
+
+
+@pytest.mark.parametrize("model", ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"])
+def test_h200_covers_every_model_shape(model):
+    missing = _missing(H200_FILE, model)
+    assert not missing, f"{len(missing)} {model} shapes missing from {_rel(H200_FILE)}: {missing}"
+
+
+def test_h100_covers_gpt2():
+    missing = _missing(H100_FILE, "gpt2")
+    assert not missing, f"{len(missing)} gpt2 shapes missing from {_rel(H100_FILE)}: {missing}"

@@ -60,3 +60,23 @@ def entry(op: TunableOp, config: dict, device: DeviceInfo = H100, time_us: float
 
 def problem(M: int = 1024, N: int = 768, dtype: str = "bfloat16") -> dict:
     return {"dtype": dtype, "M": M, "N": N}
+
+
+def run_together(target, args_list, timeout: float = 120) -> list[int | None]:
+    """Start one spawned process per args tuple, release them at once, and return their exit codes.
+
+    target(*args, start) must wait on the `start` event before doing its work, so that the
+    processes really overlap.
+    """
+    import multiprocessing
+    import time
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Event()
+    procs = [ctx.Process(target=target, args=(*args, start)) for args in args_list]
+    for p in procs:
+        p.start()
+    time.sleep(0.2)
+    start.set()
+    for p in procs:
+        p.join(timeout)
+    return [p.exitcode for p in procs]

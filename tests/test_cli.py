@@ -1,16 +1,14 @@
 """The `tilekit` command on CPU: help, misuse, the db subcommands, concurrent imports, db explain."""
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from _autotune_fakes import H100, H200, entry
+from tests._autotune_fakes import H100, H200, entry, run_together
 from tilekit import cli
 from tilekit.autotune import store
 from tilekit.device import DeviceInfo, gpu_unavailable_reason
@@ -286,16 +284,7 @@ def test_concurrent_imports_lose_nothing(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "shared"))
     store.reset()
-    ctx = multiprocessing.get_context("spawn")
-    start = ctx.Event()
-    procs = [ctx.Process(target=_import_worker, args=(str(f), start)) for f in files]
-    for p in procs:
-        p.start()
-    time.sleep(0.2)
-    start.set()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0] * PROCS
+    assert run_together(_import_worker, [(str(f),) for f in files]) == [0] * PROCS
 
     got = {(dfile.header_device()["name"], key): e for dfile, key, e in store.user_db().items()}
     assert len(got) == PROCS * KEYS * 2 and got == expected

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from _autotune_fakes import B200, DEFAULT, H100, H100_PCIE, H200, entry, make_op, problem
+from tests._autotune_fakes import B200, DEFAULT, H100, H100_PCIE, H200, entry, make_op, problem
 from tilekit.autotune import store
 from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, TuningDBWarning, device_file_name
 
@@ -293,7 +293,7 @@ def test_stale_hash_is_not_used(field, why, shipped):
 
 
 def test_changed_kernel_source_invalidates():
-    from _autotune_fakes import other_kernel_body
+    from tests._autotune_fakes import other_kernel_body
     op = make_op()
     store.user_db().store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
     op2 = make_op(func=other_kernel_body)

@@ -2,8 +2,8 @@
 
 import json
 import multiprocessing
-import time
 
+from tests._autotune_fakes import run_together
 from tilekit.autotune.db import SCHEMA_VERSION, TuningDB
 from tilekit.device import DeviceInfo
 
@@ -18,7 +18,7 @@ def _entry(writer: int, i: int) -> dict:
             "toolchain": {"cuda_tile": "1", "tileiras": "1"}, "device": DEVICE.as_dict(), "writer": writer}
 
 
-def _writer(root: str, writer: int, same_key: bool, start, errors) -> None:
+def _writer(root: str, writer: int, same_key: bool, errors, start) -> None:
     try:
         db = TuningDB(root, "user", writable=True)   # each process its own instance, one shared root
         start.wait(60)
@@ -32,20 +32,13 @@ def _writer(root: str, writer: int, same_key: bool, start, errors) -> None:
 
 
 def _run(root, same_key: bool) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    start, errors = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_writer, args=(str(root), w, same_key, start, errors)) for w in range(PROCS)]
-    for p in procs:
-        p.start()
-    time.sleep(0.2)
-    start.set()
-    for p in procs:
-        p.join(60)
+    errors = multiprocessing.get_context("spawn").Queue()
+    codes = run_together(_writer, [(str(root), w, same_key, errors) for w in range(PROCS)], timeout=60)
     failures = []
     while not errors.empty():
         failures.append(errors.get())
     assert not failures, failures
-    assert [p.exitcode for p in procs] == [0] * PROCS
+    assert codes == [0] * PROCS
 
 
 def _file(root):

@@ -3,7 +3,7 @@
 import pytest
 
 import tilekit.autotune.op as op_module
-from _autotune_fakes import DEFAULT, H100, entry, make_op, problem
+from tests._autotune_fakes import DEFAULT, H100, entry, make_op, problem
 from tilekit.autotune import store
 from tilekit.autotune.db import TuningDBWarning
 

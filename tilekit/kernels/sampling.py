@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import cuda.tile as ct
 import numpy as np
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -133,7 +133,7 @@ class GPT:
         import cupy
         cfg = self.config
         B, T = ids.shape
-        H, D, C, eps = cfg.n_head, cfg.head_dim, cfg.n_embd, cfg.layer_norm_epsilon
+        H, D, eps = cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
         positions = cupy.broadcast_to(cupy.arange(T, dtype=cupy.int32), (B, T)).copy()
         x = embedding(ids, self.wte, self.wpe, positions)
         other = cupy.empty_like(x)
@@ -258,11 +258,10 @@ class GPT:
         if not ids:
             raise ValueError("prompt encodes to no tokens")
         eos = kwargs.pop("eos_token_id", self._eos_id(tokenizer))
-        on_token = None
-        if stream_to is not None:
-            def on_token(tokens):
-                stream_to(tokenizer.decode([int(tokens[0])]))
-        seq = self.generate([ids], max_new_tokens, eos_token_id=eos, on_token=on_token, **kwargs)[0]
+        def on_token(tokens):
+            stream_to(tokenizer.decode([int(tokens[0])]))
+        seq = self.generate([ids], max_new_tokens, eos_token_id=eos,
+                            on_token=on_token if stream_to is not None else None, **kwargs)[0]
         return tokenizer.decode(seq[len(ids):].tolist())
 
     def tokenizer(self):

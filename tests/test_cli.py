@@ -230,14 +230,20 @@ def test_db_verify_good_entries(capsys):
         assert rc == 0 and out.strip() == "5 usable, 0 stale, 0 invalid", out
 
 
-def test_db_verify_reports_stale(capsys):
+def verify_with_one_more(capsys, config, label, **entry_fields):
+    """Seed the user db plus one linear entry; run `db verify`; return (rc, output, key, the `label` line)."""
     seed_user_db()
     key = LINEAR.problem_key(linear_problem(M=4096))[1]
-    store.user_db().store(H100, {key: entry(LINEAR, LINEAR_CONFIG, H100, kernel_hash="0" * 16)})
+    store.user_db().store(H100, {key: entry(LINEAR, config, H100, **entry_fields)})
     store.reset()
     rc, out, _ = run(["db", "verify"], capsys)
+    (line,) = [line for line in out.splitlines() if line.startswith(label)]
+    return rc, out, key, line
+
+
+def test_db_verify_reports_stale(capsys):
+    rc, out, key, stale = verify_with_one_more(capsys, LINEAR_CONFIG, "STALE", kernel_hash="0" * 16)
     assert rc == 0
-    (stale,) = [line for line in out.splitlines() if line.startswith("STALE")]
     assert key in stale and "another version of the kernel source" in stale
     assert out.splitlines()[-1] == "5 usable, 1 stale, 0 invalid"
     rc, out, _ = run(["db", "verify", "--strict"], capsys)
@@ -245,15 +251,10 @@ def test_db_verify_reports_stale(capsys):
 
 
 def test_db_verify_reports_invalid(capsys):
-    seed_user_db()
-    key = LINEAR.problem_key(linear_problem(M=4096))[1]
     outside = dict(LINEAR_CONFIG, **{next(iter(LINEAR_CONFIG)): 3})   # 3 is in no tile-size list
     assert not LINEAR.space.contains(outside)
-    store.user_db().store(H100, {key: entry(LINEAR, outside, H100)})
-    store.reset()
-    rc, out, _ = run(["db", "verify"], capsys)
+    rc, out, key, invalid = verify_with_one_more(capsys, outside, "INVALID")
     assert rc == 1
-    (invalid,) = [line for line in out.splitlines() if line.startswith("INVALID")]
     assert key in invalid and "outside the linear search space" in invalid
     assert out.splitlines()[-1] == "5 usable, 0 stale, 1 invalid"
 

@@ -1,4 +1,4 @@
-"""Command line: python -m benchmarks [--quick|--full] [--out DIR] [--only kernels|model] [--no-plots].
+"""Command line: python -m benchmarks [--quick|--full] [--out DIR] [--only kernels|model|tuning] [--no-plots].
 
 Progress goes to stderr; the summary table is the last thing printed to stdout. GPU libraries
 are imported only after the arguments are parsed, so --help works anywhere.
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.set_defaults(mode="quick")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, metavar="DIR",
                     help=f"output directory (default: {DEFAULT_OUT}/)")
-    ap.add_argument("--only", choices=("kernels", "model"), help="run one suite only")
+    ap.add_argument("--only", choices=("kernels", "model", "tuning"), help="run one suite only")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
     return ap
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"benchmarks need a CUDA GPU with PyTorch: {problem}", file=sys.stderr)
         return 2
-    from benchmarks import kernels, model, system, timing
+    from benchmarks import kernels, model, system, timing, tuning
     meta = system.environment(args.mode, argv)
     log(f"{meta['gpu']['name']} ({meta['gpu']['sm_count']} SMs), mode {args.mode}, out {args.out}")
     rows: list = []
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += kernels.run(args.mode, meta["calibration"], log)
             if args.only in (None, "model"):
                 rows += model.run(args.mode, meta["calibration"], log)
+            if args.only in (None, "tuning"):
+                rows += tuning.run(args.mode, log)
     finally:   # an interrupted or crashed run still leaves what it measured
         meta["nvidia_smi_end"] = system.nvidia_smi(meta["gpu"].get("pci_bus_id"))
         meta["elapsed_s"] = round(time.perf_counter() - log.t0, 1)

@@ -41,7 +41,7 @@ DEFINITIONS = {
 class Row:
     """One tilekit-vs-anchor comparison."""
 
-    suite: str                       # "kernels" or "model"
+    suite: str                       # "kernels", "model" or "tuning"
     name: str                        # "linear", "attention", ..., "prefill", "generate"
     label: str                       # short table label, e.g. "linear gpt2 attn.c_attn 768x2304"
     shape: str                       # full shape, e.g. "M=8192 K=768 N=2304"
@@ -141,7 +141,9 @@ UNIT_SHORT = {"TFLOP/s": "TF/s", "GB/s": "GB/s", "tok/s": "tok/s"}
 SECTIONS = (("kernels", None, "kernels: one call, L2 flushed; linear rows are M=8192 tokens x KxN"),
             ("model", "prefill", "model prefill: one forward with full logits (B x T x V)"),
             ("model", "generate", "model decode: ms per step = wall time / 128 new tokens; "
-                                  "%roof = weight-read floor / tilekit"))
+                                  "%roof = weight-read floor / tilekit"),
+            ("tuning", None, "tuning: the model with heuristic defaults (anchor, TILEKIT_AUTOTUNE=off) "
+                             "vs the tuning databases"))
 
 
 def _num(v: float | None, width: int) -> str:

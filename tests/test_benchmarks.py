@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import checks, cli, kernels, model, report, system, timing
+from benchmarks import checks, cli, kernels, model, report, system, timing, tuning
 from benchmarks.report import Row
-from tilekit.models.config import GPTConfig
+from tilekit.models.config import PRESETS, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -279,9 +279,10 @@ def test_main_orchestration(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(timing, "shared_stream", contextlib.nullcontext)
     monkeypatch.setattr(kernels, "run", lambda mode, cal, log: calls.append(("kernels", mode)) or fake_rows()[:2])
     monkeypatch.setattr(model, "run", lambda mode, cal, log: calls.append(("model", mode)) or fake_rows()[5:])
+    monkeypatch.setattr(tuning, "run", lambda mode, log: calls.append(("tuning", mode)) or [])
     out = tmp_path / "res"
     assert cli.main(["--full", "--out", str(out), "--no-plots"]) == 0
-    assert calls == [("kernels", "full"), ("model", "full")]
+    assert calls == [("kernels", "full"), ("model", "full"), ("tuning", "full")]
     stdout = capsys.readouterr().out
     assert stdout.rstrip().splitlines()[-1].startswith("3/3 rows measured")
     doc = json.loads((out / "results.json").read_text())
@@ -290,6 +291,25 @@ def test_main_orchestration(tmp_path, monkeypatch, capsys):
     calls.clear()
     assert cli.main(["--only", "kernels", "--out", str(out), "--no-plots"]) == 0
     assert calls == [("kernels", "quick")]
+
+
+def test_autotune_mode_is_set_and_restored(monkeypatch):
+    from tilekit.autotune.op import autotune_mode
+    monkeypatch.setenv("TILEKIT_AUTOTUNE", "auto")
+    with tuning.autotune_mode("off"):
+        assert autotune_mode() == "off"
+    assert autotune_mode() == "auto"
+    monkeypatch.delenv("TILEKIT_AUTOTUNE")
+    with pytest.raises(KeyError), tuning.autotune_mode("off"):
+        raise KeyError("an error inside the block still restores the mode")
+    assert "TILEKIT_AUTOTUNE" not in __import__("os").environ
+
+
+def test_tuning_plans_cover_the_presets():
+    quick, full = tuning.plan("quick"), tuning.plan("full")
+    assert {p for p, _, _ in quick} <= {p for p, _, _ in full} == set(PRESETS)
+    with pytest.raises(ValueError, match="mode"):
+        tuning.plan("slow")
 
 
 def test_charts(tmp_path):
@@ -395,6 +415,19 @@ def test_gpu_model_tiny():
         assert r.status == "ok", (r.label, r.anchor, r.status, r.note)
         assert r.tilekit_ms > 0 and r.anchor_ms > 0 and r.pct_roofline is not None
     assert all(r.error < 5e-2 for r in rows if r.name == "prefill")
+
+
+@gpu
+def test_gpu_tuning_tiny():
+    """The tuned-vs-untuned suite on a 2-layer model: both modes run, agree, and name their sources."""
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=1000, block_size=512)
+    with timing.shared_stream():
+        rows = tuning.run_preset("tiny", ((2, 64),), (1,), print, config=config)
+    assert [(r.name, r.anchor) for r in rows] == [("prefill", tuning.UNTUNED), ("generate", tuning.UNTUNED)]
+    for r in rows:
+        assert r.status == "ok", (r.label, r.status, r.note)
+        assert r.tilekit_ms > 0 and r.anchor_ms > 0 and "default" in r.note
+    assert rows[0].error < checks.MODEL_TOLERANCE
 
 
 def test_markdown_table_from_the_committed_run():

@@ -100,6 +100,20 @@ def test_generate_text_and_save_round_trip(tmp_path):
         assert np.array_equal(array, again.state_dict()[name]), name
 
 
+def test_ids_from_any_array_library(small_fp32):
+    """ids may be NumPy, lists, CuPy, or torch on the CPU or the GPU; all give the same logits
+    (up to split-K summation order)."""
+    ids = np.random.default_rng(3).integers(0, small_fp32.config.vocab_size, (2, 7))
+    expected = cupy.asnumpy(small_fp32(ids))
+    inputs = [ids.tolist(), cupy.asarray(ids)]
+    torch = pytest.importorskip("torch")
+    inputs += [torch.from_numpy(ids), torch.from_numpy(ids).cuda()]
+    for given in inputs:
+        assert rel_err(cupy.asnumpy(small_fp32(given)), expected) < 1e-5, type(given)
+    with pytest.raises(TypeError, match="ids must be an integer array"):
+        small_fp32([[1, 2], [3]])
+
+
 def test_bad_input_is_refused(small_fp32):
     V, P = small_fp32.config.vocab_size, small_fp32.config.block_size
     with pytest.raises(ValueError, match=r"ids must lie in \[0, "):

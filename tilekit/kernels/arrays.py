@@ -145,6 +145,25 @@ def stream_handle(stream) -> int:
     return stream.cuda_stream if hasattr(stream, "cuda_stream") else stream.ptr
 
 
+_scratch: dict[tuple, tuple] = {}
+
+
+def scratch(owner: str, device: int, stream: int, specs: tuple[tuple[tuple[int, ...], str], ...],
+            zeroed: bool = False) -> tuple:
+    """Reusable CuPy work arrays, one set per (owner, device, stream, specs): streams never share.
+
+    `specs` lists (shape, dtype) pairs; `zeroed` arrays are zero-filled once at creation (kernels that
+    need zeros must leave them zeroed)."""
+    key = (owner, device, stream, specs, zeroed)
+    found = _scratch.get(key)
+    if found is None:
+        import cupy
+        with cupy.cuda.Device(device):
+            make = cupy.zeros if zeroed else cupy.empty
+            found = _scratch.setdefault(key, tuple(make(shape, dtype=numpy_dtype(dt)) for shape, dt in specs))
+    return found
+
+
 @functools.cache
 def placeholder(device: int, dtype: str, ndim: int):
     """A tiny array passed where an optional kernel argument is absent (never read)."""

@@ -132,18 +132,11 @@ def _signature(p: dict, c: dict):
             (decode_merge_kernel, _merge_args(opart, ml, ml, o, p, c))]
 
 
-_workspaces: dict[tuple, object] = {}
-
-
 def _partials(device: int, stream: int, p: dict, c: dict) -> tuple:
     """Scratch (Opart, Mpart, Lpart), one set per device, stream and shape (streams never share)."""
     op_shape, ml_shape = _partial_shapes(p, c)
-    key = (device, stream, op_shape)
-    if key not in _workspaces:
-        _workspaces[key] = (arrays.empty("cupy", device, op_shape, "float32"),
-                            arrays.empty("cupy", device, ml_shape, "float32"),
-                            arrays.empty("cupy", device, ml_shape, "float32"))
-    return _workspaces[key]
+    specs = ((op_shape, "float32"), (ml_shape, "float32"), (ml_shape, "float32"))
+    return arrays.scratch("decode_attention.partials", device, stream, specs)
 
 
 def _bench(p: dict) -> BenchCase:

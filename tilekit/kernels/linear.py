@@ -134,20 +134,12 @@ def _kernel_args(x, w, bias, res, y, partial, counter, p: dict, c: dict) -> tupl
             p["wt"] == "nk", bool(p["bias"]), p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
 
 
-_split_scratch: dict[tuple, tuple] = {}
-
-
 def _scratch(device: int, stream: int, p: dict, c: dict) -> tuple:
     """(Partial, Counter) for split-K, zeroed once and left zeroed by every launch; per device and stream."""
     if c["SPLIT_K"] == 1:
         return arrays.placeholder(device, "float32", 2), arrays.placeholder(device, "int32", 1)
-    key = (device, stream, p["M"], p["N"], _tiles(p, c))
-    if key not in _split_scratch:
-        import cupy
-        with cupy.cuda.Device(device):
-            _split_scratch[key] = (cupy.zeros((p["M"], p["N"]), cupy.float32),
-                                   cupy.zeros((_tiles(p, c),), cupy.int32))
-    return _split_scratch[key]
+    specs = (((p["M"], p["N"]), "float32"), ((_tiles(p, c),), "int32"))
+    return arrays.scratch("linear.split_k", device, stream, specs, zeroed=True)
 
 
 def _shapes(p: dict) -> dict:

@@ -75,17 +75,10 @@ def _signature(p: dict, c: dict):
                                                 0, p, c))]
 
 
-_scratch: dict[tuple, tuple] = {}
-
-
 def _partials(device: int, stream: int, p: dict, c: dict) -> tuple:
     """(BestVal, BestIdx) scratch per device, stream and shape."""
-    key = (device, stream, p["B"], _chunks(p, c))
-    if key not in _scratch:
-        import cupy
-        with cupy.cuda.Device(device):
-            _scratch[key] = (cupy.empty(key[2:], cupy.float32), cupy.empty(key[2:], cupy.int32))
-    return _scratch[key]
+    shape = (p["B"], _chunks(p, c))
+    return arrays.scratch("greedy.partials", device, stream, ((shape, "float32"), (shape, "int32")))
 
 
 def _bench(p: dict) -> BenchCase:

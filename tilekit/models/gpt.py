@@ -53,6 +53,22 @@ class KVCache:
         self.capacity = capacity
 
 
+_DLPACK_GPU_DEVICES = (2, 3, 13)   # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
+def _host_array(x, name: str) -> np.ndarray:
+    """NumPy copy of host or device data (NumPy, lists, CuPy, torch on CPU or GPU, any DLPack GPU array)."""
+    try:
+        if hasattr(x, "__cuda_array_interface__"):
+            import cupy
+            return cupy.asnumpy(cupy.asarray(x))
+        if hasattr(x, "__dlpack_device__") and x.__dlpack_device__()[0] in _DLPACK_GPU_DEVICES:
+            import cupy
+            return cupy.asnumpy(cupy.from_dlpack(x))
+        return np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be an integer array (NumPy, CuPy, torch or nested lists): {e}") from None
+
 class GPT:
     """A GPT-2 family model whose forward pass runs entirely on tilekit kernels."""
 
@@ -290,11 +306,7 @@ class GPT:
     # -- validation -----------------------------------------------------------------------------
     def _check_ids(self, ids) -> np.ndarray:
         """Host int64 copy of (B, T) ids after checking dtype, shape, range and length."""
-        if hasattr(ids, "__cuda_array_interface__") or hasattr(ids, "__dlpack__") and not isinstance(ids, np.ndarray):
-            import cupy
-            ids = cupy.asnumpy(cupy.asarray(ids)) if hasattr(ids, "__cuda_array_interface__") \
-                else cupy.asnumpy(cupy.from_dlpack(ids))
-        ids = np.asarray(ids)
+        ids = _host_array(ids, "ids")
         if not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"ids must be integers, got dtype {ids.dtype}")
         if ids.ndim != 2 or ids.size == 0:

@@ -87,6 +87,7 @@ def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, c
             times, outs = {}, {}
             for mode in ("off", "cached"):
                 with autotune_mode(mode):
+                    gpt.forget_graphs()           # captured graphs hold the other mode's configs
                     outs[mode] = gpt(ids)
                     times[mode] = timing.measure(lambda: gpt(ids), flush_l2=True, warmup=2, reps=10)
             r.error = checks.rel_error(outs["cached"], outs["off"])

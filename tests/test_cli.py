@@ -337,3 +337,33 @@ def test_explain_prefers_the_user_db_for_its_gpu(monkeypatch, capsys):
     store.reset()
     lines = explain("NVIDIA H800", capsys)
     assert sum(line.endswith("user db, exact-gpu, exact bucket") for line in lines) == 1
+
+
+# -- tune --devices: the plan of worker processes (the GPU run itself is in the closing notes) -----
+
+def test_devices_are_parsed_and_checked():
+    assert cli._parse_devices("all", 3) == [0, 1, 2]
+    assert cli._parse_devices("2,0,2", 3) == [0, 2]
+    for bad in ("3", "x", "", "-1"):
+        with pytest.raises(cli.UsageError, match="--devices"):
+            cli._parse_devices(bad, 3)
+
+
+def test_same_gpus_split_the_shapes_and_different_gpus_each_tune_all():
+    assert cli._shard_jobs({0: "NVIDIA H200", 1: "NVIDIA H200"}) == [(0, "0/2"), (1, "1/2")]
+    mixed = cli._shard_jobs({0: "NVIDIA H200", 1: "NVIDIA H100", 2: "NVIDIA H200"})
+    assert sorted(mixed) == [(0, "0/2"), (1, "0/1"), (2, "1/2")]
+
+
+def test_worker_command_line():
+    argv = ["tune", "--model", "gpt2", "--devices", "all", "--budget", "5"]
+    assert cli._child_argv(argv, "1/2", 7) == ["tune", "--model", "gpt2", "--budget", "5",
+                                               "--workers", "7", "--shard", "1/2"]
+    assert cli._child_argv(["tune", "--devices=0,1", "--workers", "3"], "0/2", 7) == [
+        "tune", "--workers", "3", "--shard", "0/2"]
+
+
+def test_shards_cover_every_shape_once():
+    items = list(range(57))
+    shards = [cli._shard_items(items, f"{i}/3") for i in range(3)]
+    assert sorted(x for s in shards for x in s) == items

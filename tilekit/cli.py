@@ -139,12 +139,17 @@ def _pending(items, force: bool):
     return todo, cached
 
 
+def _shard_items(items: list, shard: str) -> list:
+    """The 'i/n' share of items: every n-th from the i-th."""
+    index, count = (int(v) for v in shard.split("/"))
+    return items[index::count]
+
+
 def _tune_here(args, items, shard: str | None) -> int:
     from tilekit.autotune.tuner import tune_many
     from tilekit.device import device_info
     if shard:
-        index, count = (int(v) for v in shard.split("/"))
-        items = items[index::count]
+        items = _shard_items(items, shard)
     todo, cached = _pending(items, args.force)
     out = sys.stdout
     print(f"tilekit tune on {device_info().name}: {len(items)} kernel shapes, {len(cached)} already tuned, "
@@ -197,30 +202,79 @@ def _print_results(results, out) -> None:
         print(f"{r.key[:width]:<{width}}  {default}  {r.time_us:9.1f}  {speed}", file=out)
 
 
-def _tune_on_devices(args, items) -> int:
-    """One worker process per GPU, each tuning a shard; all write into the one user database."""
-    import cupy
-    count = cupy.cuda.runtime.getDeviceCount()
-    if args.devices == "all":
-        devices = list(range(count))
-    else:
-        try:
-            devices = sorted(set(int(d) for d in args.devices.split(",")))
-        except ValueError:
-            devices = []
+def _parse_devices(text: str, count: int) -> list[int]:
+    """--devices 'all' or '0,2' -> sorted GPU indices, all below `count`."""
+    if text == "all":
+        return list(range(count))
+    try:
+        devices = sorted(set(int(d) for d in text.split(",")))
+    except ValueError:
+        devices = []
     if not devices or any(not 0 <= d < count for d in devices):
-        raise UsageError(f"--devices must be 'all' or GPU indices below {count}, got {args.devices!r}")
-    argv = list(sys.argv[1:])
-    i = argv.index("--devices")
-    del argv[i:i + 2]
-    workers = max(1, (os.cpu_count() or 2) // len(devices))
-    procs = []
-    for n, dev in enumerate(devices):
+        raise UsageError(f"--devices must be 'all' or GPU indices below {count}, got {text!r}")
+    return devices
+
+
+def _shard_jobs(names: dict[int, str]) -> list[tuple[int, str]]:
+    """(device, 'i/n') per GPU: GPUs of one model split that model's shapes; each model gets all of them."""
+    jobs = []
+    for name in sorted(set(names.values())):
+        group = [d for d in sorted(names) if names[d] == name]
+        jobs += [(d, f"{i}/{len(group)}") for i, d in enumerate(group)]
+    return jobs
+
+
+def _child_argv(argv: list[str], shard: str, workers: int) -> list[str]:
+    """The tune command line for one worker: --devices dropped, --shard and --workers set."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--devices":
+            skip = True
+        elif not a.startswith("--devices="):
+            out.append(a)
+    if "--workers" not in out and not any(a.startswith("--workers=") for a in out):
+        out += ["--workers", str(workers)]
+    return out + ["--shard", shard]
+
+
+def _tune_on_devices(args, items) -> int:
+    """One worker process per GPU, writing into the one user database; output prefixed by GPU."""
+    import threading
+
+    import cupy
+    devices = _parse_devices(args.devices, cupy.cuda.runtime.getDeviceCount())
+    names = {d: cupy.cuda.runtime.getDeviceProperties(d)["name"].decode() for d in devices}
+    jobs = _shard_jobs(names)
+    workers = max(1, (os.cpu_count() or 2) // len(jobs))
+    print(f"tilekit tune: {len(items)} kernel shapes on {len(jobs)} GPUs "
+          f"({', '.join(f'{d}: {names[d]}' for d in devices)})", flush=True)
+    start, procs, pumps = time.monotonic(), [], []
+    for dev, shard in jobs:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(dev))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tilekit", *argv, "--shard", f"{n}/{len(devices)}",
-                                       "--workers", str(workers)], env=env))
-    codes = [p.wait() for p in procs]
+        p = subprocess.Popen([sys.executable, "-m", "tilekit", *_child_argv(args.argv, shard, workers)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(p)
+        pumps.append(threading.Thread(target=_prefix_lines, args=(p.stdout, f"[gpu {dev}] "), daemon=True))
+        pumps[-1].start()
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:      # the workers got the signal too: they store what they finished
+        codes = [p.wait() for p in procs]
+        print("interrupted: finished results were stored; run the command again to continue", file=sys.stderr)
+        return 130
+    finally:
+        for t in pumps:
+            t.join(timeout=5)
+    print(f"tilekit tune: {len(jobs)} workers done in {time.monotonic() - start:.0f} s, exit codes {codes}")
     return max(codes)
+
+
+def _prefix_lines(pipe, prefix: str) -> None:
+    for line in pipe:
+        sys.stdout.write(prefix + line)
+        sys.stdout.flush()
 
 
 # -- db --------------------------------------------------------------------------------------
@@ -453,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         args = argparse.Namespace(func=cmd_bench, bench_args=argv[1:])
     else:
         args = build_parser().parse_args(argv)
+        args.argv = argv
     try:
         return args.func(args)
     except (UsageError, ValueError) as e:

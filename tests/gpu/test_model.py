@@ -70,6 +70,35 @@ def test_cuda_graph_decode_equals_eager_decode(dtype):
     assert [s.tolist() for s in graph] == [s.tolist() for s in eager]
 
 
+def test_graph_forward_equals_eager_forward(small_fp32):
+    """Replayed prefill graphs read each call's ids, keep shapes and streams apart, and survive eviction."""
+    model, rng, V = small_fp32, np.random.default_rng(8), small_fp32.config.vocab_size
+    shapes = [(2, 16), (1, 40), (3, 7)]
+    model.forget_graphs()
+    old_max, model.max_prefill_graphs = model.max_prefill_graphs, 2
+    try:
+        for round_ in range(2):                      # the second round replays or re-captures
+            for B, T in shapes:
+                ids = rng.integers(0, V, (B, T))
+                eager = cupy.asnumpy(model(ids, use_graph=False))
+                assert rel_err(cupy.asnumpy(model(ids)), eager) < 1e-5, (round_, B, T)
+            assert len(model._graphs) == 2           # the least recently used graph was dropped
+        side = cupy.cuda.Stream(non_blocking=True)
+        ids = rng.integers(0, V, (2, 16))
+        eager = cupy.asnumpy(model(ids, use_graph=False))
+        with side:
+            on_side = model(ids)
+        side.synchronize()
+        assert rel_err(cupy.asnumpy(on_side), eager) < 1e-5
+        first, second = model(ids), model(rng.integers(0, V, (2, 16)))
+        assert rel_err(cupy.asnumpy(first), eager) < 1e-5, "a later call overwrote an earlier result"
+        assert rel_err(cupy.asnumpy(second), eager) > 1e-2
+    finally:
+        model.max_prefill_graphs = old_max
+        model.forget_graphs()
+    assert not model._graphs
+
+
 def test_sampling(small_fp32):
     prompts = [[1, 2, 3], [7, 8]]
     a = small_fp32.generate(prompts, 10, temperature=0.8, top_k=40, top_p=0.9, seed=11)

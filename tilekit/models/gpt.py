@@ -8,6 +8,8 @@ LM head reads wte in place.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -53,6 +55,18 @@ class KVCache:
         self.capacity = capacity
 
 
+class Activations:
+    """The blocks' working buffers for B sequences of T tokens, allocated once so that a pass over
+    the blocks allocates nothing and can be captured as a CUDA graph."""
+
+    def __init__(self, config: GPTConfig, batch: int, tokens: int, dtype: str):
+        import cupy
+        shape, dt, C = (batch, tokens), numpy_dtype(dtype), config.n_embd
+        self.x, self.other, self.h, self.y = (cupy.empty(shape + (C,), dt) for _ in range(4))
+        self.qkv = cupy.empty(shape + (3 * C,), dt)
+        self.f = cupy.empty(shape + (4 * C,), dt)
+
+
 _DLPACK_GPU_DEVICES = (2, 3, 13)   # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
 
 
@@ -88,6 +102,8 @@ class GPT:
         self.config, self.dtype, self.allow_tf32 = config, dtype, allow_tf32
         self.device = cupy.cuda.runtime.getDevice()
         self.checkpoint_dir: Path | None = None
+        self._graphs: OrderedDict[tuple, PrefillGraph] = OrderedDict()
+        self._graphs_lock = threading.Lock()
         host_dtype = numpy_dtype(dtype)
         w = {name: cupy.asarray(np.ascontiguousarray(a, dtype=np.float32).astype(host_dtype))
              for name, a in state.items()}
@@ -128,18 +144,48 @@ class GPT:
         save_state_dict(directory, self.config, self.state_dict())
 
     # -- forward --------------------------------------------------------------------------------
-    def __call__(self, ids):
-        return self.forward(ids)
+    def __call__(self, ids, **kwargs):
+        return self.forward(ids, **kwargs)
 
-    def forward(self, ids):
-        """Logits (B, T, vocab_size) for token ids (B, T) (host or device integers)."""
-        ids_host = self._check_ids(ids)
+    def forward(self, ids, *, use_graph: bool = True):
+        """Logits (B, T, vocab_size) for token ids (B, T) (host or device integers).
+
+        The first call at a given (B, T) on a stream runs the blocks eagerly and captures them as a
+        CUDA graph; later calls replay it (the last max_prefill_graphs shapes are kept) and launch
+        only the LM head on its own, into a fresh logits array. use_graph=False runs every kernel
+        one by one. Graphs hold the configs chosen when they were captured: forget_graphs() after
+        changing the tuning database or TILEKIT_AUTOTUNE in this process.
+        """
+        ids_host = self._check_ids(ids).astype(np.int32)
         import cupy
-        B, T = ids_host.shape
-        ids_dev = cupy.asarray(ids_host, dtype=cupy.int32)
+        stream = cupy.cuda.get_current_stream()
+        if use_graph:
+            B, T = ids_host.shape
+            return self._prefill_graph(B, T, stream).run(ids_host, stream)
+        ids_dev = cupy.asarray(ids_host)
         x = self._prefill_hidden(ids_dev, cache=None)
         x = layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon)
         return self._linear(x, self.wte, weight_layout="out_in")
+
+    max_prefill_graphs = 4
+
+    def _prefill_graph(self, B: int, T: int, stream) -> "PrefillGraph":
+        key = (B, T, stream.ptr)
+        with self._graphs_lock:
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._graphs[key] = PrefillGraph(self, B, T)
+                while len(self._graphs) > self.max_prefill_graphs:
+                    self._graphs.popitem(last=False)[1].release()
+            self._graphs.move_to_end(key)
+            return graph
+
+    def forget_graphs(self) -> None:
+        """Drop every captured prefill graph (the next forward() at each shape captures anew)."""
+        with self._graphs_lock:
+            for graph in self._graphs.values():
+                graph.release()
+            self._graphs.clear()
 
     def _linear(self, x, w, b=None, **kw):
         return linear(x, w, b, allow_tf32=self.allow_tf32, **kw)
@@ -147,28 +193,40 @@ class GPT:
     def _prefill_hidden(self, ids, cache: KVCache | None):
         """Hidden states (B, T, C) before the final LayerNorm; writes K, V into `cache` when given."""
         import cupy
+        B, T = ids.shape
+        positions = cupy.broadcast_to(cupy.arange(T, dtype=cupy.int32), (B, T)).copy()
+        zeros = cupy.zeros((B,), dtype=cupy.int32)
+
+        def attend(i, q, k, v, out):
+            if cache is not None:
+                write_kv(k, v, cache.k[i], cache.v[i], zeros)
+            attention(q, k, v, causal=True, out=out)
+
+        return self._blocks(Activations(self.config, B, T, self.dtype), ids, positions, attend)
+
+    def _blocks(self, acts: Activations, ids, positions, attend):
+        """Embed ids at positions and run every block in `acts`; returns acts.x, the hidden states.
+
+        attend(layer, q, k, v, out) writes attention for one layer into out (B, H, T, D) and fills
+        a KV cache where there is one."""
         cfg = self.config
         B, T = ids.shape
         H, D, eps = cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
-        positions = cupy.broadcast_to(cupy.arange(T, dtype=cupy.int32), (B, T)).copy()
-        x = embedding(ids, self.wte, self.wpe, positions)
-        other = cupy.empty_like(x)
-        y = cupy.empty_like(x)
-        zeros = cupy.zeros((B,), dtype=cupy.int32)
+        x, other = acts.x, acts.other
+        embedding(ids, self.wte, self.wpe, positions, out=x)
+        heads = acts.y.reshape(B, T, H, D).transpose(0, 2, 1, 3)
         for i, blk in enumerate(self.blocks):
-            h = layer_norm(x, blk.ln_1_w, blk.ln_1_b, eps)
-            qkv = self._linear(h, blk.attn_w, blk.attn_b).reshape(B, T, 3, H, D)
-            q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
-            if cache is not None:
-                write_kv(k, v, cache.k[i], cache.v[i], zeros)
-            attention(q, k, v, causal=True, out=y.reshape(B, T, H, D).transpose(0, 2, 1, 3))
-            self._linear(y, blk.proj_w, blk.proj_b, residual=x, out=other)
+            layer_norm(x, blk.ln_1_w, blk.ln_1_b, eps, out=acts.h)
+            self._linear(acts.h, blk.attn_w, blk.attn_b, out=acts.qkv)
+            q, k, v = (acts.qkv.reshape(B, T, 3, H, D)[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
+            attend(i, q, k, v, heads)
+            self._linear(acts.y, blk.proj_w, blk.proj_b, residual=x, out=other)
             x, other = other, x
-            h = layer_norm(x, blk.ln_2_w, blk.ln_2_b, eps)
-            f = self._linear(h, blk.fc_w, blk.fc_b, activation="gelu")
-            self._linear(f, blk.mlp_proj_w, blk.mlp_proj_b, residual=x, out=other)
+            layer_norm(x, blk.ln_2_w, blk.ln_2_b, eps, out=acts.h)
+            self._linear(acts.h, blk.fc_w, blk.fc_b, activation="gelu", out=acts.f)
+            self._linear(acts.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=x, out=other)
             x, other = other, x
-        return x
+        return x                  # an even number of swaps: acts.x
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, ids, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
@@ -338,20 +396,14 @@ class DecodeState:
     def __init__(self, model: GPT, batch: int, cache: KVCache, eos: int):
         import cupy
         cfg = model.config
-        C, dt = cfg.n_embd, numpy_dtype(model.dtype)
         self.model, self.batch, self.cache, self.eos = model, batch, cache, eos
         capacity = cache.capacity
         self.tokens = cupy.zeros((batch,), cupy.int32)
         self.positions = cupy.zeros((batch,), cupy.int32)
         self.finished = cupy.zeros((batch,), cupy.int32)
         self.history = cupy.zeros((batch, capacity + 1), cupy.int32)
-        self.x = cupy.empty((batch, 1, C), dt)
-        self.other = cupy.empty((batch, 1, C), dt)
-        self.h = cupy.empty((batch, 1, C), dt)
-        self.qkv = cupy.empty((batch, 1, 3 * C), dt)
-        self.y = cupy.empty((batch, 1, C), dt)
-        self.f = cupy.empty((batch, 1, 4 * C), dt)
-        self.logits = cupy.empty((batch, cfg.vocab_size), dt)
+        self.acts = Activations(cfg, batch, 1, model.dtype)
+        self.logits = cupy.empty((batch, cfg.vocab_size), numpy_dtype(model.dtype))
 
     def pick(self) -> None:
         """Greedy token from the logits, written to tokens and history; positions advance."""
@@ -359,26 +411,16 @@ class DecodeState:
 
     def step(self, greedy: bool) -> None:
         """One token for every sequence: embed tokens at positions, run the blocks, LM head logits."""
-        m, cfg = self.model, self.model.config
-        B, H, D, eps = self.batch, cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
-        cache = self.cache
-        x, other = self.x, self.other
-        embedding(self.tokens.reshape(B, 1), m.wte, m.wpe, self.positions.reshape(B, 1), out=x)
-        for i, blk in enumerate(m.blocks):
-            layer_norm(x, blk.ln_1_w, blk.ln_1_b, eps, out=self.h)
-            m._linear(self.h, blk.attn_w, blk.attn_b, out=self.qkv)
-            q, k, v = (self.qkv.reshape(B, 1, 3, H, D)[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
+        m, cfg, cache = self.model, self.model.config, self.cache
+        B = self.batch
+
+        def attend(i, q, k, v, out):
             write_kv(k, v, cache.k[i], cache.v[i], self.positions)
-            decode_attention(q, cache.k[i], cache.v[i], self.positions, length_offset=1,
-                             out=self.y.reshape(B, 1, H, D).transpose(0, 2, 1, 3))
-            m._linear(self.y, blk.proj_w, blk.proj_b, residual=x, out=other)
-            x, other = other, x
-            layer_norm(x, blk.ln_2_w, blk.ln_2_b, eps, out=self.h)
-            m._linear(self.h, blk.fc_w, blk.fc_b, activation="gelu", out=self.f)
-            m._linear(self.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=x, out=other)
-            x, other = other, x
-        layer_norm(x, m.ln_f_w, m.ln_f_b, eps, out=self.h)
-        m._linear(self.h.reshape(B, cfg.n_embd), m.wte, weight_layout="out_in", out=self.logits)
+            decode_attention(q, cache.k[i], cache.v[i], self.positions, length_offset=1, out=out)
+
+        x = m._blocks(self.acts, self.tokens.reshape(B, 1), self.positions.reshape(B, 1), attend)
+        layer_norm(x, m.ln_f_w, m.ln_f_b, cfg.layer_norm_epsilon, out=self.acts.h)
+        m._linear(self.acts.h.reshape(B, cfg.n_embd), m.wte, weight_layout="out_in", out=self.logits)
         if greedy:
             self.pick()
 
@@ -390,6 +432,62 @@ class DecodeState:
         finally:
             graph = stream.end_capture()
         return graph
+
+
+class PrefillGraph:
+    """forward() at one (B, T) on one caller stream: static ids and activations, the blocks and the
+    final LayerNorm as one CUDA graph, captured on a private stream at the first run."""
+
+    def __init__(self, model: GPT, batch: int, tokens: int):
+        import cupy
+        self.model, self.shape = model, (batch, tokens)
+        self.capture_stream = cupy.cuda.Stream(non_blocking=True)
+        with self.capture_stream:
+            self.ids = cupy.zeros(self.shape, cupy.int32)
+            self.positions = cupy.broadcast_to(cupy.arange(tokens, dtype=cupy.int32), self.shape).copy()
+            self.acts = Activations(model.config, batch, tokens, model.dtype)
+        self.graph, self.last_run = None, None
+        self.lock = threading.Lock()
+
+    def _body(self) -> None:
+        m = self.model
+        x = m._blocks(self.acts, self.ids, self.positions,
+                      lambda i, q, k, v, out: attention(q, k, v, causal=True, out=out))
+        layer_norm(x, m.ln_f_w, m.ln_f_b, m.config.layer_norm_epsilon, out=self.acts.h)
+
+    def _capture(self) -> None:
+        """One eager pass first (compiles kernels, creates their per-stream scratch), then capture."""
+        s = self.capture_stream
+        with s:
+            self._body()
+            s.begin_capture()
+            try:
+                self._body()
+            except BaseException:
+                s.end_capture()
+                raise
+            self.graph = s.end_capture()
+
+    def run(self, ids: np.ndarray, stream):
+        """Logits for host int32 ids of this shape, enqueued on `stream`."""
+        with self.lock:            # ids upload, replay and LM head stay together per caller
+            if self.graph is None:
+                self._capture()
+                stream.wait_event(self.capture_stream.record())
+            with stream:
+                self.ids.set(ids)
+                self.graph.launch(stream)
+                logits = self.model._linear(self.acts.h, self.model.wte, weight_layout="out_in")
+                self.last_run = stream.record()
+                return logits
+
+    def release(self) -> None:
+        """Wait for the last run that reads this graph's buffers, then drop the graph."""
+        with self.lock:
+            self.capture_stream.synchronize()
+            if self.last_run is not None:
+                self.last_run.synchronize()
+            self.graph = None
 
 
 def _sample(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None,

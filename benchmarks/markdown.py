@@ -1,27 +1,33 @@
-"""Markdown for the README from a results.json: `python -m benchmarks.markdown bench-results/results.json`."""
+"""Markdown for the README from a results.json: `python -m benchmarks.markdown RESULTS_JSON [--suite S]`."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
+
+SUITES = ("kernels", "model", "tuning")
+SOURCES_PREFIX = "tuned side's configs: "     # how a tuning row's note starts (benchmarks.tuning)
 
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def render(results: dict) -> str:
-    meta = results["meta"]
+def header(meta: dict) -> str:
     gpu, versions, calib = meta["gpu"], meta["versions"], meta["calibration"]
-    lines = [f"{gpu['name']} ({gpu['sm_count']} SMs, driver {gpu['driver']}), {meta['date'][:10]}, "
-             f"`python -m benchmarks --{meta['mode']}`; cuda-tile {versions['cuda_tile']}, tileiras "
-             f"{versions['tileiras']}, torch {versions['torch']}, transformers {versions['transformers']}. "
-             f"Rooflines measured in the same run: copy {calib['copy_bandwidth_gbs']:.0f} GB/s (read + write), "
-             f"bf16 matmul {calib['matmul_peak_tflops']:.0f} TFLOP/s.", "",
-             "| case | anchor | tilekit ms | anchor ms | anchor/tilekit | tilekit perf | % of roofline |",
+    return (f"{gpu['name']} ({gpu['sm_count']} SMs, driver {gpu['driver']}), {meta['date'][:10]}, "
+            f"`python -m benchmarks --{meta['mode']}`; cuda-tile {versions['cuda_tile']}, tileiras "
+            f"{versions['tileiras']}, torch {versions['torch']}, transformers {versions['transformers']}. "
+            f"Rooflines measured in the same run: copy {calib['copy_bandwidth_gbs']:.0f} GB/s (read + write), "
+            f"bf16 matmul {calib['matmul_peak_tflops']:.0f} TFLOP/s.")
+
+
+def _anchor_rows(rows: list) -> list[str]:
+    lines = ["| case | anchor | tilekit ms | anchor ms | anchor/tilekit | tilekit perf | % of roofline |",
              "|---|---|---:|---:|---:|---:|---:|"]
-    for row in results["rows"]:
+    for row in rows:
         if row["status"] != "ok":
             lines.append(f"| {row['label']} | {row['anchor']} | {row['status']}: {row['note']} | | | | |")
             continue
@@ -29,15 +35,36 @@ def render(results: dict) -> str:
         lines.append(f"| {row['label']} | {row['anchor']} | {_fmt(row['tilekit_ms'], '.3f')} | "
                      f"{_fmt(row['anchor_ms'], '.3f')} | {_fmt(row['ratio'], '.2f')}x | "
                      f"{_fmt(row['tilekit_perf'], '.1f')} {unit} | {_fmt(row['pct_roofline'], '.0f')}% |")
-    return "\n".join(lines)
+    return lines
+
+
+def _tuning_rows(rows: list) -> list[str]:
+    lines = ["| case | untuned ms (TILEKIT_AUTOTUNE=off) | tuned ms | untuned/tuned | where the tuned configs came from |",
+             "|---|---:|---:|---:|---|"]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"| {row['label']} | {row['status']}: {row['note']} | | | |")
+            continue
+        sources = row["note"].removeprefix(SOURCES_PREFIX)
+        lines.append(f"| {row['label']} | {_fmt(row['anchor_ms'], '.3f')} | {_fmt(row['tilekit_ms'], '.3f')} | "
+                     f"{_fmt(row['ratio'], '.2f')}x | {sources} |")
+    return lines
+
+
+def render(results: dict, suite: str | None = None) -> str:
+    """The run's header line and one table of its rows (of `suite` only, when given)."""
+    rows = [r for r in results["rows"] if suite is None or r["suite"] == suite]
+    table = _tuning_rows(rows) if rows and all(r["suite"] == "tuning" for r in rows) else _anchor_rows(rows)
+    return "\n".join([header(results["meta"]), ""] + table)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m benchmarks.markdown RESULTS_JSON", file=sys.stderr)
-        return 2
-    print(render(json.loads(Path(args[0]).read_text())))
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.markdown",
+                                 description="a README table from a benchmark results.json")
+    ap.add_argument("results", type=Path)
+    ap.add_argument("--suite", choices=SUITES, help="only this suite's rows")
+    args = ap.parse_args(argv)
+    print(render(json.loads(args.results.read_text()), args.suite))
     return 0
 
 

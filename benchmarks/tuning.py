@@ -16,6 +16,7 @@ from collections import Counter
 import numpy as np
 
 from benchmarks import checks, timing
+from benchmarks.markdown import SOURCES_PREFIX
 from benchmarks.model import NEW_TOKENS, PROMPT, _per_token, _short, decode_label, prefill_label
 from benchmarks.report import Row, fill_times, prefill_flops
 
@@ -66,7 +67,7 @@ def config_sources(config, batch: int, seq: int, *, prefill: bool) -> str:
 
 def _row(name: str, label: str, shape: str, unit: str, work, sources: str, params: dict) -> Row:
     return Row(suite="tuning", name=name, label=label, shape=shape, anchor=UNTUNED, unit=unit, work=work,
-               tolerance=checks.MODEL_TOLERANCE, note=f"tuned side's configs: {sources}", params=params)
+               tolerance=checks.MODEL_TOLERANCE, note=SOURCES_PREFIX + sources, params=params)
 
 
 def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, config=None) -> list[Row]:

@@ -443,3 +443,24 @@ def test_markdown_table_from_the_committed_run():
     assert results["meta"]["gpu"]["name"] in text
     first = results["rows"][0]
     assert f"{first['tilekit_ms']:.3f}" in table[0] and f"{first['ratio']:.2f}x" in table[0]
+
+
+def test_markdown_suite_filter_and_tuning_table():
+    """--suite keeps one suite's rows; tuning rows get their own columns and name their config sources."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.markdown import main, render
+    docs = Path(__file__).resolve().parents[1] / "docs/results"
+    results = json.loads((docs / "results.json").read_text())
+    kernels_only = render(results, "kernels")
+    n_kernel_rows = sum(r["suite"] == "kernels" for r in results["rows"])
+    assert sum(line.startswith("| ") for line in kernels_only.splitlines()) == n_kernel_rows + 1
+    assert "prefill" not in kernels_only
+    tuning = json.loads((docs / "tuning-h200.json").read_text())
+    text = render(tuning)
+    assert "TILEKIT_AUTOTUNE=off" in text and "shipped" in text
+    first = tuning["rows"][0]
+    assert f"| {first['label']} | {first['anchor_ms']:.3f} | {first['tilekit_ms']:.3f} | {first['ratio']:.2f}x |" in text
+    with pytest.raises(SystemExit):
+        main([str(docs / "results.json"), "--suite", "bogus"])

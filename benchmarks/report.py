@@ -27,7 +27,9 @@ DEFINITIONS = {
                      "(weight matmuls incl. the LM head, plus causal attention)",
     "decode_ms_per_token": "wall time of generate(128 random prompt tokens -> 128 new tokens, greedy), "
                            "CUDA-synchronized, median of 3 runs after 1 warm-up, divided by 128 "
-                           "(one step for the whole batch; the prompt prefill is included)",
+                           "(one step for the whole batch; the prompt prefill is included). tilekit keeps "
+                           "its KV cache and CUDA graphs between calls of one shape, so the timed runs "
+                           "replay graphs: the steady state of a serving loop",
     "decode_floor_ms": "weight bytes / copy bandwidth: 2 bytes x parameter count (wte counted once) "
                        "/ copy_bandwidth_gbs, i.e. the time to stream every weight once per step at "
                        "the DRAM traffic rate a copy achieves (counting bytes read + written); KV-cache "

@@ -62,12 +62,39 @@ def test_kv_cache_greedy_equals_recomputation(small_fp32):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_decode_equals_eager_decode(dtype):
+    """Call 1 captures the decode step, call 2 the prompt prefill, call 3 replays both: every call
+    equals eager kernels on its own fresh ragged prompts."""
     config = GPTConfig.preset("gpt2").replace(n_layer=2, block_size=256)
     model = GPT(config, dtype=dtype, seed=4)
-    prompts = np.random.default_rng(1).integers(0, config.vocab_size, (3, 20))
-    graph = model.generate(prompts, 30, temperature=0, use_graph=True)
-    eager = model.generate(prompts, 30, temperature=0, use_graph=False)
-    assert [s.tolist() for s in graph] == [s.tolist() for s in eager]
+    rng = np.random.default_rng(1)
+    for call in range(3):
+        prompts = [rng.integers(0, config.vocab_size, n).tolist() for n in (20, 7, 33)]
+        graph = model.generate(prompts, 30, temperature=0)
+        eager = model.generate(prompts, 30, temperature=0, use_graph=False)
+        assert [s.tolist() for s in graph] == [s.tolist() for s in eager], call
+    (gen,) = model._generations.values()
+    assert gen.decode_graph is not None and gen.prompts[64].graph is not None
+    model.forget_graphs()
+    assert not model._generations
+
+
+def test_concurrent_generate_calls(small_fp32):
+    """Two threads generating at once on one model each get their own answer."""
+    import threading
+    rng = np.random.default_rng(12)
+    batches = [rng.integers(0, small_fp32.config.vocab_size, (2, 9)) for _ in range(4)]
+    expected = [[s.tolist() for s in small_fp32.generate(b, 10, temperature=0)] for b in batches]
+    got = [None] * len(batches)
+
+    def work(i):
+        got[i] = [s.tolist() for s in small_fp32.generate(batches[i], 10, temperature=0)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == expected
 
 
 def test_graph_forward_equals_eager_forward(small_fp32):

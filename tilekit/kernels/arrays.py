@@ -164,6 +164,12 @@ def scratch(owner: str, device: int, stream: int, specs: tuple[tuple[tuple[int, 
     return found
 
 
+def release_scratch(stream: int) -> None:
+    """Forget every work array of `stream` (its owner has synchronized it and drops its graphs)."""
+    for key in [k for k in list(_scratch) if k[2] == stream]:
+        _scratch.pop(key, None)
+
+
 @functools.cache
 def placeholder(device: int, dtype: str, ndim: int):
     """A tiny array passed where an optional kernel argument is absent (never read)."""

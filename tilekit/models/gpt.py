@@ -8,6 +8,7 @@ LM head reads wte in place.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import numpy as np
 
 from tilekit.kernels import (attention, decode_attention, embedding, greedy_step, layer_norm, linear,
                              write_kv)
-from tilekit.kernels.arrays import numpy_dtype
+from tilekit.kernels.arrays import numpy_dtype, release_scratch
 from tilekit.models.checkpoint import (check_state_dict, load_state_dict, random_state_dict,
                                        resolve_checkpoint, save_state_dict)
 from tilekit.models.config import GPTConfig
@@ -103,6 +104,7 @@ class GPT:
         self.device = cupy.cuda.runtime.getDevice()
         self.checkpoint_dir: Path | None = None
         self._graphs: OrderedDict[tuple, PrefillGraph] = OrderedDict()
+        self._generations: OrderedDict[tuple, Generation] = OrderedDict()
         self._graphs_lock = threading.Lock()
         host_dtype = numpy_dtype(dtype)
         w = {name: cupy.asarray(np.ascontiguousarray(a, dtype=np.float32).astype(host_dtype))
@@ -156,14 +158,14 @@ class GPT:
         one by one. Graphs hold the configs chosen when they were captured: forget_graphs() after
         changing the tuning database or TILEKIT_AUTOTUNE in this process.
         """
-        ids_host = self._check_ids(ids).astype(np.int32)
         import cupy
+        ids_host = self._check_ids(ids).astype(np.int32)
+        B, T = ids_host.shape
         stream = cupy.cuda.get_current_stream()
         if use_graph:
-            B, T = ids_host.shape
             return self._prefill_graph(B, T, stream).run(ids_host, stream)
-        ids_dev = cupy.asarray(ids_host)
-        x = self._prefill_hidden(ids_dev, cache=None)
+        x = self._causal_blocks(Activations(self.config, B, T, self.dtype), cupy.asarray(ids_host),
+                                _positions(B, T))
         x = layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon)
         return self._linear(x, self.wte, weight_layout="out_in")
 
@@ -180,29 +182,45 @@ class GPT:
             self._graphs.move_to_end(key)
             return graph
 
+    max_generations = 2
+
+    @contextlib.contextmanager
+    def _generation(self, batch: int, capacity: int, eos: int, greedy: bool):
+        """A Generation for this call: the kept one for the key if no other call holds it, else a new one.
+        It is kept again when the call ends normally and dropped when the call fails."""
+        key = (batch, capacity, eos, greedy)
+        with self._graphs_lock:
+            gen = self._generations.pop(key, None)
+        if gen is None:
+            gen = Generation(self, batch, capacity, eos, greedy)
+        try:
+            yield gen
+        except BaseException:
+            gen.release()
+            raise
+        with self._graphs_lock:
+            if key in self._generations:
+                self._generations.pop(key).release()
+            self._generations[key] = gen
+            while len(self._generations) > self.max_generations:
+                self._generations.popitem(last=False)[1].release()
+
     def forget_graphs(self) -> None:
-        """Drop every captured prefill graph (the next forward() at each shape captures anew)."""
+        """Drop every captured graph and kept generation buffer (the next calls capture anew)."""
         with self._graphs_lock:
             for graph in self._graphs.values():
                 graph.release()
             self._graphs.clear()
+            for gen in self._generations.values():
+                gen.release()
+            self._generations.clear()
 
     def _linear(self, x, w, b=None, **kw):
         return linear(x, w, b, allow_tf32=self.allow_tf32, **kw)
 
-    def _prefill_hidden(self, ids, cache: KVCache | None):
-        """Hidden states (B, T, C) before the final LayerNorm; writes K, V into `cache` when given."""
-        import cupy
-        B, T = ids.shape
-        positions = cupy.broadcast_to(cupy.arange(T, dtype=cupy.int32), (B, T)).copy()
-        zeros = cupy.zeros((B,), dtype=cupy.int32)
-
-        def attend(i, q, k, v, out):
-            if cache is not None:
-                write_kv(k, v, cache.k[i], cache.v[i], zeros)
-            attention(q, k, v, causal=True, out=out)
-
-        return self._blocks(Activations(self.config, B, T, self.dtype), ids, positions, attend)
+    def _causal_blocks(self, acts: Activations, ids, positions):
+        """The blocks over whole prompts without a KV cache (forward()); returns acts.x."""
+        return self._blocks(acts, ids, positions, lambda i, q, k, v, out: attention(q, k, v, causal=True, out=out))
 
     def _blocks(self, acts: Activations, ids, positions, attend):
         """Embed ids at positions and run every block in `acts`; returns acts.x, the hidden states.
@@ -237,11 +255,14 @@ class GPT:
         ids: a 2-D integer array (B, T) of equal-length prompts, or a list of token lists of
         different lengths. temperature 0 is greedy (argmax on the GPU); otherwise tokens are sampled
         (with optional top_k / top_p) from the softmax at that temperature on the host. A sequence
-        stops after emitting eos_token_id. After the first decode step each step is one CUDA graph
-        replay (use_graph=False runs the same kernels one by one). on_token(tokens) is called with
-        the (B,) new tokens of each step. Returns a list of 1-D int arrays (prompt + continuation).
+        stops after emitting eos_token_id. on_token(tokens) is called with the (B,) new tokens of
+        each step. Returns a list of 1-D int arrays (prompt + continuation).
+
+        The KV cache and buffers for (batch, capacity) are kept for the next call (the last
+        max_generations of them; forget_graphs() frees them). After its first run the decode step
+        is one CUDA graph replay, and so is the prompt prefill once a padded prompt length (a
+        multiple of 64) repeats; use_graph=False runs every kernel one by one.
         """
-        import cupy
         prompts = self._check_prompts(ids)
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -262,61 +283,49 @@ class GPT:
             return [np.asarray(p, np.int64) for p in prompts]
         B, T0 = len(prompts), int(lengths.max())
         capacity = min(self.config.block_size, -(-need // 64) * 64)
+        T = min(capacity, -(-T0 // 64) * 64)      # prompts padded to a multiple of 64: few prefill shapes
         greedy = temperature == 0
         eos = -1 if eos_token_id is None else eos_token_id
         rng = np.random.default_rng(seed)
-        padded = np.zeros((B, T0), np.int32)
+        padded = np.zeros((B, T), np.int32)
         for b, p in enumerate(prompts):
             padded[b, :len(p)] = p
         pos = lengths - 1                      # position of each sequence's newest token
         history = np.zeros((B, capacity + 1), np.int32)
-        history[:, :T0] = padded
+        history[:, :T] = padded
         finished = np.zeros(B, bool)
 
         def pick_on_host():
             nonlocal pos
-            new = _sample(state.logits.get().astype(np.float64), temperature, top_k, top_p, rng)
+            new = _sample(gen.logits.get().astype(np.float64), temperature, top_k, top_p, rng)
             new = np.where(finished, eos, new).astype(np.int32)
             pos = pos + 1
             history[np.arange(B), pos] = new
-            state.tokens.set(new)
-            state.positions.set(pos.astype(np.int32))
+            gen.tokens.set(new)
+            gen.positions.set(pos.astype(np.int32))
             return new
 
-        stream = cupy.cuda.Stream(non_blocking=True)
-        with stream:
-            state = DecodeState(self, B, KVCache(self.config, B, capacity, self.dtype), eos)
-            state.history.set(history)
-            state.positions.set(pos)
-            x = self._prefill_hidden(cupy.asarray(padded), state.cache)
-            last = cupy.asarray(np.arange(B, dtype=np.int32) * T0 + pos)
-            h = layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon, rows=last)
-            self._linear(h, self.wte, weight_layout="out_in", out=state.logits)
-            if greedy:
-                state.pick()
-            graph, produced = None, 0
+        with self._generation(B, capacity, eos, greedy) as gen, gen.stream:
+            gen.start(history, pos)
+            gen.prefill(padded, np.arange(B, dtype=np.int32) * T + pos, use_graph)
+            produced = 0
             while True:
                 new = None if greedy else pick_on_host()
                 produced += 1
                 if on_token is not None or produced % 8 == 0 or produced == max_new_tokens:
                     if greedy:
-                        new = state.tokens.get()
-                        finished |= state.finished.get().astype(bool)
+                        new = gen.tokens.get()
+                        finished |= gen.finished.get().astype(bool)
                     if on_token is not None:
                         on_token(new)
                 if not greedy and eos_token_id is not None:
                     finished |= new == eos
                 if produced == max_new_tokens or finished.all():
                     break
-                if use_graph and graph is None and produced >= 2:
-                    graph = state.capture(stream, greedy)   # after one eager decode step
-                if graph is not None:
-                    graph.launch(stream)
-                else:
-                    state.step(greedy)
-            stream.synchronize()
+                gen.decode(use_graph)
+            gen.stream.synchronize()
             if greedy:
-                history = state.history.get()
+                history = gen.history.get()
         out = []
         for b in range(B):
             seq = history[b, :lengths[b] + produced].astype(np.int64)
@@ -390,48 +399,126 @@ class GPT:
                              f"[{ids.min()}, {ids.max()}]")
 
 
-class DecodeState:
-    """Static device buffers of one decode step, so the step can be captured as a CUDA graph."""
+def _positions(batch: int, tokens: int):
+    """int32 (batch, tokens) device array of 0..tokens-1 in every row."""
+    import cupy
+    return cupy.broadcast_to(cupy.arange(tokens, dtype=cupy.int32), (batch, tokens)).copy()
 
-    def __init__(self, model: GPT, batch: int, cache: KVCache, eos: int):
+
+def _capture(stream, fn) -> object:
+    """fn()'s kernels on `stream` recorded as a CUDA graph (nothing runs)."""
+    stream.begin_capture()
+    try:
+        fn()
+    except BaseException:
+        stream.end_capture()
+        raise
+    return stream.end_capture()
+
+
+class PromptBuffers:
+    """Static inputs and activations of one padded prompt shape, and its prefill graph once captured."""
+
+    def __init__(self, model: GPT, batch: int, tokens: int):
+        import cupy
+        self.ids = cupy.zeros((batch, tokens), cupy.int32)
+        self.positions = _positions(batch, tokens)
+        self.last = cupy.zeros((batch,), cupy.int32)          # row of each sequence's newest token
+        self.zeros = cupy.zeros((batch,), cupy.int32)         # KV cache write offsets
+        self.acts = Activations(model.config, batch, tokens, model.dtype)
+        self.graph, self.runs = None, 0
+
+
+class Generation:
+    """generate()'s device state for B sequences of up to `capacity` positions, on its own stream:
+    the KV cache, the decode buffers, and CUDA graphs of the decode step and of prompt prefills."""
+
+    max_prompt_shapes = 2
+
+    def __init__(self, model: GPT, batch: int, capacity: int, eos: int, greedy: bool):
         import cupy
         cfg = model.config
-        self.model, self.batch, self.cache, self.eos = model, batch, cache, eos
-        capacity = cache.capacity
-        self.tokens = cupy.zeros((batch,), cupy.int32)
-        self.positions = cupy.zeros((batch,), cupy.int32)
-        self.finished = cupy.zeros((batch,), cupy.int32)
-        self.history = cupy.zeros((batch, capacity + 1), cupy.int32)
-        self.acts = Activations(cfg, batch, 1, model.dtype)
-        self.logits = cupy.empty((batch, cfg.vocab_size), numpy_dtype(model.dtype))
+        self.model, self.batch, self.eos, self.greedy = model, batch, eos, greedy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.cache = KVCache(cfg, batch, capacity, model.dtype)
+            self.tokens = cupy.zeros((batch,), cupy.int32)
+            self.positions = cupy.zeros((batch,), cupy.int32)
+            self.finished = cupy.zeros((batch,), cupy.int32)
+            self.history = cupy.zeros((batch, capacity + 1), cupy.int32)
+            self.acts = Activations(cfg, batch, 1, model.dtype)
+            self.logits = cupy.empty((batch, cfg.vocab_size), numpy_dtype(model.dtype))
+        self.prompts: OrderedDict[int, PromptBuffers] = OrderedDict()
+        self.decode_graph = None
 
-    def pick(self) -> None:
-        """Greedy token from the logits, written to tokens and history; positions advance."""
-        greedy_step(self.logits, self.tokens, self.positions, self.history, self.finished, self.eos)
+    def start(self, history: np.ndarray, positions: np.ndarray) -> None:
+        """A new call: the prompts in history, each sequence's newest position, nothing finished."""
+        self.history.set(history)
+        self.positions.set(positions)
+        self.finished.fill(0)
 
-    def step(self, greedy: bool) -> None:
-        """One token for every sequence: embed tokens at positions, run the blocks, LM head logits."""
-        m, cfg, cache = self.model, self.model.config, self.cache
-        B = self.batch
+    def prefill(self, ids: np.ndarray, last: np.ndarray, use_graph: bool) -> None:
+        """Fill the KV cache from padded prompts ids (B, T) and compute the logits at rows `last`
+        (of the flattened B x T tokens); greedy generations also pick the first token."""
+        T = ids.shape[1]
+        buf = self.prompts.pop(T, None) or PromptBuffers(self.model, self.batch, T)
+        self.prompts[T] = buf
+        while len(self.prompts) > self.max_prompt_shapes:
+            self.prompts.popitem(last=False)
+        buf.ids.set(ids)
+        buf.last.set(last)
+        if use_graph and buf.graph is not None:
+            buf.graph.launch(self.stream)
+            return
+        self._prefill(buf)
+        buf.runs += 1
+        if use_graph and buf.runs >= 2:        # a prompt shape seen twice: replay it from now on
+            buf.graph = _capture(self.stream, lambda: self._prefill(buf))
+
+    def _prefill(self, buf: PromptBuffers) -> None:
+        m, cache = self.model, self.cache
+
+        def attend(i, q, k, v, out):
+            write_kv(k, v, cache.k[i], cache.v[i], buf.zeros)
+            attention(q, k, v, causal=True, out=out)
+
+        x = m._blocks(buf.acts, buf.ids, buf.positions, attend)
+        self._head(x, rows=buf.last)
+
+    def _head(self, x, rows=None) -> None:
+        """Final LayerNorm (of `rows` only, when given), LM head logits, and the greedy pick."""
+        m, B = self.model, self.batch
+        h = self.acts.h.reshape(B, m.config.n_embd)
+        layer_norm(x, m.ln_f_w, m.ln_f_b, m.config.layer_norm_epsilon, rows=rows,
+                   out=h if rows is not None else self.acts.h)
+        m._linear(h, m.wte, weight_layout="out_in", out=self.logits)
+        if self.greedy:
+            greedy_step(self.logits, self.tokens, self.positions, self.history, self.finished, self.eos)
+
+    def decode(self, use_graph: bool) -> None:
+        """One token for every sequence; the first call runs eagerly and captures the step."""
+        if use_graph and self.decode_graph is not None:
+            self.decode_graph.launch(self.stream)
+            return
+        self._step()
+        if use_graph:
+            self.decode_graph = _capture(self.stream, self._step)
+
+    def _step(self) -> None:
+        m, cache, B = self.model, self.cache, self.batch
 
         def attend(i, q, k, v, out):
             write_kv(k, v, cache.k[i], cache.v[i], self.positions)
             decode_attention(q, cache.k[i], cache.v[i], self.positions, length_offset=1, out=out)
 
-        x = m._blocks(self.acts, self.tokens.reshape(B, 1), self.positions.reshape(B, 1), attend)
-        layer_norm(x, m.ln_f_w, m.ln_f_b, cfg.layer_norm_epsilon, out=self.acts.h)
-        m._linear(self.acts.h.reshape(B, cfg.n_embd), m.wte, weight_layout="out_in", out=self.logits)
-        if greedy:
-            self.pick()
+        self._head(m._blocks(self.acts, self.tokens.reshape(B, 1), self.positions.reshape(B, 1), attend))
 
-    def capture(self, stream, greedy: bool):
-        """Record step() (and the greedy pick) on `stream` as a CUDA graph."""
-        stream.begin_capture()
-        try:
-            self.step(greedy)
-        finally:
-            graph = stream.end_capture()
-        return graph
+    def release(self) -> None:
+        """Wait for this generation's work, then drop its graphs and its stream's work arrays."""
+        self.stream.synchronize()
+        self.decode_graph = None
+        self.prompts.clear()
+        release_scratch(self.stream.ptr)
 
 
 class PrefillGraph:
@@ -444,29 +531,21 @@ class PrefillGraph:
         self.capture_stream = cupy.cuda.Stream(non_blocking=True)
         with self.capture_stream:
             self.ids = cupy.zeros(self.shape, cupy.int32)
-            self.positions = cupy.broadcast_to(cupy.arange(tokens, dtype=cupy.int32), self.shape).copy()
+            self.positions = _positions(batch, tokens)
             self.acts = Activations(model.config, batch, tokens, model.dtype)
         self.graph, self.last_run = None, None
         self.lock = threading.Lock()
 
     def _body(self) -> None:
         m = self.model
-        x = m._blocks(self.acts, self.ids, self.positions,
-                      lambda i, q, k, v, out: attention(q, k, v, causal=True, out=out))
+        x = m._causal_blocks(self.acts, self.ids, self.positions)
         layer_norm(x, m.ln_f_w, m.ln_f_b, m.config.layer_norm_epsilon, out=self.acts.h)
 
     def _capture(self) -> None:
         """One eager pass first (compiles kernels, creates their per-stream scratch), then capture."""
-        s = self.capture_stream
-        with s:
+        with self.capture_stream:
             self._body()
-            s.begin_capture()
-            try:
-                self._body()
-            except BaseException:
-                s.end_capture()
-                raise
-            self.graph = s.end_capture()
+            self.graph = _capture(self.capture_stream, self._body)
 
     def run(self, ids: np.ndarray, stream):
         """Logits for host int32 ids of this shape, enqueued on `stream`."""
@@ -488,6 +567,7 @@ class PrefillGraph:
             if self.last_run is not None:
                 self.last_run.synchronize()
             self.graph = None
+            release_scratch(self.capture_stream.ptr)
 
 
 def _sample(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None,

@@ -113,6 +113,7 @@ def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, c
             times, tokens = {}, {}
             for mode in ("off", "cached"):
                 with autotune_mode(mode):
+                    gpt.forget_graphs()           # kept decode graphs hold the other mode's configs
                     def generate(mode=mode):
                         tokens[mode] = gpt.generate(prompt, NEW_TOKENS, temperature=0)
                     times[mode] = _per_token(timing.wall_time(generate, warmup=1, runs=3), NEW_TOKENS)

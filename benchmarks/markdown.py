@@ -24,31 +24,35 @@ def header(meta: dict) -> str:
             f"bf16 matmul {calib['matmul_peak_tflops']:.0f} TFLOP/s.")
 
 
-def _anchor_rows(rows: list) -> list[str]:
-    lines = ["| case | anchor | tilekit ms | anchor ms | anchor/tilekit | tilekit perf | % of roofline |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+def _table(columns: list[tuple[str, str]], rows: list, cells, keep: int) -> list[str]:
+    """Markdown lines: (title, alignment) columns, cells(row) per measured row; a row that did not
+    run keeps its first `keep` cells and then says why."""
+    lines = ["| " + " | ".join(title for title, _ in columns) + " |",
+             "|" + "|".join(align for _, align in columns) + "|"]
     for row in rows:
-        if row["status"] != "ok":
-            lines.append(f"| {row['label']} | {row['anchor']} | {row['status']}: {row['note']} | | | | |")
-            continue
-        unit = row["unit"]
-        lines.append(f"| {row['label']} | {row['anchor']} | {_fmt(row['tilekit_ms'], '.3f')} | "
-                     f"{_fmt(row['anchor_ms'], '.3f')} | {_fmt(row['ratio'], '.2f')}x | "
-                     f"{_fmt(row['tilekit_perf'], '.1f')} {unit} | {_fmt(row['pct_roofline'], '.0f')}% |")
+        if row["status"] == "ok":
+            line = cells(row)
+        else:
+            line = cells(row)[:keep] + [f"{row['status']}: {row['note']}"] + [""] * (len(columns) - keep - 1)
+        lines.append("| " + " | ".join(line) + " |")
     return lines
+
+
+def _anchor_rows(rows: list) -> list[str]:
+    columns = [("case", "---"), ("anchor", "---"), ("tilekit ms", "---:"), ("anchor ms", "---:"),
+               ("anchor/tilekit", "---:"), ("tilekit perf", "---:"), ("% of roofline", "---:")]
+    return _table(columns, rows, lambda r: [
+        r["label"], r["anchor"], _fmt(r["tilekit_ms"], ".3f"), _fmt(r["anchor_ms"], ".3f"),
+        f"{_fmt(r['ratio'], '.2f')}x", f"{_fmt(r['tilekit_perf'], '.1f')} {r['unit']}",
+        f"{_fmt(r['pct_roofline'], '.0f')}%"], keep=2)
 
 
 def _tuning_rows(rows: list) -> list[str]:
-    lines = ["| case | untuned ms (TILEKIT_AUTOTUNE=off) | tuned ms | untuned/tuned | where the tuned configs came from |",
-             "|---|---:|---:|---:|---|"]
-    for row in rows:
-        if row["status"] != "ok":
-            lines.append(f"| {row['label']} | {row['status']}: {row['note']} | | | |")
-            continue
-        sources = row["note"].removeprefix(SOURCES_PREFIX)
-        lines.append(f"| {row['label']} | {_fmt(row['anchor_ms'], '.3f')} | {_fmt(row['tilekit_ms'], '.3f')} | "
-                     f"{_fmt(row['ratio'], '.2f')}x | {sources} |")
-    return lines
+    columns = [("case", "---"), ("untuned ms (TILEKIT_AUTOTUNE=off)", "---:"), ("tuned ms", "---:"),
+               ("untuned/tuned", "---:"), ("where the tuned configs came from", "---")]
+    return _table(columns, rows, lambda r: [
+        r["label"], _fmt(r["anchor_ms"], ".3f"), _fmt(r["tilekit_ms"], ".3f"), f"{_fmt(r['ratio'], '.2f')}x",
+        r["note"].removeprefix(SOURCES_PREFIX)], keep=1)
 
 
 def render(results: dict, suite: str | None = None) -> str:

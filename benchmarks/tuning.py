@@ -50,6 +50,17 @@ def autotune_mode(mode: str):
         store.reset()
 
 
+def in_both_modes(gpt, measure) -> dict:
+    """{mode: measure(mode)} for off, then cached; the model's graphs (which hold the configs they
+    were captured with) are dropped before each."""
+    out = {}
+    for mode in ("off", "cached"):
+        with autotune_mode(mode):
+            gpt.forget_graphs()
+            out[mode] = measure(mode)
+    return out
+
+
 def config_sources(config, batch: int, seq: int, *, prefill: bool) -> str:
     """'38 shipped, 2 default': where the cached mode's configs come from for this size."""
     from tilekit.device import device_info
@@ -85,14 +96,15 @@ def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, c
         rows.append(r)
         log(f"[tuning {preset}] prefill B={B} T={T} ({r.note})")
         try:
-            times, outs = {}, {}
-            for mode in ("off", "cached"):
-                with autotune_mode(mode):
-                    gpt.forget_graphs()           # captured graphs hold the other mode's configs
-                    outs[mode] = gpt(ids)
-                    times[mode] = timing.measure(lambda: gpt(ids), flush_l2=True, warmup=2, reps=10)
+            outs = {}
+
+            def prefill_time(mode):
+                outs[mode] = gpt(ids)
+                return timing.measure(lambda: gpt(ids), flush_l2=True, warmup=2, reps=10)
+
+            times = in_both_modes(gpt, prefill_time)
             r.error = checks.rel_error(outs["cached"], outs["off"])
-            del outs
+            outs.clear()                  # the logits can be large: free them before the next shape
             if not r.error < r.tolerance:
                 r.status, r.note = "failed", f"tuned and untuned logits differ by {r.error:.3g}"
                 continue
@@ -110,13 +122,14 @@ def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, c
         rows.append(r)
         log(f"[tuning {preset}] decode B={B} ({r.note})")
         try:
-            times, tokens = {}, {}
-            for mode in ("off", "cached"):
-                with autotune_mode(mode):
-                    gpt.forget_graphs()           # kept decode graphs hold the other mode's configs
-                    def generate(mode=mode):
-                        tokens[mode] = gpt.generate(prompt, NEW_TOKENS, temperature=0)
-                    times[mode] = _per_token(timing.wall_time(generate, warmup=1, runs=3), NEW_TOKENS)
+            tokens = {}
+
+            def decode_time(mode):
+                def generate():
+                    tokens[mode] = gpt.generate(prompt, NEW_TOKENS, temperature=0)
+                return _per_token(timing.wall_time(generate, warmup=1, runs=3), NEW_TOKENS)
+
+            times = in_both_modes(gpt, decode_time)
             fill_times(r, times["cached"], times["off"])
             r.tilekit_perf, r.anchor_perf = B * 1e3 / r.tilekit_ms, B * 1e3 / r.anchor_ms
             same = checks.leading_agreement(tokens["cached"][0][PROMPT:], tokens["off"][0][PROMPT:])

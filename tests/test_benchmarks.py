@@ -305,6 +305,19 @@ def test_autotune_mode_is_set_and_restored(monkeypatch):
     assert "TILEKIT_AUTOTUNE" not in __import__("os").environ
 
 
+def test_both_modes_drop_graphs_before_measuring():
+    from tilekit.autotune.op import autotune_mode
+    events = []
+
+    class FakeModel:
+        def forget_graphs(self):
+            events.append("forget")
+
+    got = tuning.in_both_modes(FakeModel(), lambda mode: events.append((mode, autotune_mode())) or mode * 2)
+    assert got == {"off": "offoff", "cached": "cachedcached"}
+    assert events == ["forget", ("off", "off"), "forget", ("cached", "cached")]
+
+
 def test_tuning_plans_cover_the_presets():
     quick, full = tuning.plan("quick"), tuning.plan("full")
     assert {p for p, _, _ in quick} <= {p for p, _, _ in full} == set(PRESETS)

@@ -367,3 +367,20 @@ def test_shards_cover_every_shape_once():
     items = list(range(57))
     shards = [cli._shard_items(items, f"{i}/3") for i in range(3)]
     assert sorted(x for s in shards for x in s) == items
+
+
+def test_worker_exit_status_and_visible_devices():
+    assert cli._exit_status([0, 0]) == 0
+    assert cli._exit_status([0, 1]) == 1
+    assert cli._exit_status([0, -9]) == 137          # a worker killed by SIGKILL is a failure
+    assert cli._visible_device(1, None) == "1"
+    assert cli._visible_device(1, "4, 5") == "5"     # indices are relative to the parent's GPUs
+
+
+def test_abbreviated_options_are_refused(capsys):
+    """`--dev all` must not reach a worker as --devices (workers would spawn workers)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--model", "gpt2", "--dev", "all"])
+    assert e.value.code == 2 and "--dev" in capsys.readouterr().err
+    args = cli.build_parser().parse_args(["tune", "--model", "gpt2", "--devices", "all"])
+    assert args.devices == "all" and args.shard is None

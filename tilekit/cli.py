@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +20,12 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with misuse reported as one `tilekit: ...` line (exit 2), like UsageError."""
+    """argparse with misuse reported as one `tilekit: ...` line (exit 2), like UsageError, and no
+    abbreviated options (a `tune --dev all` would otherwise reach its workers as --devices)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"tilekit: {self.prog.removeprefix('tilekit ')}: {message} (see `{self.prog} --help`)\n"
@@ -122,7 +128,7 @@ def cmd_tune(args) -> int:
     reason = gpu_unavailable_reason()
     if reason:
         raise UsageError(f"tuning needs a GPU: {reason}")
-    if args.devices is not None:
+    if args.devices is not None and args.shard is None:     # a worker never spawns workers
         return _tune_on_devices(args, items)
     return _tune_here(args, items, shard=args.shard)
 
@@ -252,29 +258,56 @@ def _tune_on_devices(args, items) -> int:
           f"({', '.join(f'{d}: {names[d]}' for d in devices)})", flush=True)
     start, procs, pumps = time.monotonic(), [], []
     for dev, shard in jobs:
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(dev))
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=_visible_device(dev, os.environ.get("CUDA_VISIBLE_DEVICES")))
         p = subprocess.Popen([sys.executable, "-m", "tilekit", *_child_argv(args.argv, shard, workers)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             errors="replace")
         procs.append(p)
         pumps.append(threading.Thread(target=_prefix_lines, args=(p.stdout, f"[gpu {dev}] "), daemon=True))
         pumps[-1].start()
     try:
         codes = [p.wait() for p in procs]
-    except KeyboardInterrupt:      # the workers got the signal too: they store what they finished
-        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:      # workers store what they finished; pass the signal on if it missed them
+        deadline = time.monotonic() + 5
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGINT)
+        for p in procs:
+            p.wait()
         print("interrupted: finished results were stored; run the command again to continue", file=sys.stderr)
         return 130
     finally:
         for t in pumps:
             t.join(timeout=5)
     print(f"tilekit tune: {len(jobs)} workers done in {time.monotonic() - start:.0f} s, exit codes {codes}")
-    return max(codes)
+    return _exit_status(codes)
+
+
+def _visible_device(index: int, parent: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for the worker of GPU `index` as this process numbers it."""
+    if parent:
+        return parent.split(",")[index].strip()
+    return str(index)
+
+
+def _exit_status(codes: list[int]) -> int:
+    """One exit status for all workers: the worst, a worker killed by signal N counting as 128 + N."""
+    return max((128 - c if c < 0 else c) for c in codes)
 
 
 def _prefix_lines(pipe, prefix: str) -> None:
+    """Copy a worker's output lines with a prefix; keep draining if our stdout goes away, so the
+    worker never blocks on a full pipe."""
+    out_ok = True
     for line in pipe:
-        sys.stdout.write(prefix + line)
-        sys.stdout.flush()
+        if out_ok:
+            try:
+                sys.stdout.write(prefix + line)
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                out_ok = False
 
 
 # -- db --------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +52,10 @@ class KVCache:
     def __init__(self, config: GPTConfig, batch: int, capacity: int, dtype: str):
         import cupy
         shape = (config.n_layer, batch, config.n_head, capacity, config.head_dim)
-        self.k = cupy.empty(shape, dtype=numpy_dtype(dtype))
-        self.v = cupy.empty(shape, dtype=numpy_dtype(dtype))
+        # zeroed: decode attention multiplies whole key tiles, unwritten slots included, by
+        # probabilities that are 0 there, and 0 x NaN from stale memory would be NaN
+        self.k = cupy.zeros(shape, dtype=numpy_dtype(dtype))
+        self.v = cupy.zeros(shape, dtype=numpy_dtype(dtype))
         self.capacity = capacity
 
 
@@ -163,7 +166,9 @@ class GPT:
         B, T = ids_host.shape
         stream = cupy.cuda.get_current_stream()
         if use_graph:
-            return self._prefill_graph(B, T, stream).run(ids_host, stream)
+            logits = self._prefill_graph(B, T, stream).run(ids_host, stream)
+            if logits is not None:           # None: another thread evicted the graph meanwhile
+                return logits
         x = self._causal_blocks(Activations(self.config, B, T, self.dtype), cupy.asarray(ids_host),
                                 _positions(B, T))
         x = layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon)
@@ -450,6 +455,7 @@ class Generation:
             self.logits = cupy.empty((batch, cfg.vocab_size), numpy_dtype(model.dtype))
         self.prompts: OrderedDict[int, PromptBuffers] = OrderedDict()
         self.decode_graph = None
+        weakref.finalize(self, release_scratch, self.stream.ptr)   # also when dropped unreleased
 
     def start(self, history: np.ndarray, positions: np.ndarray) -> None:
         """A new call: the prompts in history, each sequence's newest position, nothing finished."""
@@ -533,26 +539,32 @@ class PrefillGraph:
             self.ids = cupy.zeros(self.shape, cupy.int32)
             self.positions = _positions(batch, tokens)
             self.acts = Activations(model.config, batch, tokens, model.dtype)
-        self.graph, self.last_run = None, None
+        self.graph, self.last_run, self.released = None, None, False
         self.lock = threading.Lock()
+        weakref.finalize(self, release_scratch, self.capture_stream.ptr)
 
     def _body(self) -> None:
         m = self.model
         x = m._causal_blocks(self.acts, self.ids, self.positions)
         layer_norm(x, m.ln_f_w, m.ln_f_b, m.config.layer_norm_epsilon, out=self.acts.h)
 
-    def _capture(self) -> None:
+    def _capture(self):
         """One eager pass first (compiles kernels, creates their per-stream scratch), then capture."""
         with self.capture_stream:
             self._body()
-            self.graph = _capture(self.capture_stream, self._body)
+            return _capture(self.capture_stream, self._body)
 
     def run(self, ids: np.ndarray, stream):
-        """Logits for host int32 ids of this shape, enqueued on `stream`."""
+        """Logits for host int32 ids of this shape, enqueued on `stream`; None once released."""
         with self.lock:            # ids upload, replay and LM head stay together per caller
+            if self.released:
+                return None
             if self.graph is None:
-                self._capture()
+                graph = self._capture()
                 stream.wait_event(self.capture_stream.record())
+                self.graph = graph
+            elif self.last_run is not None:      # one handle may name several streams (per-thread
+                stream.wait_event(self.last_run)  # default streams): order after the previous run
             with stream:
                 self.ids.set(ids)
                 self.graph.launch(stream)
@@ -563,6 +575,7 @@ class PrefillGraph:
     def release(self) -> None:
         """Wait for the last run that reads this graph's buffers, then drop the graph."""
         with self.lock:
+            self.released = True
             self.capture_stream.synchronize()
             if self.last_run is not None:
                 self.last_run.synchronize()

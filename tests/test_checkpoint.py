@@ -198,3 +198,16 @@ def test_written_config_names_the_end_of_text_token():
     d = GPTConfig.preset("gpt2").to_hf_dict()
     assert d["eos_token_id"] == d["bos_token_id"] == 50256
     assert GPTConfig.from_hf_dict(d) == GPTConfig.preset("gpt2")
+
+
+def test_block_params_name_every_block_tensor_in_field_order():
+    """GPT builds Block(*tensors in BLOCK_PARAMS order) and writes them back under the same names."""
+    import dataclasses
+
+    from tilekit.models.gpt import BLOCK_PARAMS, Block
+    names = {n.removeprefix("h.0.") for n in state_dict_shapes(GPTConfig.preset("gpt2")) if n.startswith("h.0.")}
+    assert sorted(BLOCK_PARAMS) == sorted(names) and len(BLOCK_PARAMS) == len(set(BLOCK_PARAMS))
+    fields = [f.name for f in dataclasses.fields(Block)]
+    stems = [n.replace("attn.c_attn", "attn").replace("attn.c_proj", "proj").replace("mlp.c_fc", "fc")
+             .replace("mlp.c_proj", "mlp_proj").replace(".weight", "_w").replace(".bias", "_b") for n in BLOCK_PARAMS]
+    assert stems == fields

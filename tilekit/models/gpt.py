@@ -28,9 +28,15 @@ from tilekit.models.config import GPTConfig
 DTYPES = ("bfloat16", "float16", "float32")
 
 
+# A block's tensors under their Hugging Face names, in Block's field order.
+BLOCK_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                "mlp.c_proj.weight", "mlp.c_proj.bias")
+
+
 @dataclass
 class Block:
-    """One transformer block's parameters (device arrays)."""
+    """One transformer block's parameters (device arrays), in BLOCK_PARAMS order."""
 
     ln_1_w: object
     ln_1_b: object
@@ -87,6 +93,7 @@ def _host_array(x, name: str) -> np.ndarray:
     except (TypeError, ValueError) as e:
         raise TypeError(f"{name} must be an integer array (NumPy, CuPy, torch or nested lists): {e}") from None
 
+
 class GPT:
     """A GPT-2 family model whose forward pass runs entirely on tilekit kernels."""
 
@@ -114,10 +121,7 @@ class GPT:
              for name, a in state.items()}
         self.wte, self.wpe = w["wte.weight"], w["wpe.weight"]
         self.ln_f_w, self.ln_f_b = w["ln_f.weight"], w["ln_f.bias"]
-        self.blocks = [Block(*(w[f"h.{i}.{n}"] for n in (
-            "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
-            "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-            "mlp.c_proj.weight", "mlp.c_proj.bias"))) for i in range(config.n_layer)]
+        self.blocks = [Block(*(w[f"h.{i}.{n}"] for n in BLOCK_PARAMS)) for i in range(config.n_layer)]
 
     # -- checkpoints ----------------------------------------------------------------------------
     @classmethod
@@ -136,11 +140,8 @@ class GPT:
             return a.get().astype(np.float32)
         state = {"wte.weight": host(self.wte), "wpe.weight": host(self.wpe),
                  "ln_f.weight": host(self.ln_f_w), "ln_f.bias": host(self.ln_f_b)}
-        names = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
-                 "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-                 "mlp.c_proj.weight", "mlp.c_proj.bias")
         for i, block in enumerate(self.blocks):
-            for name, array in zip(names, vars(block).values()):
+            for name, array in zip(BLOCK_PARAMS, vars(block).values()):
                 state[f"h.{i}.{name}"] = host(array)
         return state
 
@@ -169,10 +170,9 @@ class GPT:
             logits = self._prefill_graph(B, T, stream).run(ids_host, stream)
             if logits is not None:           # None: another thread evicted the graph meanwhile
                 return logits
-        x = self._causal_blocks(Activations(self.config, B, T, self.dtype), cupy.asarray(ids_host),
-                                _positions(B, T))
-        x = layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon)
-        return self._linear(x, self.wte, weight_layout="out_in")
+        acts = Activations(self.config, B, T, self.dtype)
+        self._normed_hidden(acts, cupy.asarray(ids_host), _positions(B, T))
+        return self._linear(acts.h, self.wte, weight_layout="out_in")
 
     max_prefill_graphs = 4
 
@@ -223,9 +223,11 @@ class GPT:
     def _linear(self, x, w, b=None, **kw):
         return linear(x, w, b, allow_tf32=self.allow_tf32, **kw)
 
-    def _causal_blocks(self, acts: Activations, ids, positions):
-        """The blocks over whole prompts without a KV cache (forward()); returns acts.x."""
-        return self._blocks(acts, ids, positions, lambda i, q, k, v, out: attention(q, k, v, causal=True, out=out))
+    def _normed_hidden(self, acts: Activations, ids, positions) -> None:
+        """forward() up to the LM head: the blocks over whole prompts (no KV cache), then the final
+        LayerNorm into acts.h."""
+        x = self._blocks(acts, ids, positions, lambda i, q, k, v, out: attention(q, k, v, causal=True, out=out))
+        layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon, out=acts.h)
 
     def _blocks(self, acts: Activations, ids, positions, attend):
         """Embed ids at positions and run every block in `acts`; returns acts.x, the hidden states.
@@ -544,9 +546,7 @@ class PrefillGraph:
         weakref.finalize(self, release_scratch, self.capture_stream.ptr)
 
     def _body(self) -> None:
-        m = self.model
-        x = m._causal_blocks(self.acts, self.ids, self.positions)
-        layer_norm(x, m.ln_f_w, m.ln_f_b, m.config.layer_norm_epsilon, out=self.acts.h)
+        self.model._normed_hidden(self.acts, self.ids, self.positions)
 
     def _capture(self):
         """One eager pass first (compiles kernels, creates their per-stream scratch), then capture."""

@@ -1,5 +1,6 @@
 """The `tilekit` command on CPU: help, misuse, the db subcommands, concurrent imports, db explain."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -67,6 +68,11 @@ def seed_user_db() -> dict[str, set[str]]:
     return {"NVIDIA_H100_80GB_HBM3": set(h100), "NVIDIA_H200": set(h200)}
 
 
+def user_files() -> dict:
+    """Every file under the user cache, with its bytes."""
+    return {p: p.read_bytes() for p in Path(os.environ["TILEKIT_CACHE_DIR"]).rglob("*") if p.is_file()}
+
+
 def user_entries() -> dict:
     store.reset()
     return {(dfile.path.name, key): e for dfile, key, e in store.user_db().items()}
@@ -128,6 +134,56 @@ def test_tune_without_gpu_says_so(argv, capsys):
 @pytest.mark.skipif(HAS_GPU, reason="checks the message on a machine without a GPU")
 def test_explain_without_gpu_needs_gpu_name(capsys):
     assert "--gpu NAME" in misuse(["db", "explain", "--model", "gpt2"], capsys)
+
+
+def _actions(parser, prog="tilekit"):
+    """(command, action) for every argument of the parser and its subcommands."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield prog, action
+            for name, sub in action.choices.items():
+                yield from _actions(sub, f"{prog} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            yield prog, action
+
+
+def test_every_argument_has_help():
+    actions = list(_actions(cli.build_parser()))
+    assert len(actions) > 30
+    missing = [f"{prog} {action.dest}" for prog, action in actions
+               if action.help != argparse.SUPPRESS and not (action.help or "").strip()]
+    assert not missing, missing
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the message on a machine without a GPU")
+def test_generate_without_gpu_says_so_before_loading(monkeypatch, capsys):
+    import tilekit.models
+    monkeypatch.setattr(tilekit.models.GPT, "from_pretrained",
+                        lambda *a, **k: pytest.fail("loaded weights without a GPU"))
+    line = misuse(["generate", "--model", str(ROOT / "tests" / "data" / "tiny-gpt2"), "--prompt", "Hi"], capsys)
+    assert line == f"tilekit: generate needs a GPU: {gpu_unavailable_reason()}"
+
+
+BENCH_SCRIPT = """import sys
+import tilekit.cli
+sys.path[:] = [p for p in sys.path if p not in ("", {root!r})]   # as installed: no checkout on sys.path
+assert "benchmarks" not in sys.modules
+sys.exit(tilekit.cli.main(["bench", "--help"]))
+"""
+
+
+@pytest.mark.parametrize("where", ["elsewhere", "checkout root"])
+def test_bench_from_an_installed_tilekit(where, tmp_path):
+    script = tmp_path / "installed.py"
+    script.write_text(BENCH_SCRIPT.format(root=str(ROOT)))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT if where == "checkout root" else tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    if where == "elsewhere":
+        assert (p.returncode, p.stdout, p.stderr) == (2, "", f"tilekit: {cli.BENCH_ONLY_IN_CHECKOUT}\n")
+        assert "python -m benchmarks" in cli.BENCH_ONLY_IN_CHECKOUT
+    else:
+        assert p.returncode == 0 and p.stdout.startswith("usage: python -m benchmarks"), p.stderr
 
 
 def _module(*args, env_extra=None):
@@ -202,7 +258,7 @@ def test_db_export_clear_import_round_trip(tmp_path, capsys):
     assert payload["kind"] == "tilekit-tuning-export"
     assert sorted(f["device"]["name"] for f in payload["files"]) == [H100.name, H200.name]
 
-    rc, out, _ = run(["db", "clear"], capsys)
+    rc, out, _ = run(["db", "clear", "--yes"], capsys)
     assert rc == 0 and out.startswith("removed 5 entries")
     assert user_entries() == {}
     rc, out, _ = run(["db", "list"], capsys)
@@ -219,6 +275,100 @@ def test_db_export_clear_import_round_trip(tmp_path, capsys):
 
     rc, out, _ = run(["db", "import", str(export)], capsys)   # importing twice changes nothing
     assert rc == 0 and user_entries() == before
+
+
+@pytest.mark.parametrize("layer, expected", [("user", "user"), ("shipped", "shipped"), ("all", "both")])
+def test_db_export_layers(layer, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(ROOT / "tuning_db"))
+    store.reset()
+    keys = seed_user_db()
+    shipped = {key for _, key, _ in store.shipped_db().items()}
+    export = tmp_path / "export.json"
+    rc, out, _ = run(["db", "export", str(export), "--layer", layer], capsys)
+    got = {key for f in json.loads(export.read_text())["files"] for key in f["entries"]}
+    user = keys["NVIDIA_H100_80GB_HBM3"] | keys["NVIDIA_H200"]
+    assert rc == 0 and got == {"user": user, "shipped": shipped, "both": user | shipped}[expected]
+    assert out.startswith(f"exported {sum(len(f['entries']) for f in json.loads(export.read_text())['files'])}")
+
+
+def test_db_export_all_prefers_the_user_entry(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(ROOT / "tuning_db"))
+    store.reset()
+    key, shipped_entry = next((k, e) for d, k, e in store.shipped_db().items() if d.path.stem == "NVIDIA_H200")
+    mine = dict(shipped_entry, time_us=1.0)
+    store.user_db().store(H200, {key: mine})
+    export = tmp_path / "export.json"
+    assert run(["db", "export", str(export), "--layer", "all"], capsys)[0] == 0
+    (h200,) = [f for f in json.loads(export.read_text())["files"] if f["device"]["name"] == H200.name]
+    assert h200["entries"][key] == mine
+
+
+def test_db_export_to_a_bad_place(tmp_path, capsys):
+    seed_user_db()
+    before = user_files()
+    (tmp_path / "adir").mkdir()
+    Path(os.environ["TILEKIT_SHIPPED_DB"]).mkdir()
+    for target, says in [(tmp_path / "missing" / "x.json", f"directory {tmp_path / 'missing'} does not exist"),
+                         (tmp_path / "adir", "it is a directory"),
+                         (store.user_db().root / "sm_90" / "x.json", "it is inside the user tuning database"),
+                         (Path(os.environ["TILEKIT_SHIPPED_DB"]) / "x.json", "it is inside the shipped tuning database")]:
+        assert misuse(["db", "export", str(target)], capsys) == f"tilekit: cannot export to {target}: {says}"
+    assert user_files() == before and not (tmp_path / "missing").exists() and not list((tmp_path / "adir").iterdir())
+
+
+def test_db_import_drops_what_lookup_rejects_and_says_why(tmp_path, capsys):
+    good = {LINEAR.problem_key(linear_problem(M=m))[1]: entry(LINEAR, LINEAR_CONFIG, H100) for m in (8, 16)}
+    k1, k2, k3, k4, k5, k6 = (LINEAR.problem_key(linear_problem(M=2 ** m))[1] for m in range(6, 12))
+    bad = {k1: entry(LINEAR, dict(LINEAR_CONFIG, **{next(iter(LINEAR_CONFIG)): -1}), H100),
+           k2: entry(LINEAR, dict(LINEAR_CONFIG, **{next(iter(LINEAR_CONFIG)): 1e30}), H100),
+           k3: entry(LINEAR, LINEAR_CONFIG, H100, time_us=-5.0),
+           k4: entry(LINEAR, LINEAR_CONFIG, H100, toolchain={"cuda_tile": "0.1", "tileiras": "0.1"}),
+           k5: entry(LINEAR, LINEAR_CONFIG, H100, kernel_hash="0" * 16),
+           "nosuch/M=8,dtype=bfloat16": entry(LINEAR, LINEAR_CONFIG, H100),
+           "linear/not a key": entry(LINEAR, LINEAR_CONFIG, H100)}
+    export = tmp_path / "export.json"
+    export.write_text(json.dumps({"schema": 1, "kind": "tilekit-tuning-export",
+                                  "files": [{"device": H100.as_dict(), "entries": {**good, **bad}}]}))
+    rc, out, err = run(["db", "import", str(export)], capsys)
+    assert rc == 0 and err == "", err
+    imported, dropped = out.splitlines()
+    assert imported == f"imported 2 entries into {store.user_db().root}"
+    assert dropped.startswith("dropped 7: 2 config outside the linear search space, ")
+    for reason in ("1 time_us is negative", "1 stale: tuned with {'cuda_tile': '0.1'",
+                   "1 stale: tuned for another version of the kernel source", "1 unknown kernel 'nosuch'",
+                   "1 malformed tuning key 'linear/not a key'"):
+        assert ", " + reason in dropped, dropped
+    assert set(user_entries()) == {("NVIDIA_H100_80GB_HBM3.json", k) for k in good}
+
+
+def test_db_clear_asks_first(monkeypatch, capsys):
+    seed_user_db()
+    before = user_files()
+    assert "confirm with --yes" in misuse(["db", "clear"], capsys)   # stdin is not a terminal here
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
+    for answer in ("", "n", "no thanks"):
+        monkeypatch.setattr("builtins.input", lambda prompt: answer)
+        rc, out, _ = run(["db", "clear"], capsys)
+        assert (rc, out) == (1, "nothing deleted\n") and user_files() == before
+    monkeypatch.setattr("builtins.input", lambda prompt: "y")
+    rc, out, _ = run(["db", "clear"], capsys)
+    assert rc == 0 and out.startswith("removed 5 entries") and user_entries() == {}
+
+
+@pytest.mark.parametrize("argv", [["db", "list"], ["db", "show", "x"], ["db", "export", "{tmp}/e.json"],
+                                  ["db", "import", "{tmp}/e.json"], ["db", "verify"], ["db", "clear", "--yes"],
+                                  ["db", "explain", "--gpu", "NVIDIA H200"]])
+def test_db_commands_when_the_cache_dir_is_a_file(argv, tmp_path, monkeypatch, capsys):
+    (tmp_path / "e.json").write_text(json.dumps({"schema": 1, "kind": "tilekit-tuning-export", "files": [
+        {"device": H100.as_dict(), "entries": {LINEAR.problem_key(linear_problem())[1]:
+                                               entry(LINEAR, LINEAR_CONFIG, H100)}}]}))
+    (tmp_path / "cachefile").write_text("x")
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "cachefile"))
+    store.reset()
+    line = misuse([a.format(tmp=tmp_path) for a in argv], capsys)
+    assert line == (f"tilekit: the user tuning database {tmp_path / 'cachefile' / 'tuning'} cannot be used: "
+                    f"{tmp_path / 'cachefile'} is not a directory (see TILEKIT_CACHE_DIR)")
+    assert (tmp_path / "cachefile").read_text() == "x"
 
 
 # -- db verify -------------------------------------------------------------------------------
@@ -259,6 +409,34 @@ def test_db_verify_reports_invalid(capsys):
     assert out.splitlines()[-1] == "5 usable, 0 stale, 1 invalid"
 
 
+@pytest.mark.parametrize("damage, says", [
+    (lambda p: p.write_text("{ truncated"), "not valid JSON"),
+    (lambda p: p.write_text(p.read_text().replace('"schema": 1', '"schema": 2')), "schema version 2"),
+    (lambda p: p.write_text(p.read_text().replace('"time_us": 0.08', '"time_us": NaN')), "not strict JSON"),
+    (lambda p: (p.unlink(), p.mkdir()), "is a directory"),
+    (lambda p: (p.unlink(), os.mkfifo(p)), "is not a regular file"),
+])
+def test_db_verify_fails_on_an_unusable_file(damage, says, capsys):
+    seed_user_db()
+    path = store.user_db().file_for(H100).path
+    damage(path)
+    store.reset()
+    rc, out, _ = run(["db", "verify"], capsys)
+    assert rc == 1
+    assert f"BAD     user {path}: " in out and says in out, out
+    assert out.splitlines()[-1] == "1 usable, 0 stale, 0 invalid, 1 unusable files"
+
+
+def test_db_verify_counts_unparseable_keys_as_invalid(capsys):
+    seed_user_db()
+    store.user_db().store(H100, {"linear/garbage": entry(LINEAR, LINEAR_CONFIG, H100),
+                                 "linear": entry(LINEAR, LINEAR_CONFIG, H100)})
+    store.reset()
+    rc, out, _ = run(["db", "verify"], capsys)
+    assert rc == 1 and out.splitlines()[-1] == "5 usable, 0 stale, 2 invalid"
+    assert "INVALID user NVIDIA_H100_80GB_HBM3.json linear/garbage: malformed tuning key" in out
+
+
 # -- concurrent imports ----------------------------------------------------------------------
 
 PROCS = 8
@@ -287,7 +465,7 @@ def test_concurrent_imports_lose_nothing(tmp_path, monkeypatch, capsys):
     store.reset()
     assert run_together(_import_worker, [(str(f),) for f in files]) == [0] * PROCS
 
-    got = {(dfile.header_device()["name"], key): e for dfile, key, e in store.user_db().items()}
+    got = {(dfile.device().name, key): e for dfile, key, e in store.user_db().items()}
     assert len(got) == PROCS * KEYS * 2 and got == expected
     leftovers = [p.name for p in (tmp_path / "shared" / "tuning" / "sm_90").iterdir()
                  if p.suffix not in (".json", ".lock")]

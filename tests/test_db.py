@@ -9,7 +9,8 @@ import pytest
 
 from tests._autotune_fakes import B200, DEFAULT, H100, H100_PCIE, H200, entry, make_op, problem
 from tilekit.autotune import store
-from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, TuningDBWarning, device_file_name
+from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, TuningDBError, TuningDBWarning, device_file_name
+from tilekit.device import DeviceInfo
 
 
 @pytest.fixture(autouse=True)
@@ -338,3 +339,179 @@ def test_exact_shipped_beats_a_distant_user_guess(shipped):
     store.user_db().store(H100_PCIE, {key_of(op, M=16): entry(op, {"A": 1, "occupancy": 1}, device=H100_PCIE)})
     r = op.resolve(problem(M=8192), H100)
     assert r.describe() == "shipped db, exact-gpu, exact bucket"
+
+
+# -- untrusted files: paths, strict JSON, the read-only shipped layer, file modes, leftovers ----
+
+@pytest.mark.parametrize("arch, name", [("/abs/sm_90", H100.name), ("../../shipped/sm_90", H100.name),
+                                        ("sm_90/..", H100.name), ("sm_90\n", H100.name), ("sm_٩٠", H100.name),
+                                        ("sm_90", ".."), ("sm_90", "."), ("sm_90", "///"), ("sm_90", ""),
+                                        ("sm_90", "../.hidden"), ("sm_90", "x" * 1000)])
+def test_no_path_from_arch_or_name(arch, name, tmp_path):
+    op = make_op()
+    with pytest.raises(ValueError, match="sm_<digits>|makes no usable file name"):
+        store.user_db().store(DeviceInfo(name, arch, 132), {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    assert not store.user_dir().exists()
+    assert device_file_name("A/../B") == "A_.._B.json"   # slashes never survive
+
+
+def test_strict_json_in_and_out():
+    op = make_op()
+    with pytest.raises(ValueError):
+        store.user_db().store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1}, time_us=float("nan"))})
+    assert not user_file().exists() and not list(user_file().parent.glob("*.tmp"))   # no file, no leftover
+    store.user_db().store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    good = user_file().read_text()
+    for literal in ("NaN", "Infinity", "-Infinity", "1e400"):
+        user_file().write_text(good.replace('"time_us": 10.0', f'"time_us": {literal}'))
+        store.reset()
+        with tuning_warnings() as got:
+            assert op.resolve(problem(), H100).source == "default"
+        assert len(got) == 1 and "not strict JSON" in got[0], got
+
+
+def test_header_must_match_the_path():
+    op = make_op()
+    store.user_db().store(H200, {key_of(op): entry(op, {"A": 4, "occupancy": 1}, device=H200)})
+    user_file().parent.joinpath(device_file_name(H200.name)).rename(user_file())   # H200's file as the H100's
+    with tuning_warnings() as got:
+        assert op.resolve(problem(), H100).source == "default"
+    assert len(got) == 1 and "does not match its path" in got[0], got
+
+
+def test_shipped_layer_is_never_written(shipped):
+    """Reading a corrupt shipped file warns and moves nothing; every write refuses; bytes stay."""
+    op = make_op()
+    shipped.store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    path = shipped.file_for(H100).path
+    path.write_text("corrupt")
+    before = sorted((p.name, p.read_bytes()) for p in path.parent.iterdir())
+    read_only = store.shipped_db()
+    with tuning_warnings() as got:
+        assert op.resolve(problem(), H100).source == "default"
+        assert list(read_only.items()) == []
+    assert len(got) == 1 and "ignoring tuning file" in got[0]
+    for write in (lambda: read_only.store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})}),
+                  lambda: read_only.file_for(H100).remove(), lambda: read_only.file_for(H100).remove({"x"}),
+                  lambda: read_only.clear(moved_aside=True)):
+        with pytest.raises(PermissionError, match="shipped tuning database .* is read-only"):
+            write()
+    assert sorted((p.name, p.read_bytes()) for p in path.parent.iterdir()) == before
+
+
+def test_symlinks_out_of_the_root_are_refused(tmp_path):
+    op = make_op()
+    outside = tmp_path / "outside"
+    TuningDB(outside, "user", writable=True).store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    snapshot = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    root = store.user_db().root
+    root.mkdir(parents=True)
+    (root / "sm_90").symlink_to(outside / "sm_90")             # an arch directory that escapes
+    with tuning_warnings() as got:
+        assert op.resolve(problem(), H100).source == "default"
+    assert len(got) == 1 and "resolves outside the database root" in got[0], got
+    with pytest.raises(TuningDBError, match="resolves outside the database root"):
+        store.user_db().store(H100, {key_of(op): entry(op, {"A": 1, "occupancy": 1})})
+
+    (root / "sm_90").unlink()
+    (root / "sm_90").mkdir()
+    user_file().symlink_to(outside / "sm_90" / user_file().name)   # a device file that escapes
+    store.reset()
+    with tuning_warnings():
+        assert op.resolve(problem(), H100).source == "default"
+    assert "resolves outside the database root" in store.user_db().file_for(H100).load()[1]
+    with tuning_warnings() as got:   # a write moves the link aside (never its target) and starts afresh
+        store.user_db().store(H100, {key_of(op, M=64): entry(op, {"A": 1, "occupancy": 1})})
+    assert len(got) == 1 and "moved it to" in got[0]
+    assert not user_file().is_symlink() and list(store.user_db().file_for(H100).read()) == [key_of(op, M=64)]
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == snapshot
+
+
+def test_file_mode_follows_the_umask():
+    op = make_op()
+    for umask, mode in ((0o022, 0o644), (0o002, 0o664), (0o077, 0o600)):
+        old = os.umask(umask)
+        try:
+            store.user_db().store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+        finally:
+            os.umask(old)
+        assert user_file().stat().st_mode & 0o777 == mode, oct(user_file().stat().st_mode)
+
+
+def test_temporary_files_of_killed_writers_are_removed_by_the_next_writer():
+    op = make_op()
+    db = store.user_db()
+    db.store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    directory = user_file().parent
+    mine = [directory / f".{user_file().name}.{suffix}.tmp" for suffix in ("k2j4_x9a", "0123456789abcdef")]
+    theirs = directory / ".NVIDIA_H200.json.abcdefgh.tmp"   # another file's writer may be alive: not ours
+    for p in mine + [theirs]:
+        p.write_text("half a file")
+    db.store(H100, {key_of(op, M=64): entry(op, {"A": 2, "occupancy": 1})})
+    assert not any(p.exists() for p in mine) and theirs.exists()
+    assert len(db.file_for(H100).read()) == 2
+
+
+def test_clear_removes_files_and_leftovers_keeps_locks_and_asks_for_moved_aside():
+    op = make_op()
+    db = store.user_db()
+    db.store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    db.store(H200, {key_of(op): entry(op, {"A": 4, "occupancy": 1}, device=H200)})
+    directory = user_file().parent
+    (directory / ".NVIDIA_B300.json.abcdefgh.tmp").write_text("a killed first write")
+    (directory / "NVIDIA_H200.json.123.bad").write_text("moved aside")
+    assert db.clear() == 2
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "NVIDIA_B300.json.lock", "NVIDIA_H100_80GB_HBM3.json.lock", "NVIDIA_H200.json.123.bad",
+        "NVIDIA_H200.json.lock"]
+    assert db.clear(moved_aside=True) == 0
+    assert not list(directory.glob("*.bad"))
+
+
+def test_an_unusable_cache_dir_is_one_clear_error(tmp_path, monkeypatch):
+    op = make_op()
+    (tmp_path / "cachefile").write_text("not a directory")
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "cachefile"))
+    store.reset()
+    assert store.user_db().root_problem() == f"{tmp_path / 'cachefile'} is not a directory"
+    with pytest.raises(TuningDBError, match=f"cannot write {user_file()}: {tmp_path / 'cachefile'} is not a dir"):
+        store.user_db().store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    with tuning_warnings():
+        assert op.resolve(problem(), H100).source == "default"   # reads: a miss
+
+
+# -- entry_reason: the one rule for dispatch, import and verify ------------------------------
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(), None),
+    (dict(key="nosuchkernel/M=1024,N=768,dtype=bfloat16"), "unknown kernel 'nosuchkernel'"),
+    (dict(key="{op}/garbage"), "malformed tuning key '{op}/garbage'"),
+    (dict(key="{op}/M=1000,N=768,dtype=bfloat16"), "key is not a {op} problem key"),   # not a bucket
+    (dict(key="{op}/M=x,N=768,dtype=bfloat16"), "key is not a {op} problem key"),
+    (dict(config={"A": -1, "occupancy": 1}), "config outside the {op} search space"),
+    (dict(config={"A": 3, "occupancy": 1}), "config outside the {op} search space"),
+    (dict(config={"A": "4", "occupancy": 1}), "config outside the {op} search space"),
+    (dict(config={"A": 1e30, "occupancy": 1}), "config outside the {op} search space"),
+    (dict(time_us=float("nan")), "time_us is not finite"),
+    (dict(time_us=float("inf")), "time_us is not finite"),
+    (dict(time_us=-1.0), "time_us is negative"),
+    (dict(time_us=True), "time_us is not a number"),
+    (dict(default_time_us=float("-inf")), "default_time_us is not finite"),
+    (dict(default_time_us="slow"), "default_time_us is not a number"),
+    (dict(default_time_us=None), None),
+    (dict(time_us="fast"), "field 'time_us' missing or of the wrong type"),
+    (dict(kernel_hash="0" * 16), "stale: tuned for another version of the kernel source"),
+])
+def test_entry_reason(change, reason):
+    from tilekit.autotune.entries import entry_reason
+    op = make_op()
+    key = change.pop("key", key_of(op)).format(op=op.name)
+    e = entry(op, change.pop("config", {"A": 4, "occupancy": 1}), **change)
+    assert entry_reason(key, e, "user") == (reason and reason.format(op=op.name))
+    db = store.user_db()   # and lookup with it as the rule sees the same
+    store.user_db().file_for(H100).path.parent.mkdir(parents=True, exist_ok=True)
+    db.file_for(H100).path.write_text(json.dumps({"schema": SCHEMA_VERSION, "device": H100.as_dict(),
+                                                  "entries": {key: e}}))
+    with tuning_warnings():
+        found = db.lookup(op.name, problem(), H100, op.buckets, lambda k, e: entry_reason(k, e, "user"))
+    assert (found is None) == (reason is not None or key != key_of(op))

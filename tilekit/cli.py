@@ -314,6 +314,10 @@ def _prefix_lines(pipe, prefix: str) -> None:
 
 def cmd_db(args) -> int:
     from tilekit.autotune import store
+    problem = store.user_db().root_problem()
+    if problem:
+        raise UsageError(f"the user tuning database {store.user_db().root} cannot be used: {problem} "
+                         f"(see TILEKIT_CACHE_DIR)")
     handler = {"list": _db_list, "show": _db_show, "explain": _db_explain, "export": _db_export,
                "import": _db_import, "verify": _db_verify, "clear": _db_clear}[args.db_command]
     result = handler(args)
@@ -330,13 +334,13 @@ def _all_entries(layers=("user", "shipped")):
 
 
 def _db_list(args) -> int:
-    from tilekit.autotune.db import device_file_name
+    from tilekit.autotune.db import sanitise
     rows = []
     for db, dfile, key, entry in _all_entries():
         op = key.partition("/")[0]
         if args.kernel and op != args.kernel:
             continue
-        if args.device and device_file_name(args.device)[:-5].lower() not in dfile.path.stem.lower():
+        if args.device and sanitise(args.device).lower() not in dfile.path.stem.lower():
             continue
         time_us = entry.get("time_us") if isinstance(entry, dict) else None
         rows.append((db.layer, dfile.path.stem, key, f"{time_us:.1f}" if isinstance(time_us, (int, float)) else "?"))
@@ -378,79 +382,139 @@ def _db_explain(args) -> int:
 
 
 def _db_export(args) -> int:
-    from tilekit.autotune.db import SCHEMA_VERSION
-    files = {}
-    for db, dfile, key, entry in _all_entries(("user",)):
-        files.setdefault(str(dfile.path), {"device": dfile.header_device(), "entries": {}})["entries"][key] = entry
+    """One portable file of the chosen layers; with `all`, the user layer wins for a key both hold."""
+    from tilekit.autotune import store
+    from tilekit.autotune.db import SCHEMA_VERSION, atomic_write_text, dumps
+    out = Path(args.file)
+    if out.is_dir():
+        raise UsageError(f"cannot export to {out}: it is a directory")
+    if not out.parent.is_dir():
+        raise UsageError(f"cannot export to {out}: directory {out.parent} does not exist")
+    for db in store.layers():
+        if out.resolve().is_relative_to(db.root.resolve()):
+            raise UsageError(f"cannot export to {out}: it is inside the {db.layer} tuning database")
+    files: dict[tuple[str, str], dict] = {}
+    for layer in {"user": ["user"], "shipped": ["shipped"], "all": ["shipped", "user"]}[args.layer]:
+        db = next(db for db in store.layers() if db.layer == layer)
+        for dfile in db.device_files():
+            data, problem = dfile.load()
+            if problem:
+                print(f"tilekit: skipped {dfile.path}: {problem}", file=sys.stderr)
+            elif data["entries"]:
+                device = dfile.device()
+                record = files.setdefault((device.arch, device.name), {"device": device.as_dict(), "entries": {}})
+                record["entries"].update(data["entries"])
     payload = {"schema": SCHEMA_VERSION, "kind": "tilekit-tuning-export", "files": list(files.values())}
-    Path(args.file).write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
-    print(f"exported {sum(len(f['entries']) for f in files.values())} entries to {args.file}")
+    try:
+        atomic_write_text(out, dumps(payload))
+    except OSError as e:
+        raise UsageError(f"cannot export to {out}: {e.strerror or e}")
+    print(f"exported {sum(len(f['entries']) for f in files.values())} entries ({args.layer} layer) to {out}")
     return 0
 
 
-def _db_import(args) -> int:
-    from tilekit.autotune import store
-    from tilekit.autotune.db import SCHEMA_VERSION, entry_problem
-    from tilekit.device import DeviceInfo
+def _read_export(name: str) -> list:
+    """[(DeviceInfo, entries)] of an export file, every record checked before anything is written."""
+    from tilekit.autotune.db import SCHEMA_VERSION, device_from_record, json_kind, read_json
     try:
-        payload = json.loads(Path(args.file).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"cannot read {args.file}: {e}")
+        payload = read_json(Path(name))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {name}: {e.strerror if isinstance(e, OSError) else e}")
     if not isinstance(payload, dict) or payload.get("kind") != "tilekit-tuning-export":
-        raise UsageError(f"{args.file} is not a tilekit export (made by `tilekit db export`)")
-    if payload.get("schema") != SCHEMA_VERSION:
-        raise UsageError(f"{args.file} has schema {payload.get('schema')!r}; this tilekit reads {SCHEMA_VERSION}")
-    total = 0
-    for f in payload.get("files", []):
-        device = DeviceInfo.from_dict(f["device"])
-        good = {k: e for k, e in f["entries"].items() if entry_problem(k, e) is None}
-        store.user_db().store(device, good)
-        total += len(good)
-    print(f"imported {total} entries into {store.user_db().root}")
+        raise UsageError(f"{name} is not a tilekit export (made by `tilekit db export`)")
+    if type(payload.get("schema")) is not int or payload["schema"] != SCHEMA_VERSION:
+        raise UsageError(f"{name} has schema {payload.get('schema')!r:.40}; this tilekit reads {SCHEMA_VERSION}")
+    files = payload.get("files")
+    if not isinstance(files, list):
+        raise UsageError(f"cannot import {name}: 'files' is {json_kind(files)}, expected a list")
+    out = []
+    for i, record in enumerate(files):
+        try:
+            if not isinstance(record, dict):
+                raise ValueError(f"is {json_kind(record)}, expected an object with device and entries")
+            device = device_from_record(record.get("device"))
+            if not isinstance(record.get("entries"), dict):
+                raise ValueError(f"entries is {json_kind(record.get('entries'))}, expected an object")
+        except ValueError as e:
+            raise UsageError(f"cannot import {name}: files[{i}]: {e}")
+        out.append((device, record["entries"]))
+    return out
+
+
+def _db_import(args) -> int:
+    """Merge the entries that lookup would use; report the rest per reason."""
+    from collections import Counter
+
+    from tilekit.autotune import store
+    from tilekit.autotune.entries import entry_reason
+    imported, dropped = 0, Counter()
+    for device, entries in _read_export(args.file):
+        good = {}
+        for key, entry in entries.items():
+            why = entry_reason(key, entry, "user")
+            if why:
+                dropped[why] += 1
+            else:
+                good[key] = entry
+        if good:
+            store.user_db().store(device, good)
+            imported += len(good)
+    print(f"imported {imported} entries into {store.user_db().root}")
+    if dropped:
+        print(f"dropped {sum(dropped.values())}: " + ", ".join(f"{n} {why}" for why, n in dropped.most_common()))
     return 0
 
 
 def _db_verify(args) -> int:
     from tilekit.autotune import store
-    from tilekit.autotune.db import entry_problem
-    from tilekit.autotune.op import registered_ops
-    ops = registered_ops()
-    invalid = stale = ok = 0
-    for db, dfile, key, entry in _all_entries():
-        where = f"{db.layer} {dfile.path.name} {key}"
-        problem = entry_problem(key, entry)
-        op = ops.get(key.partition("/")[0])
-        if problem is None and op is None:
-            problem = f"unknown kernel {key.partition('/')[0]!r}"
-        if problem is None and not op.space.contains(entry["config"]):
-            problem = f"config {entry['config']} is outside the {op.name} search space"
-        if problem:
-            invalid += 1
-            print(f"INVALID {where}: {problem}")
-            continue
-        why = op.why_unusable(entry, db.layer)
-        if why:
-            stale += 1
-            print(f"STALE   {where}: {why}")
-        else:
-            ok += 1
+    from tilekit.autotune.entries import entry_defect, entry_reason
+    invalid = stale = ok = bad = 0
     for db in store.layers():
         for dfile in db.device_files():
-            dfile.read()   # an unreadable file warns here
-    print(f"{ok} usable, {stale} stale, {invalid} invalid")
-    return 1 if invalid or (stale and args.strict) else 0
+            data, problem = dfile.load()
+            if problem:
+                bad += 1
+                print(f"BAD     {db.layer} {dfile.path}: {problem}")
+            for key, entry in sorted(data.get("entries", {}).items()):
+                where = f"{db.layer} {dfile.path.name} {key}"
+                defect = entry_defect(key, entry)
+                why = defect or entry_reason(key, entry, db.layer)
+                if defect:
+                    invalid += 1
+                    print(f"INVALID {where}: {defect}")
+                elif why:
+                    stale += 1
+                    print(f"STALE   {where}: {why}")
+                else:
+                    ok += 1
+    print(f"{ok} usable, {stale} stale, {invalid} invalid" + (f", {bad} unusable files" if bad else ""))
+    return 1 if invalid or bad or (stale and args.strict) else 0
 
 
 def _db_clear(args) -> int:
     from tilekit.autotune import store
-    removed = sum(dfile.remove() for dfile in store.user_db().device_files())
-    print(f"removed {removed} entries from {store.user_db().root}")
+    db = store.user_db()
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UsageError(f"db clear deletes the user tuning database {db.root}: confirm with --yes")
+        try:
+            answer = input(f"delete the user tuning database {db.root}? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+    print(f"removed {db.clear(moved_aside=args.moved_aside)} entries from {db.root}")
     return 0
 
 
 # -- generate, bench -------------------------------------------------------------------------
 
 def cmd_generate(args) -> int:
+    from tilekit.device import gpu_unavailable_reason
+    reason = gpu_unavailable_reason()
+    if reason:   # before loading any weights
+        raise UsageError(f"generate needs a GPU: {reason}")
     from tilekit.models import GPT
     try:
         model = GPT.from_pretrained(args.model, dtype=args.dtype)
@@ -463,15 +527,32 @@ def cmd_generate(args) -> int:
     return 0
 
 
+BENCH_ONLY_IN_CHECKOUT = ("tilekit bench runs the benchmark suite of a source checkout: run it from the "
+                          "repository root (where benchmarks/cli.py is), or run `python -m benchmarks` there")
+
+
 def cmd_bench(args) -> int:
+    """The suite of the source checkout in the current directory (an installed tilekit has none)."""
+    cwd = Path.cwd()
+    if (cwd / "benchmarks" / "cli.py").is_file() and str(cwd) not in sys.path:
+        sys.path.insert(0, str(cwd))
     try:
         from benchmarks.cli import main as bench_main
-    except ImportError:
-        raise UsageError("the benchmark suite lives in the source checkout (benchmarks/); run from there")
+    except ModuleNotFoundError as e:
+        if e.name not in ("benchmarks", "benchmarks.cli"):
+            raise
+        raise UsageError(BENCH_ONLY_IN_CHECKOUT) from None
     return bench_main(args.bench_args)
 
 
 # -- parser ----------------------------------------------------------------------------------
+
+def _arch(text: str) -> str:
+    from tilekit.autotune.db import ARCH
+    if not ARCH.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected sm_<digits> such as sm_90, got {text!r}")
+    return text
+
 
 def _model_args(p, default_model=None):
     p.add_argument("--model", default=default_model,
@@ -483,7 +564,7 @@ def _model_args(p, default_model=None):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tilekit", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
 
     tune = sub.add_parser("tune", help="tune the kernels a model (or one kernel shape) uses on this GPU")
     _model_args(tune)
@@ -497,44 +578,58 @@ def build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(func=cmd_tune)
 
     db = sub.add_parser("db", help="inspect, move and check tuning databases")
-    dbs = db.add_subparsers(dest="db_command", required=True)
+    dbs = db.add_subparsers(dest="db_command", required=True, metavar="SUBCOMMAND", help="what to do")
     p = dbs.add_parser("list", help="list tuned entries (user and shipped)")
-    p.add_argument("--kernel")
-    p.add_argument("--device", help="substring of the GPU name")
+    p.add_argument("--kernel", help="only this kernel's entries, e.g. linear")
+    p.add_argument("--device", help="only GPUs whose name contains this, e.g. H100")
     p = dbs.add_parser("show", help="print one entry")
-    p.add_argument("key")
+    p.add_argument("key", help="the entry's key as `db list` prints it")
     p = dbs.add_parser("explain", help="which layer and rule answers each shape a model uses")
     _model_args(p, "gpt2")
     p.add_argument("--gpu", help="explain for this GPU name instead of the local one")
-    p.add_argument("--arch", default="sm_90", help="compute capability with --gpu (default sm_90)")
-    p = dbs.add_parser("export", help="write the user database to one portable JSON file")
-    p.add_argument("file")
-    p = dbs.add_parser("import", help="merge an exported file into the user database")
-    p.add_argument("file")
-    p = dbs.add_parser("verify", help="check schema, spaces and staleness; non-zero exit when invalid")
+    p.add_argument("--arch", type=_arch, default="sm_90", help="compute capability with --gpu (default sm_90)")
+    p = dbs.add_parser("export", help="write tuning entries to one portable JSON file")
+    p.add_argument("file", help="the file to write (replaced atomically; its directory must exist)")
+    p.add_argument("--layer", choices=("user", "shipped", "all"), default="user",
+                   help="which database to export (default user; with all, user entries win)")
+    p = dbs.add_parser("import", help="merge an exported file into the user database",
+                       description="Merge an exported file into the user database. Every entry is checked "
+                                   "as dispatch checks it (known kernel, config in its search space, finite "
+                                   "times, current kernel, space and toolchain); the others are dropped and "
+                                   "counted per reason. A malformed file changes nothing (exit 2).")
+    p.add_argument("file", help="a file written by `tilekit db export`")
+    p = dbs.add_parser("verify", help="check files and entries; non-zero exit when any is invalid or unusable")
     p.add_argument("--strict", action="store_true", help="treat stale entries as invalid too")
-    dbs.add_parser("clear", help="delete the user database")
+    p = dbs.add_parser("clear", help="delete the user database",
+                       description="Delete the user database: its device files and the temporary files of "
+                                   "killed writers. Lock files stay (deleting one a writer waits on would let "
+                                   "two writers in); moved-aside corrupt files (*.bad) stay unless "
+                                   "--moved-aside. Asks first on a terminal; elsewhere needs --yes.")
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--moved-aside", action="store_true",
+                   help="also delete corrupt files that were moved aside (*.bad)")
     db.set_defaults(func=cmd_db)
 
-    gen = sub.add_parser("generate", help="generate text from a checkpoint, streaming tokens")
+    gen = sub.add_parser("generate", help="generate text from a checkpoint, streaming tokens (needs a GPU)")
     gen.add_argument("--model", required=True, help="checkpoint directory or HF cache name")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-new-tokens", type=int, default=50)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--dtype", type=_dtype, default="bfloat16")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate (default 50)")
+    gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (default 1.0)")
+    gen.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
+    gen.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this total probability")
+    gen.add_argument("--seed", type=int, help="random seed, for repeatable samples")
+    gen.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="run the benchmark suite (arguments go to benchmarks)",
-                           add_help=False)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench = sub.add_parser("bench", help="run the benchmark suite of the source checkout in the current "
+                                         "directory (arguments go to `python -m benchmarks`)", add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of `python -m benchmarks`")
     bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tilekit.autotune.db import TuningDBError
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:   # everything after `bench` is the suite's own (argparse REMAINDER drops options)
         args = argparse.Namespace(func=cmd_bench, bench_args=argv[1:])
@@ -543,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = argv
     try:
         return args.func(args)
-    except (UsageError, ValueError) as e:
+    except (UsageError, ValueError, TuningDBError) as e:
         print(f"tilekit: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:   # output piped into `head` and the like: stop quietly

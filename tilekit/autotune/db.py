@@ -3,16 +3,23 @@
 Layout: ``<root>/<arch>/<GPU name>.json`` holding ``{"schema", "device", "entries"}``, each entry
 keyed by ``keys.key_string``. Writes merge under a file lock and land with tmp + fsync + rename,
 so concurrent writers lose nothing and a crash never leaves a half-written file. A file that cannot
-be parsed, or has another schema version, is ignored with one warning and moved aside (never
-silently overwritten) the next time someone writes.
+be parsed, or has another schema version, is ignored with one warning and, in the writable user
+layer, moved aside (never silently overwritten) the next time someone writes.
+
+Every file is untrusted input: nothing read from one names a path (arch is ``sm_<digits>``, GPU
+names are sanitised, and a path that resolves outside its root is refused), files are strict JSON
+(no NaN or Infinity), and the read-only shipped layer is never written, renamed or deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import tempfile
+import reprlib
+import secrets
+import stat
 import time
 import warnings
 from dataclasses import dataclass
@@ -27,10 +34,18 @@ from tilekit.device import DeviceInfo
 SCHEMA_VERSION = 1
 ENTRY_FIELDS = {"config": dict, "time_us": (int, float), "kernel_hash": str, "space_hash": str,
                 "toolchain": dict}
+MAX_FILE_BYTES = 64 << 20      # a tuning file holds ~650 bytes per entry; anything larger is refused unread
+MAX_NAME = 128                 # characters of a GPU's file name
+ARCH = re.compile(r"sm_[0-9]{1,5}")
+_TMP = r"\.[0-9a-z_]{8,16}\.tmp"   # what follows '.<file name>' in a writer's temporary file
 
 
 class TuningDBWarning(UserWarning):
     """A tuning file or entry was ignored (corrupt, other schema, stale, outside its space)."""
+
+
+class TuningDBError(Exception):
+    """A tuning file could not be written; the message names the file and the reason."""
 
 
 _warned: set[str] = set()
@@ -42,9 +57,145 @@ def warn_once(message: str) -> None:
         warnings.warn(message, TuningDBWarning, stacklevel=3)
 
 
+def sanitise(text: str) -> str:
+    """Runs of characters other than letters, digits, '.' and '-' become '_'."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", text).strip("_")
+
+
 def device_file_name(device_name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3.json'."""
-    return re.sub(r"[^A-Za-z0-9.-]+", "_", device_name).strip("_") + ".json"
+    """'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3.json'; ValueError when no safe name results."""
+    stem = sanitise(device_name)
+    if not stem or stem.startswith(".") or len(stem) > MAX_NAME:
+        raise ValueError(f"GPU name {reprlib.repr(device_name)} makes no usable file name")
+    return stem + ".json"
+
+
+def json_kind(value) -> str:
+    """How a JSON value is described in an error message."""
+    for kind, name in ((type(None), "null"), (bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
+                       (list, "a list"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
+
+
+def device_from_record(record) -> DeviceInfo:
+    """The device an untrusted {"name", "arch", "sm_count"} record describes; ValueError saying what is wrong."""
+    if not isinstance(record, dict):
+        raise ValueError(f"device is {json_kind(record)}, expected an object with name, arch and sm_count")
+    name, arch, sm_count = record.get("name"), record.get("arch"), record.get("sm_count")
+    if not isinstance(name, str):
+        raise ValueError(f"device name is {json_kind(name)}, expected a string")
+    device_file_name(name)
+    if not isinstance(arch, str) or not ARCH.fullmatch(arch):
+        raise ValueError(f"device arch {reprlib.repr(arch)} is not sm_<digits>")
+    if type(sm_count) is not int or not 0 <= sm_count < 1 << 20:
+        raise ValueError(f"device sm_count {reprlib.repr(sm_count)} is not a small non-negative integer")
+    return DeviceInfo(name, arch, sm_count)
+
+
+def read_json(path: Path):
+    """Parse one JSON file strictly; OSError when it cannot be read, ValueError saying why it is not JSON.
+
+    Refused unread: directories, FIFOs and devices (which could block), files over MAX_FILE_BYTES.
+    Refused as malformed: NaN and Infinity literals, numbers that overflow a float.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("is a directory" if stat.S_ISDIR(st.st_mode) else "is not a regular file")
+        with open(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_FILE_BYTES + 1) if st.st_size <= MAX_FILE_BYTES else b""
+    finally:
+        os.close(fd)
+    if max(st.st_size, len(raw)) > MAX_FILE_BYTES:
+        raise ValueError(f"is larger than {MAX_FILE_BYTES >> 20} MiB")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not valid JSON (not UTF-8: {e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
+    except ValueError as e:   # ours below, or an integer beyond Python's digit limit
+        raise ValueError(f"not strict JSON ({str(e).partition(':')[0]})") from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:30]} is out of range")
+    return value
+
+
+def dumps(data) -> str:
+    """Strict JSON text (ValueError on NaN or Infinity), sorted keys, so a diff shows what changed."""
+    return json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temporary file in the same directory, fsync and rename; mode 0o666 minus the umask."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)   # O_EXCL: never through a planted link
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _parse(path: Path) -> tuple[dict | None, str | None]:
+    """(data, None) for a valid file, (None, reason) otherwise, ({}, None) when missing."""
+    try:
+        data = read_json(path)
+    except FileNotFoundError:
+        return {}, None
+    except OSError as e:
+        return None, f"unreadable ({e.strerror or e})"
+    except ValueError as e:
+        return None, str(e)
+    if not isinstance(data, dict) or "schema" not in data:
+        return None, "not a tilekit tuning file (no schema field)"
+    if type(data["schema"]) is not int or data["schema"] != SCHEMA_VERSION:
+        return None, f"schema version {reprlib.repr(data['schema'])}, this tilekit reads {SCHEMA_VERSION}"
+    if not isinstance(data.get("entries"), dict):
+        return None, "missing 'entries'"
+    try:
+        device = device_from_record(data.get("device"))
+    except ValueError as e:
+        return None, str(e)
+    if (device.arch, device_file_name(device.name)) != (path.parent.name, path.name):
+        return None, f"its device record ({device.arch}, {device.name}) does not match its path"
+    return data, None
+
+
+def entry_problem(key: str, entry: dict) -> str | None:
+    """None when an entry is structurally sound, else what is wrong with it."""
+    if not isinstance(entry, dict):
+        return "entry is not an object"
+    for name, kind in ENTRY_FIELDS.items():
+        if not isinstance(entry.get(name), kind):
+            return f"field {name!r} missing or of the wrong type"
+    try:
+        parse_key(key)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 @dataclass(frozen=True)
@@ -62,127 +213,100 @@ class Match:
 
 
 class DeviceFile:
-    """One JSON file of results for one GPU."""
+    """One JSON file of results for one GPU, inside the root of its TuningDB."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, db: "TuningDB"):
         self.path = Path(path)
-        self._cache: tuple[tuple[int, int], dict] | None = None
+        self.db = db
+        self._cache: tuple[tuple[int, int, int], tuple[dict, str | None]] | None = None
+
+    def load(self) -> tuple[dict, str | None]:
+        """(file data, None), ({}, None) when missing, or ({}, why it is unusable). Never raises."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return {}, None
+        except OSError as e:  # e.g. the arch "directory" is a file
+            return {}, f"unreadable ({e.strerror or e})"
+        # st_ino too: every write lands as a new file (rename), while size and a coarse mtime may not change
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if self._cache is None or self._cache[0] != stamp:
+            data, problem = self._parse()
+            self._cache = (stamp, (data or {}, problem))
+        return self._cache[1]
 
     def read(self) -> dict:
-        """Parsed entries (empty when missing, unreadable or of another schema: never raises)."""
-        try:
-            stat = self.path.stat()
-        except FileNotFoundError:
-            return {}
-        except OSError as e:  # e.g. the arch "directory" is a file
-            warn_once(f"tilekit: ignoring tuning file {self.path}: unreadable ({e})")
-            return {}
-        # st_ino too: every write lands as a new file (rename), while size and a coarse mtime may not change
-        stamp = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        if self._cache is not None and self._cache[0] == stamp:
-            return self._cache[1]
-        data, problem = _parse(self.path)
+        """Parsed entries (empty when missing or unusable, with one warning: never raises)."""
+        data, problem = self.load()
         if problem:
             warn_once(f"tilekit: ignoring tuning file {self.path}: {problem}")
-        entries = data.get("entries", {}) if data else {}
-        self._cache = (stamp, entries)
-        return entries
+        return data.get("entries", {})
 
-    def header_device(self) -> dict | None:
-        data, _ = _parse(self.path)
-        return data.get("device") if data else None
+    def device(self) -> DeviceInfo | None:
+        data, _ = self.load()
+        return device_from_record(data["device"]) if data else None
+
+    def _parse(self) -> tuple[dict | None, str | None]:
+        """_parse, refusing a file (a symlink) that resolves outside the database root."""
+        if not _inside(self.path, self.db.root):
+            return None, f"resolves outside the database root {self.db.root}"
+        return _parse(self.path)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """Hold the file's lock, after removing temporary files that killed writers left behind."""
+        if not self.db.writable:
+            raise PermissionError(f"the {self.db.layer} tuning database at {self.db.root} is read-only")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not _inside(self.path.parent, self.db.root):
+                raise TuningDBError(f"refusing to write {self.path}: its directory resolves outside "
+                                    f"the database root {self.db.root}")
+            with FileLock(str(self.path) + ".lock"):
+                # we hold the lock of this file, so every temporary file of it belongs to a dead writer
+                pattern = re.compile(re.escape("." + self.path.name) + _TMP)
+                for p in self.path.parent.iterdir():
+                    if pattern.fullmatch(p.name):
+                        p.unlink(missing_ok=True)
+                yield
+        except OSError as e:
+            raise TuningDBError(f"cannot write {self.path}: {self.db.root_problem() or e.strerror or e}") from e
 
     def merge(self, device: DeviceInfo, updates: Mapping[str, dict]) -> None:
         """Add or replace entries atomically, under a lock shared by all processes."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.path) + ".lock"):
-            entries = {}
-            if self.path.exists():
-                data, problem = _parse(self.path)
-                if problem:
-                    aside = self.path.with_name(f"{self.path.name}.{time.time_ns()}.bad")
-                    os.replace(self.path, aside)
-                    warnings.warn(f"tilekit: tuning file {self.path} was unusable ({problem}); "
-                                  f"moved it to {aside.name} and started a new one", TuningDBWarning,
-                                  stacklevel=2)
-                else:
-                    entries = dict(data["entries"])
-            entries.update(updates)
-            _atomic_write_json(self.path, {"schema": SCHEMA_VERSION, "device": device.as_dict(),
-                                           "entries": entries})
+        with self._locked():
+            data, problem = self._parse()
+            if problem:
+                aside = self.path.with_name(f"{self.path.name}.{time.time_ns()}.bad")
+                os.replace(self.path, aside)
+                warnings.warn(f"tilekit: tuning file {self.path} was unusable ({problem}); "
+                              f"moved it to {aside.name} and started a new one", TuningDBWarning,
+                              stacklevel=2)
+            entries = {**(data or {}).get("entries", {}), **updates}
+            atomic_write_text(self.path, dumps({"schema": SCHEMA_VERSION, "device": device.as_dict(),
+                                                "entries": entries}))
 
     def remove(self, keys: set[str] | None = None) -> int:
         """Delete some entries (or the whole file when keys is None); returns how many went."""
-        with FileLock(str(self.path) + ".lock"):
-            data, problem = _parse(self.path)
-            if not self.path.exists() or problem:
-                if keys is None and self.path.exists():
-                    self.path.unlink()
-                return 0
+        with self._locked():
+            data, problem = self._parse()
+            entries = {} if problem else (data or {}).get("entries", {})
             if keys is None:
-                self.path.unlink()
-                return len(data["entries"])
-            kept = {k: v for k, v in data["entries"].items() if k not in keys}
-            removed = len(data["entries"]) - len(kept)
-            _atomic_write_json(self.path, {**data, "entries": kept})
-            return removed
+                if os.path.lexists(self.path):
+                    self.path.unlink()
+                return len(entries)
+            kept = {k: v for k, v in entries.items() if k not in keys}
+            if len(kept) < len(entries):
+                atomic_write_text(self.path, dumps({**data, "entries": kept}))
+            return len(entries) - len(kept)
 
 
-def _parse(path: Path) -> tuple[dict | None, str | None]:
-    """(data, None) for a valid file, (None, reason) otherwise, ({}, None) when missing."""
+def _inside(path: Path, root: Path) -> bool:
+    """Whether `path`, with every symlink resolved, lies within `root` (resolved too)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return {}, None
-    except OSError as e:
-        return None, f"unreadable ({e})"
-    except UnicodeDecodeError as e:
-        return None, f"not valid JSON (not UTF-8: {e.reason} at byte {e.start})"
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        return None, f"not valid JSON ({e.msg} at line {e.lineno})"
-    if not isinstance(data, dict) or "schema" not in data:
-        return None, "not a tilekit tuning file (no schema field)"
-    if data["schema"] != SCHEMA_VERSION:
-        return None, f"schema version {data['schema']!r}, this tilekit reads {SCHEMA_VERSION}"
-    if not isinstance(data.get("entries"), dict) or not isinstance(data.get("device"), dict):
-        return None, "missing 'device' or 'entries'"
-    return data, None
-
-
-def _atomic_write_json(path: Path, data: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def entry_problem(key: str, entry: dict) -> str | None:
-    """None when an entry is structurally sound, else what is wrong with it."""
-    if not isinstance(entry, dict):
-        return "entry is not an object"
-    for name, kind in ENTRY_FIELDS.items():
-        if not isinstance(entry.get(name), kind):
-            return f"field {name!r} missing or of the wrong type"
-    try:
-        parse_key(key)
-    except ValueError as e:
-        return str(e)
-    return None
+        return path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):   # a symlink loop
+        return False
 
 
 class TuningDB:
@@ -195,22 +319,39 @@ class TuningDB:
         self._files: dict[Path, DeviceFile] = {}
 
     def file_for(self, device: DeviceInfo) -> DeviceFile:
+        """The file of `device`; ValueError when its arch or name cannot name a file under the root."""
+        if not ARCH.fullmatch(device.arch):
+            raise ValueError(f"arch {reprlib.repr(device.arch)} is not sm_<digits>")
         return self._file(self.root / device.arch / device_file_name(device.name))
 
     def _file(self, path: Path) -> DeviceFile:
         if path not in self._files:
-            self._files[path] = DeviceFile(path)
+            self._files[path] = DeviceFile(path, self)
         return self._files[path]
 
     def device_files(self, arch: str | None = None) -> list[DeviceFile]:
-        pattern = f"{arch}/*.json" if arch else "*/*.json"
-        return [self._file(p) for p in sorted(self.root.glob(pattern))] if self.root.is_dir() else []
+        """The device files of one arch, or of all: <sm_N>/<name>.json, no hidden files."""
+        if arch is not None and not ARCH.fullmatch(arch) or not self.root.is_dir():
+            return []
+        return [self._file(p) for p in sorted(self.root.glob(f"{arch or '*'}/*.json"))
+                if ARCH.fullmatch(p.parent.name) and not p.name.startswith(".")]
+
+    def root_problem(self) -> str | None:
+        """Why the root cannot be a directory (a file on its path), or None."""
+        for p in (self.root, *self.root.parents):
+            try:
+                if p.exists():
+                    return None if p.is_dir() else f"{p} is not a directory"
+            except OSError as e:
+                return f"{p}: {e.strerror}"
+        return None
 
     def lookup(self, op: str, problem: Mapping, device: DeviceInfo, buckets: Buckets,
                usable: Callable[[str, dict], str | None]) -> Match | None:
         """Best usable entry: exact GPU then same arch; exact bucket then nearest bucket.
 
-        `usable(key, entry)` returns None for an entry this kernel may use, else why not.
+        `usable(key, entry)` returns None for an entry this kernel may use, else why not
+        (entries.entry_reason is the rule).
         """
         own = self.file_for(device)
         tiers = [(own, "exact-gpu")] + [
@@ -240,9 +381,26 @@ class TuningDB:
         return None
 
     def store(self, device: DeviceInfo, updates: Mapping[str, dict]) -> None:
-        if not self.writable:
-            raise PermissionError(f"the {self.layer} tuning database at {self.root} is read-only")
+        """Merge entries into the device's file (PermissionError in a read-only layer, TuningDBError
+        when the file cannot be written)."""
         self.file_for(device).merge(device, updates)
+
+    def clear(self, moved_aside: bool = False) -> int:
+        """Delete every device file with the temporary files of killed writers and, when asked, the
+        moved-aside corrupt files (*.bad); returns the number of entries deleted. Lock files stay:
+        deleting one that a writer waits on would let two writers in at once."""
+        paths, bad = set(), []
+        for arch_dir in self.root.glob("sm_*") if self.root.is_dir() else ():
+            if ARCH.fullmatch(arch_dir.name) and arch_dir.is_dir() and _inside(arch_dir, self.root):
+                for p in arch_dir.iterdir():
+                    if m := re.fullmatch(r"([^.].*\.json)|\.([^.].*\.json)" + _TMP, p.name):
+                        paths.add(arch_dir / (m[1] or m[2]))
+                    elif re.fullmatch(r"[^.].*\.json\.[0-9]+\.bad", p.name):
+                        bad.append(p)
+        removed = sum(self._file(p).remove() for p in sorted(paths))
+        for p in bad if moved_aside else ():
+            p.unlink(missing_ok=True)
+        return removed
 
     def items(self) -> Iterator[tuple[DeviceFile, str, dict]]:
         for dfile in self.device_files():

@@ -1,0 +1,50 @@
+"""Whether a stored tuning entry may be used: the one rule for dispatch, `db import` and `db verify`."""
+
+from __future__ import annotations
+
+import math
+
+from tilekit.autotune.db import entry_problem
+from tilekit.autotune.keys import parse_key
+
+
+def _bad_time(value) -> str | None:
+    """Why a measured time is unusable (not a number, not finite, negative), or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "is not a number"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "is not finite"
+    return "is negative" if value < 0 else None
+
+
+def entry_defect(key: str, entry) -> str | None:
+    """Why an entry can never be used by this tilekit (malformed, unknown kernel, a key the kernel does
+    not make, config outside its space, a bad time), or None."""
+    from tilekit.autotune.op import registered_ops
+    problem = entry_problem(key, entry)
+    if problem:
+        return problem
+    name, fields = parse_key(key)
+    op = registered_ops().get(name)
+    if op is None:
+        return f"unknown kernel {name!r}"
+    try:
+        canonical = op.problem_key(fields)[1] == key
+    except (TypeError, ValueError):
+        canonical = False
+    if not canonical:
+        return f"key is not a {name} problem key"
+    if not op.space.contains(entry["config"]):
+        return f"config outside the {name} search space"
+    for field in ("time_us", "default_time_us"):
+        why = None if field != "time_us" and entry.get(field) is None else _bad_time(entry.get(field))
+        if why:
+            return f"{field} {why}"
+    return None
+
+
+def entry_reason(key: str, entry, layer: str) -> str | None:
+    """None when the entry may be used now from `layer` ("user" or "shipped"), else the reason: a
+    defect (entry_defect) or staleness (the op's why_unusable: kernel, space, toolchain)."""
+    from tilekit.autotune.op import registered_ops
+    return entry_defect(key, entry) or registered_ops()[parse_key(key)[0]].why_unusable(entry, layer)

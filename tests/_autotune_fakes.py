@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import os
 
+from tilekit.autotune.arrays import MetaArray
 from tilekit.autotune.keys import pow2_bucket
-from tilekit.autotune.op import TunableOp
+from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace
 from tilekit.device import DeviceInfo, toolchain
 
@@ -40,11 +41,29 @@ class FakeKernel:
         return self
 
 
-def make_op(space: SearchSpace = SPACE, func=fake_kernel_body) -> TunableOp:
-    """A new op with a unique name (the registry is keyed by name)."""
-    return TunableOp(f"fake_xyz{os.getpid()}_{next(_names)}", kernel=FakeKernel(func),
-                     fields=("dtype", "M", "N"), space=space, default=lambda p: dict(DEFAULT),
-                     buckets={"M": pow2_bucket}, bench=None, signature=None)
+def _grid(p, c):
+    return (1, 1, 1)
+
+
+def _constants(p, c):
+    return (c["A"],)
+
+
+def _bind(infos, flags):
+    (x,) = infos
+    return Binding(problem=dict(dtype=x.dtype, M=x.shape[0], N=x.shape[1]), arrays={})
+
+
+def make_op(space: SearchSpace = SPACE, func=fake_kernel_body) -> Op:
+    """A new op with a unique name (the registry is keyed by name), taking one 2-D array x."""
+    return Op(f"fake_xyz{os.getpid()}_{next(_names)}", args=("x",), key=dict(dtype=None, M=pow2_bucket, N=None),
+              space=space, default=lambda p: dict(DEFAULT), arrays=lambda p: {},
+              launches=(Launch(FakeKernel(func), _grid, (), _constants),), bind=_bind)
+
+
+def call_config(op: Op, M: int = 1000, N: int = 768, dtype: str = "bfloat16", device: int = 0) -> dict:
+    """The config a call of `op` on an (M, N) array of `device` runs (a MetaArray: nothing launches)."""
+    return op.plan_for((MetaArray((M, N), dtype, device=device),))[0].config
 
 
 def entry(op: TunableOp, config: dict, device: DeviceInfo = H100, time_us: float = 10.0,

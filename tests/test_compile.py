@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+import tilekit.kernels  # noqa: F401  (declares the ops)
 from tilekit.autotune.compile import precompile
 from tilekit.autotune.op import registered_ops
 
@@ -22,7 +23,7 @@ PROBLEMS = {
                   dict(dtype="float32", ids="int64", M=1, C=64, V=1031, P=64)],
     "kv_write": [dict(dtype="bfloat16", B=8, H=12, T=1024, capacity=1024, D=64),
                  dict(dtype="float32", B=1, H=2, T=1, capacity=100, D=80)],
-    "greedy": [dict(dtype="bfloat16", B=8, V=50257, L=1024), dict(dtype="float32", B=1, V=1031, L=64)],
+    "greedy": [dict(dtype="bfloat16", B=8, V=50257, L=1025), dict(dtype="float32", B=1, V=1031, L=64)],
 }
 
 
@@ -38,12 +39,12 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
     for name, problems in PROBLEMS.items():
         op = ops[name]
         for problem in problems:
-            bucketed = op.problem_key(problem)[0]
+            bucketed = op.complete({**problem, **op.problem_key(problem)[0]})
             candidates = op.space.candidates(bucketed)
             assert candidates, f"{name}: empty search space for {problem}"
             assert op.space.contains(op.default(bucketed)), f"{name}: default outside its space"
             sample = random.Random(arch).sample(candidates, min(2, len(candidates)))
-            tasks += [(name, bucketed, c) for c in [op.default(bucketed)] + sample]
+            tasks += [(op, bucketed, c) for c in [op.default(bucketed)] + sample]
     ok, errors = precompile(tasks, arch, workers=2)
-    assert not errors, "\n".join(f"{tasks[i][0]} {tasks[i][2]}: {e}" for i, e in errors.items())
+    assert not errors, "\n".join(f"{tasks[i][0].name} {tasks[i][2]}: {e}" for i, e in errors.items())
     assert len(ok) == len(tasks)

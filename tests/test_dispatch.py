@@ -1,14 +1,17 @@
-"""Dispatch on CPU: TILEKIT_AUTOTUNE modes, the in-process plan cache, reset and pinned configs."""
+"""Dispatch on CPU: TILEKIT_AUTOTUNE modes, the launch-plan cache, reset, pinned configs, auto mode."""
+
+import threading
+import warnings
 
 import pytest
 
 import tilekit.autotune.op as op_module
-from tests._autotune_fakes import DEFAULT, H100, entry, make_op, problem
-from tilekit.autotune import store
+from tests._autotune_fakes import DEFAULT, H100, call_config, entry, make_op, problem
+from tilekit.autotune import store, tuner
+from tilekit.autotune.arrays import MetaArray
 from tilekit.autotune.db import TuningDBWarning
 
 TUNED = {"A": 4, "occupancy": 2}
-KEY = (0, "bfloat16", 1000, 768)   # (device index, dtype, M, N): M=1000 is in bucket 1024
 
 
 @pytest.fixture(autouse=True)
@@ -27,24 +30,26 @@ def op():
 
 
 def test_cached_is_the_default_mode_and_uses_the_db(op):
-    plan = op.plan(KEY)
-    assert plan.config == TUNED
-    assert plan.constants == {"A": 4}            # hints are not kernel constants
-    assert op.kernel.hint_calls == [{"occupancy": 2}]
+    assert call_config(op) == TUNED
     assert op.resolve(problem(M=1000), H100).source == "user"
+    assert op.hinted(TUNED) is op.hinted(dict(TUNED)) and op.kernel.hint_calls == [{"occupancy": 2}]
 
 
 def test_cached_explicit(op, monkeypatch):
     monkeypatch.setenv("TILEKIT_AUTOTUNE", " Cached ")
     store.reset()
-    assert op.plan(KEY).config == TUNED
+    assert call_config(op) == TUNED
+
+
+def _no_io(*args, **kwargs):
+    raise AssertionError("the tuning database was consulted")
 
 
 def test_off_returns_the_default_even_with_an_entry(op, monkeypatch):
     monkeypatch.setenv("TILEKIT_AUTOTUNE", "off")
     store.reset()
     monkeypatch.setattr(store, "layers", _no_io)   # off does not even look
-    assert op.plan(KEY).config == DEFAULT
+    assert call_config(op) == DEFAULT
     assert op.resolve(problem(M=1000), H100).source == "default"
 
 
@@ -52,98 +57,157 @@ def test_invalid_mode_raises(op, monkeypatch):
     monkeypatch.setenv("TILEKIT_AUTOTUNE", "sometimes")
     store.reset()
     with pytest.raises(ValueError, match="TILEKIT_AUTOTUNE"):
-        op.plan(KEY)
+        call_config(op)
     with pytest.raises(ValueError, match="TILEKIT_AUTOTUNE"):
         op.resolve(problem(), H100)
     monkeypatch.setenv("TILEKIT_AUTOTUNE", "cached")
-    assert op.plan(KEY).config == TUNED   # the failure was not cached
+    assert call_config(op) == TUNED   # the failure was not cached
 
 
 def test_no_entry_gives_the_default():
-    op = make_op()
-    plan = op.plan(KEY)
-    assert plan.config == DEFAULT and plan.constants == {"A": 1}
+    assert call_config(make_op()) == DEFAULT
 
 
-def _no_io(*args, **kwargs):
-    raise AssertionError("the tuning database was consulted")
-
-
-def test_plan_is_cached_in_process(op, monkeypatch):
-    first = op.plan(KEY)
+def test_plan_is_cached_per_call_signature(op, monkeypatch):
+    x = MetaArray((1000, 768), "bfloat16", device=0)
+    first, _ = op.plan_for((x,))
     monkeypatch.setattr(store, "layers", _no_io)
     monkeypatch.setattr(op_module, "device_info", _no_io)
     for _ in range(3):
-        assert op.plan(KEY) is first
-    with pytest.raises(AssertionError, match="consulted"):   # another key goes to the slow path
-        op.plan((0, "bfloat16", 1001, 768))
+        assert op.plan_for((MetaArray((1000, 768), "bfloat16", device=0),))[0] is first
+    for other in [MetaArray((1001, 768), "bfloat16", device=0), MetaArray((1000, 768), "float16", device=0),
+                  MetaArray((1000, 768), "bfloat16", device=1), x.transpose(1, 0).transpose(1, 0)[::2]]:
+        with pytest.raises(AssertionError, match="consulted"):   # another signature: the slow path
+            op.plan_for((other,))
 
 
-def test_plan_caches_per_key_and_device(op, monkeypatch):
-    calls = []
-    monkeypatch.setattr(op_module, "device_info", lambda index=None: calls.append(index) or H100)
+def test_dry_run_arrays_record_without_consulting_anything(op, monkeypatch):
+    monkeypatch.setattr(store, "layers", _no_io)
+    monkeypatch.setattr(op_module, "device_info", _no_io)
+    with op_module.recording() as calls:
+        plan, _ = op.plan_for((MetaArray((1000, 768), "bfloat16"),))
+    assert plan.config == DEFAULT and calls == [(op, problem(M=1000))]
+
+
+def test_plans_per_device(op, monkeypatch):
+    seen = []
+    monkeypatch.setattr(op_module, "device_info", lambda index=None: seen.append(index) or H100)
     for _ in range(3):
-        op.plan(KEY)
-        op.plan((1,) + KEY[1:])
-    assert calls == [0, 1]
+        call_config(op, device=0)
+        call_config(op, device=1)
+    assert seen == [0, 1]
 
 
 def test_reset_forgets(op):
-    other = (0, "bfloat16", 5000, 768)
-    assert op.plan(other).config == TUNED       # nearest bucket (M=1024)
+    assert call_config(op, M=5000) == TUNED       # nearest bucket (M=1024)
     store.user_db().store(H100, {op.problem_key(problem(M=5000))[1]: entry(op, {"A": 2, "occupancy": 1})})
-    assert op.plan(other).config == TUNED       # still the in-process answer
+    assert call_config(op, M=5000) == TUNED       # still the in-process answer
     store.reset()
-    assert op.plan(other).config == {"A": 2, "occupancy": 1}
+    assert call_config(op, M=5000) == {"A": 2, "occupancy": 1}
 
 
 def test_pinned_forces_a_config_and_restores(op):
-    before = op.plan(KEY)
+    before = op.plan_for((MetaArray((1000, 768), "bfloat16", device=0),))[0]
     forced = {"A": 2, "occupancy": 1}
     with op.pinned(forced):
-        for key in (KEY, (0, "float16", 7, 3), (3, "bfloat16", 1, 1)):
-            plan = op.plan(key)
-            assert plan.config == forced and plan.constants == {"A": 2}
-    assert op.plan(KEY) is before
-    assert op.plan((0, "bfloat16", 5000, 768)).config == TUNED     # nearest bucket, not the pin
+        for M, N, dtype in [(1000, 768, "bfloat16"), (7, 3, "float16"), (1, 1, "bfloat16")]:
+            assert call_config(op, M, N, dtype) == forced
+    assert op.plan_for((MetaArray((1000, 768), "bfloat16", device=0),))[0] is before
+    assert call_config(op, M=5000) == TUNED     # nearest bucket, not the pin
 
 
 def test_pinned_restores_after_an_exception(op):
-    before = op.plan(KEY)
+    assert call_config(op) == TUNED
     with pytest.raises(RuntimeError):
         with op.pinned({"A": 1, "occupancy": 2}):
             raise RuntimeError
-    assert op.plan(KEY) is before
+    assert call_config(op) == TUNED
 
 
 @pytest.mark.parametrize("bad", [{"A": 3, "occupancy": 1}, {"A": 2}, {"A": 2, "occupancy": 1, "x": 1},
                                  {"A": 2.0, "occupancy": 1}])
 def test_pinned_outside_the_space_raises(op, bad):
-    before = op.plan(KEY)
     with pytest.raises(ValueError, match="search space"):
         with op.pinned(bad):
             pass
-    assert op.plan(KEY) is before
+    assert call_config(op) == TUNED
 
 
 def test_pinned_only_affects_its_op(op):
     other = make_op()
     with op.pinned({"A": 1, "occupancy": 1}):
-        assert other.plan(KEY).config == DEFAULT
-    assert op.plan(KEY).config == TUNED
+        assert call_config(other) == DEFAULT
+    assert call_config(op) == TUNED
 
 
 def test_reset_inside_pinned_is_not_lost(op):
-    other = (0, "bfloat16", 5000, 768)
-    assert op.plan(other).config == TUNED          # nearest to M=1024
+    assert call_config(op, M=5000) == TUNED          # nearest to M=1024
     with op.pinned({"A": 1, "occupancy": 1}):
         store.user_db().store(H100, {op.problem_key(problem(M=5000))[1]: entry(op, {"A": 2, "occupancy": 1})})
         store.reset()
-    assert op.plan(other).config == {"A": 2, "occupancy": 1}
+    assert call_config(op, M=5000) == {"A": 2, "occupancy": 1}
 
 
-def test_stale_entry_warns_and_dispatches_the_default(monkeypatch):
+def test_stale_entry_warns_and_dispatches_the_default():
     op = make_op()
     store.user_db().store(H100, {op.problem_key(problem(M=1000))[1]: entry(op, TUNED, kernel_hash="0" * 16)})
     with pytest.warns(TuningDBWarning, match="stale"):
-        assert op.plan(KEY).config == DEFAULT
+        assert call_config(op) == DEFAULT
+
+
+# -- auto mode ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def auto(monkeypatch):
+    monkeypatch.setenv("TILEKIT_AUTOTUNE", "auto")
+    store.reset()
+
+
+def _fake_measurement(monkeypatch, best: dict, calls: list):
+    """tune_many stands in for the GPU: it 'measures' `best`, stores it like the tuner, and forgets."""
+    def tune_many(items, **kwargs):
+        results = []
+        for op, p in items:
+            calls.append(op.problem_key(p)[1])
+            key = op.problem_key(p)[1]
+            store.user_db().store(H100, {key: entry(op, best)})
+            op.forget()                     # the real tuner does this: no lock may be held here
+            results.append(tuner.TuneResult(op.name, key, dict(best), 5.0, DEFAULT, 9.0, 6, 6))
+        return results
+    monkeypatch.setattr(tuner, "tune_many", tune_many)
+
+
+def test_auto_tunes_a_missing_key_once_through_a_call(auto, monkeypatch):
+    op, calls = make_op(), []
+    _fake_measurement(monkeypatch, TUNED, calls)
+    done = threading.Event()
+
+    def work():
+        assert call_config(op) == TUNED
+        assert call_config(op) == TUNED       # the in-process plan
+        done.set()
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert done.is_set(), "auto mode deadlocked"
+    assert calls == [op.problem_key(problem(M=1000))[1]]
+    store.reset()
+    assert call_config(op) == TUNED and calls == [op.problem_key(problem(M=1000))[1]]   # stored: not tuned again
+
+
+def test_auto_falls_back_with_one_warning_when_tuning_fails(auto, monkeypatch):
+    op = make_op()
+    store.user_db().store(H100, {op.problem_key(problem(M=64))[1]: entry(op, TUNED)})   # a distant bucket
+
+    def broken(items, **kwargs):
+        raise RuntimeError("no candidate compiled")
+    monkeypatch.setattr(tuner, "tune_many", broken)
+    with pytest.warns(TuningDBWarning, match="auto-tuning .* failed .*no candidate compiled.*nearest"):
+        assert call_config(op) == TUNED                 # the nearest bucket, not an exception
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert call_config(op, M=1001) == TUNED         # a new signature: no second warning
+    monkeypatch.setattr(tuner, "tune_many", lambda items, **kw: [])
+    with pytest.warns(TuningDBWarning, match="produced no result"):
+        assert call_config(make_op()) == DEFAULT        # nothing stored anywhere: the default

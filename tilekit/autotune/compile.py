@@ -9,13 +9,15 @@ every kernel compiles for sm_90 and sm_100.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import io
 import os
 import sys
 import time
+import types
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Sequence
 
@@ -23,33 +25,15 @@ import cuda.tile as ct
 from cuda.tile.compilation import (ArrayConstraint, CallingConvention, ConstantConstraint,
                                    KernelSignature, ScalarConstraint, export_kernel)
 
+from tilekit.autotune.arrays import ITEMSIZE, ArraySpec
+
 _DTYPES = {"bfloat16": ct.bfloat16, "float16": ct.float16, "float32": ct.float32,
            "int32": ct.int32, "int64": ct.int64, "uint8": ct.uint8}
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8, "uint8": 1}
-
-
-@dataclass(frozen=True)
-class ArraySpec:
-    """What the JIT sees of an array argument: dtype, shape, element strides, base alignment."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    strides: tuple[int, ...] | None = None   # None: C-contiguous
-    aligned16: bool = True                   # allocations are 256-byte aligned
-
-    def element_strides(self) -> tuple[int, ...]:
-        if self.strides is not None:
-            return tuple(self.strides)
-        strides, step = [], 1
-        for n in reversed(self.shape):
-            strides.append(step)
-            step *= max(n, 1)
-        return tuple(reversed(strides))
 
 
 def _array_constraint(spec: ArraySpec) -> tuple[ArrayConstraint, bool]:
     """(constraint, needs calling convention v2) following the JIT's inference rules."""
-    itemsize = _ITEMSIZE[spec.dtype]
+    itemsize = ITEMSIZE[spec.dtype]
     strides = spec.element_strides()
     order = sorted((s, n) for s, n in zip(strides, spec.shape))
     disjoint = all(s > 0 for s, _ in order) and all(
@@ -94,29 +78,42 @@ def signature(kernel, args: Sequence) -> KernelSignature:
     return KernelSignature(params, cconv)
 
 
-def compile_config(op_name: str, problem: dict, config: dict, arch: str) -> float:
-    """Compile one (problem, config) of an op to a cubin for `arch`; returns seconds taken.
+def compile_config(module: str, op_name: str, problem: dict, config: dict, arch: str) -> float:
+    """Compile every launch of one (problem, config) of an op to a cubin for `arch`; returns seconds.
 
-    Fills cuTile's disk cache as a side effect (that is the point when tuning).
+    `module` declares the op (a worker process imports it). Fills cuTile's disk cache as a side
+    effect (that is the point when tuning).
     """
+    importlib.import_module(module)
     from tilekit.autotune.op import registered_ops
     op = registered_ops()[op_name]
     start = time.perf_counter()
-    for kernel, args in op.signature(problem, config):
-        plan_kernel = op.make_plan(config).kernel if kernel is op.kernel else kernel
-        export_kernel(plan_kernel, [signature(plan_kernel, args)], io.BytesIO(),
-                      gpu_code=arch, output_format="cubin")
+    for kernel, args in op.compile_args(problem, config):
+        export_kernel(kernel, [signature(kernel, args)], io.BytesIO(), gpu_code=arch, output_format="cubin")
     return time.perf_counter() - start
 
 
-def precompile(tasks: Sequence[tuple[str, dict, dict]], arch: str, *, workers: int | None = None,
+@contextlib.contextmanager
+def _bare_main():
+    """A spawned worker re-runs the parent's __main__ script, which in a user's unguarded script calls
+    ops again (auto mode): while workers start, __main__ is a bare module, so they import only tilekit."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
+def precompile(tasks: Sequence[tuple], arch: str, *, workers: int | None = None,
                deadline: float | None = None, progress=None) -> tuple[set[int], dict[int, str]]:
-    """Compile (op name, problem, config) tasks in parallel processes.
+    """Compile (op, problem, config) tasks in parallel processes.
 
     Returns (indices that compiled, {index: error}). Tasks unfinished at `deadline`
     (time.monotonic) are left out; `progress(index)` is called as each finishes.
     """
     workers = workers or max(1, min(len(tasks), (os.cpu_count() or 2) - 1, 16))
+    jobs = [(op.kernel._pyfunc.__module__, op.name, problem, config, arch) for op, problem, config in tasks]
     ok, errors = set(), {}
 
     def record(i, run):
@@ -129,13 +126,14 @@ def precompile(tasks: Sequence[tuple[str, dict, dict]], arch: str, *, workers: i
             progress(i)
 
     if workers == 1:
-        for i, task in enumerate(tasks):
+        for i, job in enumerate(jobs):
             if deadline is not None and time.monotonic() > deadline:
                 break
-            record(i, lambda: compile_config(*task, arch))
+            record(i, lambda: compile_config(*job))
         return ok, errors
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-        futures = {pool.submit(compile_config, *task, arch): i for i, task in enumerate(tasks)}
+        with _bare_main():                  # workers start as tasks are submitted
+            futures = {pool.submit(compile_config, *job): i for i, job in enumerate(jobs)}
         try:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             for future in as_completed(futures, timeout=remaining):

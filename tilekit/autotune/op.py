@@ -1,23 +1,30 @@
-"""TunableOp: a kernel's search space, default and keys, and the dispatch that picks its config.
+"""Ops: each kernel family declared once, and the one launch path every public op function shares.
 
-Dispatch order for a problem: in-process dict -> user db -> shipped db -> heuristic default,
-steered by ``TILEKIT_AUTOTUNE`` (off | cached | auto). After the first call with a given key the
-answer is one dict lookup.
+An `Op` declares what a problem is (key fields and their buckets), which configs may run it (search
+space, heuristic default), which arrays its kernels take (`arrays`, `scratch`), and how each
+launch's grid and arguments follow from (problem, config). From that one declaration come:
+
+* the launch path: `op(arrays, flags, scalars)` looks up a launch plan keyed by what validation
+  depends on (dtype, shape, strides and device of every array, the flags). A hit goes straight to
+  `ct.launch` with the prebuilt grid and constants. A miss validates (the op's `bind`), resolves the
+  config (user db -> shipped db -> default, steered by TILEKIT_AUTOTUNE) and builds the plan;
+* the tuner's benchmark case and the ahead-of-time compile signatures, from the declared arrays;
+* the workload: under `recording()` every call records its problem, and calls with MetaArrays
+  (a dry run of a model's step code) record without launching.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import inspect
 import os
-import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from tilekit.autotune import arrays as arr
 from tilekit.autotune import store
-from tilekit.autotune.db import Match
-from tilekit.autotune.keys import Buckets, bucket_problem, key_string
+from tilekit.autotune.db import Match, warn_once
+from tilekit.autotune.digest import code_digest
+from tilekit.autotune.keys import bucket_problem, key_string
 from tilekit.autotune.space import Config, Problem, SearchSpace, split_hints
 from tilekit.device import DeviceInfo, device_info, toolchain
 
@@ -36,21 +43,46 @@ class Resolution:
     """The config chosen for a problem and where it came from."""
 
     config: Config
-    source: str               # "user", "shipped", "tuned", or "default"
+    source: str               # "user", "shipped", "tuned", "default" or "pinned"
     match: Match | None = None
 
     def describe(self) -> str:
         return self.match.describe() if self.match else {
-            "default": "heuristic default", "tuned": "tuned just now (auto mode)"}[self.source]
+            "default": "heuristic default", "tuned": "tuned just now (auto mode)",
+            "pinned": "pinned config"}[self.source]
 
 
 @dataclass(frozen=True)
-class Plan:
-    """What a launcher needs: the kernel constants and the kernel compiled with the config's hints."""
+class Launch:
+    """One kernel launch of an op. `args` names its runtime arguments (declared arrays, scratch and
+    scalars) in the kernel's order; `constants(problem, config)` gives the compile-time arguments
+    that follow them. The config's hints (occupancy, num_ctas) apply to the `hinted` launch, the
+    one the tuner measures."""
 
-    config: Config
-    constants: dict
     kernel: Any
+    grid: Callable[[Problem, Config], tuple]
+    args: tuple[str, ...]
+    constants: Callable[[Problem, Config], tuple]
+    hinted: bool = True
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What an op's validation makes of one call: the problem, and where each kernel array comes from.
+
+    arrays: kernel array name -> (index of the call's array, shape to view it as, or None).
+    output: (index, allocator) of the array allocated when the caller passes None there.
+    returns: index of the call's array the op returns (None: returns nothing).
+    scalars: kernel scalar name -> (index into the call's scalars, value used when that is None).
+    fixed: kernel array name -> an array made for this signature (e.g. default positions).
+    """
+
+    problem: dict
+    arrays: Mapping[str, tuple[int, tuple | None]]
+    output: tuple[int, Callable] | None = None
+    returns: int | None = None
+    scalars: Mapping[str, tuple[int, Any]] = field(default_factory=dict)
+    fixed: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -61,44 +93,94 @@ class BenchCase:
     args: Callable[[Config], tuple]
 
 
-class TunableOp:
-    """Everything the autotuner and the dispatcher know about one op.
+_ARRAY, _VIEW, _FIXED, _WORK, _SCALAR = range(5)
+_recorders: list[list] = []
 
-    fields: the problem's field names, in the order the launcher builds its key tuple.
-    buckets: which fields are bucketed and how (others must match exactly).
-    default: heuristic config for a problem, used when nothing is tuned.
-    bench: builds a BenchCase for a (bucketed) problem on the current GPU.
-    signature: (problem, config) -> [(kernel, argument specs)], for ahead-of-time compiles.
-    field_defaults: values the command line fills in for fields a user leaves out.
+
+@contextlib.contextmanager
+def recording():
+    """Collect (op, problem) of every op call in the block (calls with MetaArrays launch nothing)."""
+    calls: list[tuple[Op, dict]] = []
+    _recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        _recorders.remove(calls)
+
+
+class Plan:
+    """A validated call signature with its config: the grid, constants and argument sources of each
+    launch, the output allocator and the stream getter. Calling it launches."""
+
+    __slots__ = ("op", "problem", "config", "device", "launches", "alloc", "out_index", "returns",
+                 "stream", "work")
+
+    def __call__(self, arrays: tuple, scalars: tuple):
+        if self.alloc is not None and arrays[self.out_index] is None:
+            arrays = (*arrays[:self.out_index], self.alloc(), *arrays[self.out_index + 1:])
+        if self.launches:
+            import cuda.tile as ct
+            handle = self.stream()
+            work = arr.scratch(self.op.name, self.device, handle, self.work) if self.work else ()
+            for kernel, grid, sources, constants in self.launches:
+                args = []
+                for kind, a, b in sources:
+                    if kind == _ARRAY:
+                        args.append(arrays[a])
+                    elif kind == _VIEW:
+                        args.append(arrays[a].reshape(b))
+                    elif kind == _FIXED:
+                        args.append(a)
+                    elif kind == _WORK:
+                        args.append(work[a])
+                    else:
+                        value = scalars[a]
+                        args.append(b if value is None else value)
+                ct.launch(handle, grid, kernel, (*args, *constants))
+        return None if self.returns is None else arrays[self.returns]
+
+
+class Op:
+    """One op, declared once.
+
+    args: the public function's array arguments, in call order (names used in error messages).
+    key: problem field -> bucket function (None: must match exactly); the tuning database's key.
+    extras: launch-only problem fields (not in the key) -> a value for a key problem that lacks them.
+    arrays(problem): every array the launches take except scratch -> ArraySpec (role in/out/absent).
+    scratch(problem, config): work arrays -> ArraySpec (role scratch or zeros), per stream and thread.
+    scalars(problem): a representative value of each runtime scalar (benchmarks, compile signatures).
+    bind(infos, flags): validates one call (raising errors that name the argument) -> Binding.
     """
 
-    def __init__(self, name: str, *, kernel, fields: tuple[str, ...], space: SearchSpace,
-                 default: Callable[[Problem], Config], buckets: Buckets,
-                 bench: Callable[[Problem], BenchCase],
-                 signature: Callable[[Problem, Config], tuple],
-                 source_of: tuple = (), field_defaults: Mapping | None = None):
-        self.name = name
-        self.field_defaults = dict(field_defaults or {})
-        self.kernel = kernel
-        self.fields = fields
-        self.space = space
-        self.default = default
-        self.buckets = buckets
-        self.bench = bench
-        self.signature = signature
-        self._source_of = (kernel,) + tuple(source_of)
-        self._hot: dict[tuple, Plan] = {}
+    def __init__(self, name: str, *, args: tuple[str, ...], key: Mapping[str, Callable | None],
+                 space: SearchSpace, default: Callable[[Problem], Config],
+                 arrays: Callable[[Problem], dict], launches: tuple[Launch, ...],
+                 bind: Callable[[list, tuple], Binding], scratch: Callable | None = None,
+                 scalars: Callable[[Problem], dict] | None = None,
+                 extras: Mapping[str, Callable[[Problem], Any]] | None = None,
+                 cli_defaults: Mapping | None = None):
+        self.name, self.args, self.bind = name, tuple(args), bind
+        self.fields = tuple(key)
+        self.buckets = {f: b for f, b in key.items() if b is not None}
+        self.extras = dict(extras or {})
+        self.space, self.default = space, default
+        self.arrays, self.scratch, self.scalars = arrays, scratch, scalars
+        self.launches = tuple(launches)
+        (self.tuned_launch,) = [launch for launch in self.launches if launch.hinted]
+        self.kernel = self.tuned_launch.kernel
+        self.field_defaults = dict(cli_defaults or {})
+        self._plans: dict[tuple, Plan] = {}
         self._hinted: dict[tuple, Any] = {}
-        self._lock = threading.Lock()
-        self._saved_by_pins: list[dict] = []
+        self._pins: list[tuple[Config, dict]] = []
         _REGISTRY[name] = self
 
-    # -- identity -------------------------------------------------------------------------
+    # -- identity ---------------------------------------------------------------------------------
     def kernel_hash(self) -> str:
-        """Hash of the kernel source (and its tile helpers): a changed kernel invalidates results."""
+        """Digest of what compiles and launches: kernels, their tile helpers and constants, grids,
+        constant arguments and array layouts. Comments and docstrings do not count."""
         if not hasattr(self, "_kernel_hash"):
-            text = "".join(inspect.getsource(getattr(f, "_pyfunc", f)) for f in self._source_of)
-            self._kernel_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
+            parts = [f for launch in self.launches for f in (launch.kernel, launch.grid, launch.constants)]
+            self._kernel_hash = code_digest(*parts, self.arrays, *([self.scratch] if self.scratch else []))
         return self._kernel_hash
 
     def space_hash(self) -> str:
@@ -106,63 +188,141 @@ class TunableOp:
             self._space_hash = self.space.digest()
         return self._space_hash
 
-    # -- dispatch -------------------------------------------------------------------------
-    def plan(self, key: tuple) -> Plan:
-        """Hot path: key = (device index, *field values in `fields` order)."""
-        plan = self._hot.get(key)
-        if plan is None:
-            plan = self._plan_slow(key)
-        return plan
-
-    def _plan_slow(self, key: tuple) -> Plan:
-        with self._lock:
-            if key in self._hot:
-                return self._hot[key]
-            problem = dict(zip(self.fields, key[1:]))
-            resolution = self.resolve(problem, device_info(key[0]))
-            plan = self.make_plan(resolution.config)
-            self._hot[key] = plan
-            return plan
-
-    def make_plan(self, config: Config) -> Plan:
-        constants, hints = split_hints(config)
-        hint_key = tuple(sorted(hints.items()))
-        kernel = self._hinted.get(hint_key)
-        if kernel is None:
-            kernel = self.kernel.replace_hints(**hints) if hints else self.kernel
-            self._hinted[hint_key] = kernel
-        return Plan(config=dict(config), constants=constants, kernel=kernel)
-
     def problem_key(self, problem: Problem) -> tuple[dict, str]:
-        bucketed = bucket_problem(problem, self.buckets)
+        """(key fields bucketed, the key string)."""
+        bucketed = bucket_problem({f: problem[f] for f in self.fields}, self.buckets)
         return bucketed, key_string(self.name, bucketed)
 
+    def complete(self, problem: Problem) -> dict:
+        """The problem with every launch-only field it lacks filled in."""
+        full = dict(problem)
+        for name, value_for in self.extras.items():
+            if name not in full:
+                full[name] = value_for(full)
+        return full
+
+    def hinted(self, config: Config):
+        """The tuned kernel compiled with `config`'s hints."""
+        hints = tuple(sorted(split_hints(config)[1].items()))
+        kernel = self._hinted.get(hints)
+        if kernel is None:
+            kernel = self._hinted[hints] = self.kernel.replace_hints(**dict(hints)) if hints else self.kernel
+        return kernel
+
+    # -- the launch path --------------------------------------------------------------------------
+    def __call__(self, arrays: tuple, flags: tuple = (), scalars: tuple = ()):
+        """Launch on the caller's arrays (None where an optional one is absent); returns the output."""
+        plan, arrays = self.plan_for(arrays, flags)
+        return plan(arrays, scalars)
+
+    def plan_for(self, arrays: tuple, flags: tuple = ()) -> tuple[Plan, tuple]:
+        """The plan a call with these arrays and flags runs (built on first use), and the arrays as
+        the plan takes them (anything that is not a CuPy array, torch tensor or MetaArray is viewed
+        through CuPy)."""
+        try:
+            key = (flags, *map(arr.signature, arrays))
+        except arr.NotADeviceArray:
+            arrays = tuple(None if a is None else arr.as_device_array(a, n) for a, n in zip(arrays, self.args))
+            key = (flags, *map(arr.signature, arrays))
+        try:
+            plan = self._plans.get(key)
+        except TypeError:               # an unhashable flag: validation names it
+            plan = None
+        if plan is None:
+            plan = self._new_plan(key, arrays, flags)
+        if _recorders:
+            _recorders[-1].append((self, plan.problem))
+        return plan, arrays
+
+    def _new_plan(self, key: tuple, arrays: tuple, flags: tuple) -> Plan:
+        """The slow path: validate, choose the config, build the plan. Holds no lock (tuning in auto
+        mode may take minutes); two threads racing here build equal plans."""
+        infos = [None if a is None else arr.info(arr.as_device_array(a, n), n) for a, n in zip(arrays, self.args)]
+        binding = self.bind(infos, flags)
+        problem = self.complete(binding.problem)
+        first = next(i for i in infos if i is not None)
+        if first.device < 0:                   # a dry run: MetaArrays on no device
+            config = self.default(problem)
+        else:
+            config = self._choose(problem, first.device).config
+        plan = self.plan(problem, config, binding, first.kind, first.device)
+        try:
+            self._plans[key] = plan
+        except TypeError as e:
+            raise TypeError(f"{self.name}: options must be hashable ({e})") from None
+        return plan
+
+    def plan(self, problem: dict, config: Config, binding: Binding, kind: str, device: int) -> Plan:
+        plan = Plan()
+        plan.op, plan.problem, plan.config, plan.device = self, problem, dict(config), device
+        plan.stream = arr.stream_getter(kind, device)
+        plan.out_index, plan.alloc = binding.output if binding.output else (None, None)
+        plan.returns = binding.returns
+        specs = {**self.arrays(problem), **(self.scratch(problem, config) if self.scratch else {})}
+        work = [n for n, spec in specs.items() if spec.role in ("scratch", "zeros")]
+        plan.work = tuple(specs[n] for n in work)
+        plan.launches = []
+        if kind == "meta":
+            return plan
+        for launch in self.launches:
+            grid = tuple(launch.grid(problem, config))
+            if 0 in grid:                      # an empty problem: nothing to launch
+                continue
+            sources = []
+            for name in launch.args:
+                spec = specs.get(name)
+                if name in binding.arrays:
+                    index, view = binding.arrays[name]
+                    sources.append((_ARRAY, index, None) if view is None else (_VIEW, index, view))
+                elif name in binding.scalars:
+                    sources.append((_SCALAR, *binding.scalars[name]))
+                elif name in binding.fixed:
+                    sources.append((_FIXED, binding.fixed[name], None))
+                elif name in work:
+                    sources.append((_WORK, work.index(name), None))
+                elif spec is not None and spec.role == "absent":
+                    sources.append((_FIXED, arr.placeholder(device, spec.dtype, len(spec.shape)), None))
+                else:
+                    raise RuntimeError(f"{self.name}: kernel argument {name!r} is not bound")
+            kernel = self.hinted(config) if launch.hinted else launch.kernel
+            plan.launches.append((kernel, grid, tuple(sources), tuple(launch.constants(problem, config))))
+        return plan
+
+    # -- choosing the config ----------------------------------------------------------------------
+    def _choose(self, problem: Problem, device_index: int) -> Resolution:
+        if self._pins:
+            return Resolution(dict(self._pins[-1][0]), "pinned")
+        return self.resolve(problem, device_info(device_index))
+
     def resolve(self, problem: Problem, device: DeviceInfo, mode: str | None = None) -> Resolution:
-        """Choose the config for `problem` on `device` (slow path; no in-process caching)."""
+        """Choose the config for `problem` on `device` (no in-process caching). In auto mode a problem
+        without an exact entry is tuned now; if tuning fails, one warning and the best other answer."""
         mode = mode or autotune_mode()
         if mode == "off":
-            return Resolution(self.default(problem), "default")
-        bucketed, _ = self.problem_key(problem)
+            return Resolution(self.default(self.complete(problem)), "default")
+        bucketed, key = self.problem_key(problem)
         found = [m for db in store.layers()
                  if (m := db.lookup(self.name, bucketed, device, self.buckets,
                                     lambda k, e, layer=db.layer: self.why_unusable(e, layer)))]
-        if found:   # the closest match wins; the user layer only breaks ties
-            best = min(found, key=lambda m: (m.device_rule != "exact-gpu", m.bucket_rule != "exact"))
-            exact = best.device_rule == "exact-gpu" and best.bucket_rule == "exact"
-            if exact or mode != "auto":
-                return Resolution(dict(best.entry["config"]), best.layer, best)
-        if mode == "auto":   # tune what this GPU and bucket lack, even where a fallback exists
+        best = min(found, key=lambda m: (m.device_rule != "exact-gpu", m.bucket_rule != "exact"), default=None)
+        exact = best is not None and best.device_rule == "exact-gpu" and best.bucket_rule == "exact"
+        if mode == "auto" and not exact:
             from tilekit.autotune.tuner import tune
-            result = tune(self, problem)
-            return Resolution(result.config, "tuned")
-        return Resolution(self.default(problem), "default")
+            try:
+                return Resolution(tune(self, problem).config, "tuned")
+            except Exception as e:  # noqa: BLE001 - a kernel call never fails because tuning did
+                fallback = best.describe() if best else "the heuristic default"
+                warn_once(f"tilekit: auto-tuning {key} failed ({type(e).__name__}: {e}); using {fallback}")
+        if best is not None:      # the closest match wins; the user layer only breaks ties
+            return Resolution(dict(best.entry["config"]), best.layer, best)
+        return Resolution(self.default(self.complete(problem)), "default")
 
     def why_unusable(self, entry: Mapping, layer: str) -> str | None:
         """None when a stored entry may be used by this kernel now, else the reason."""
         if not self.space.contains(entry["config"]):
             return f"config {entry['config']} is not in the current search space"
         if entry["kernel_hash"] != self.kernel_hash():
-            return "stale: tuned for another version of the kernel source"
+            return "stale: tuned for another version of the kernel source or its launch"
         if entry["space_hash"] != self.space_hash():
             return "stale: tuned over another search space"
         if layer == "user" and entry["toolchain"] != toolchain():
@@ -174,37 +334,49 @@ class TunableOp:
         """Within the block every call of this op runs `config` (testing every config of a space)."""
         if not self.space.contains(config):
             raise ValueError(f"{config} is not in the {self.name} search space")
-        saved, self._hot = self._hot, _Always(self.make_plan(config))
-        self._saved_by_pins.append(saved)
+        self._pins.append((dict(config), self._plans))
+        self._plans = {}
         try:
             yield
         finally:
-            self._saved_by_pins.pop()
-            self._hot = saved
+            self._plans = self._pins.pop()[1]
 
     def forget(self) -> None:
-        """Drop in-process answers (after the databases changed)."""
-        with self._lock:
-            self._hot.clear()
-            for saved in self._saved_by_pins:   # what pinned() will restore must forget too
-                saved.clear()
+        """Drop in-process plans (after the databases changed)."""
+        self._plans = {}
+        for _, saved in self._pins:           # what pinned() will restore must forget too
+            saved.clear()
+
+    # -- tuning and ahead-of-time compilation ------------------------------------------------------
+    def bench_case(self, problem: Problem) -> BenchCase:
+        """Fresh random arrays in the declared layout on the current GPU, launching the tuned kernel."""
+        import cupy
+        p = self.complete(problem)
+        device, rng, launch = cupy.cuda.runtime.getDevice(), cupy.random.default_rng(), self.tuned_launch
+        values = {n: arr.bench_array(s, device, rng) for n, s in self.arrays(p).items() if n in launch.args}
+        values.update(self.scalars(p) if self.scalars else {})
+        work: dict[tuple, object] = {}
+
+        def args(c: Config) -> tuple:
+            for n, s in (self.scratch(p, c) if self.scratch else {}).items():
+                values[n] = work.get((n, s)) or work.setdefault((n, s), arr.bench_array(s, device, rng))
+            return tuple(values[n] for n in launch.args) + tuple(launch.constants(p, c))
+
+        return BenchCase(grid=lambda c: tuple(launch.grid(p, c)), args=args)
+
+    def compile_args(self, problem: Problem, config: Config) -> list[tuple[Any, tuple]]:
+        """(kernel, arguments with ArraySpecs for arrays) of every launch, for export_kernel."""
+        p = self.complete(problem)
+        values = {**self.arrays(p), **(self.scratch(p, config) if self.scratch else {}),
+                  **(self.scalars(p) if self.scalars else {})}
+        return [(self.hinted(config) if launch.hinted else launch.kernel,
+                 tuple(values[n] for n in launch.args) + tuple(launch.constants(p, config)))
+                for launch in self.launches]
 
 
-class _Always(dict):
-    """A plan table that answers every key with one plan."""
-
-    def __init__(self, plan: Plan):
-        super().__init__()
-        self.plan = plan
-
-    def get(self, key, default=None):
-        return self.plan
+_REGISTRY: dict[str, Op] = {}
 
 
-_REGISTRY: dict[str, TunableOp] = {}
-
-
-def registered_ops() -> dict[str, TunableOp]:
-    """All ops, by name (imports the kernel modules so that they register)."""
-    import tilekit.kernels  # noqa: F401  (registration side effect)
+def registered_ops() -> dict[str, Op]:
+    """The ops declared so far, by name (importing tilekit.kernels declares them all)."""
     return dict(_REGISTRY)

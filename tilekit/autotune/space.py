@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import inspect
 import itertools
 import json
 from typing import Callable, Mapping
+
+from tilekit.autotune.digest import code_digest
 
 Config = dict[str, int]
 Problem = Mapping[str, object]
@@ -50,10 +51,10 @@ class SearchSpace:
                 and all(type(config[k]) is int and config[k] in v for k, v in self.params.items()))
 
     def digest(self) -> str:
-        """Hash of the grid and the constraint's source: changes when the space changes."""
+        """Hash of the grid and of what the constraint does: changes when the space changes."""
         text = json.dumps(self.params, sort_keys=True)
         if self.constraint is not None:
-            text += inspect.getsource(self.constraint)
+            text += code_digest(self.constraint)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

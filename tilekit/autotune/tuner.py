@@ -58,6 +58,7 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
     plans = []
     for op, problem in items:
         bucketed, key = op.problem_key(problem)
+        bucketed = op.complete({**problem, **bucketed})        # launch-only fields from the problem
         candidates = op.space.candidates(bucketed)
         default = op.default(bucketed)
         if op.space.contains(default):
@@ -68,7 +69,7 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
     tasks, owner = [], []
     for i, (op, bucketed, key, candidates, _) in enumerate(plans):
         for config in candidates:
-            tasks.append((op.name, bucketed, config))
+            tasks.append((op, bucketed, config))
             owner.append(i)
     deadline = None if budget_s is None else start + 0.6 * budget_s
     finished = 0
@@ -76,7 +77,7 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
     def tick(index):
         nonlocal finished
         finished += 1
-        notify("compile", done=finished, total=len(tasks), op=tasks[index][0])
+        notify("compile", done=finished, total=len(tasks), op=tasks[index][0].name)
 
     notify("compile-start", total=len(tasks))
     ok, _errors = precompile(tasks, dev.arch, workers=workers, deadline=deadline, progress=tick)
@@ -96,7 +97,7 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
             notify("skipped", key=key, reason="no candidate compiled")
             continue
         notify("measure", op=op.name, key=key, n=len(configs), index=i, count=len(plans))
-        case = op.bench(bucketed)
+        case = op.bench_case(bucketed)
         found = ct.tune.exhaustive_search(
             configs, stream, case.grid, op.kernel, case.args,
             lambda c: split_hints(c)[1], quiet=True)

@@ -13,11 +13,11 @@ import math
 import cuda.tile as ct
 import numpy as np
 
-from tilekit.autotune.compile import ArraySpec
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
-from tilekit.autotune.op import BenchCase, TunableOp
+from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels import arrays
 
 ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634
@@ -36,15 +36,18 @@ def online_softmax_step(s, m_i, l_i, acc, v):
     return m_new, l_i, acc
 
 
+@ct.function
+def batch_head(bh, H):
+    """(batch, head) of a program's flat batch x heads index."""
+    return bh // H, bh % H
+
+
 @ct.kernel
 def attention_kernel(Q, K, V, O, qk_scale: float, BM: ct.Constant[int], BN: ct.Constant[int],
                      D: ct.Constant[int], CAUSAL: ct.Constant[bool]):
     """O = softmax(Q K^T * scale [+ causal mask]) V on (B, H, T, D) arrays; queries are the last Tq keys."""
     pid_m = ct.bid(0)
-    bh = ct.bid(1)
-    H = Q.shape[1]
-    b = bh // H
-    h = bh % H
+    b, h = batch_head(ct.bid(1), Q.shape[1])
     Tq = Q.shape[2]
     Tk = K.shape[2]
     offset = Tk - Tq
@@ -86,77 +89,84 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, BM=(64, 128, 256), BN=(32, 64, 128), occupancy=(1, 2))
-FIELDS = ("dtype", "B", "H", "Tq", "Tk", "D", "causal")
 
 
 def default_config(p: dict) -> dict:
     return dict(BM=64, BN=128 if p["Tk"] >= 128 else 64, occupancy=2 if pow2_ceil(p["D"]) <= 64 else 1)
 
 
+def qkv_views(dtype: str, B: int, H: int, T: int, D: int, offset: int = 0) -> ArraySpec:
+    """(B, H, T, D) heads as views into a fused [B, T, 3, H, D] QKV buffer, as GPT-2 produces them;
+    `offset` leading positions of that buffer's T + offset are skipped."""
+    row = 3 * H * D
+    return ArraySpec(dtype, (B, H, T, D), ((T + offset) * row, D, row, 1))
+
+
+def heads_out(dtype: str, B: int, H: int, T: int, D: int) -> ArraySpec:
+    """(B, H, T, D) output heads as a view of a [B, T, H, D] buffer (the next linear's input)."""
+    return ArraySpec(dtype, (B, H, T, D), (T * H * D, D, H * D, 1), role="out")
+
+
+def _arrays(p: dict) -> dict:
+    B, H, Tq, Tk, D, dt = p["B"], p["H"], p["Tq"], p["Tk"], p["D"], p["dtype"]
+    return {"q": qkv_views(dt, B, H, Tq, D, Tk - Tq), "k": qkv_views(dt, B, H, Tk, D),
+            "v": qkv_views(dt, B, H, Tk, D), "o": heads_out(dt, B, H, Tq, D)}
+
+
 def _grid(p: dict, c: dict) -> tuple:
     return (ct.cdiv(p["Tq"], c["BM"]), p["B"] * p["H"], 1)
 
 
-def _kernel_args(q, k, v, o, scale: float, p: dict, c: dict) -> tuple:
-    return (q, k, v, o, float(scale * LOG2E), c["BM"], c["BN"], pow2_ceil(p["D"]), bool(p["causal"]))
+def _constants(p: dict, c: dict) -> tuple:
+    return (c["BM"], c["BN"], pow2_ceil(p["D"]), bool(p["causal"]))
 
 
-def _qkv_specs(p: dict) -> tuple:
-    """q, k, v, o as views into one fused [B, T, 3, H, D] QKV buffer, as GPT-2 produces them."""
-    B, H, Tq, Tk, D = p["B"], p["H"], p["Tq"], p["Tk"], p["D"]
-    row = 3 * H * D
-    k = ArraySpec(p["dtype"], (B, H, Tk, D), (Tk * row, D, row, 1))
-    q = ArraySpec(p["dtype"], (B, H, Tq, D), (Tq * row, D, row, 1))
-    o = ArraySpec(p["dtype"], (B, H, Tq, D), (Tq * H * D, D, H * D, 1))
-    return q, k, k, o
-
-
-def _signature(p: dict, c: dict):
-    q, k, v, o = _qkv_specs(p)
-    return [(attention_kernel, _kernel_args(q, k, v, o, 1.0, p, c))]
-
-
-def _bench(p: dict) -> BenchCase:
-    import cupy
-    dev = cupy.cuda.runtime.getDevice()
-    B, H, Tq, Tk, D = p["B"], p["H"], p["Tq"], p["Tk"], p["D"]
-    qkv = arrays.random_array((B, Tk, 3, H, D), p["dtype"], dev, cupy.random.default_rng())
-    q = qkv[:, Tk - Tq:, 0].transpose(0, 2, 1, 3)
-    k = qkv[:, :, 1].transpose(0, 2, 1, 3)
-    v = qkv[:, :, 2].transpose(0, 2, 1, 3)
-    o = arrays.empty("cupy", dev, (B, Tq, H, D), p["dtype"]).transpose(0, 2, 1, 3)
-    scale = 1 / math.sqrt(D)
-    return BenchCase(grid=lambda c: _grid(p, c), args=lambda c: _kernel_args(q, k, v, o, scale, p, c))
-
-
-ATTENTION = TunableOp("attention", kernel=attention_kernel, fields=FIELDS, space=SPACE,
-                      default=default_config, buckets={"Tq": pow2_bucket, "Tk": pow2_bucket},
-                      bench=_bench, signature=_signature, source_of=(online_softmax_step,),
-                      field_defaults=dict(causal=1))
-
-
-def check_qkv(q, k, v, names=("q", "k", "v")):
-    """Validate (B, H, T, D) query/key/value arrays; returns their Infos."""
-    infos = []
+def check_qkv(q, k, v, names=("q", "k", "v")) -> None:
+    """Validate (B, H, T, D) query/key/value Infos: same batch, heads and head_dim; v like k."""
     for name, a in zip(names, (q, k, v)):
-        i = arrays.info(a, name)
-        if len(i.shape) != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, time, head_dim), got shape {i.shape}")
-        arrays.check_last_contiguous(i, name)
-        infos.append(i)
-    qi, ki, vi = infos
-    arrays.check_dtype(qi, names[0], arrays.FLOAT_DTYPES)
-    arrays.check_same(names[0], qi, names[1], ki)
-    arrays.check_same(names[0], qi, names[2], vi)
-    if ki.shape[:2] != qi.shape[:2] or ki.shape[3] != qi.shape[3]:
-        raise ValueError(f"{names[1]} shape {ki.shape} does not match {names[0]} shape {qi.shape} "
+        if len(a.shape) != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, time, head_dim), got shape {a.shape}")
+        arrays.check_last_contiguous(a, name)
+    arrays.check_dtype(q, names[0], arrays.FLOAT_DTYPES)
+    arrays.check_same(names[0], q, names[1], k)
+    arrays.check_same(names[0], q, names[2], v)
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"{names[1]} shape {k.shape} does not match {names[0]} shape {q.shape} "
                          f"in batch, heads or head_dim")
-    if vi.shape != ki.shape:
-        raise ValueError(f"{names[2]} shape {vi.shape} must equal {names[1]} shape {ki.shape}")
-    D = qi.shape[3]
-    if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {D} is not supported (1..{MAX_HEAD_DIM})")
-    return qi, ki, vi
+    if v.shape != k.shape:
+        raise ValueError(f"{names[2]} shape {v.shape} must equal {names[1]} shape {k.shape}")
+    if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {q.shape[3]} is not supported (1..{MAX_HEAD_DIM})")
+
+
+def check_heads_out(out, q) -> None:
+    """A caller's (B, H, Tq, D) output: q's shape, dtype, kind and device, contiguous head_dim."""
+    arrays.check_out(out, "out", q, q.shape, contiguous=False)
+
+
+def _bind(a: list, flags: tuple) -> Binding:
+    q, k, v, out = a
+    (causal,) = flags
+    check_qkv(q, k, v)
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    if Tk < Tq:
+        raise ValueError(f"k has {Tk} positions, fewer than q's {Tq}")
+    if out is not None:
+        check_heads_out(out, q)
+    return Binding(problem=dict(dtype=q.dtype, B=B, H=H, Tq=Tq, Tk=Tk, D=D, causal=int(bool(causal))),
+                   arrays={"q": (0, None), "k": (1, None), "v": (2, None), "o": (3, None)},
+                   output=(3, arrays.allocator(q.kind, q.device, (B, Tq, H, D), q.dtype, (0, 2, 1, 3))),
+                   returns=3, scalars={"qk_scale": (0, LOG2E / math.sqrt(D))})
+
+
+ATTENTION = Op(
+    "attention", args=("q", "k", "v", "out"),
+    key=dict(dtype=None, B=None, H=None, Tq=pow2_bucket, Tk=pow2_bucket, D=None, causal=None),
+    space=SPACE, default=default_config, arrays=_arrays,
+    scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"])},
+    launches=(Launch(attention_kernel, _grid, ("q", "k", "v", "o", "qk_scale"), _constants),),
+    bind=_bind, cli_defaults=dict(causal=1))
 
 
 def attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=None):
@@ -165,30 +175,7 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=N
     k and v may be longer than q (Tk >= Tq): the queries are then the last Tq positions. out, if
     given, is a (B, H, Tq, D) array (any strides with a contiguous last dimension).
     """
-    q, k, v = (arrays.as_device_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
-    qi, ki, _ = check_qkv(q, k, v)
-    B, H, Tq, D = qi.shape
-    Tk = ki.shape[2]
-    if Tk < Tq:
-        raise ValueError(f"k has {Tk} positions, fewer than q's {Tq}")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if out is None:
-        out = arrays.empty(qi.kind, qi.device, (B, Tq, H, D), qi.dtype).transpose(1, 2) \
-            if qi.kind == "torch" else arrays.empty(qi.kind, qi.device, (B, Tq, H, D), qi.dtype).transpose(0, 2, 1, 3)
-    else:
-        out = arrays.as_device_array(out, "out")
-        oi = arrays.info(out, "out")
-        if oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
-            raise ValueError(f"out must be a {qi.dtype} array of shape {qi.shape} on GPU {qi.device}")
-        arrays.check_last_contiguous(oi, "out")
-    if B * H * Tq == 0 or Tk == 0:
-        return out
-    p = (qi.dtype, B, H, Tq, Tk, D, int(causal))
-    plan = ATTENTION.plan((qi.device,) + p)
-    problem = dict(zip(FIELDS, p))
-    ct.launch(arrays.stream_for(qi.kind, qi.device), _grid(problem, plan.config), plan.kernel,
-              _kernel_args(q, k, v, out, scale, problem, plan.config))
-    return out
+    return ATTENTION((q, k, v, out), (bool(causal),), (None if scale is None else float(scale) * LOG2E,))
 
 
 def attention_reference(q, k, v, *, causal: bool = True, scale: float | None = None) -> np.ndarray:
@@ -203,3 +190,15 @@ def attention_reference(q, k, v, *, causal: bool = True, scale: float | None = N
     s = s - s.max(-1, keepdims=True)
     p = np.exp(s)
     return (p / p.sum(-1, keepdims=True)) @ v
+
+
+if __name__ == "__main__":
+    from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
+    for B, H, T, D, dtype, causal in [(2, 3, 300, 64, "bfloat16", True), (1, 2, 77, 128, "float16", False),
+                                      (1, 2, 33, 64, "float32", True)]:
+        qkv = rand((B, T, 3, H, D), dtype)
+        q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
+        out = attention(q, k, v, causal=causal, out=poisoned((B, T, H, D), dtype).transpose(0, 2, 1, 3))
+        err = assert_close(host(out), attention_reference(host(q), host(k), host(v), causal=causal),
+                           TOL[dtype], f"attention {B, H, T, D} {dtype}")
+        print(f"attention B{B} H{H} T{T} D{D} {dtype} causal={causal}: ok, relative error {err:.2e}")

@@ -14,12 +14,13 @@ import math
 import cuda.tile as ct
 import numpy as np
 
-from tilekit.autotune.compile import ArraySpec
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
-from tilekit.autotune.op import BenchCase, TunableOp
+from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels import arrays
-from tilekit.kernels.attention import LOG2E, attention_reference, check_qkv, online_softmax_step
+from tilekit.kernels.attention import (LOG2E, attention_reference, batch_head, check_heads_out, check_qkv,
+                                       heads_out, online_softmax_step, qkv_views)
 
 ZERO = ct.PaddingMode.ZERO
 MAX_QUERIES = 16
@@ -35,11 +36,8 @@ def decode_split_kernel(Q, K, V, Lengths, Opart, Mpart, Lpart, qk_scale: float, 
     last nq of which are the queries' own positions (causal among them).
     Opart: (B, H, S, QP, D) fp32; Mpart, Lpart: (B, H, S, QP) fp32.
     """
-    bh = ct.bid(0)
+    b, h = batch_head(ct.bid(0), Q.shape[1])
     split = ct.bid(1)
-    H = Q.shape[1]
-    b = bh // H
-    h = bh % H
     nq = Q.shape[2]
     length = ct.load(Lengths, (b,), shape=()) + length_offset
     start = split * CHUNK
@@ -64,10 +62,7 @@ def decode_split_kernel(Q, K, V, Lengths, Opart, Mpart, Lpart, qk_scale: float, 
 @ct.kernel
 def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Constant[int]):
     """O[b, h] = the merge of the partial softmax states of all splits of (batch, head) ct.bid(0)."""
-    bh = ct.bid(0)
-    H = O.shape[1]
-    b = bh // H
-    h = bh % H
+    b, h = batch_head(ct.bid(0), O.shape[1])
     S = Mpart.shape[2]
     m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
     for s in range(S):
@@ -87,7 +82,6 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, BN=(64, 128), CHUNK=(128, 256, 512, 1024, 2048), occupancy=(2, 4))
-FIELDS = ("dtype", "B", "H", "nq", "capacity", "D")
 
 
 def default_config(p: dict) -> dict:
@@ -105,61 +99,66 @@ def _qp(p: dict) -> int:
     return max(16, pow2_ceil(p["nq"]))
 
 
-def _split_args(q, k, v, lengths, opart, mpart, lpart, scale, offset, p, c) -> tuple:
-    return (q, k, v, lengths, opart, mpart, lpart, float(scale * LOG2E), int(offset), _qp(p), c["BN"],
-            pow2_ceil(p["D"]), c["CHUNK"])
+def _arrays(p: dict) -> dict:
+    B, H, nq, cap, D, dt = p["B"], p["H"], p["nq"], p["capacity"], p["D"], p["dtype"]
+    return {"q": qkv_views(dt, B, H, nq, D), "k": ArraySpec(dt, (B, H, cap, D)), "v": ArraySpec(dt, (B, H, cap, D)),
+            "lengths": ArraySpec("int32", (B,), fill=cap), "o": heads_out(dt, B, H, nq, D)}
 
 
-def _merge_args(opart, mpart, lpart, o, p, c) -> tuple:
-    return (opart, mpart, lpart, o, _qp(p), pow2_ceil(p["D"]))
-
-
-def _partial_shapes(p: dict, c: dict) -> tuple:
+def _scratch(p: dict, c: dict) -> dict:
+    """Partial softmax states of the splits, merged by the second kernel."""
     B, H, S, QP = p["B"], p["H"], _splits(p, c), _qp(p)
-    return (B, H, S, QP, pow2_ceil(p["D"])), (B, H, S, QP)
+    return {"opart": ArraySpec("float32", (B, H, S, QP, pow2_ceil(p["D"])), role="scratch"),
+            "mpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
+            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch")}
 
 
-def _signature(p: dict, c: dict):
-    B, H, nq, cap, D = p["B"], p["H"], p["nq"], p["capacity"], p["D"]
-    row = 3 * H * D
-    q = ArraySpec(p["dtype"], (B, H, nq, D), (nq * row, D, row, 1))
-    kv = ArraySpec(p["dtype"], (B, H, cap, D))
-    o = ArraySpec(p["dtype"], (B, H, nq, D), (nq * H * D, D, H * D, 1))
-    lengths = ArraySpec("int32", (B,))
-    op_shape, ml_shape = _partial_shapes(p, c)
-    opart, ml = ArraySpec("float32", op_shape), ArraySpec("float32", ml_shape)
-    return [(decode_split_kernel, _split_args(q, kv, kv, lengths, opart, ml, ml, 1.0, 0, p, c)),
-            (decode_merge_kernel, _merge_args(opart, ml, ml, o, p, c))]
+def _split_grid(p: dict, c: dict) -> tuple:
+    return (p["B"] * p["H"], _splits(p, c), 1)
 
 
-def _partials(device: int, stream: int, p: dict, c: dict) -> tuple:
-    """Scratch (Opart, Mpart, Lpart), one set per device, stream and shape (streams never share)."""
-    op_shape, ml_shape = _partial_shapes(p, c)
-    specs = ((op_shape, "float32"), (ml_shape, "float32"), (ml_shape, "float32"))
-    return arrays.scratch("decode_attention.partials", device, stream, specs)
+def _split_constants(p: dict, c: dict) -> tuple:
+    return (_qp(p), c["BN"], pow2_ceil(p["D"]), c["CHUNK"])
 
 
-def _bench(p: dict) -> BenchCase:
-    import cupy
-    dev = cupy.cuda.runtime.getDevice()
-    rng = cupy.random.default_rng()
-    B, H, nq, cap, D = p["B"], p["H"], p["nq"], p["capacity"], p["D"]
-    q = arrays.random_array((B, nq, 3, H, D), p["dtype"], dev, rng)[:, :, 0].transpose(0, 2, 1, 3)
-    k = arrays.random_array((B, H, cap, D), p["dtype"], dev, rng)
-    v = arrays.random_array((B, H, cap, D), p["dtype"], dev, rng)
-    lengths = cupy.full((B,), cap, dtype=cupy.int32)
-
-    def args(c):
-        return _split_args(q, k, v, lengths, *_partials(dev, 0, p, c), 1 / math.sqrt(D), 0, p, c)
-
-    return BenchCase(grid=lambda c: (B * H, _splits(p, c), 1), args=args)
+def _merge_grid(p: dict, c: dict) -> tuple:
+    return (p["B"] * p["H"], 1, 1)
 
 
-DECODE_ATTENTION = TunableOp("decode_attention", kernel=decode_split_kernel, fields=FIELDS, space=SPACE,
-                             default=default_config, buckets={"B": pow2_bucket, "capacity": pow2_bucket},
-                             bench=_bench, signature=_signature,
-                             source_of=(decode_merge_kernel, online_softmax_step),
-                             field_defaults=dict(nq=1))
+def _merge_constants(p: dict, c: dict) -> tuple:
+    return (_qp(p), pow2_ceil(p["D"]))
+
+
+def _bind(a: list, flags: tuple) -> Binding:
+    q, k_cache, v_cache, lengths, out = a
+    check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"))
+    B, H, nq, D = q.shape
+    arrays.check_dtype(lengths, "lengths", ("int32",))
+    if lengths.shape != (B,) or lengths.device != q.device:
+        raise ValueError(f"lengths must be an int32 array of shape ({B},) on GPU {q.device}, "
+                         f"got shape {lengths.shape} on GPU {lengths.device}")
+    if not 1 <= nq <= MAX_QUERIES:
+        raise ValueError(f"q holds {nq} query tokens per sequence; decode_attention takes 1..{MAX_QUERIES} "
+                         f"(use attention() for prefill)")
+    if out is not None:
+        check_heads_out(out, q)
+    return Binding(problem=dict(dtype=q.dtype, B=B, H=H, nq=nq, capacity=k_cache.shape[2], D=D),
+                   arrays={"q": (0, None), "k": (1, None), "v": (2, None), "lengths": (3, None), "o": (4, None)},
+                   output=(4, arrays.allocator(q.kind, q.device, q.shape, q.dtype)), returns=4,
+                   scalars={"qk_scale": (0, LOG2E / math.sqrt(D)), "length_offset": (1, 0)})
+
+
+DECODE_ATTENTION = Op(
+    "decode_attention", args=("q", "k_cache", "v_cache", "lengths", "out"),
+    key=dict(dtype=None, B=pow2_bucket, H=None, nq=None, capacity=pow2_bucket, D=None),
+    space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
+    scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"]), "length_offset": 0},
+    launches=(Launch(decode_split_kernel, _split_grid,
+                     ("q", "k", "v", "lengths", "opart", "mpart", "lpart", "qk_scale", "length_offset"),
+                     _split_constants),
+              Launch(decode_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
+                     hinted=False)),
+    bind=_bind, cli_defaults=dict(nq=1))
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, scale: float | None = None, length_offset: int = 0,
@@ -170,43 +169,10 @@ def decode_attention(q, k_cache, v_cache, lengths, *, scale: float | None = None
     Sequence b attends to its first lengths[b] + length_offset cached positions, the last nq of
     which are the queries' own (causal among them). Returns (B, H, nq, D) of q's kind.
     """
-    q, k_cache, v_cache, lengths = (arrays.as_device_array(a, n) for a, n in (
-        (q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (lengths, "lengths")))
-    qi, ki, _ = check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"))
-    B, H, nq, D = qi.shape
-    li = arrays.info(lengths, "lengths")
-    arrays.check_dtype(li, "lengths", ("int32",))
-    if li.shape != (B,) or li.device != qi.device:
-        raise ValueError(f"lengths must be an int32 array of shape ({B},) on GPU {qi.device}, "
-                         f"got shape {li.shape} on GPU {li.device}")
-    if not 1 <= nq <= MAX_QUERIES:
-        raise ValueError(f"q holds {nq} query tokens per sequence; decode_attention takes 1..{MAX_QUERIES} "
-                         f"(use attention() for prefill)")
-    if not isinstance(length_offset, int):
+    if not isinstance(length_offset, (int, np.integer)) or isinstance(length_offset, bool):
         raise TypeError(f"length_offset must be an int, got {type(length_offset).__name__}")
-    capacity = ki.shape[2]
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    if out is None:
-        out = arrays.empty(qi.kind, qi.device, qi.shape, qi.dtype)
-    else:
-        out = arrays.as_device_array(out, "out")
-        oi = arrays.info(out, "out")
-        if oi.shape != qi.shape or oi.dtype != qi.dtype or oi.device != qi.device:
-            raise ValueError(f"out must be a {qi.dtype} array of shape {qi.shape} on GPU {qi.device}")
-        arrays.check_last_contiguous(oi, "out")
-    if B * H == 0:
-        return out
-    p = (qi.dtype, B, H, nq, capacity, D)
-    plan = DECODE_ATTENTION.plan((qi.device,) + p)
-    problem = dict(zip(FIELDS, p))
-    stream = arrays.stream_for(qi.kind, qi.device)
-    opart, mpart, lpart = _partials(qi.device, arrays.stream_handle(stream), problem, plan.config)
-    ct.launch(stream, (B * H, _splits(problem, plan.config), 1), plan.kernel,
-              _split_args(q, k_cache, v_cache, lengths, opart, mpart, lpart, scale, length_offset,
-                          problem, plan.config))
-    ct.launch(stream, (B * H, 1, 1), decode_merge_kernel,
-              _merge_args(opart, mpart, lpart, out, problem, plan.config))
-    return out
+    return DECODE_ATTENTION((q, k_cache, v_cache, lengths, out), (),
+                            (None if scale is None else float(scale) * LOG2E, int(length_offset)))
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, scale: float | None = None,
@@ -218,3 +184,16 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, scale: float | N
         out[b] = attention_reference(q[b:b + 1], np.asarray(k_cache[b:b + 1])[:, :, :n],
                                      np.asarray(v_cache[b:b + 1])[:, :, :n], causal=True, scale=scale)[0]
     return out
+
+
+if __name__ == "__main__":
+    import cupy
+
+    from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
+    for B, H, nq, cap, dtype in [(1, 25, 1, 1024, "bfloat16"), (3, 4, 3, 700, "float32")]:
+        q, kc, vc = rand((B, H, nq, 64), dtype), rand((B, H, cap, 64), dtype), rand((B, H, cap, 64), dtype)
+        lengths = np.random.default_rng(0).integers(nq, cap + 1, B).astype(np.int32)
+        out = decode_attention(q, kc, vc, cupy.asarray(lengths), out=poisoned((B, H, nq, 64), dtype))
+        ref = decode_attention_reference(host(q), host(kc), host(vc), lengths)
+        err = assert_close(host(out), ref, TOL[dtype], f"decode_attention B{B} cap{cap} {dtype}")
+        print(f"decode_attention B{B} H{H} nq{nq} capacity {cap} {dtype}: ok, relative error {err:.2e}")

@@ -7,11 +7,11 @@ import math
 import cuda.tile as ct
 import numpy as np
 
-from tilekit.autotune.compile import ArraySpec
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
-from tilekit.autotune.op import BenchCase, TunableOp
+from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels import arrays
 
 
 @ct.kernel
@@ -34,44 +34,80 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, TM=(1, 2, 4), TC=(64, 128, 256, 512, 1024, 2048), occupancy=(2, 4))
-FIELDS = ("dtype", "ids", "M", "C", "V", "P")
 
 
 def default_config(p: dict) -> dict:
     return dict(TM=min(4, pow2_ceil(p["M"])), TC=min(1024, max(64, pow2_ceil(p["C"]))), occupancy=4)
 
 
+def _arrays(p: dict) -> dict:
+    M, C = p["M"], p["C"]
+    return {"ids": ArraySpec(p["ids"], (M,), high=p["V"]), "pos": ArraySpec(p["ids"], (M,), high=p["P"]),
+            "wte": ArraySpec(p["dtype"], (p["V"], C)), "wpe": ArraySpec(p["dtype"], (p["P"], C)),
+            "out": ArraySpec(p["dtype"], (M, C), role="out")}
+
+
 def _grid(p: dict, c: dict) -> tuple:
     return (ct.cdiv(p["M"], c["TM"]), ct.cdiv(p["C"], c["TC"]), 1)
 
 
-def _kernel_args(ids, pos, wte, wpe, out, c: dict) -> tuple:
-    return (ids, pos, wte, wpe, out, c["TM"], c["TC"])
+def _constants(p: dict, c: dict) -> tuple:
+    return (c["TM"], c["TC"])
 
 
-def _signature(p: dict, c: dict):
-    ids = ArraySpec(p["ids"], (p["M"],))
-    wte = ArraySpec(p["dtype"], (p["V"], p["C"]))
-    wpe = ArraySpec(p["dtype"], (p["P"], p["C"]))
-    return [(embedding_kernel, _kernel_args(ids, ids, wte, wpe, ArraySpec(p["dtype"], (p["M"], p["C"])), c))]
+def _bind(a: list, flags: tuple) -> Binding:
+    ids, wte, wpe, positions, out = a
+    arrays.check_dtype(ids, "ids", arrays.INT_DTYPES)
+    arrays.check_dtype(wte, "wte", arrays.FLOAT_DTYPES)
+    arrays.check_same("wte", wte, "wpe", wpe)
+    arrays.check_same("ids", ids, "wte", wte, dtype=False)
+    if len(wte.shape) != 2 or len(wpe.shape) != 2 or wte.shape[1] != wpe.shape[1]:
+        raise ValueError(f"wte and wpe must be 2-D with the same width, got {wte.shape} and {wpe.shape}")
+    for name, v in (("wte", wte), ("wpe", wpe), ("ids", ids)):
+        arrays.check_contiguous(v, name)
+    if not ids.shape:
+        raise ValueError("ids must have at least one dimension")
+    fixed = {}
+    if positions is None:
+        if ids.shape[-1] > wpe.shape[0]:
+            raise ValueError(f"ids has {ids.shape[-1]} positions but wpe only {wpe.shape[0]}")
+        fixed["pos"] = _default_positions(ids)
+    else:
+        if positions.shape != ids.shape or positions.dtype != ids.dtype or positions.device != ids.device:
+            raise ValueError(f"positions must match ids ({ids.dtype} {ids.shape} on GPU {ids.device}), "
+                             f"got {positions.dtype} {positions.shape} on GPU {positions.device}")
+        arrays.check_contiguous(positions, "positions")
+    C = wte.shape[1]
+    out_shape = ids.shape + (C,)
+    if out is not None:
+        arrays.check_out(out, "out", wte, out_shape)
+    M = math.prod(ids.shape)
+    flat = None if len(ids.shape) == 1 else (M,)
+    views = {"ids": (0, flat), "wte": (1, None), "wpe": (2, None),
+             "out": (4, None if len(out_shape) == 2 else (M, C))}
+    if positions is not None:
+        views["pos"] = (3, flat)
+    return Binding(problem=dict(dtype=wte.dtype, ids=ids.dtype, M=M, C=C, V=wte.shape[0], P=wpe.shape[0]),
+                   arrays=views, output=(4, arrays.allocator(wte.kind, wte.device, out_shape, wte.dtype)),
+                   returns=4, fixed=fixed)
 
 
-def _bench(p: dict) -> BenchCase:
+def _default_positions(ids: arrays.Info):
+    """0..T-1 along the last axis of ids, flattened (made once per call signature)."""
+    M, T = math.prod(ids.shape), ids.shape[-1]
+    if ids.kind == "meta":
+        return arrays.MetaArray((M,), ids.dtype, device=ids.device)
     import cupy
-    dev = cupy.cuda.runtime.getDevice()
-    rng = cupy.random.default_rng()
-    ids = rng.integers(0, p["V"], p["M"]).astype(p["ids"])
-    pos = rng.integers(0, p["P"], p["M"]).astype(p["ids"])
-    wte = arrays.random_array((p["V"], p["C"]), p["dtype"], dev, rng)
-    wpe = arrays.random_array((p["P"], p["C"]), p["dtype"], dev, rng)
-    out = arrays.empty("cupy", dev, (p["M"], p["C"]), p["dtype"])
-    return BenchCase(grid=lambda c: _grid(p, c), args=lambda c: _kernel_args(ids, pos, wte, wpe, out, c))
+    with cupy.cuda.Device(ids.device):
+        return cupy.tile(cupy.arange(T, dtype=ids.dtype), M // max(T, 1))
 
 
-EMBEDDING = TunableOp("embedding", kernel=embedding_kernel, fields=FIELDS, space=SPACE,
-                      default=default_config, buckets={"M": pow2_bucket}, bench=_bench,
-                      signature=_signature,
-                      field_defaults=dict(ids="int32"))
+EMBEDDING = Op(
+    "embedding", args=("ids", "wte", "wpe", "positions", "out"),
+    key=dict(dtype=None, ids=None, M=pow2_bucket, C=None, V=None, P=None), space=SPACE,
+    default=default_config, arrays=_arrays,
+    launches=(Launch(embedding_kernel, _grid, ("ids", "pos", "wte", "wpe", "out"), _constants),),
+    bind=_bind, cli_defaults=dict(ids="int32"))
 
 
 def embedding(ids, wte, wpe, positions=None, *, out=None):
@@ -80,51 +116,22 @@ def embedding(ids, wte, wpe, positions=None, *, out=None):
     Ids and positions are device integer arrays; an id outside [0, vocab) yields a zero token row
     (validate on the host before upload where that matters).
     """
-    ids = arrays.as_device_array(ids, "ids")
-    wte = arrays.as_device_array(wte, "wte")
-    wpe = arrays.as_device_array(wpe, "wpe")
-    ii, ti, pi = arrays.info(ids, "ids"), arrays.info(wte, "wte"), arrays.info(wpe, "wpe")
-    arrays.check_dtype(ii, "ids", arrays.INT_DTYPES)
-    arrays.check_dtype(ti, "wte", arrays.FLOAT_DTYPES)
-    arrays.check_same("wte", ti, "wpe", pi)
-    arrays.check_same("ids", ii, "wte", ti, dtype=False)
-    if len(ti.shape) != 2 or len(pi.shape) != 2 or ti.shape[1] != pi.shape[1]:
-        raise ValueError(f"wte and wpe must be 2-D with the same width, got {ti.shape} and {pi.shape}")
-    arrays.check_contiguous(ti, "wte")
-    arrays.check_contiguous(pi, "wpe")
-    arrays.check_contiguous(ii, "ids")
-    if positions is None:
-        if not ii.shape:
-            raise ValueError("ids must have at least one dimension")
-        if ii.shape[-1] > pi.shape[0]:
-            raise ValueError(f"ids has {ii.shape[-1]} positions but wpe only {pi.shape[0]}")
-        import cupy
-        with cupy.cuda.Device(ii.device):
-            positions = cupy.broadcast_to(cupy.arange(ii.shape[-1], dtype=ii.dtype), ii.shape).copy()
-    else:
-        positions = arrays.as_device_array(positions, "positions")
-        qi = arrays.info(positions, "positions")
-        if qi.shape != ii.shape or qi.dtype != ii.dtype or qi.device != ii.device:
-            raise ValueError(f"positions must match ids ({ii.dtype} {ii.shape} on GPU {ii.device}), "
-                             f"got {qi.dtype} {qi.shape} on GPU {qi.device}")
-        arrays.check_contiguous(qi, "positions")
-    C = ti.shape[1]
-    out_shape = ii.shape + (C,)
-    if out is None:
-        out = arrays.empty(ti.kind, ti.device, out_shape, ti.dtype)
-    else:
-        out = arrays.check_out(out, "out", ti.kind, ti.device, out_shape, ti.dtype)
-    M = math.prod(ii.shape)
-    if M == 0:
-        return out
-    p = (ti.dtype, ii.dtype, M, C, ti.shape[0], pi.shape[0])
-    plan = EMBEDDING.plan((ti.device,) + p)
-    problem = dict(zip(FIELDS, p))
-    ct.launch(arrays.stream_for(ti.kind, ti.device), _grid(problem, plan.config), plan.kernel,
-              _kernel_args(ids.reshape(M), positions.reshape(M), wte, wpe, out.reshape(M, C), plan.config))
-    return out
+    return EMBEDDING((ids, wte, wpe, positions, out))
 
 
 def embedding_reference(ids, wte, wpe, positions) -> np.ndarray:
     """float64 NumPy wte[ids] + wpe[positions]; ids and positions have the same shape."""
     return np.asarray(wte, np.float64)[np.asarray(ids)] + np.asarray(wpe, np.float64)[np.asarray(positions)]
+
+
+if __name__ == "__main__":
+    import cupy
+
+    from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
+    V, P, C = 1031, 64, 1600
+    for dtype in ("bfloat16", "float32"):
+        wte, wpe = rand((V, C), dtype), rand((P, C), dtype)
+        ids = cupy.random.randint(0, V, (3, 17)).astype(cupy.int32)
+        y = embedding(ids, wte, wpe, out=poisoned((3, 17, C), dtype))
+        ref = embedding_reference(host(ids), host(wte), host(wpe), np.broadcast_to(np.arange(17), (3, 17)))
+        print(f"embedding (3, 17) {dtype}: ok, relative error {assert_close(host(y), ref, TOL[dtype], dtype):.2e}")

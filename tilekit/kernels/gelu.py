@@ -7,11 +7,11 @@ import math
 import cuda.tile as ct
 import numpy as np
 
-from tilekit.autotune.compile import ArraySpec
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
-from tilekit.autotune.op import BenchCase, TunableOp
+from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels import arrays
 
 SQRT_2_OVER_PI = 0.7978845608028654
 
@@ -56,61 +56,49 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, BLOCK=(256, 512, 1024, 2048, 4096, 8192), occupancy=(1, 2, 4))
-FIELDS = ("dtype", "n", "exact")
 
 
 def default_config(p: dict) -> dict:
     return dict(BLOCK=min(1024, max(256, pow2_ceil(p["n"]))), occupancy=2)
 
 
+def _arrays(p: dict) -> dict:
+    return {"x": ArraySpec(p["dtype"], (p["n"],)), "y": ArraySpec(p["dtype"], (p["n"],), role="out")}
+
+
 def _grid(p: dict, c: dict) -> tuple:
     return (ct.cdiv(p["n"], c["BLOCK"]), 1, 1)
 
 
-def _kernel_args(x, y, p: dict, c: dict) -> tuple:
-    return (x, y, c["BLOCK"], bool(p["exact"]))
+def _constants(p: dict, c: dict) -> tuple:
+    return (c["BLOCK"], bool(p["exact"]))
 
 
-def _signature(p: dict, c: dict):
-    spec = ArraySpec(p["dtype"], (p["n"],))
-    return [(gelu_kernel, _kernel_args(spec, spec, p, c))]
+def _bind(a: list, flags: tuple) -> Binding:
+    x, out = a
+    (approximate,) = flags
+    arrays.check_dtype(x, "x", arrays.FLOAT_DTYPES)
+    arrays.check_contiguous(x, "x")
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+    if out is not None:
+        arrays.check_out(out, "out", x, x.shape)
+    n = math.prod(x.shape)
+    flat = None if len(x.shape) == 1 else (n,)
+    return Binding(problem=dict(dtype=x.dtype, n=n, exact=int(approximate == "none")),
+                   arrays={"x": (0, flat), "y": (1, flat)},
+                   output=(1, arrays.allocator(x.kind, x.device, x.shape, x.dtype)), returns=1)
 
 
-def _bench(p: dict) -> BenchCase:
-    import cupy
-    dev = cupy.cuda.runtime.getDevice()
-    x = arrays.random_array((p["n"],), p["dtype"], dev, cupy.random.default_rng())
-    y = arrays.empty("cupy", dev, (p["n"],), p["dtype"])
-    return BenchCase(grid=lambda c: _grid(p, c), args=lambda c: _kernel_args(x, y, p, c))
-
-
-GELU = TunableOp("gelu", kernel=gelu_kernel, fields=FIELDS, space=SPACE, default=default_config,
-                 buckets={"n": pow2_bucket}, bench=_bench, signature=_signature,
-                 source_of=(gelu_tanh, gelu_erf),
-                 field_defaults=dict(exact=0))
+GELU = Op("gelu", args=("x", "out"), key=dict(dtype=None, n=pow2_bucket, exact=None), space=SPACE,
+          default=default_config, arrays=_arrays,
+          launches=(Launch(gelu_kernel, _grid, ("x", "y"), _constants),), bind=_bind,
+          cli_defaults=dict(exact=0))
 
 
 def gelu(x, *, approximate: str = "tanh", out=None):
     """Elementwise GELU of a contiguous array; approximate='tanh' (GPT-2) or 'none' (erf)."""
-    x = arrays.as_device_array(x, "x")
-    xi = arrays.info(x, "x")
-    arrays.check_dtype(xi, "x", arrays.FLOAT_DTYPES)
-    arrays.check_contiguous(xi, "x")
-    if approximate not in ("tanh", "none"):
-        raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
-    if out is None:
-        out = arrays.empty(xi.kind, xi.device, xi.shape, xi.dtype)
-    else:
-        out = arrays.check_out(out, "out", xi.kind, xi.device, xi.shape, xi.dtype)
-    n = math.prod(xi.shape)
-    if n == 0:
-        return out
-    p = (xi.dtype, n, int(approximate == "none"))
-    plan = GELU.plan((xi.device,) + p)
-    problem = dict(zip(FIELDS, p))
-    ct.launch(arrays.stream_for(xi.kind, xi.device), _grid(problem, plan.config), plan.kernel,
-              _kernel_args(x.reshape(n), out.reshape(n), problem, plan.config))
-    return out
+    return GELU((x, out), (approximate,))
 
 
 def gelu_reference(x, approximate: str = "tanh") -> np.ndarray:
@@ -122,3 +110,14 @@ def gelu_reference(x, approximate: str = "tanh") -> np.ndarray:
             return x / (1.0 + np.exp(-2.0 * u))
     erfc = np.vectorize(math.erfc, otypes=[np.float64])
     return 0.5 * x * erfc(-x / math.sqrt(2.0))
+
+
+if __name__ == "__main__":
+    from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand, rounded
+    for shape, dtype, approximate in [((1000, 333), "bfloat16", "tanh"), ((4096,), "float32", "none"),
+                                      ((7, 3), "float16", "tanh")]:
+        x = rand(shape, dtype, 3.0)
+        y = gelu(x, approximate=approximate, out=poisoned(shape, dtype))
+        ref = rounded(gelu_reference(host(x), approximate), dtype)
+        err = assert_close(host(y), ref, TOL[dtype], f"{shape} {dtype} {approximate}")
+        print(f"gelu {shape} {dtype} {approximate}: ok, relative error {err:.2e}")

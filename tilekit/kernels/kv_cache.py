@@ -5,22 +5,19 @@ from __future__ import annotations
 import cuda.tile as ct
 import numpy as np
 
-from tilekit.autotune.compile import ArraySpec
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
-from tilekit.autotune.op import BenchCase, TunableOp
+from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels import arrays
-from tilekit.kernels.attention import check_qkv
+from tilekit.kernels.attention import batch_head, check_qkv, qkv_views
 
 
 @ct.kernel
 def kv_write_kernel(K, V, Kc, Vc, Start, TT: ct.Constant[int], D: ct.Constant[int]):
     """Kc[b, h, Start[b] + t] = K[b, h, t] (and V likewise); positions past the capacity are dropped."""
     tb = ct.bid(0)
-    bh = ct.bid(1)
-    H = K.shape[1]
-    b = bh // H
-    h = bh % H
+    b, h = batch_head(ct.bid(1), K.shape[1])
     T = K.shape[2]
     t = (ct.arange(TT, dtype=ct.int32) + tb * TT).reshape((TT, 1))
     rows = t + ct.load(Start, (b,), shape=())
@@ -37,67 +34,52 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, TT=(1, 2, 4, 8, 16, 32, 64), occupancy=(2, 4))
-FIELDS = ("dtype", "B", "H", "T", "capacity", "D")
 
 
 def default_config(p: dict) -> dict:
     return dict(TT=min(32, pow2_ceil(p["T"])), occupancy=4)
 
 
+def _arrays(p: dict) -> dict:
+    B, H, T, cap, D, dt = p["B"], p["H"], p["T"], p["capacity"], p["D"], p["dtype"]
+    return {"k": qkv_views(dt, B, H, T, D), "v": qkv_views(dt, B, H, T, D),
+            "kc": ArraySpec(dt, (B, H, cap, D), role="out"), "vc": ArraySpec(dt, (B, H, cap, D), role="out"),
+            "start": ArraySpec("int32", (B,), fill=0)}
+
+
 def _grid(p: dict, c: dict) -> tuple:
     return (ct.cdiv(p["T"], c["TT"]), p["B"] * p["H"], 1)
 
 
-def _kernel_args(k, v, kc, vc, start, p: dict, c: dict) -> tuple:
-    return (k, v, kc, vc, start, c["TT"], pow2_ceil(p["D"]))
+def _constants(p: dict, c: dict) -> tuple:
+    return (c["TT"], pow2_ceil(p["D"]))
 
 
-def _signature(p: dict, c: dict):
-    B, H, T, cap, D = p["B"], p["H"], p["T"], p["capacity"], p["D"]
-    row = 3 * H * D
-    k = ArraySpec(p["dtype"], (B, H, T, D), (T * row, D, row, 1))
-    cache = ArraySpec(p["dtype"], (B, H, cap, D))
-    return [(kv_write_kernel, _kernel_args(k, k, cache, cache, ArraySpec("int32", (B,)), p, c))]
+def _bind(a: list, flags: tuple) -> Binding:
+    k, v, k_cache, v_cache, start = a
+    check_qkv(k, v, v, ("k", "v", "v"))
+    check_qkv(k_cache, v_cache, v_cache, ("k_cache", "v_cache", "v_cache"))
+    arrays.check_same("k", k, "k_cache", k_cache)
+    if k_cache.shape[:2] != k.shape[:2] or k_cache.shape[3] != k.shape[3]:
+        raise ValueError(f"k_cache shape {k_cache.shape} does not fit k shape {k.shape}")
+    arrays.check_dtype(start, "start", ("int32",))
+    B, H, T, D = k.shape
+    if start.shape != (B,) or start.device != k.device:
+        raise ValueError(f"start must be an int32 array of shape ({B},) on GPU {k.device}")
+    return Binding(problem=dict(dtype=k.dtype, B=B, H=H, T=T, D=D, capacity=k_cache.shape[2]),
+                   arrays={"k": (0, None), "v": (1, None), "kc": (2, None), "vc": (3, None), "start": (4, None)})
 
 
-def _bench(p: dict) -> BenchCase:
-    import cupy
-    dev = cupy.cuda.runtime.getDevice()
-    rng = cupy.random.default_rng()
-    B, H, T, cap, D = p["B"], p["H"], p["T"], p["capacity"], p["D"]
-    qkv = arrays.random_array((B, T, 3, H, D), p["dtype"], dev, rng)
-    k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in (1, 2))
-    kc = arrays.empty("cupy", dev, (B, H, cap, D), p["dtype"])
-    vc = arrays.empty("cupy", dev, (B, H, cap, D), p["dtype"])
-    start = cupy.zeros((B,), dtype=cupy.int32)
-    return BenchCase(grid=lambda c: _grid(p, c), args=lambda c: _kernel_args(k, v, kc, vc, start, p, c))
-
-
-KV_WRITE = TunableOp("kv_write", kernel=kv_write_kernel, fields=FIELDS, space=SPACE, default=default_config,
-                     buckets={"T": pow2_bucket, "capacity": pow2_bucket}, bench=_bench, signature=_signature)
+KV_WRITE = Op(
+    "kv_write", args=("k", "v", "k_cache", "v_cache", "start"),
+    key=dict(dtype=None, B=None, H=None, T=pow2_bucket, D=None), extras=dict(capacity=lambda p: -(-p["T"] // 64) * 64),
+    space=SPACE, default=default_config, arrays=_arrays,
+    launches=(Launch(kv_write_kernel, _grid, ("k", "v", "kc", "vc", "start"), _constants),), bind=_bind)
 
 
 def write_kv(k, v, k_cache, v_cache, start) -> None:
     """k_cache[b, :, start[b] + t] = k[b, :, t] and likewise for v; k, v: (B, H, T, D), start: int32 (B,)."""
-    k, v, k_cache, v_cache, start = (arrays.as_device_array(a, n) for a, n in (
-        (k, "k"), (v, "v"), (k_cache, "k_cache"), (v_cache, "v_cache"), (start, "start")))
-    ki, _, _ = check_qkv(k, v, v, ("k", "v", "v"))
-    ci, _, _ = check_qkv(k_cache, v_cache, v_cache, ("k_cache", "v_cache", "v_cache"))
-    arrays.check_same("k", ki, "k_cache", ci)
-    if ci.shape[:2] != ki.shape[:2] or ci.shape[3] != ki.shape[3]:
-        raise ValueError(f"k_cache shape {ci.shape} does not fit k shape {ki.shape}")
-    si = arrays.info(start, "start")
-    arrays.check_dtype(si, "start", ("int32",))
-    B, H, T, D = ki.shape
-    if si.shape != (B,) or si.device != ki.device:
-        raise ValueError(f"start must be an int32 array of shape ({B},) on GPU {ki.device}")
-    if B * H * T == 0:
-        return
-    p = (ki.dtype, B, H, T, ci.shape[2], D)
-    plan = KV_WRITE.plan((ki.device,) + p)
-    problem = dict(zip(FIELDS, p))
-    ct.launch(arrays.stream_for(ki.kind, ki.device), _grid(problem, plan.config), plan.kernel,
-              _kernel_args(k, v, k_cache, v_cache, start, problem, plan.config))
+    KV_WRITE((k, v, k_cache, v_cache, start))
 
 
 def write_kv_reference(k, v, k_cache, v_cache, start) -> tuple[np.ndarray, np.ndarray]:
@@ -108,3 +90,18 @@ def write_kv_reference(k, v, k_cache, v_cache, start) -> tuple[np.ndarray, np.nd
         kc[b, :, s:s + n] = np.asarray(k, np.float64)[b, :, :n]
         vc[b, :, s:s + n] = np.asarray(v, np.float64)[b, :, :n]
     return kc, vc
+
+
+if __name__ == "__main__":
+    import cupy
+
+    from tilekit.kernels.checks import host, rand
+    B, H, T, cap, D = 3, 2, 5, 9, 64
+    qkv = rand((B, T, 3, H, D), "bfloat16")
+    k, v = qkv[:, :, 1].transpose(0, 2, 1, 3), qkv[:, :, 2].transpose(0, 2, 1, 3)
+    kc, vc = rand((B, H, cap, D), "bfloat16"), rand((B, H, cap, D), "bfloat16")
+    start = np.array([0, 2, 6], np.int32)      # the last one runs past the capacity: clipped
+    ref_k, ref_v = write_kv_reference(host(k), host(v), host(kc), host(vc), start)
+    write_kv(k, v, kc, vc, cupy.asarray(start))
+    assert np.array_equal(host(kc), ref_k) and np.array_equal(host(vc), ref_v), "kv_write differs"
+    print("kv_write: ok, exact")

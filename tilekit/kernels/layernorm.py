@@ -13,11 +13,11 @@ import math
 import cuda.tile as ct
 import numpy as np
 
-from tilekit.autotune.compile import ArraySpec
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
-from tilekit.autotune.op import BenchCase, TunableOp
+from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels import arrays
 
 ZERO = ct.PaddingMode.ZERO
 MAX_GATHER_N = 8192
@@ -76,7 +76,6 @@ def _fits(c: dict, p: dict) -> bool:
 
 SPACE = SearchSpace(_fits, TM=(1, 2, 4, 8, 16), TN=(256, 512, 1024, 2048, 4096, 8192),
                     occupancy=(2, 4, 8))
-FIELDS = ("dtype", "M", "N", "gather")
 
 
 def default_config(p: dict) -> dict:
@@ -85,37 +84,63 @@ def default_config(p: dict) -> dict:
     return dict(TM=rows, TN=tn, occupancy=2)
 
 
+def _arrays(p: dict) -> dict:
+    """x holds rows_in rows; M rows are normalised (all of them, or those named by `rows`)."""
+    M, N, dt = p["M"], p["N"], p["dtype"]
+    return {"x": ArraySpec(dt, (p["rows_in"], N)), "w": ArraySpec(dt, (N,)), "b": ArraySpec(dt, (N,)),
+            "y": ArraySpec(dt, (M, N), role="out"),
+            "rows": ArraySpec("int32", (M,), high=p["rows_in"]) if p["gather"] else absent("int32", 1)}
+
+
 def _grid(p: dict, c: dict) -> tuple:
     return (ct.cdiv(p["M"], c["TM"]), 1, 1)
 
 
-def _kernel_args(x, w, b, y, rows, eps: float, p: dict, c: dict) -> tuple:
-    return (x, w, b, y, rows, float(eps), c["TM"], c["TN"], c["TN"] >= p["N"], bool(p["gather"]))
+def _constants(p: dict, c: dict) -> tuple:
+    return (c["TM"], c["TN"], c["TN"] >= p["N"], bool(p["gather"]))
 
 
-def _signature(p: dict, c: dict):
-    x = ArraySpec(p["dtype"], (p["M"], p["N"]))
-    w = ArraySpec(p["dtype"], (p["N"],))
-    rows = ArraySpec("int32", (p["M"],) if p["gather"] else (16,))
-    return [(layer_norm_kernel, _kernel_args(x, w, w, x, rows, 1e-5, p, c))]
+def _bind(a: list, flags: tuple) -> Binding:
+    x, w, b, rows, out = a
+    arrays.check_dtype(x, "x", arrays.FLOAT_DTYPES)
+    arrays.check_same("x", x, "weight", w)
+    arrays.check_same("x", x, "bias", b)
+    if not x.shape or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {x.shape}")
+    N = x.shape[-1]
+    for name, v in (("weight", w), ("bias", b)):
+        if v.shape != (N,):
+            raise ValueError(f"{name} must have shape ({N},), got {v.shape}")
+        arrays.check_contiguous(v, name)
+    arrays.check_contiguous(x, "x")
+    M = math.prod(x.shape[:-1])
+    out_shape = x.shape
+    if rows is not None:
+        arrays.check_dtype(rows, "rows", ("int32",))
+        if len(rows.shape) != 1 or rows.device != x.device:
+            raise ValueError(f"rows must be a 1-D int32 array on GPU {x.device}, got shape {rows.shape}")
+        arrays.check_contiguous(rows, "rows")
+        if N > MAX_GATHER_N:
+            raise ValueError(f"rows= needs a last dimension <= {MAX_GATHER_N}, got {N}")
+        out_shape = (rows.shape[0], N)
+    if out is not None:
+        arrays.check_out(out, "out", x, out_shape)
+    R = out_shape[0] if rows is not None else M
+    views = {"x": (0, None if len(x.shape) == 2 else (M, N)), "w": (1, None), "b": (2, None),
+             "y": (4, None if len(out_shape) == 2 else (R, N))}
+    if rows is not None:
+        views["rows"] = (3, None)
+    return Binding(problem=dict(dtype=x.dtype, M=R, N=N, gather=int(rows is not None), rows_in=M),
+                   arrays=views, output=(4, arrays.allocator(x.kind, x.device, out_shape, x.dtype)),
+                   returns=4, scalars={"eps": (0, None)})
 
 
-def _bench(p: dict) -> BenchCase:
-    import cupy
-    dev = cupy.cuda.runtime.getDevice()
-    rng = cupy.random.default_rng()
-    x = arrays.random_array((p["M"], p["N"]), p["dtype"], dev, rng)
-    w = arrays.random_array((p["N"],), p["dtype"], dev, rng)
-    b = arrays.random_array((p["N"],), p["dtype"], dev, rng)
-    y = arrays.empty("cupy", dev, (p["M"], p["N"]), p["dtype"])
-    rows = cupy.arange(p["M"], dtype=cupy.int32)[::-1].copy() if p["gather"] else arrays.placeholder(dev, "int32", 1)
-    return BenchCase(grid=lambda c: _grid(p, c), args=lambda c: _kernel_args(x, w, b, y, rows, 1e-5, p, c))
-
-
-LAYER_NORM = TunableOp("layer_norm", kernel=layer_norm_kernel, fields=FIELDS, space=SPACE,
-                       default=default_config, buckets={"M": pow2_bucket}, bench=_bench,
-                       signature=_signature,
-                       field_defaults=dict(gather=0))
+LAYER_NORM = Op(
+    "layer_norm", args=("x", "weight", "bias", "rows", "out"),
+    key=dict(dtype=None, M=pow2_bucket, N=None, gather=None), extras=dict(rows_in=lambda p: p["M"]),
+    space=SPACE, default=default_config, arrays=_arrays, scalars=lambda p: {"eps": 1e-5},
+    launches=(Launch(layer_norm_kernel, _grid, ("x", "w", "b", "y", "rows", "eps"), _constants),),
+    bind=_bind, cli_defaults=dict(gather=0))
 
 
 def layer_norm(x, weight, bias, eps: float = 1e-5, *, rows=None, out=None):
@@ -124,50 +149,9 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, *, rows=None, out=None):
     rows: optional int32 device array of row indices into x viewed as (M, N); then only those
     rows are normalised and the result is (len(rows), N) (e.g. the last token of each sequence).
     """
-    x = arrays.as_device_array(x, "x")
-    weight = arrays.as_device_array(weight, "weight")
-    bias = arrays.as_device_array(bias, "bias")
-    xi, wi, bi = arrays.info(x, "x"), arrays.info(weight, "weight"), arrays.info(bias, "bias")
-    arrays.check_dtype(xi, "x", arrays.FLOAT_DTYPES)
-    arrays.check_same("x", xi, "weight", wi)
-    arrays.check_same("x", xi, "bias", bi)
-    if not xi.shape or xi.shape[-1] == 0:
-        raise ValueError(f"x must have a non-empty last dimension, got shape {xi.shape}")
-    N = xi.shape[-1]
-    for name, a in (("weight", wi), ("bias", bi)):
-        if a.shape != (N,):
-            raise ValueError(f"{name} must have shape ({N},), got {a.shape}")
-        arrays.check_contiguous(a, name)
-    arrays.check_contiguous(xi, "x")
-    if not (isinstance(eps, (int, float)) and eps > 0):
+    if not (type(eps) in (float, int) and 0 < eps < math.inf):
         raise ValueError(f"eps must be a positive number, got {eps!r}")
-    M = math.prod(xi.shape[:-1])
-    out_shape = xi.shape
-    if rows is not None:
-        rows = arrays.as_device_array(rows, "rows")
-        ri = arrays.info(rows, "rows")
-        arrays.check_dtype(ri, "rows", ("int32",))
-        if len(ri.shape) != 1 or ri.device != xi.device:
-            raise ValueError(f"rows must be a 1-D int32 array on GPU {xi.device}, got shape {ri.shape}")
-        arrays.check_contiguous(ri, "rows")
-        if N > MAX_GATHER_N:
-            raise ValueError(f"rows= needs a last dimension <= {MAX_GATHER_N}, got {N}")
-        out_shape = (ri.shape[0], N)
-    if out is None:
-        out = arrays.empty(xi.kind, xi.device, out_shape, xi.dtype)
-    else:
-        out = arrays.check_out(out, "out", xi.kind, xi.device, out_shape, xi.dtype)
-    R = out_shape[0] if rows is not None else M
-    if R == 0:
-        return out
-    p = (xi.dtype, R, N, int(rows is not None))
-    plan = LAYER_NORM.plan((xi.device,) + p)
-    problem = dict(zip(FIELDS, p))
-    ct.launch(arrays.stream_for(xi.kind, xi.device), _grid(problem, plan.config), plan.kernel,
-              _kernel_args(x.reshape(M, N), weight, bias, out.reshape(R, N),
-                           rows if rows is not None else arrays.placeholder(xi.device, "int32", 1),
-                           eps, problem, plan.config))
-    return out
+    return LAYER_NORM((x, weight, bias, rows, out), (), (float(eps),))
 
 
 def layer_norm_reference(x, weight, bias, eps: float = 1e-5) -> np.ndarray:
@@ -176,3 +160,12 @@ def layer_norm_reference(x, weight, bias, eps: float = 1e-5) -> np.ndarray:
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
     return (x - mean) / np.sqrt(var + eps) * np.asarray(weight, np.float64) + np.asarray(bias, np.float64)
+
+
+if __name__ == "__main__":
+    from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
+    for shape, dtype in [((8, 128, 768), "bfloat16"), ((3, 1600), "float32"), ((5, 20000), "float16")]:
+        x, w, b = rand(shape, dtype, 2.0, 0.5), rand(shape[-1:], dtype), rand(shape[-1:], dtype)
+        y = layer_norm(x, w, b, out=poisoned(shape, dtype))
+        err = assert_close(host(y), layer_norm_reference(host(x), host(w), host(b)), TOL[dtype], f"{shape} {dtype}")
+        print(f"layer_norm {shape} {dtype}: ok, relative error {err:.2e}")

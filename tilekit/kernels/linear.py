@@ -12,11 +12,11 @@ import math
 import cuda.tile as ct
 import numpy as np
 
-from tilekit.autotune.compile import ArraySpec
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
-from tilekit.autotune.op import BenchCase, TunableOp
+from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels import arrays
 from tilekit.kernels.gelu import gelu_reference, gelu_tanh
 
 ZERO = ct.PaddingMode.ZERO
@@ -118,69 +118,89 @@ def default_config(p: dict) -> dict:
     return dict(TM=max(16, m), TN=32, TK=128, GROUP_M=8, SPLIT_K=1, occupancy=1, num_ctas=1)
 
 
-FIELDS = ("dtype", "M", "N", "K", "wt", "bias", "act", "res", "tf32")
+def _arrays(p: dict) -> dict:
+    M, N, K, dt = p["M"], p["N"], p["K"], p["dtype"]
+    return {"x": ArraySpec(dt, (M, K)), "w": ArraySpec(dt, (N, K) if p["wt"] == "nk" else (K, N)),
+            "bias": ArraySpec(dt, (N,)) if p["bias"] else absent(dt, 1),
+            "res": ArraySpec(dt, (M, N)) if p["res"] else absent(dt, 2),
+            "y": ArraySpec(dt, (M, N), role="out")}
 
 
 def _tiles(p: dict, c: dict) -> int:
     return ct.cdiv(p["M"], c["TM"]) * ct.cdiv(p["N"], c["TN"])
 
 
+def _scratch(p: dict, c: dict) -> dict:
+    """Split-K partial sums and arrival counters, zeroed once and left zeroed by every launch."""
+    if c["SPLIT_K"] == 1:
+        return {"partial": absent("float32", 2), "counter": absent("int32", 1)}
+    return {"partial": ArraySpec("float32", (p["M"], p["N"]), role="zeros"),
+            "counter": ArraySpec("int32", (_tiles(p, c),), role="zeros")}
+
+
 def _grid(p: dict, c: dict) -> tuple:
     return (_tiles(p, c) * c["SPLIT_K"], 1, 1)
 
 
-def _kernel_args(x, w, bias, res, y, partial, counter, p: dict, c: dict) -> tuple:
-    return (x, w, bias, res, y, partial, counter, c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"],
-            p["wt"] == "nk", bool(p["bias"]), p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
+def _constants(p: dict, c: dict) -> tuple:
+    return (c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"], p["wt"] == "nk", bool(p["bias"]),
+            p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
 
 
-def _scratch(device: int, stream: int, p: dict, c: dict) -> tuple:
-    """(Partial, Counter) for split-K, zeroed once and left zeroed by every launch; per device and stream."""
-    if c["SPLIT_K"] == 1:
-        return arrays.placeholder(device, "float32", 2), arrays.placeholder(device, "int32", 1)
-    specs = (((p["M"], p["N"]), "float32"), ((_tiles(p, c),), "int32"))
-    return arrays.scratch("linear.split_k", device, stream, specs, zeroed=True)
+def _bind(a: list, flags: tuple) -> Binding:
+    x, w, bias, res, out = a
+    activation, weight_layout, allow_tf32 = flags
+    arrays.check_dtype(x, "x", arrays.FLOAT_DTYPES)
+    arrays.check_same("x", x, "weight", w)
+    if len(x.shape) < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {x.shape}")
+    if len(w.shape) != 2:
+        raise ValueError(f"weight must be 2-D, got shape {w.shape}")
+    if weight_layout not in ("in_out", "out_in"):
+        raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {weight_layout!r}")
+    K = x.shape[-1]
+    N = w.shape[1] if weight_layout == "in_out" else w.shape[0]
+    if (w.shape[0] if weight_layout == "in_out" else w.shape[1]) != K:
+        raise ValueError(f"weight shape {w.shape} ({weight_layout}) does not match x's last dimension {K}")
+    if activation not in (None, "gelu"):
+        raise ValueError(f"activation must be None or 'gelu', got {activation!r}")
+    if allow_tf32 not in (False, True):
+        raise ValueError(f"allow_tf32 must be a bool, got {allow_tf32!r}")
+    if allow_tf32 and x.dtype != "float32":
+        raise ValueError("allow_tf32 applies to float32 inputs only")
+    arrays.check_last_contiguous(x, "x")
+    arrays.check_last_contiguous(w, "weight")
+    M = math.prod(x.shape[:-1])
+    out_shape = x.shape[:-1] + (N,)
+    views = {"x": (0, None if len(x.shape) == 2 else (M, K)), "w": (1, None),
+             "y": (4, None if len(out_shape) == 2 else (M, N))}
+    if bias is not None:
+        arrays.check_same("x", x, "bias", bias)
+        if bias.shape != (N,):
+            raise ValueError(f"bias must have shape ({N},), got {bias.shape}")
+        arrays.check_contiguous(bias, "bias")
+        views["bias"] = (2, None)
+    if res is not None:
+        arrays.check_same("x", x, "residual", res)
+        if res.shape != out_shape:
+            raise ValueError(f"residual must have shape {out_shape}, got {res.shape}")
+        arrays.check_contiguous(res, "residual")
+        views["res"] = (3, None if len(out_shape) == 2 else (M, N))
+    if out is not None:
+        arrays.check_out(out, "out", x, out_shape)
+    problem = dict(dtype=x.dtype, M=M, N=N, K=K, wt="kn" if weight_layout == "in_out" else "nk",
+                   bias=int(bias is not None), act=activation or "none", res=int(res is not None),
+                   tf32=int(bool(allow_tf32)))
+    return Binding(problem=problem, arrays=views, returns=4,
+                   output=(4, arrays.allocator(x.kind, x.device, out_shape, x.dtype)))
 
 
-def _shapes(p: dict) -> dict:
-    M, N, K = p["M"], p["N"], p["K"]
-    return {"x": (M, K), "w": (N, K) if p["wt"] == "nk" else (K, N), "bias": (N,), "res": (M, N),
-            "y": (M, N)}
-
-
-def _signature(p: dict, c: dict):
-    s = _shapes(p)
-    spec = {k: ArraySpec(p["dtype"], v) for k, v in s.items()}
-    if not p["bias"]:
-        spec["bias"] = ArraySpec(p["dtype"], (16,))
-    if not p["res"]:
-        spec["res"] = ArraySpec(p["dtype"], (16, 16))
-    if c["SPLIT_K"] == 1:
-        partial, counter = ArraySpec("float32", (16, 16)), ArraySpec("int32", (16,))
-    else:
-        partial, counter = ArraySpec("float32", (p["M"], p["N"])), ArraySpec("int32", (_tiles(p, c),))
-    return [(linear_kernel, _kernel_args(spec["x"], spec["w"], spec["bias"], spec["res"], spec["y"],
-                                         partial, counter, p, c))]
-
-
-def _bench(p: dict) -> BenchCase:
-    import cupy
-    dev = cupy.cuda.runtime.getDevice()
-    rng = cupy.random.default_rng()
-    s = _shapes(p)
-    x = arrays.random_array(s["x"], p["dtype"], dev, rng)
-    w = arrays.random_array(s["w"], p["dtype"], dev, rng, 1 / math.sqrt(p["K"]))
-    bias = arrays.random_array(s["bias"], p["dtype"], dev, rng) if p["bias"] else arrays.placeholder(dev, p["dtype"], 1)
-    res = arrays.random_array(s["res"], p["dtype"], dev, rng) if p["res"] else arrays.placeholder(dev, p["dtype"], 2)
-    y = arrays.empty("cupy", dev, s["y"], p["dtype"])
-    return BenchCase(grid=lambda c: _grid(p, c),
-                     args=lambda c: _kernel_args(x, w, bias, res, y, *_scratch(dev, 0, p, c), p, c))
-
-
-LINEAR = TunableOp("linear", kernel=linear_kernel, fields=FIELDS, space=SPACE, default=default_config,
-                   buckets={"M": pow2_bucket}, bench=_bench, signature=_signature,
-                   source_of=(gelu_tanh,),
-                   field_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0))
+LINEAR = Op(
+    "linear", args=("x", "weight", "bias", "residual", "out"),
+    key=dict(dtype=None, M=pow2_bucket, N=None, K=None, wt=None, bias=None, act=None, res=None, tf32=None),
+    space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
+    launches=(Launch(linear_kernel, _grid, ("x", "w", "bias", "res", "y", "partial", "counter"), _constants),),
+    bind=_bind, cli_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0))
 
 
 # -- public function ---------------------------------------------------------------------------
@@ -193,64 +213,7 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
     tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). fp32 inputs use exact fp32
     products unless allow_tf32=True. Returns an array of x's kind, or writes into `out`.
     """
-    x = arrays.as_device_array(x, "x")
-    weight = arrays.as_device_array(weight, "weight")
-    xi, wi = arrays.info(x, "x"), arrays.info(weight, "weight")
-    arrays.check_dtype(xi, "x", arrays.FLOAT_DTYPES)
-    arrays.check_same("x", xi, "weight", wi)
-    if len(xi.shape) < 1 or xi.shape[-1] == 0:
-        raise ValueError(f"x must have a non-empty last dimension, got shape {xi.shape}")
-    if len(wi.shape) != 2:
-        raise ValueError(f"weight must be 2-D, got shape {wi.shape}")
-    if weight_layout not in ("in_out", "out_in"):
-        raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {weight_layout!r}")
-    K = xi.shape[-1]
-    N = wi.shape[1] if weight_layout == "in_out" else wi.shape[0]
-    if (wi.shape[0] if weight_layout == "in_out" else wi.shape[1]) != K:
-        raise ValueError(f"weight shape {wi.shape} ({weight_layout}) does not match x's last dimension {K}")
-    if activation not in (None, "gelu"):
-        raise ValueError(f"activation must be None or 'gelu', got {activation!r}")
-    if allow_tf32 and xi.dtype != "float32":
-        raise ValueError("allow_tf32 applies to float32 inputs only")
-    arrays.check_last_contiguous(xi, "x")
-    arrays.check_last_contiguous(wi, "weight")
-    M = math.prod(xi.shape[:-1])
-    out_shape = xi.shape[:-1] + (N,)
-    x2 = x.reshape(M, K)
-    dev = xi.device
-    if bias is not None:
-        bias = arrays.as_device_array(bias, "bias")
-        bi = arrays.info(bias, "bias")
-        arrays.check_same("x", xi, "bias", bi)
-        if bi.shape != (N,):
-            raise ValueError(f"bias must have shape ({N},), got {bi.shape}")
-        arrays.check_contiguous(bi, "bias")
-    if residual is not None:
-        residual = arrays.as_device_array(residual, "residual")
-        ri = arrays.info(residual, "residual")
-        arrays.check_same("x", xi, "residual", ri)
-        if ri.shape != out_shape:
-            raise ValueError(f"residual must have shape {out_shape}, got {ri.shape}")
-        arrays.check_contiguous(ri, "residual")
-        residual = residual.reshape(M, N)
-    if out is None:
-        out = arrays.empty(xi.kind, dev, out_shape, xi.dtype)
-    else:
-        out = arrays.check_out(out, "out", xi.kind, dev, out_shape, xi.dtype)
-    if M == 0:
-        return out
-    p = (xi.dtype, M, N, K, "kn" if weight_layout == "in_out" else "nk", int(bias is not None),
-         activation or "none", int(residual is not None), int(allow_tf32))
-    plan = LINEAR.plan((dev,) + p)
-    problem = dict(zip(FIELDS, p))
-    stream = arrays.stream_for(xi.kind, dev)
-    args = _kernel_args(x2, weight,
-                        bias if bias is not None else arrays.placeholder(dev, xi.dtype, 1),
-                        residual if residual is not None else arrays.placeholder(dev, xi.dtype, 2),
-                        out.reshape(M, N), *_scratch(dev, arrays.stream_handle(stream), problem, plan.config),
-                        problem, plan.config)
-    ct.launch(stream, _grid(problem, plan.config), plan.kernel, args)
-    return out
+    return LINEAR((x, weight, bias, residual, out), (activation, weight_layout, allow_tf32))
 
 
 def linear_reference(x, weight, bias=None, *, activation=None, residual=None,
@@ -266,3 +229,15 @@ def linear_reference(x, weight, bias=None, *, activation=None, residual=None,
     if residual is not None:
         y = y + np.asarray(residual, np.float64)
     return y
+
+
+if __name__ == "__main__":
+    from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
+    for M, N, K, dtype, layout, act in [(300, 200, 136, "bfloat16", "in_out", "gelu"), (1, 1600, 6400, "bfloat16",
+                                        "in_out", None), (5, 1031, 72, "float32", "out_in", None)]:
+        x, b, r = rand((M, K), dtype), rand((N,), dtype), rand((M, N), dtype)
+        w = rand((K, N) if layout == "in_out" else (N, K), dtype, 1 / math.sqrt(K))
+        y = linear(x, w, b, activation=act, residual=r, weight_layout=layout, out=poisoned((M, N), dtype))
+        ref = linear_reference(host(x), host(w), host(b), activation=act, residual=host(r), weight_layout=layout)
+        err = assert_close(host(y), ref, TOL[dtype], f"linear {M}x{N}x{K} {dtype}")
+        print(f"linear M{M} N{N} K{K} {dtype} {layout} {act}: ok, relative error {err:.2e}")

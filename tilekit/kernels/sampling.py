@@ -5,11 +5,11 @@ from __future__ import annotations
 import cuda.tile as ct
 import numpy as np
 
-from tilekit.autotune.compile import ArraySpec
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
-from tilekit.autotune.op import BenchCase, TunableOp
+from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels import arrays
 
 
 @ct.kernel
@@ -47,7 +47,6 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, CH=(256, 512, 1024, 2048), occupancy=(1, 2, 4))
-FIELDS = ("dtype", "B", "V", "L")
 
 
 def default_config(p: dict) -> dict:
@@ -58,40 +57,65 @@ def _chunks(p: dict, c: dict) -> int:
     return ct.cdiv(p["V"], c["CH"])
 
 
-def _split_args(logits, best_val, best_idx, c: dict) -> tuple:
-    return (logits, best_val, best_idx, c["CH"])
+def _arrays(p: dict) -> dict:
+    B, i32 = p["B"], ArraySpec("int32", (p["B"],), role="out")
+    return {"logits": ArraySpec(p["dtype"], (B, p["V"])), "tokens": i32, "positions": i32, "finished": i32,
+            "history": ArraySpec("int32", (B, p["L"]), role="out")}
 
 
-def _finish_args(best_val, best_idx, tokens, positions, history, finished, eos: int, p: dict, c: dict) -> tuple:
-    return (best_val, best_idx, tokens, positions, history, finished, int(eos), pow2_ceil(_chunks(p, c)))
-
-
-def _signature(p: dict, c: dict):
-    i32 = ArraySpec("int32", (p["B"],))
-    part = (p["B"], _chunks(p, c))
-    val, idx = ArraySpec("float32", part), ArraySpec("int32", part)
-    return [(argmax_chunk_kernel, _split_args(ArraySpec(p["dtype"], (p["B"], p["V"])), val, idx, c)),
-            (greedy_finish_kernel, _finish_args(val, idx, i32, i32, ArraySpec("int32", (p["B"], p["L"])), i32,
-                                                0, p, c))]
-
-
-def _partials(device: int, stream: int, p: dict, c: dict) -> tuple:
-    """(BestVal, BestIdx) scratch per device, stream and shape."""
+def _scratch(p: dict, c: dict) -> dict:
+    """Each chunk's maximum and its first index, reduced by the finishing kernel."""
     shape = (p["B"], _chunks(p, c))
-    return arrays.scratch("greedy.partials", device, stream, ((shape, "float32"), (shape, "int32")))
+    return {"best_val": ArraySpec("float32", shape, role="scratch"),
+            "best_idx": ArraySpec("int32", shape, role="scratch")}
 
 
-def _bench(p: dict) -> BenchCase:
-    import cupy
-    dev = cupy.cuda.runtime.getDevice()
-    logits = arrays.random_array((p["B"], p["V"]), p["dtype"], dev, cupy.random.default_rng())
-    return BenchCase(grid=lambda c: (p["B"], _chunks(p, c), 1),
-                     args=lambda c: _split_args(logits, *_partials(dev, 0, p, c), c))
+def _chunk_grid(p: dict, c: dict) -> tuple:
+    return (p["B"], _chunks(p, c), 1)
 
 
-GREEDY = TunableOp("greedy", kernel=argmax_chunk_kernel, fields=FIELDS, space=SPACE, default=default_config,
-                   buckets={"B": pow2_bucket}, bench=_bench, signature=_signature,
-                   source_of=(greedy_finish_kernel,))
+def _chunk_constants(p: dict, c: dict) -> tuple:
+    return (c["CH"],)
+
+
+def _finish_grid(p: dict, c: dict) -> tuple:
+    return (p["B"], 1, 1)
+
+
+def _finish_constants(p: dict, c: dict) -> tuple:
+    return (pow2_ceil(_chunks(p, c)),)
+
+
+def _bind(a: list, flags: tuple) -> Binding:
+    logits, *state = a
+    arrays.check_dtype(logits, "logits", arrays.FLOAT_DTYPES)
+    if len(logits.shape) != 2:
+        raise ValueError(f"logits must be 2-D (batch, vocab), got shape {logits.shape}")
+    arrays.check_last_contiguous(logits, "logits")
+    B = logits.shape[0]
+    for name, s in zip(("tokens", "positions", "history", "finished"), state):
+        arrays.check_dtype(s, name, ("int32",))
+        expected = None if name == "history" else (B,)
+        if (expected and s.shape != expected) or (not expected and (len(s.shape) != 2 or s.shape[0] != B)):
+            raise ValueError(f"{name} has shape {s.shape}, expected {expected or (B, 'L')}")
+        if s.device != logits.device:
+            raise ValueError(f"{name} is on GPU {s.device}, logits on GPU {logits.device}")
+        arrays.check_contiguous(s, name)
+    return Binding(problem=dict(dtype=logits.dtype, B=B, V=logits.shape[1], L=state[2].shape[1]),
+                   arrays={n: (i, None) for i, n in enumerate(("logits", "tokens", "positions", "history",
+                                                                "finished"))},
+                   scalars={"eos": (0, -1)})
+
+
+GREEDY = Op(
+    "greedy", args=("logits", "tokens", "positions", "history", "finished"),
+    key=dict(dtype=None, B=pow2_bucket, V=None), extras=dict(L=lambda p: 1025),
+    space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch, scalars=lambda p: {"eos": -1},
+    launches=(Launch(argmax_chunk_kernel, _chunk_grid, ("logits", "best_val", "best_idx"), _chunk_constants),
+              Launch(greedy_finish_kernel, _finish_grid,
+                     ("best_val", "best_idx", "tokens", "positions", "history", "finished", "eos"),
+                     _finish_constants, hinted=False)),
+    bind=_bind)
 
 
 def greedy_step(logits, tokens, positions, history, finished, eos_id: int = -1) -> None:
@@ -101,34 +125,24 @@ def greedy_step(logits, tokens, positions, history, finished, eos_id: int = -1) 
     token lands at history[b, positions[b] + 1], then positions[b] += 1. Rows already finished emit
     eos_id; a row becomes finished when it emits eos_id (-1: never).
     """
-    arrs = [arrays.as_device_array(a, n) for a, n in ((logits, "logits"), (tokens, "tokens"),
-            (positions, "positions"), (history, "history"), (finished, "finished"))]
-    li = arrays.info(arrs[0], "logits")
-    arrays.check_dtype(li, "logits", arrays.FLOAT_DTYPES)
-    if len(li.shape) != 2:
-        raise ValueError(f"logits must be 2-D (batch, vocab), got shape {li.shape}")
-    arrays.check_last_contiguous(li, "logits")
-    B = li.shape[0]
-    for name, a, shape in (("tokens", arrs[1], (B,)), ("positions", arrs[2], (B,)),
-                           ("history", arrs[3], None), ("finished", arrs[4], (B,))):
-        ai = arrays.info(a, name)
-        arrays.check_dtype(ai, name, ("int32",))
-        if (shape and ai.shape != shape) or (not shape and (len(ai.shape) != 2 or ai.shape[0] != B)):
-            raise ValueError(f"{name} has shape {ai.shape}, expected {shape or (B, 'L')}")
-        if ai.device != li.device:
-            raise ValueError(f"{name} is on GPU {ai.device}, logits on GPU {li.device}")
-        arrays.check_contiguous(ai, name)
-    p = (li.dtype, B, li.shape[1], arrays.info(arrs[3], "history").shape[1])
-    plan = GREEDY.plan((li.device,) + p)
-    problem = dict(zip(FIELDS, p))
-    stream = arrays.stream_for(li.kind, li.device)
-    best_val, best_idx = _partials(li.device, arrays.stream_handle(stream), problem, plan.config)
-    ct.launch(stream, (B, _chunks(problem, plan.config), 1), plan.kernel,
-              _split_args(arrs[0], best_val, best_idx, plan.config))
-    ct.launch(stream, (B, 1, 1), greedy_finish_kernel,
-              _finish_args(best_val, best_idx, *arrs[1:], eos_id, problem, plan.config))
+    if not isinstance(eos_id, (int, np.integer)) or isinstance(eos_id, bool):
+        raise TypeError(f"eos_id must be an int, got {type(eos_id).__name__}")
+    GREEDY((logits, tokens, positions, history, finished), (), (int(eos_id),))
 
 
 def greedy_reference(logits) -> np.ndarray:
     """First index of the maximum of each row."""
     return np.argmax(np.asarray(logits, np.float64), axis=-1).astype(np.int32)
+
+
+if __name__ == "__main__":
+    import cupy
+
+    from tilekit.kernels.checks import host, rand
+    for B, V in [(1, 50257), (9, 1031)]:
+        logits = rand((B, V), "float32")
+        tokens, positions = cupy.zeros(B, cupy.int32), cupy.zeros(B, cupy.int32)
+        history, finished = cupy.zeros((B, 8), cupy.int32), cupy.zeros(B, cupy.int32)
+        greedy_step(logits, tokens, positions, history, finished)
+        assert host(tokens).tolist() == greedy_reference(host(logits)).tolist(), "greedy tokens differ"
+        print(f"greedy B{B} V{V}: ok, exact")

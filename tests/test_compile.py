@@ -48,3 +48,27 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
     ok, errors = precompile(tasks, arch, workers=2)
     assert not errors, "\n".join(f"{tasks[i][0].name} {tasks[i][2]}: {e}" for i, e in errors.items())
     assert len(ok) == len(tasks)
+
+
+def test_workers_do_not_rerun_an_unguarded_script(tmp_path):
+    """A user's script without a __main__ guard that compiles in worker processes (as auto mode
+    does): the workers import tilekit, not the script."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        'print("top level ran", flush=True)\n'
+        "from tilekit.kernels.gelu import GELU, default_config\n"
+        "from tilekit.autotune.compile import precompile\n"
+        'p = dict(dtype="float32", n=1000, exact=0)\n'
+        'ok, errors = precompile([(GELU, p, default_config(p))] * 2, "sm_90", workers=2)\n'
+        'print("compiled", len(ok), errors)\n')
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "CUDA_TILE_CACHE_DIR": str(tmp_path / "cutile"),
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("top level ran") == 1, done.stdout
+    assert "compiled 2 {}" in done.stdout, done.stdout

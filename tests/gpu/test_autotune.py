@@ -13,6 +13,9 @@ cupy = pytest.importorskip("cupy")
 from tilekit.autotune import store  # noqa: E402
 from tilekit.autotune.tuner import tune  # noqa: E402
 from tilekit.device import device_info  # noqa: E402
+from tilekit.kernels import layer_norm  # noqa: E402
+from tilekit.kernels.checks import TOL, assert_close, host, rand  # noqa: E402
+from tilekit.kernels.layernorm import LAYER_NORM, layer_norm_reference  # noqa: E402
 from tilekit.kernels.linear import LINEAR  # noqa: E402
 
 SMALL = dict(dtype="bfloat16", M=512, N=256, K=256, wt="kn", bias=1, act="none", res=0, tf32=0)
@@ -64,6 +67,7 @@ def test_precompiled_configs_are_cache_hits_for_the_jit(tmp_path):
         import cupy
         import cuda.tile as ct
         from cutile_cache._cache import cache_entries
+        import tilekit.kernels
         from tilekit.autotune.compile import precompile
         from tilekit.autotune.op import registered_ops
         from tilekit.device import device_info
@@ -74,17 +78,62 @@ def test_precompiled_configs_are_cache_hits_for_the_jit(tmp_path):
         cases = [(OPS[n].name, p) for n, p in SPACE_CASES.items()] + [
             ("embedding", dict(dtype="bfloat16", ids="int32", M=100, C=768, V=1031, P=64)),
             ("kv_write", dict(dtype="bfloat16", B=2, H=3, T=5, capacity=64, D=64))]
-        tasks = [(n, ops[n].problem_key(p)[0], ops[n].default(ops[n].problem_key(p)[0])) for n, p in cases]
+        tasks = []
+        for n, p in cases:
+            op = ops[n]
+            problem = op.complete({**p, **op.problem_key(p)[0]})
+            tasks.append((op, problem, op.default(problem)))
         ok, errors = precompile(tasks, device_info().arch, workers=4)
         assert not errors, errors
         before = sum(1 for _ in cache_entries(cache))
         stream = cupy.cuda.get_current_stream()
-        for name, problem, config in tasks:
-            case = ops[name].bench(problem)
-            ct.launch(stream, case.grid(config), ops[name].make_plan(config).kernel, case.args(config))
+        for op, problem, config in tasks:
+            case = op.bench_case(problem)
+            ct.launch(stream, case.grid(config), op.hinted(config), case.args(config))
         stream.synchronize()
         after = sum(1 for _ in cache_entries(cache))
         print(before, after, len(tasks))
     """, {"CUDA_TILE_CACHE_DIR": str(tmp_path / "cutile-cache")})
     before, after, n = map(int, out.split()[-3:])
     assert before >= n and after == before, f"JIT compiled {after - before} of {n} kernels again"
+
+
+UNGUARDED = """
+import os, sys
+print("top level ran", flush=True)        # a spawned worker that re-ran this script would print it again
+import numpy as np
+from tilekit.kernels import layer_norm
+from tilekit.kernels.checks import rand, host
+from tilekit.kernels.layernorm import layer_norm_reference
+x, w, b = rand((3000, 768), "bfloat16"), rand((768,), "bfloat16"), rand((768,), "bfloat16")
+y = layer_norm(x, w, b)
+err = np.linalg.norm(host(y) - layer_norm_reference(host(x), host(w), host(b))) / np.linalg.norm(host(y))
+print("relative error", err)
+"""
+
+
+def test_auto_mode_from_an_unguarded_user_script(isolated_cache, tmp_path):
+    """A plain script (no __main__ guard) calling a public op in auto mode: tuned once, the right
+    answer, the script not re-run by the compile workers, no deadlock."""
+    script = tmp_path / "user_script.py"
+    script.write_text(UNGUARDED)
+    env = {**os.environ, "TILEKIT_AUTOTUNE": "auto", "TILEKIT_CACHE_DIR": str(isolated_cache),
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("top level ran") == 1, done.stdout
+    err = float(done.stdout.split("relative error")[-1])
+    assert err < TOL["bfloat16"]
+    store.reset()
+    entries = store.user_db().file_for(device_info()).read()
+    assert any(k.startswith("layer_norm/M=4096,N=768") for k in entries), list(entries)
+
+
+def test_auto_mode_through_public_ops_in_process(isolated_cache, monkeypatch):
+    monkeypatch.setenv("TILEKIT_AUTOTUNE", "auto")
+    store.reset()
+    x, w, b = rand((777, 333), "float32"), rand((333,), "float32"), rand((333,), "float32")
+    y = layer_norm(x, w, b)
+    assert_close(host(y), layer_norm_reference(host(x), host(w), host(b)), TOL["float32"], "auto layer_norm")
+    r = LAYER_NORM.resolve(dict(dtype="float32", M=777, N=333, gather=0), device_info())
+    assert r.source == "user" and r.match.bucket_rule == "exact"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tests.gpu.conftest import TOL, host, poisoned, rand, rel_err, rounded
+from tests.gpu.conftest import TOL, assert_close, host, poisoned, rand, rounded
 
 cupy = pytest.importorskip("cupy")
 
@@ -41,7 +41,7 @@ def check_linear(M, N, K, dtype, layout="in_out", bias=True, act=None, res=False
     ref = linear_reference(host(x), host(w), None if b is None else host(b), activation=act,
                            residual=None if r is None else host(r), weight_layout=layout)
     tol = TOL["tf32"] if tf32 else TOL[dtype]
-    assert rel_err(host(y), ref) < tol, (M, N, K, dtype, layout, bias, act, res)
+    assert_close(host(y), ref, tol, f"linear {(M, N, K, dtype, layout, bias, act, res)}")
 
 
 @GPU
@@ -68,7 +68,9 @@ def test_linear_torch_in_torch_out():
     y = linear(x, w)
     assert isinstance(y, torch.Tensor) and y.shape == (2, 5, 96) and y.dtype == torch.bfloat16
     ref = x.double() @ w.double()
-    assert rel_err(y.double().cpu().numpy(), ref.cpu().numpy()) < TOL["bfloat16"]
+    assert_close(y.double().cpu().numpy(), ref.cpu().numpy(), TOL["bfloat16"], "torch linear")
+    again = linear(x[0], w)                       # another signature of the same call: a new plan
+    assert_close(again.double().cpu().numpy(), ref[0].cpu().numpy(), TOL["bfloat16"], "torch linear 2-D")
 
 
 # -- every sampled config of every space is correct -------------------------------------------
@@ -88,7 +90,7 @@ OPS = {"linear": LINEAR, "linear_split_k": LINEAR, "layer_norm": LAYER_NORM, "ge
 
 def sampled_configs(name, k=5):
     op, p = OPS[name], SPACE_CASES[name]
-    candidates = op.space.candidates(op.problem_key(p)[0])
+    candidates = op.space.candidates(op.complete({**p, **op.problem_key(p)[0]}))
     picks = random.Random(0).sample(candidates, min(k, len(candidates)))
     return [op.default(p)] + [c for c in picks if c != op.default(p)]
 
@@ -96,7 +98,7 @@ def sampled_configs(name, k=5):
 @pytest.fixture(scope="module")
 def precompiled_space_samples():
     """Fill cuTile's disk cache for the sampled configs in parallel before measuring them."""
-    tasks = [(OPS[name].name, OPS[name].problem_key(p)[0], c)
+    tasks = [(OPS[name], OPS[name].complete({**p, **OPS[name].problem_key(p)[0]}), c)
              for name, p in SPACE_CASES.items() for c in sampled_configs(name)]
     precompile(tasks, device_info().arch)
 
@@ -132,7 +134,7 @@ def check_layer_norm(shape, dtype, eps=1e-5):
     b = rand(shape[-1:], dtype)
     out = poisoned(shape, dtype)
     layer_norm(x, w, b, eps, out=out)
-    assert rel_err(host(out), layer_norm_reference(host(x), host(w), host(b), eps)) < TOL[dtype], shape
+    assert_close(host(out), layer_norm_reference(host(x), host(w), host(b), eps), TOL[dtype], f"layer_norm {shape}")
 
 
 @GPU
@@ -146,7 +148,7 @@ def check_gelu(shape, dtype, approximate):
     out = poisoned(shape, dtype)
     gelu(x, approximate=approximate, out=out)
     ref = rounded(gelu_reference(host(x), approximate), dtype)   # GELU's tail underflows fp16 (gelu(-6.45) ~ 1e-12)
-    assert rel_err(host(out), ref) < TOL[dtype]
+    assert_close(host(out), ref, TOL[dtype], f"gelu {shape} {dtype} {approximate}")
 
 
 @GPU
@@ -167,7 +169,7 @@ def check_attention(B, H, Tq, Tk, D, dtype, causal):
     out = poisoned((B, Tq, H, D), dtype).transpose(0, 2, 1, 3)
     attention(q, k, v, causal=causal, out=out)
     ref = attention_reference(host(q), host(k), host(v), causal=causal)
-    assert rel_err(host(out), ref) < TOL[dtype], (B, H, Tq, Tk, D, dtype, causal)
+    assert_close(host(out), ref, TOL[dtype], f"attention {(B, H, Tq, Tk, D, dtype, causal)}")
 
 
 @GPU
@@ -193,7 +195,8 @@ def check_decode(B, H, nq, capacity, D, dtype, rng=np.random.default_rng(0)):
     out = poisoned((B, H, nq, D), dtype)
     decode_attention(q, kc, vc, cupy.asarray(lengths_h), out=out)
     ref = decode_attention_reference(host(q), host(kc), host(vc), lengths_h)
-    assert rel_err(host(out), ref) < TOL[dtype], (B, H, nq, capacity, D, dtype)
+    assert_close(host(out), ref, TOL[dtype], f"decode_attention {(B, H, nq, capacity, D, dtype)}")
+    return q, kc, vc, lengths_h, out
 
 
 @GPU
@@ -209,7 +212,7 @@ def test_decode_attention_length_offset():
     cached = np.array([9, 30], np.int32)
     out = decode_attention(q, kc, vc, cupy.asarray(cached), length_offset=1)
     ref = decode_attention_reference(host(q), host(kc), host(vc), cached + 1)
-    assert rel_err(host(out), ref) < TOL["bfloat16"]
+    assert_close(host(out), ref, TOL["bfloat16"], "decode_attention length_offset")
 
 
 def test_write_kv():
@@ -231,10 +234,11 @@ def test_embedding(dtype):
     pos = cupy.random.randint(0, P, (3, 17)).astype(cupy.int32)
     out = poisoned((3, 17, C), dtype)
     embedding(ids, wte, wpe, pos, out=out)
-    assert rel_err(host(out), embedding_reference(host(ids), host(wte), host(wpe), host(pos))) < TOL[dtype]
+    assert_close(host(out), embedding_reference(host(ids), host(wte), host(wpe), host(pos)), TOL[dtype], "embedding")
     default_pos = embedding(ids, wte, wpe)
-    assert rel_err(host(default_pos), embedding_reference(host(ids), host(wte), host(wpe),
-                                                           np.broadcast_to(np.arange(17), (3, 17)))) < TOL[dtype]
+    assert_close(host(default_pos), embedding_reference(host(ids), host(wte), host(wpe),
+                                                        np.broadcast_to(np.arange(17), (3, 17))), TOL[dtype],
+                 "embedding, default positions")
 
 
 def check_greedy(B, V, L, dtype):
@@ -304,7 +308,7 @@ def test_layer_norm_selected_rows():
     out = poisoned((4, 768), "bfloat16")
     layer_norm(x, w, b, rows=cupy.asarray(rows), out=out)
     ref = layer_norm_reference(host(x).reshape(45, 768)[rows], host(w), host(b))
-    assert rel_err(host(out), ref) < TOL["bfloat16"]
+    assert_close(host(out), ref, TOL["bfloat16"], "layer_norm rows")
 
 
 def test_split_k_scratch_is_left_clean_for_the_next_call():
@@ -313,3 +317,47 @@ def test_split_k_scratch_is_left_clean_for_the_next_call():
     with LINEAR.pinned(config):
         for _ in range(3):
             check_linear(3, 777, 1024, "bfloat16", act="gelu", res=True)
+
+
+# -- the launch path ---------------------------------------------------------------------------
+
+def test_empty_problems_launch_nothing_and_return_empty_results():
+    x = rand((4, 64), "bfloat16")
+    assert linear(x, rand((64, 0), "bfloat16")).shape == (4, 0)
+    assert linear(rand((0, 64), "bfloat16"), rand((64, 8), "bfloat16")).shape == (0, 8)
+    ids = cupy.zeros((2, 3), cupy.int32)
+    assert embedding(ids, rand((10, 0), "bfloat16"), rand((8, 0), "bfloat16")).shape == (2, 3, 0)
+    assert layer_norm(rand((0, 64), "bfloat16"), rand((64,), "bfloat16"), rand((64,), "bfloat16")).shape == (0, 64)
+    q = rand((0, 2, 5, 64), "bfloat16")
+    assert attention(q, q, q).shape == (0, 2, 5, 64)
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def test_threads_sharing_a_stream_handle_never_share_scratch():
+    """Eager split-KV decode attention from several threads on the legacy default stream (one handle):
+    each thread's partial sums are its own, so every result is right."""
+    import threading
+    errors = []
+
+    def work(seed):
+        try:
+            with cupy.cuda.Stream.null:
+                for _ in range(5):
+                    check_decode(2, 4, 1, 1024, 64, "bfloat16", np.random.default_rng(seed))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_a_plan_hit_launches_with_the_new_arrays():
+    """The second call of a signature reuses its plan: same shapes, new data and output, right answers."""
+    for _ in range(3):
+        check_linear(37, 200, 136, "bfloat16", act="gelu", res=True)
+        check_layer_norm((37, 768), "bfloat16")
+        check_attention(2, 3, 64, 64, 64, "bfloat16", True)

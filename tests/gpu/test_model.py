@@ -188,3 +188,24 @@ def test_bad_input_is_refused(small_fp32):
     bad["h.0.mlp.c_fc.weight"] = bad["h.0.mlp.c_fc.weight"][:, :10]
     with pytest.raises(ValueError, match="h.0.mlp.c_fc.weight"):
         GPT(small_fp32.config, state=bad)
+
+
+def test_the_tuning_workload_is_what_forward_and_generate_request(small_fp32):
+    """Every kernel problem that forward() and generate() launch (recorded from real calls) is one
+    `tilekit tune --model` tunes, and nothing else: the workload is the same step code, dry-run."""
+    from tilekit.autotune.op import recording
+    from tilekit.models.workload import model_problems
+
+    def problems(calls):
+        return {(op.name, tuple(sorted(p.items()))) for op, p in calls}
+
+    model, rng = small_fp32, np.random.default_rng(21)
+    model.forget_graphs()
+    ids = rng.integers(0, model.config.vocab_size, (2, 40))
+    with recording() as real:
+        model(ids)
+        model.generate(ids, 30, temperature=0)
+        model.generate(ids, 30, temperature=0)          # replays: nothing new
+    assert problems(real) == problems(model.kernel_problems(2, 40) + model.kernel_problems(2, 40, 30))
+    tuned = {(op.name, op.problem_key(p)[1]) for op, p in model_problems(model.config, "float32", (2,), (40,), 30)}
+    assert {(op.name, op.problem_key(p)[1]) for op, p in real} == tuned

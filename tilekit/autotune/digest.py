@@ -64,7 +64,7 @@ def _visit(obj, parts: list[str], seen: set[int]) -> None:
                 and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
-    parts.append(f"{func.__module__}.{func.__qualname__}:{ast.dump(tree)}")
+    parts.append(f"{func.__qualname__}:{ast.dump(tree)}")
     names = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)})
     for name in names:
         if name not in func.__globals__:

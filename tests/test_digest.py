@@ -1,0 +1,65 @@
+"""Kernel and launch digests: comments and docstrings do not count, code does, and they never raise."""
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+
+from tilekit.autotune.digest import UNAVAILABLE, code_digest
+
+BASE = '''
+SCALE = 2.0
+
+
+def helper(x):
+    """Doubles."""
+    return x * SCALE
+
+
+helper._cutile_tile_function = True     # what @ct.function marks a tile helper with
+
+
+def kernel(x):
+    """A kernel."""
+    return helper(x) + 1  # a comment
+'''
+
+
+def load(tmp_path, name, source):
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
+@pytest.mark.parametrize("edit, same", [
+    (lambda s: s.replace("# a comment", "# another comment"), True),
+    (lambda s: s.replace('"""A kernel."""', '"""A kernel, better described."""'), True),
+    (lambda s: s.replace('"""Doubles."""\n', ''), True),
+    (lambda s: s.replace("return helper(x) + 1", "return helper(x) + 2"), False),
+    (lambda s: s.replace("return x * SCALE", "return x * SCALE * 1"), False),     # a helper it calls
+    (lambda s: s.replace("SCALE = 2.0", "SCALE = 3.0"), False),                   # a constant it reads
+])
+def test_what_changes_the_digest(tmp_path, edit, same, request):
+    name = request.node.name.replace("[", "_").replace("]", "").replace("-", "_")
+    base = load(tmp_path, f"{name}_base", BASE)
+    other = load(tmp_path, f"{name}_other", edit(BASE))
+    assert (code_digest(base.kernel) == code_digest(other.kernel)) is same
+
+
+def test_no_source_is_a_marker_not_an_exception():
+    namespace = {}
+    exec("def kernel(x):\n    return x\n", namespace)   # no file to read the source from
+    digest = code_digest(namespace["kernel"])
+    assert digest.startswith(UNAVAILABLE)
+
+
+def test_real_ops_have_stable_digests():
+    import tilekit.kernels  # noqa: F401
+    from tilekit.autotune.op import registered_ops
+    for op in registered_ops().values():
+        assert len(op.kernel_hash()) == 16 and not op.kernel_hash().startswith(UNAVAILABLE), op.name
+        assert op.kernel_hash() == op.kernel_hash()

@@ -311,12 +311,15 @@ def test_layer_norm_selected_rows():
     assert_close(host(out), ref, TOL["bfloat16"], "layer_norm rows")
 
 
-def test_split_k_scratch_is_left_clean_for_the_next_call():
-    """The last-arriving program zeroes the split-K partial sums: repeated calls stay exact."""
-    config = dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=4, occupancy=1, num_ctas=1)
+@pytest.mark.parametrize("split_k", [2, 4, 8])
+def test_split_k_partials_are_summed_by_the_last_arrival(split_k):
+    """Split-K programs publish partial sums through an arrival counter the last one resets: repeated
+    calls on fresh data stay right in every row (a lost ordering would show as a wrong tile)."""
+    config = dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=split_k, occupancy=1, num_ctas=1)
     with LINEAR.pinned(config):
-        for _ in range(3):
-            check_linear(3, 777, 1024, "bfloat16", act="gelu", res=True)
+        for M, K in [(1, 6400), (8, 1600), (3, 1024), (1, 1600), (8, 6400)]:
+            check_linear(M, 777, K, "bfloat16", act="gelu", res=True)
+            check_linear(M, 1600, K, "float32")
 
 
 # -- the launch path ---------------------------------------------------------------------------

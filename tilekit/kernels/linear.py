@@ -31,8 +31,8 @@ def linear_kernel(X, W, Bias, Res, Y, Partial, Counter,
     """Y[M, N] = act(X[M, K] @ W + Bias) + Res; W is [K, N], or [N, K] when W_NK.
 
     With SPLIT_K > 1 (few rows, as in decoding) SPLIT_K programs share each output tile, each
-    summing a slice of K into the fp32 Partial[M, N] with atomics; the last to arrive, counted in
-    Counter[tile], takes the sum (leaving zeros for the next call) and runs the epilogue.
+    summing a slice of K into its own fp32 Partial[split]; the last to arrive, counted in
+    Counter[tile] (left at zero for the next call), adds the partial sums and runs the epilogue.
     """
     M = X.shape[0]
     K = X.shape[1]
@@ -66,12 +66,14 @@ def linear_kernel(X, W, Bias, Res, Y, Partial, Counter,
     rows = (ct.arange(TM, dtype=ct.int32) + pid_m * TM).reshape((TM, 1))
     cols = (ct.arange(TN, dtype=ct.int32) + pid_n * TN).reshape((1, TN))
     if SPLIT_K > 1:
-        ct.atomic_add(Partial, (rows, cols), acc, memory_order=ct.MemoryOrder.RELAXED)
-        arrived = ct.atomic_add(Counter, tile, 1)       # acq_rel: orders our partial sums before it
+        ct.store(Partial, (split, pid_m, pid_n), acc.reshape((1, TM, TN)))
+        arrived = ct.atomic_add(Counter, tile, 1)       # acq_rel: our partial before it, theirs after
         last = arrived == SPLIT_K - 1
         rows = ct.where(last, rows, M)                   # other programs address no row at all
-        acc = ct.atomic_xchg(Partial, (rows, cols), 0.0)
-        ct.atomic_xchg(Counter, ct.where(last, tile, tiles_m * tiles_n), 0)
+        acc = ct.zeros((TM, TN), dtype=ct.float32)
+        for s in range(SPLIT_K):
+            acc = acc + ct.gather(Partial, (s, rows, cols))
+        ct.atomic_xchg(Counter, ct.where(last, tile, tiles_m * tiles_n), 0, memory_order=ct.MemoryOrder.RELAXED)
 
     if HAS_BIAS:
         acc = acc + ct.load(Bias, (pid_n,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
@@ -107,7 +109,7 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128, 256), TN=(16, 32, 64, 128, 256), TK=(32, 64, 128, 256, 512),
-                    GROUP_M=(8,), SPLIT_K=(1, 2, 4), occupancy=(1, 2), num_ctas=(1, 2))
+                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8), occupancy=(1, 2), num_ctas=(1, 2))
 
 
 def default_config(p: dict) -> dict:
@@ -131,10 +133,10 @@ def _tiles(p: dict, c: dict) -> int:
 
 
 def _scratch(p: dict, c: dict) -> dict:
-    """Split-K partial sums and arrival counters, zeroed once and left zeroed by every launch."""
+    """Split-K partial sums, and arrival counters zeroed once and left zeroed by every launch."""
     if c["SPLIT_K"] == 1:
-        return {"partial": absent("float32", 2), "counter": absent("int32", 1)}
-    return {"partial": ArraySpec("float32", (p["M"], p["N"]), role="zeros"),
+        return {"partial": absent("float32", 3), "counter": absent("int32", 1)}
+    return {"partial": ArraySpec("float32", (c["SPLIT_K"], p["M"], p["N"]), role="scratch"),
             "counter": ArraySpec("int32", (_tiles(p, c),), role="zeros")}
 
 

@@ -1,0 +1,158 @@
+"""Where a decode step's time goes: every kernel of one graph-replayed greedy decode step, with its
+GPU time (CUPTI, through torch.profiler), the bytes it must move and its share of the measured copy
+bandwidth.
+
+    python -m benchmarks.breakdown --model gpt2-xl --batch 1 [--out DIR]
+
+The kernels come from the profiler in launch order; the problem each one ran comes from recording
+the same step's op calls (tilekit.autotune.op.recording), so every row names its op and shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+PROMPT, NEW_TOKENS = 128, 128
+
+
+def min_bytes(op_name: str, p: dict, context: int) -> float:
+    """The fewest DRAM bytes one call must move: each input read once, each output written once."""
+    item = {"float32": 4}.get(p["dtype"], 2)
+    if op_name == "linear":
+        return item * (p["M"] * p["K"] + p["K"] * p["N"] + p["bias"] * p["N"] + (1 + p["res"]) * p["M"] * p["N"])
+    if op_name == "layer_norm":
+        return item * (2 * p["M"] * p["N"] + 2 * p["N"])
+    if op_name == "embedding":
+        return item * 3 * p["M"] * p["C"]
+    if op_name == "kv_write":
+        return item * 4 * p["B"] * p["H"] * p["T"] * p["D"]
+    if op_name == "decode_attention":           # the keys and values of the context, once
+        return item * 2 * p["B"] * p["H"] * context * p["D"]
+    if op_name == "greedy":
+        return item * p["B"] * p["V"]
+    return float("nan")
+
+
+def kernel_rows(calls: list, kernels: list, context: int, bandwidth_gbs: float) -> list[dict]:
+    """One row per kernel: calls (op, problem) expand to their launches, zipped with the profiled
+    kernels (name, microseconds) in launch order; an op's bytes go to its first (tuned) kernel."""
+    expected = [(op, p, i) for op, p in calls for i, _ in enumerate(op.launches)]
+    if len(expected) != len(kernels):
+        raise RuntimeError(f"{len(kernels)} kernels profiled, {len(expected)} launches recorded")
+    rows = []
+    for (op, p, i), (name, us) in zip(expected, kernels):
+        launch = op.launches[i]
+        if launch.kernel._pyfunc.__name__ not in name:
+            raise RuntimeError(f"kernel {name!r} profiled where {launch.kernel._pyfunc.__name__} was launched")
+        nbytes = min_bytes(op.name, p, context) if launch.hinted else 0.0
+        rows.append({"op": op.name, "kernel": launch.kernel._pyfunc.__name__, "key": op.problem_key(p)[1],
+                     "us": us, "bytes": nbytes,
+                     "pct_bandwidth": 100.0 * nbytes / (us * 1e-6) / (bandwidth_gbs * 1e9) if nbytes else None})
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per op: kernels, total and mean microseconds, share of the step, bytes, % of bandwidth."""
+    total = sum(r["us"] for r in rows)
+    groups = defaultdict(list)
+    for r in rows:
+        groups[r["op"]].append(r)
+    out = []
+    for op, rs in sorted(groups.items(), key=lambda kv: -sum(r["us"] for r in kv[1])):
+        us, nbytes = sum(r["us"] for r in rs), sum(r["bytes"] for r in rs)
+        out.append({"op": op, "kernels": len(rs), "us": us, "mean_us": us / len(rs),
+                    "share": us / total, "bytes": nbytes})
+    return out
+
+
+def format_table(summary: list[dict], bandwidth_gbs: float, step_ms: float) -> str:
+    lines = [f"{'op':<18}{'kernels':>8}{'total us':>10}{'mean us':>9}{'share':>7}{'MB':>8}{'% of BW':>9}"]
+    for s in summary:
+        pct = 100.0 * s["bytes"] / (s["us"] * 1e-6) / (bandwidth_gbs * 1e9) if s["bytes"] else 0.0
+        lines.append(f"{s['op']:<18}{s['kernels']:>8}{s['us']:>10.1f}{s['mean_us']:>9.2f}{100 * s['share']:>6.0f}%"
+                     f"{s['bytes'] / 1e6:>8.1f}{pct:>8.0f}%")
+    kernel_us = sum(s["us"] for s in summary)
+    lines.append(f"kernels {kernel_us / 1e3:.3f} ms of a {step_ms:.3f} ms step (replayed graph, wall); "
+                 f"copy bandwidth {bandwidth_gbs:.0f} GB/s")
+    return "\n".join(lines)
+
+
+def profile_step(gen, bandwidth_gbs: float, reps: int = 5) -> dict:
+    """Profile `reps` replays of gen's decode graph; return rows of the median replay."""
+    import cupy
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tilekit.autotune.op import recording
+    state, stream = gen.state, gen.stream
+    with stream, recording() as calls:           # the problems of one step, launched eagerly
+        state.step(gen.greedy, gen.eos)
+    context = int(state.positions.get().max()) + 1
+    stream.synchronize()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            gen.decode_graph.launch(stream)
+        stream.synchronize()
+    start.record(stream)
+    for _ in range(reps):
+        gen.decode_graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    step_ms = cupy.cuda.get_elapsed_time(start, end) / reps
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    per_step = len(events) // reps
+    replays = [[(e.name, e.time_range.end - e.time_range.start) for e in events[i * per_step:(i + 1) * per_step]]
+               for i in range(reps)]
+    median = sorted(replays, key=lambda r: sum(us for _, us in r))[reps // 2]
+    rows = kernel_rows(calls, median, context, bandwidth_gbs)
+    return {"step_ms": step_ms, "context": context, "kernels": rows, "summary": summarize(rows)}
+
+
+def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
+    """Greedy-generate PROMPT + NEW_TOKENS once (graphs captured), then profile the decode step."""
+    import numpy as np
+
+    from tilekit.models import GPT, GPTConfig
+    model = GPT(GPTConfig.preset(preset), dtype="bfloat16", seed=0)
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, PROMPT))
+    model.generate(prompt, NEW_TOKENS, temperature=0)
+    (gen,) = model._generations.values()
+    result = profile_step(gen, bandwidth_gbs)
+    result.update(preset=preset, batch=batch, bandwidth_gbs=bandwidth_gbs)
+    log(f"[breakdown {preset} B{batch}]\n" + format_table(result["summary"], bandwidth_gbs, result["step_ms"]))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append", help="GPT-2 preset (repeatable; default gpt2 and gpt2-xl)")
+    ap.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 8)")
+    ap.add_argument("--out", type=Path, help="write breakdown.json here")
+    args = ap.parse_args(argv)
+    import traceback
+
+    from benchmarks.timing import copy_bandwidth
+    bandwidth = copy_bandwidth()["gbs"]
+    results, failed = [], 0
+    for preset in args.model or ["gpt2", "gpt2-xl"]:
+        for batch in args.batch or [1, 8]:
+            try:
+                results.append(run(preset, batch, bandwidth))
+            except Exception:  # noqa: BLE001 - the other models still run
+                failed += 1
+                traceback.print_exc()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "breakdown.json").write_text(json.dumps(results, indent=1) + "\n")
+    return 1 if failed or not all(math.isfinite(r["step_ms"]) for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

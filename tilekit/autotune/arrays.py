@@ -308,17 +308,24 @@ def stream_handle(stream) -> int:
     return stream.cuda_stream if hasattr(stream, "cuda_stream") else stream.ptr
 
 
+_slots: dict[tuple, int] = {}
 _scratch: dict[tuple, tuple] = {}
 
 
-def scratch(owner: str, device: int, stream: int, specs: tuple[ArraySpec, ...]) -> tuple:
-    """Reusable CuPy work arrays, one set per (owner, device, stream, calling thread, specs), so that
-    neither streams nor threads sharing a stream handle ever share them. `zeros` specs are zeroed once
-    at creation (the kernels that use them leave them zeroed)."""
-    key = (owner, device, stream, threading.get_ident(), specs)
+def scratch_slot(owner: str, device: int, specs: tuple[ArraySpec, ...]) -> int:
+    """A small int naming one set of work arrays (owner, device, specs), so the hot path hashes ints."""
+    return _slots.setdefault((owner, device, specs), len(_slots))
+
+
+def scratch(slot: int, stream: int) -> tuple:
+    """The CuPy work arrays of `slot` for `stream` and the calling thread: neither streams nor threads
+    sharing a stream handle ever share them. `zeros` specs are zeroed once at creation (the kernels
+    that use them leave them zeroed)."""
+    key = (slot, stream, threading.get_ident())
     found = _scratch.get(key)
     if found is None:
         import cupy
+        (_, device, specs), = [k for k, v in _slots.items() if v == slot]
         with cupy.cuda.Device(device):
             found = _scratch.setdefault(key, tuple(
                 (cupy.zeros if s.role == "zeros" else cupy.empty)(s.shape, dtype=numpy_dtype(s.dtype))
@@ -328,7 +335,7 @@ def scratch(owner: str, device: int, stream: int, specs: tuple[ArraySpec, ...]) 
 
 def release_scratch(stream: int) -> None:
     """Forget every work array of `stream` (its owner has synchronized it and drops its graphs)."""
-    for key in [k for k in list(_scratch) if k[2] == stream]:
+    for key in [k for k in list(_scratch) if k[1] == stream]:
         _scratch.pop(key, None)
 
 

@@ -20,10 +20,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from cuda.tile import launch as ct_launch
+
 from tilekit.autotune import arrays as arr
 from tilekit.autotune import store
 from tilekit.autotune.db import Match, warn_once
 from tilekit.autotune.digest import code_digest
+from tilekit.autotune.entries import entry_reason
 from tilekit.autotune.keys import bucket_problem, key_string
 from tilekit.autotune.space import Config, Problem, SearchSpace, split_hints
 from tilekit.device import DeviceInfo, device_info, toolchain
@@ -119,9 +122,8 @@ class Plan:
         if self.alloc is not None and arrays[self.out_index] is None:
             arrays = (*arrays[:self.out_index], self.alloc(), *arrays[self.out_index + 1:])
         if self.launches:
-            import cuda.tile as ct
             handle = self.stream()
-            work = arr.scratch(self.op.name, self.device, handle, self.work) if self.work else ()
+            work = arr.scratch(self.work, handle) if self.work is not None else ()
             for kernel, grid, sources, constants in self.launches:
                 args = []
                 for kind, a, b in sources:
@@ -136,7 +138,7 @@ class Plan:
                     else:
                         value = scalars[a]
                         args.append(b if value is None else value)
-                ct.launch(handle, grid, kernel, (*args, *constants))
+                ct_launch(handle, grid, kernel, (*args, *constants))
         return None if self.returns is None else arrays[self.returns]
 
 
@@ -260,7 +262,7 @@ class Op:
         plan.returns = binding.returns
         specs = {**self.arrays(problem), **(self.scratch(problem, config) if self.scratch else {})}
         work = [n for n, spec in specs.items() if spec.role in ("scratch", "zeros")]
-        plan.work = tuple(specs[n] for n in work)
+        plan.work = arr.scratch_slot(self.name, device, tuple(specs[n] for n in work)) if work else None
         plan.launches = []
         if kind == "meta":
             return plan
@@ -303,7 +305,7 @@ class Op:
         bucketed, key = self.problem_key(problem)
         found = [m for db in store.layers()
                  if (m := db.lookup(self.name, bucketed, device, self.buckets,
-                                    lambda k, e, layer=db.layer: self.why_unusable(e, layer)))]
+                                    lambda k, e, layer=db.layer: entry_reason(k, e, layer)))]
         best = min(found, key=lambda m: (m.device_rule != "exact-gpu", m.bucket_rule != "exact"), default=None)
         exact = best is not None and best.device_rule == "exact-gpu" and best.bucket_rule == "exact"
         if mode == "auto" and not exact:

@@ -49,6 +49,10 @@ def _constants(p, c):
     return (c["A"],)
 
 
+def _no_arrays(p):
+    return {}
+
+
 def _bind(infos, flags):
     (x,) = infos
     return Binding(problem=dict(dtype=x.dtype, M=x.shape[0], N=x.shape[1]), arrays={})
@@ -57,7 +61,7 @@ def _bind(infos, flags):
 def make_op(space: SearchSpace = SPACE, func=fake_kernel_body) -> Op:
     """A new op with a unique name (the registry is keyed by name), taking one 2-D array x."""
     return Op(f"fake_xyz{os.getpid()}_{next(_names)}", args=("x",), key=dict(dtype=None, M=pow2_bucket, N=None),
-              space=space, default=lambda p: dict(DEFAULT), arrays=lambda p: {},
+              space=space, default=lambda p: dict(DEFAULT), arrays=_no_arrays,
               launches=(Launch(FakeKernel(func), _grid, (), _constants),), bind=_bind)
 
 

@@ -57,6 +57,10 @@ def test_no_source_is_a_marker_not_an_exception():
     assert digest.startswith(UNAVAILABLE)
 
 
+def test_lambdas_cannot_be_digested():
+    assert code_digest(lambda x: x + 1).startswith(UNAVAILABLE)
+
+
 def test_real_ops_have_stable_digests():
     import tilekit.kernels  # noqa: F401
     from tilekit.autotune.op import registered_ops

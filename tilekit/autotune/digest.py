@@ -18,7 +18,7 @@ UNAVAILABLE = "unavailable"   # prefix of the digest of code whose source cannot
 
 
 def code_digest(*objects) -> str:
-    """16 hex digits; "unavailable:<what>" when a source cannot be read (never raises)."""
+    """16 hex digits; "unavailable:<what>" when a source cannot be read, lambdas included (never raises)."""
     try:
         parts: list[str] = []
         seen: set[int] = set()
@@ -53,6 +53,8 @@ def _visit(obj, parts: list[str], seen: set[int]) -> None:
     if func is None or id(func) in seen:
         return
     seen.add(id(func))
+    if func.__name__ == "<lambda>":            # its source is a fragment of a larger statement
+        raise _NoSource(f"a lambda in {func.__module__}")
     try:
         source = textwrap.dedent(inspect.getsource(func))
     except (OSError, TypeError):

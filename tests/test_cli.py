@@ -430,11 +430,13 @@ def test_db_verify_fails_on_an_unusable_file(damage, says, capsys):
 def test_db_verify_counts_unparseable_keys_as_invalid(capsys):
     seed_user_db()
     store.user_db().store(H100, {"linear/garbage": entry(LINEAR, LINEAR_CONFIG, H100),
-                                 "linear": entry(LINEAR, LINEAR_CONFIG, H100)})
+                                 "linear": entry(LINEAR, LINEAR_CONFIG, H100),
+                                 "linear/M=x,dtype=bfloat16": entry(LINEAR, LINEAR_CONFIG, H100)})
     store.reset()
     rc, out, _ = run(["db", "verify"], capsys)
-    assert rc == 1 and out.splitlines()[-1] == "5 usable, 0 stale, 2 invalid"
+    assert rc == 1 and out.splitlines()[-1] == "5 usable, 0 stale, 3 invalid"
     assert "INVALID user NVIDIA_H100_80GB_HBM3.json linear/garbage: malformed tuning key" in out
+    assert "INVALID user NVIDIA_H100_80GB_HBM3.json linear/M=x,dtype=bfloat16: key is not a linear problem key" in out
 
 
 # -- concurrent imports ----------------------------------------------------------------------

@@ -103,6 +103,13 @@ class Progress:
             self.stream.flush()
 
 
+def _shown(text: str, limit: int = 160) -> str:
+    """Text read from a file as one short printable line."""
+    if text.isprintable() and len(text) <= limit:
+        return text
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
 def _bar(done: int, total: int, width: int = 24) -> str:
     filled = int(width * done / max(total, 1))
     return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
@@ -343,7 +350,7 @@ def _db_list(args) -> int:
         if args.device and sanitise(args.device).lower() not in dfile.path.stem.lower():
             continue
         time_us = entry.get("time_us") if isinstance(entry, dict) else None
-        rows.append((db.layer, dfile.path.stem, key, f"{time_us:.1f}" if isinstance(time_us, (int, float)) else "?"))
+        rows.append((db.layer, dfile.path.stem, _shown(key), f"{time_us:.1f}" if isinstance(time_us, (int, float)) else "?"))
     if not rows:
         print("no tuning entries" + (" match" if args.kernel or args.device else ""))
         return 0
@@ -446,6 +453,7 @@ def _db_import(args) -> int:
     from collections import Counter
 
     from tilekit.autotune import store
+    from tilekit.autotune.db import TuningDBError
     from tilekit.autotune.entries import entry_reason
     imported, dropped = 0, Counter()
     for device, entries in _read_export(args.file):
@@ -457,11 +465,17 @@ def _db_import(args) -> int:
             else:
                 good[key] = entry
         if good:
-            store.user_db().store(device, good)
+            try:
+                store.user_db().store(device, good)
+            except TuningDBError as e:
+                raise UsageError(f"cannot import {args.file}: {e}")
             imported += len(good)
     print(f"imported {imported} entries into {store.user_db().root}")
     if dropped:
-        print(f"dropped {sum(dropped.values())}: " + ", ".join(f"{n} {why}" for why, n in dropped.most_common()))
+        shown = dropped.most_common(8)
+        rest = sum(dropped.values()) - sum(n for _, n in shown)
+        print(f"dropped {sum(dropped.values())}: " + ", ".join(f"{n} {_shown(why)}" for why, n in shown)
+              + (f", {rest} for {len(dropped) - len(shown)} other reasons" if rest else ""))
     return 0
 
 
@@ -474,17 +488,17 @@ def _db_verify(args) -> int:
             data, problem = dfile.load()
             if problem:
                 bad += 1
-                print(f"BAD     {db.layer} {dfile.path}: {problem}")
+                print(f"BAD     {db.layer} {_shown(str(dfile.path), 400)}: {problem}")
             for key, entry in sorted(data.get("entries", {}).items()):
-                where = f"{db.layer} {dfile.path.name} {key}"
+                where = f"{db.layer} {dfile.path.name} {_shown(key)}"
                 defect = entry_defect(key, entry)
                 why = defect or entry_reason(key, entry, db.layer)
                 if defect:
                     invalid += 1
-                    print(f"INVALID {where}: {defect}")
+                    print(f"INVALID {where}: {_shown(defect)}")
                 elif why:
                     stale += 1
-                    print(f"STALE   {where}: {why}")
+                    print(f"STALE   {where}: {_shown(why)}")
                 else:
                     ok += 1
     print(f"{ok} usable, {stale} stale, {invalid} invalid" + (f", {bad} unusable files" if bad else ""))

@@ -371,6 +371,18 @@ def test_db_commands_when_the_cache_dir_is_a_file(argv, tmp_path, monkeypatch, c
     assert (tmp_path / "cachefile").read_text() == "x"
 
 
+def test_a_tuning_write_into_a_cache_path_that_is_a_file_is_one_line(tmp_path, monkeypatch, capsys):
+    """What `tune` meets when it stores a result (measured here without a GPU)."""
+    (tmp_path / "cachefile").write_text("x")
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "cachefile"))
+    store.reset()
+    key = LINEAR.problem_key(linear_problem())[1]
+    monkeypatch.setattr(cli, "cmd_tune", lambda args: store.user_db().store(H100, {key: entry(LINEAR, LINEAR_CONFIG)}))
+    path = tmp_path / "cachefile" / "tuning" / "sm_90" / "NVIDIA_H100_80GB_HBM3.json"
+    assert misuse(["tune", "--model", "gpt2"], capsys) == \
+        f"tilekit: cannot write {path}: {tmp_path / 'cachefile'} is not a directory"
+
+
 # -- db verify -------------------------------------------------------------------------------
 
 def test_db_verify_good_entries(capsys):

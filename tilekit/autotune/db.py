@@ -255,8 +255,7 @@ class DeviceFile:
     @contextlib.contextmanager
     def _locked(self):
         """Hold the file's lock, after removing temporary files that killed writers left behind."""
-        if not self.db.writable:
-            raise PermissionError(f"the {self.db.layer} tuning database at {self.db.root} is read-only")
+        self.db.check_writable()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not _inside(self.path.parent, self.db.root):
@@ -317,6 +316,10 @@ class TuningDB:
         self.layer = layer
         self.writable = writable
         self._files: dict[Path, DeviceFile] = {}
+
+    def check_writable(self) -> None:
+        if not self.writable:
+            raise PermissionError(f"the {self.layer} tuning database at {self.root} is read-only")
 
     def file_for(self, device: DeviceInfo) -> DeviceFile:
         """The file of `device`; ValueError when its arch or name cannot name a file under the root."""
@@ -389,6 +392,7 @@ class TuningDB:
         """Delete every device file with the temporary files of killed writers and, when asked, the
         moved-aside corrupt files (*.bad); returns the number of entries deleted. Lock files stay:
         deleting one that a writer waits on would let two writers in at once."""
+        self.check_writable()
         paths, bad = set(), []
         for arch_dir in self.root.glob("sm_*") if self.root.is_dir() else ():
             if ARCH.fullmatch(arch_dir.name) and arch_dir.is_dir() and _inside(arch_dir, self.root):

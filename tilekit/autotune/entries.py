@@ -20,6 +20,7 @@ def _bad_time(value) -> str | None:
 def entry_defect(key: str, entry) -> str | None:
     """Why an entry can never be used by this tilekit (malformed, unknown kernel, a key the kernel does
     not make, config outside its space, a bad time), or None."""
+    import tilekit.kernels  # noqa: F401  (declares the ops)
     from tilekit.autotune.op import registered_ops
     problem = entry_problem(key, entry)
     if problem:
@@ -30,7 +31,7 @@ def entry_defect(key: str, entry) -> str | None:
         return f"unknown kernel {name!r}"
     try:
         canonical = op.problem_key(fields)[1] == key
-    except (TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):   # a field missing, or of a type its bucket cannot take
         canonical = False
     if not canonical:
         return f"key is not a {name} problem key"

@@ -308,10 +308,11 @@ def test_db_export_to_a_bad_place(tmp_path, capsys):
     before = user_files()
     (tmp_path / "adir").mkdir()
     Path(os.environ["TILEKIT_SHIPPED_DB"]).mkdir()
+    shipped = Path(os.environ["TILEKIT_SHIPPED_DB"])
     for target, says in [(tmp_path / "missing" / "x.json", f"directory {tmp_path / 'missing'} does not exist"),
                          (tmp_path / "adir", "it is a directory"),
                          (store.user_db().root / "sm_90" / "x.json", "it is inside the user tuning database"),
-                         (Path(os.environ["TILEKIT_SHIPPED_DB"]) / "x.json", "it is inside the shipped tuning database")]:
+                         (shipped / "x.json", "it is inside the shipped tuning database")]:
         assert misuse(["db", "export", str(target)], capsys) == f"tilekit: cannot export to {target}: {says}"
     assert user_files() == before and not (tmp_path / "missing").exists() and not list((tmp_path / "adir").iterdir())
 
@@ -377,7 +378,8 @@ def test_a_tuning_write_into_a_cache_path_that_is_a_file_is_one_line(tmp_path, m
     monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "cachefile"))
     store.reset()
     key = LINEAR.problem_key(linear_problem())[1]
-    monkeypatch.setattr(cli, "cmd_tune", lambda args: store.user_db().store(H100, {key: entry(LINEAR, LINEAR_CONFIG)}))
+    monkeypatch.setattr(cli, "cmd_tune",
+                        lambda args: store.user_db().store(H100, {key: entry(LINEAR, LINEAR_CONFIG)}))
     path = tmp_path / "cachefile" / "tuning" / "sm_90" / "NVIDIA_H100_80GB_HBM3.json"
     assert misuse(["tune", "--model", "gpt2"], capsys) == \
         f"tilekit: cannot write {path}: {tmp_path / 'cachefile'} is not a directory"

@@ -350,7 +350,8 @@ def _db_list(args) -> int:
         if args.device and sanitise(args.device).lower() not in dfile.path.stem.lower():
             continue
         time_us = entry.get("time_us") if isinstance(entry, dict) else None
-        rows.append((db.layer, dfile.path.stem, _shown(key), f"{time_us:.1f}" if isinstance(time_us, (int, float)) else "?"))
+        shown_time = f"{time_us:.1f}" if isinstance(time_us, (int, float)) else "?"
+        rows.append((db.layer, dfile.path.stem, _shown(key), shown_time))
     if not rows:
         print("no tuning entries" + (" match" if args.kernel or args.device else ""))
         return 0

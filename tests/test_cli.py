@@ -94,8 +94,8 @@ def test_help_exits_0(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["tune"], "exactly one of --model or --kernel"),
-    (["tune", "--model", "gpt2", "--kernel", "linear"], "exactly one of --model or --kernel"),
+    (["tune"], "exactly one of --model, --kernel or --stale"),
+    (["tune", "--model", "gpt2", "--kernel", "linear"], "exactly one of --model, --kernel or --stale"),
     (["tune", "--kernel", "nosuch"], "--kernel must be one of"),
     (["tune", "--kernel", "linear"], "needs --shape"),
     (["tune", "--kernel", "linear", "--shape", "M=8,N=8"], "missing: K"),
@@ -578,3 +578,18 @@ def test_abbreviated_options_are_refused(capsys):
     assert e.value.code == 2 and "--dev" in capsys.readouterr().err
     args = cli.build_parser().parse_args(["tune", "--model", "gpt2", "--devices", "all"])
     assert args.devices == "all" and args.shard is None
+
+
+def test_tune_stale_selects_exactly_the_stale_entries(monkeypatch):
+    """`tilekit tune --stale [user|shipped]` re-tunes just the entries the current kernels made stale."""
+    import tilekit.device
+    fresh = LINEAR.problem_key(linear_problem(M=8))[1]
+    stale = LINEAR.problem_key(linear_problem(M=128))[1]
+    other_gpu = LINEAR.problem_key(linear_problem(M=1024))[1]
+    store.user_db().store(H100, {fresh: entry(LINEAR, LINEAR_CONFIG, H100),
+                                 stale: entry(LINEAR, LINEAR_CONFIG, H100, kernel_hash="0" * 16)})
+    store.user_db().store(H200, {other_gpu: entry(LINEAR, LINEAR_CONFIG, H200, kernel_hash="0" * 16)})
+    monkeypatch.setattr(tilekit.device, "device_info", lambda index=None: H100)
+    items = cli._stale_items("user")
+    assert [(op.name, op.problem_key(p)[1]) for op, p in items] == [("linear", stale)]
+    assert cli._stale_items("shipped") == []

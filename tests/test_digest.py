@@ -63,7 +63,7 @@ def test_lambdas_cannot_be_digested():
 
 def test_real_ops_have_stable_digests():
     import tilekit.kernels  # noqa: F401
-    from tilekit.autotune.op import registered_ops
+    from tilekit.autotune.registry import registered_ops
     for op in registered_ops().values():
         assert len(op.kernel_hash()) == 16 and not op.kernel_hash().startswith(UNAVAILABLE), op.name
         assert op.kernel_hash() == op.kernel_hash()

@@ -11,7 +11,7 @@ import pytest
 
 from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, _parse, device_file_name, entry_problem
 from tilekit.autotune.keys import bucket_problem, key_string, parse_key
-from tilekit.autotune.op import registered_ops
+from tilekit.autotune.registry import registered_ops
 from tilekit.device import DeviceInfo
 from tilekit.models.config import GPTConfig
 from tilekit.models.workload import model_problems

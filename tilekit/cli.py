@@ -118,10 +118,10 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 # -- tune ------------------------------------------------------------------------------------
 
 def cmd_tune(args) -> int:
-    from tilekit.autotune.op import registered_ops
+    from tilekit.autotune.registry import registered_ops
     from tilekit.device import gpu_unavailable_reason
-    if (args.model is None) == (args.kernel is None):
-        raise UsageError("tune needs exactly one of --model or --kernel")
+    if sum(x is not None and x is not False for x in (args.model, args.kernel, args.stale)) != 1:
+        raise UsageError("tune needs exactly one of --model, --kernel or --stale")
     if args.kernel is not None:
         ops = registered_ops()
         if args.kernel not in ops:
@@ -129,15 +129,38 @@ def cmd_tune(args) -> int:
         if not args.shape:
             raise UsageError("--kernel needs --shape, e.g. --shape M=8192,N=2304,K=768")
         items = [(ops[args.kernel], _parse_shape(ops[args.kernel], args.shape, args.dtype))]
-    else:
+    elif args.model is not None:
         from tilekit.models.workload import model_problems
-        items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens)
+        items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens,
+                               args.new_tokens)
     reason = gpu_unavailable_reason()
     if reason:
         raise UsageError(f"tuning needs a GPU: {reason}")
+    if args.stale:
+        items = _stale_items(args.stale)
+        args.force = True                       # the stale entries are what gets replaced
     if args.devices is not None and args.shard is None:     # a worker never spawns workers
         return _tune_on_devices(args, items)
     return _tune_here(args, items, shard=args.shard)
+
+
+def _stale_items(layer: str) -> list:
+    """(op, problem) of every entry of this GPU's file in `layer` that is stale: tuned for another
+    kernel, search space or (user layer) toolchain; malformed entries are left to `db verify`."""
+    from tilekit.autotune import store
+    from tilekit.autotune.entries import entry_defect
+    from tilekit.autotune.keys import parse_key
+    from tilekit.autotune.registry import registered_ops
+    from tilekit.device import device_info
+    db = store.user_db() if layer == "user" else store.shipped_db()
+    items = []
+    for key, entry in sorted(db.file_for(device_info()).read().items()):
+        if entry_defect(key, entry) is None:
+            name, problem = parse_key(key)
+            op = registered_ops()[name]
+            if op.why_unusable(entry, layer):
+                items.append((op, problem))
+    return items
 
 
 def _pending(items, force: bool):
@@ -375,7 +398,7 @@ def _db_show(args) -> int:
 def _db_explain(args) -> int:
     from tilekit.device import DeviceInfo, device_info, gpu_unavailable_reason
     from tilekit.models.workload import model_problems
-    items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens)
+    items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens, args.new_tokens)
     if args.gpu:
         device = DeviceInfo(args.gpu, args.arch, 0)
     elif gpu_unavailable_reason() is None:
@@ -575,6 +598,8 @@ def _model_args(p, default_model=None):
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 8], help="comma-separated (default 1,8)")
     p.add_argument("--seq-lens", type=_int_list, default=[128, 1024], help="comma-separated (default 128,1024)")
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--new-tokens", type=int, default=128,
+                   help="tokens generate() adds after each prompt in the workload (default 128)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -586,6 +611,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--kernel", help="tune one kernel instead of a model (with --shape)")
     tune.add_argument("--shape", help="problem fields, e.g. M=8192,N=2304,K=768")
     tune.add_argument("--budget", type=float, help="time budget in minutes")
+    tune.add_argument("--stale", choices=("user", "shipped"), nargs="?", const="user",
+                      help="re-tune the entries of this GPU's file in that layer (default user) that the "
+                           "current kernels made stale; the results go to the user database")
     tune.add_argument("--force", action="store_true", help="re-tune shapes that are already tuned")
     tune.add_argument("--devices", help="'all' or GPU indices '0,1': one worker process per GPU")
     tune.add_argument("--workers", type=int, help="compile processes (default: CPU cores - 1)")
@@ -651,6 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(argv)
         args.argv = argv
+    if getattr(args, "command", None) in ("tune", "db"):
+        import tilekit.kernels  # noqa: F401  (declares the ops that tuning entries name)
     try:
         return args.func(args)
     except (UsageError, ValueError, TuningDBError) as e:

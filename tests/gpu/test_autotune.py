@@ -69,7 +69,7 @@ def test_precompiled_configs_are_cache_hits_for_the_jit(tmp_path):
         from cutile_cache._cache import cache_entries
         import tilekit.kernels
         from tilekit.autotune.compile import precompile
-        from tilekit.autotune.op import registered_ops
+        from tilekit.autotune.registry import registered_ops
         from tilekit.device import device_info
         from tests.gpu.test_kernels import OPS, SPACE_CASES
         import os

@@ -85,7 +85,7 @@ def compile_config(module: str, op_name: str, problem: dict, config: dict, arch:
     effect (that is the point when tuning).
     """
     importlib.import_module(module)
-    from tilekit.autotune.op import registered_ops
+    from tilekit.autotune.registry import registered_ops
     op = registered_ops()[op_name]
     start = time.perf_counter()
     for kernel, args in op.compile_args(problem, config):

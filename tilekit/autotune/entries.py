@@ -6,6 +6,7 @@ import math
 
 from tilekit.autotune.db import entry_problem
 from tilekit.autotune.keys import parse_key
+from tilekit.autotune.registry import registered_ops
 
 
 def _bad_time(value) -> str | None:
@@ -20,8 +21,6 @@ def _bad_time(value) -> str | None:
 def entry_defect(key: str, entry) -> str | None:
     """Why an entry can never be used by this tilekit (malformed, unknown kernel, a key the kernel does
     not make, config outside its space, a bad time), or None."""
-    import tilekit.kernels  # noqa: F401  (declares the ops)
-    from tilekit.autotune.op import registered_ops
     problem = entry_problem(key, entry)
     if problem:
         return problem
@@ -47,5 +46,4 @@ def entry_defect(key: str, entry) -> str | None:
 def entry_reason(key: str, entry, layer: str) -> str | None:
     """None when the entry may be used now from `layer` ("user" or "shipped"), else the reason: a
     defect (entry_defect) or staleness (the op's why_unusable: kernel, space, toolchain)."""
-    from tilekit.autotune.op import registered_ops
     return entry_defect(key, entry) or registered_ops()[parse_key(key)[0]].why_unusable(entry, layer)

@@ -28,6 +28,7 @@ from tilekit.autotune.db import Match, warn_once
 from tilekit.autotune.digest import code_digest
 from tilekit.autotune.entries import entry_reason
 from tilekit.autotune.keys import bucket_problem, key_string
+from tilekit.autotune.registry import register
 from tilekit.autotune.space import Config, Problem, SearchSpace, split_hints
 from tilekit.device import DeviceInfo, device_info, toolchain
 
@@ -174,7 +175,7 @@ class Op:
         self._plans: dict[tuple, Plan] = {}
         self._hinted: dict[tuple, Any] = {}
         self._pins: list[tuple[Config, dict]] = []
-        _REGISTRY[name] = self
+        register(self)
 
     # -- identity ---------------------------------------------------------------------------------
     def kernel_hash(self) -> str:
@@ -375,10 +376,3 @@ class Op:
                  tuple(values[n] for n in launch.args) + tuple(launch.constants(p, config)))
                 for launch in self.launches]
 
-
-_REGISTRY: dict[str, Op] = {}
-
-
-def registered_ops() -> dict[str, Op]:
-    """The ops declared so far, by name (importing tilekit.kernels declares them all)."""
-    return dict(_REGISTRY)

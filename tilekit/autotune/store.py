@@ -51,6 +51,6 @@ def reset() -> None:
     """Re-read the environment and forget every in-process answer (tests, `db clear`, imports)."""
     global _layers
     _layers = None
-    from tilekit.autotune.op import _REGISTRY
-    for op in _REGISTRY.values():
+    from tilekit.autotune.registry import registered_ops
+    for op in registered_ops().values():
         op.forget()

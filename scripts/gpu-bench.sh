@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# On a GPU host: eager host overhead of this tilekit and of the checkout in .baseline/ (the same run),
+# the per-kernel decode breakdown, then the quick benchmark suite; the summary table prints last.
+#   source .gpu/setup.sh && scripts/gpu-bench.sh
+set -uo pipefail
+out="${OUT:-/tmp/tilekit-gpu}"; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ -d .baseline/tilekit ]; then
+    PYTHONPATH="$PWD/.baseline:$PYTHONPATH" python3 -m benchmarks --only overhead --no-plots \
+        --out "$out/overhead-baseline" > "$out/overhead-baseline.txt" 2>&1
+fi
+python3 -m benchmarks --only overhead --no-plots --out "$out/overhead" > "$out/overhead.txt" 2>&1
+python3 -m benchmarks.breakdown --out "$out" > "$out/breakdown.txt" 2>&1
+python3 -m benchmarks --quick --out "$out/bench" 2> "$out/bench.log"
+status=$?
+tail -n 25 "$out/breakdown.txt"; tail -n 30 "$out/overhead.txt"; tail -n 30 "$out/overhead-baseline.txt" 2>/dev/null
+exit $status

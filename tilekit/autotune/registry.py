@@ -1,0 +1,14 @@
+"""The ops declared so far, by name: op modules register themselves when they are imported, so the
+autotune layer knows ops only through this registry (importing tilekit.kernels declares them all)."""
+
+from __future__ import annotations
+
+_ops: dict[str, object] = {}
+
+
+def register(op) -> None:
+    _ops[op.name] = op
+
+
+def registered_ops() -> dict:
+    return dict(_ops)

@@ -518,3 +518,14 @@ def test_entry_reason(change, reason):
     with tuning_warnings():
         found = db.lookup(op.name, problem(), H100, op.buckets, lambda k, e: entry_reason(k, e, "user"))
     assert (found is None) == (reason is not None or key != key_of(op))
+
+
+def test_a_user_database_inside_the_shipped_one_is_never_written(tmp_path, monkeypatch):
+    from tests._autotune_fakes import make_op
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "both"))
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "both"))        # user root: both/tuning
+    store.reset()
+    op = make_op()
+    with pytest.raises(Exception, match="read-only"):
+        store.user_db().store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
+    assert not any((tmp_path / "both").rglob("*.json"))

@@ -31,12 +31,20 @@ def shipped_dir() -> Path:
 
 
 def layers() -> list[TuningDB]:
-    """[user, shipped], created on first use from the environment."""
+    """[user, shipped], created on first use from the environment. A user database that lies inside
+    the shipped one (or holds it) is read-only too: no write may reach the shipped layer."""
     global _layers
     if _layers is None:
-        _layers = [TuningDB(user_dir() / "tuning", "user", writable=True),
-                   TuningDB(shipped_dir(), "shipped", writable=False)]
+        user, shipped = user_dir() / "tuning", shipped_dir()
+        _layers = [TuningDB(user, "user", writable=not _nested(user, shipped)),
+                   TuningDB(shipped, "shipped", writable=False)]
     return _layers
+
+
+def _nested(a: Path, b: Path) -> bool:
+    """True when one directory is, or lies inside, the other (after resolving links)."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
 
 
 def user_db() -> TuningDB:

@@ -70,7 +70,7 @@ def call_config(op: Op, M: int = 1000, N: int = 768, dtype: str = "bfloat16", de
     return op.plan_for((MetaArray((M, N), dtype, device=device),))[0].config
 
 
-def entry(op: TunableOp, config: dict, device: DeviceInfo = H100, time_us: float = 10.0,
+def entry(op: Op, config: dict, device: DeviceInfo = H100, time_us: float = 10.0,
           **overrides) -> dict:
     """An entry shaped like the tuner's `_entry`."""
     e = {"config": dict(config), "time_us": time_us, "default_config": dict(DEFAULT),

@@ -14,12 +14,11 @@ cupy = pytest.importorskip("cupy")
 from tilekit.autotune.compile import precompile  # noqa: E402
 from tilekit.device import device_info  # noqa: E402
 from tilekit.kernels import (attention, decode_attention, embedding, gelu, greedy_step, layer_norm,  # noqa: E402
-                             linear, write_kv)
+                             linear)
 from tilekit.kernels.attention import ATTENTION, attention_reference  # noqa: E402
 from tilekit.kernels.decode_attention import DECODE_ATTENTION, decode_attention_reference  # noqa: E402
 from tilekit.kernels.embedding import embedding_reference  # noqa: E402
 from tilekit.kernels.gelu import GELU, gelu_reference  # noqa: E402
-from tilekit.kernels.kv_cache import write_kv_reference  # noqa: E402
 from tilekit.kernels.layernorm import LAYER_NORM, layer_norm_reference  # noqa: E402
 from tilekit.kernels.linear import LINEAR, linear_reference  # noqa: E402
 from tilekit.kernels.sampling import GREEDY, greedy_reference  # noqa: E402
@@ -215,15 +214,16 @@ def test_decode_attention_length_offset():
     assert_close(host(out), ref, TOL["bfloat16"], "decode_attention length_offset")
 
 
-def test_write_kv():
-    B, H, T, cap, D = 3, 2, 5, 9, 64
-    qkv = rand((B, T, 3, H, D), "bfloat16")
-    k, v = qkv[:, :, 1].transpose(0, 2, 1, 3), qkv[:, :, 2].transpose(0, 2, 1, 3)
-    kc, vc = rand((B, H, cap, D), "bfloat16"), rand((B, H, cap, D), "bfloat16")
-    start = np.array([0, 2, 6], np.int32)   # the last one runs past the capacity: clipped
-    ref_k, ref_v = write_kv_reference(host(k), host(v), host(kc), host(vc), start)
-    write_kv(k, v, kc, vc, cupy.asarray(start))
-    assert np.array_equal(host(kc), ref_k) and np.array_equal(host(vc), ref_v)
+@pytest.mark.parametrize("module", ["layernorm", "gelu", "linear", "attention", "decode_attention", "kv_cache",
+                                    "embedding", "sampling"])
+def test_each_op_module_checks_itself(module):
+    """`python -m tilekit.kernels.<op>`: the op's own check against its reference (kv_cache's is the
+    KV-cache write test, clipping included)."""
+    import runpy
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)          # runpy: the module is also imported
+        runpy.run_module(f"tilekit.kernels.{module}", run_name="__main__")
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

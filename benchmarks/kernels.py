@@ -1,8 +1,10 @@
-"""Each tilekit kernel against its anchor (torch, CuPy) with the same timer and L2 policy.
+"""Each tilekit kernel against its anchors (cuBLAS through torch and CuPy, SDPA flash and cuDNN,
+torch ops, torch.compile of the fused epilogue) with the same timer and L2 policy.
 
 `plan(mode)` lists the cases as plain data (no GPU needed); `build(case)` makes fresh random
 inputs on the GPU and the callables to time; `run_case` checks every output against the anchor
-before timing and turns the result into report rows.
+before timing, then times each side as a CUDA-graph replay (GPU work only), and turns the result
+into report rows.
 """
 
 from __future__ import annotations
@@ -13,17 +15,19 @@ from dataclasses import dataclass
 from typing import Callable
 
 from benchmarks import checks, timing
-from benchmarks.report import Row, fill_times
+from benchmarks.report import Row, fill_times, short_error
 
 M_TOKENS = 8192
 HEAD_DIM = 64
 PRESET_WIDTH = {"gpt2": 768, "gpt2-xl": 1600}
 DECODE_HEADS = 12                       # gpt2
+COMPILE_BUDGET_S = 120.0                # for the torch.compile epilogue anchors of one run
+COMPILE_MODE = {"quick": "default", "full": "max-autotune-no-cudagraphs"}
 
 
 @dataclass(frozen=True)
 class Case:
-    kind: str          # linear | linear_gelu | attention | layer_norm | gelu | decode_attention
+    kind: str          # linear | epilogue | attention | layer_norm | gelu | decode_attention
     params: tuple      # kind-specific, see build()
 
 
@@ -41,7 +45,7 @@ def plan(mode: str) -> list[Case]:
     for preset, C in PRESET_WIDTH.items():
         cases += [Case("linear", (preset, layer, M_TOKENS, K, N)) for layer, K, N in linear_layers(C)]
     for preset, C in PRESET_WIDTH.items():
-        cases.append(Case("linear_gelu", (preset, "mlp.c_fc", M_TOKENS, C, 4 * C)))
+        cases.append(Case("epilogue", (preset, "mlp.c_fc", M_TOKENS, C, 4 * C)))
     attn = [(8, 12, 1024), (1, 25, 1024)] + ([(4, 16, 4096)] if full else [])
     cases += [Case("attention", (B, H, T, HEAD_DIM)) for B, H, T in attn]
     ln = [(8192, 768), (8192, 1600), (32768, 1600)] + ([(16384, 4096)] if full else [])
@@ -54,22 +58,20 @@ def plan(mode: str) -> list[Case]:
 
 @dataclass
 class Built:
-    label: str
-    shape: str
-    unit: str                                  # "TFLOP/s" or "GB/s"
-    work: float
-    roofline_name: str                         # "matmul_peak_tflops" or "copy_bandwidth_gbs"
     tilekit: Callable
     anchors: list[tuple[str, Callable]]
+    compiled: tuple = ()                       # names of anchors whose first call compiles
 
 
 def describe(case: Case) -> tuple[str, str]:
     """(table label, full shape) of a case, without touching the GPU."""
     p = case.params
-    if case.kind in ("linear", "linear_gelu"):
+    if case.kind == "linear":
         preset, layer, M, K, N = p
-        name = "linear" if case.kind == "linear" else "lin+gelu"
-        return f"{name} {preset} {layer} {K}x{N}", f"M={M} K={K} N={N}"
+        return f"linear {preset} {layer} {K}x{N}", f"M={M} K={K} N={N}"
+    if case.kind == "epilogue":
+        preset, layer, M, K, N = p
+        return f"lin+gelu+res {preset} {K}x{N}", f"{layer} M={M} K={K} N={N}: gelu(x W + b) + r"
     if case.kind == "attention":
         B, H, T, D = p
         return f"attention causal B{B} H{H} T{T}", f"B={B} H={H} T={T} D={D}"
@@ -86,7 +88,7 @@ def describe(case: Case) -> tuple[str, str]:
 def work_of(case: Case, itemsize: int = 2) -> tuple[str, float, str]:
     """(unit, flops or bytes of one call, roofline key) of a case."""
     p = case.params
-    if case.kind in ("linear", "linear_gelu"):
+    if case.kind in ("linear", "epilogue"):
         _, _, M, K, N = p
         return "TFLOP/s", 2.0 * M * N * K, "matmul_peak_tflops"
     if case.kind == "attention":
@@ -113,59 +115,80 @@ def _raiser(exc: Exception) -> Callable:
     return fail
 
 
+def _probed(fn: Callable, what: str) -> Callable:
+    """fn, after one call that succeeded, or a callable raising Unavailable with the reason."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - e.g. bf16 in an older CuPy, a backend torch lacks here
+        return _raiser(Unavailable(f"{what}: {short_error(e)}"))
+    return fn
+
+
 def _cupy_matmul(x, w) -> Callable:
-    """cupy.matmul on zero-copy views of x and w, or a callable raising Unavailable."""
+    """cupy.matmul on zero-copy views of x and w (probed: bf16 support differs by CuPy version)."""
     try:
         import cupy
         xc, wc = cupy.from_dlpack(x), cupy.from_dlpack(w)
-        cupy.matmul(xc[:16, :16], wc[:16, :16])          # probe: bf16 support differs by CuPy version
     except Exception as e:  # noqa: BLE001
-        return _raiser(Unavailable(f"cupy.matmul on {x.dtype}: {_short(e)}"))
-    return lambda: cupy.matmul(xc, wc)
+        return _raiser(Unavailable(f"cupy.matmul on {x.dtype}: {short_error(e)}"))
+    return _probed(lambda: cupy.matmul(xc, wc), f"cupy.matmul on {x.dtype}")
 
 
-def build(case: Case) -> Built:
-    """Fresh random bf16 inputs (torch.randn) and the callables: tilekit first, then anchors."""
+def _sdpa(backend: str, q, k, v, **kw) -> Callable:
+    """F.scaled_dot_product_attention restricted to one SDPBackend (probed: skipped where torch lacks it)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run():
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+    return _probed(run, f"SDPBackend.{backend}")
+
+
+def build(case: Case, compile_mode: str = "default") -> Built:
+    """Fresh random bf16 inputs (torch.randn) and the callables: tilekit, then its anchors."""
     import torch
     import torch.nn.functional as F
     import tilekit.kernels as tk
     bf16, dev = torch.bfloat16, "cuda"
-    label, shape = describe(case)
-    unit, work, roof = work_of(case)
     p = case.params
 
     def randn(*shape, scale=1.0, mean=0.0):
         return (torch.randn(*shape, device=dev, dtype=torch.float32) * scale + mean).to(bf16)
 
-    if case.kind in ("linear", "linear_gelu"):
+    if case.kind in ("linear", "epilogue"):
         _, _, M, K, N = p
         x, w = randn(M, K), randn(K, N, scale=1 / math.sqrt(K))
         if case.kind == "linear":
-            return Built(label, shape, unit, work, roof, lambda: tk.linear(x, w),
+            return Built(lambda: tk.linear(x, w),
                          [("torch.matmul", lambda: torch.matmul(x, w)), ("cupy.matmul", _cupy_matmul(x, w))])
-        b = randn(N, scale=0.5)
-        return Built(label, shape, unit, work, roof, lambda: tk.linear(x, w, b, activation="gelu"),
-                     [("mm+bias+gelu", lambda: F.gelu(torch.matmul(x, w) + b, approximate="tanh")),
-                      ("addmm+gelu", lambda: F.gelu(torch.addmm(b, x, w), approximate="tanh"))])
+        b, r = randn(N, scale=0.5), randn(M, N)
+
+        def epilogue(x, w, b, r):
+            return F.gelu(torch.addmm(b, x, w), approximate="tanh") + r
+
+        compiled = torch.compile(epilogue, mode=compile_mode, dynamic=False)
+        return Built(lambda: tk.linear(x, w, b, activation="gelu", residual=r),
+                     [("addmm+gelu+res", lambda: epilogue(x, w, b, r)),
+                      ("torch.compile", lambda: compiled(x, w, b, r))], compiled=("torch.compile",))
     if case.kind == "attention":
         B, H, T, D = p
         q, k, v = (randn(B, H, T, D) for _ in range(3))
-        return Built(label, shape, unit, work, roof, lambda: tk.attention(q, k, v, causal=True),
-                     [("torch.sdpa", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))])
+        return Built(lambda: tk.attention(q, k, v, causal=True),
+                     [(f"sdpa {name}", _sdpa(backend, q, k, v, is_causal=True))
+                      for name, backend in (("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))])
     if case.kind == "layer_norm":
         M, N = p
         x, w, b = randn(M, N), randn(N, scale=0.1, mean=1.0), randn(N, scale=0.1)
-        return Built(label, shape, unit, work, roof, lambda: tk.layer_norm(x, w, b, 1e-5),
-                     [("F.layer_norm", lambda: F.layer_norm(x, (N,), w, b, 1e-5))])
+        return Built(lambda: tk.layer_norm(x, w, b, 1e-5), [("F.layer_norm", lambda: F.layer_norm(x, (N,), w, b, 1e-5))])
     if case.kind == "gelu":
         x = randn(*p, scale=2.0)
-        return Built(label, shape, unit, work, roof, lambda: tk.gelu(x, approximate="tanh"),
-                     [("F.gelu", lambda: F.gelu(x, approximate="tanh"))])
+        return Built(lambda: tk.gelu(x, approximate="tanh"), [("F.gelu", lambda: F.gelu(x, approximate="tanh"))])
     if case.kind == "decode_attention":
         B, H, ctx, D = p
         q, k, v = randn(B, H, 1, D), randn(B, H, ctx, D), randn(B, H, ctx, D)
         lengths = torch.full((B,), ctx, dtype=torch.int32, device=dev)
-        return Built(label, shape, unit, work, roof, lambda: tk.decode_attention(q, k, v, lengths),
+        return Built(lambda: tk.decode_attention(q, k, v, lengths),
                      [("torch.sdpa", lambda: F.scaled_dot_product_attention(q, k, v))])
     raise ValueError(f"unknown case kind {case.kind!r}")
 
@@ -178,19 +201,19 @@ def _row(case: Case, anchor: str, calib: dict) -> Row:
                tolerance=checks.TOLERANCE["bfloat16"], params={"kind": case.kind, "params": list(case.params)})
 
 
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+def run_case(case: Case, calib: dict, *, reps: int, warmup: int = 5, log=print,
+             compile_mode: str = "default", budget: timing.CompileBudget | None = None) -> list[Row]:
+    """One row per anchor: check tilekit's output against the anchor's, then time both as graph replays.
 
-
-def run_case(case: Case, calib: dict, *, reps: int, warmup: int = 5, log=print) -> list[Row]:
-    """One row per anchor: check tilekit's output against the anchor's, then time both."""
+    A compiled anchor's first call (its compile) is charged to `budget`; once that is spent the
+    anchor is skipped with the reason."""
+    budget = budget or timing.CompileBudget(COMPILE_BUDGET_S)
     try:
-        b = build(case)
+        b = build(case, compile_mode)
     except Exception as e:  # noqa: BLE001
         log(traceback.format_exc())
         row = _row(case, "-", calib)
-        row.status, row.note = "error", f"inputs: {_short(e)}"
+        row.status, row.note = "error", f"inputs: {short_error(e)}"
         return [row]
     rows = [_row(case, name, calib) for name, _ in b.anchors]
     try:
@@ -198,35 +221,47 @@ def run_case(case: Case, calib: dict, *, reps: int, warmup: int = 5, log=print) 
     except Exception as e:  # noqa: BLE001
         log(traceback.format_exc())
         for r in rows:
-            r.status, r.note = "error", f"tilekit: {_short(e)}"
+            r.status, r.note = "error", f"tilekit: {short_error(e)}"
         return rows
     tk_time = None
     for r, (name, fn) in zip(rows, b.anchors):
         try:
-            ref = fn()
+            if name in b.compiled:
+                if reason := budget.skip_reason():
+                    r.status, r.note = "skipped", reason
+                    continue
+                ref, seconds = budget.first_call(fn)
+                r.params.update(compile_s=round(seconds, 1), compile_mode=compile_mode)
+                r.note = f"{compile_mode} mode, first call (compile) {seconds:.1f} s"
+            else:
+                ref = fn()
             r.error = checks.rel_error(out, ref)
             del ref
             if not r.error < r.tolerance:
                 r.status, r.note = "failed", f"relative error {r.error:.3g} >= tolerance {r.tolerance:g}"
                 continue
             if tk_time is None:
-                tk_time = timing.measure(b.tilekit, flush_l2=True, warmup=warmup, reps=reps)
-            fill_times(r, tk_time, timing.measure(fn, flush_l2=True, warmup=warmup, reps=reps))
+                tk_time = timing.measure_graph(b.tilekit, flush_l2=True, warmup=warmup, reps=reps)
+            an_time = timing.measure_graph(fn, flush_l2=True, warmup=warmup, reps=reps)
+            fill_times(r, tk_time, an_time)
+            r.note = "; ".join(filter(None, [r.note] + [f"{side} {t['eager']}" for side, t in
+                                                         (("tilekit", tk_time), ("anchor", an_time)) if "eager" in t]))
         except Unavailable as e:
             r.status, r.note = "skipped", str(e)
         except Exception as e:  # noqa: BLE001
             log(traceback.format_exc())
-            r.status, r.note = "error", f"{name}: {_short(e)}"
+            r.status, r.note = "error", f"{name}: {short_error(e)}"
     return rows
 
 
 def run(mode: str, calib: dict, log=print) -> list[Row]:
     reps = 30 if mode == "quick" else 100
+    budget = timing.CompileBudget(COMPILE_BUDGET_S)
     rows, cases = [], plan(mode)
     for i, case in enumerate(cases):
         label, _ = describe(case)
         log(f"[kernels {i + 1}/{len(cases)}] {label}")
-        new = run_case(case, calib, reps=reps, log=log)
+        new = run_case(case, calib, reps=reps, log=log, compile_mode=COMPILE_MODE[mode], budget=budget)
         for r in new:
             log(f"    vs {r.anchor}: " + (f"tilekit {r.tilekit_ms:.4f} ms, anchor {r.anchor_ms:.4f} ms, "
                                           f"ratio {r.ratio:.2f}, err {r.error:.1e}" if r.status == "ok"
@@ -234,4 +269,3 @@ def run(mode: str, calib: dict, log=print) -> list[Row]:
         rows += new
         timing.free_memory()
     return rows
-

@@ -9,33 +9,52 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+SUITES = ("kernels", "model", "tuning", "overhead")
 
 DEFINITIONS = {
     "ratio": "anchor_ms / tilekit_ms: > 1 means tilekit is faster",
     "timer": "CUDA events on one stream shared by tilekit and torch/CuPy, each rep timed alone, "
-             "L2 written over (>= 256 MB) before every kernel and prefill rep, median of reps",
+             "L2 written over (>= 256 MB) before every kernel and prefill rep, outside the timed region, "
+             "median of reps",
+    "kernel_ms": "GPU time of one CUDA-graph replay of one call (each side captured alone in a "
+                 "torch.cuda.CUDAGraph on the shared stream), so host launch gaps count on neither side",
     "copy_bandwidth_gbs": "(bytes read + bytes written) / median time of a 1 GiB device-to-device "
                           "copy, best of cudaMemcpyAsync and a copy kernel; roofline of memory-bound rows",
     "matmul_peak_tflops": "2 * 8192^3 / median time of torch.matmul bf16 8192x8192x8192 on random data; "
                           "roofline of matmul, attention and prefill rows",
-    "linear_flops": "2 * M * N * K (bias / GELU epilogue not counted)",
+    "linear_flops": "2 * M * N * K (bias / GELU / residual epilogue not counted)",
     "attention_flops": "causal: 2 * B * H * T^2 * D (half of the 4 * B * H * T^2 * D of full attention)",
     "layer_norm_bytes": "2 * M * N * itemsize (read x, write y) + 2 * N * itemsize (weight, bias)",
     "gelu_bytes": "2 * n * itemsize (read x, write y)",
     "decode_attention_bytes": "2 * B * H * ctx * D * itemsize (the K and V cache read once)",
     "prefill_flops": "2 * B * T * (12 * n_layer * C^2 + V * C) + 2 * n_layer * B * T^2 * C "
-                     "(weight matmuls incl. the LM head, plus causal attention)",
-    "decode_ms_per_token": "wall time of generate(128 random prompt tokens -> 128 new tokens, greedy), "
-                           "CUDA-synchronized, median of 3 runs after 1 warm-up, divided by 128 "
-                           "(one step for the whole batch; the prompt prefill is included). tilekit keeps "
-                           "its KV cache and CUDA graphs between calls of one shape, so the timed runs "
-                           "replay graphs: the steady state of a serving loop",
-    "decode_floor_ms": "weight bytes / copy bandwidth: 2 bytes x parameter count (wte counted once) "
-                       "/ copy_bandwidth_gbs, i.e. the time to stream every weight once per step at "
-                       "the DRAM traffic rate a copy achieves (counting bytes read + written); KV-cache "
-                       "reads are left out",
-    "pct_roofline": "tilekit perf / roofline * 100; for decode rows floor_ms / tilekit ms_per_token * 100",
-    "error": "||tilekit - anchor|| / ||anchor|| in float64 over the output checked before timing",
+                     "(weight matmuls incl. the LM head, plus causal attention); prefill floor = "
+                     "prefill_flops / matmul_peak_tflops",
+    "prefill_ms": "one forward with full logits (B x T x V), host included on both sides (the model API "
+                  "as a caller sees it), CUDA events, L2 flushed, median of reps",
+    "decode_ms_per_token": "wall time of a greedy generation (128 random prompt tokens -> 128 new), "
+                           "CUDA-synchronized, median of 3 runs after the checked first run, divided by the "
+                           "new tokens (one step serves the whole batch; the prompt prefill is included on "
+                           "every side). Anchors: gpt-fast step = GPT-2 in PyTorch with static KV-cache "
+                           "buffers, SDPA, argmax on the GPU, the step compiled with torch.compile("
+                           "mode='reduce-overhead') (Inductor + CUDA graphs), prefill eager as in gpt-fast; "
+                           "HF static = transformers generate with cache_implementation='static' (compiles "
+                           "the decode forward); HF sdpa / eager = generate with the dynamic cache",
+    "decode_floor_ms": "(weight bytes + KV-cache bytes read per step) / copy_bandwidth_gbs: itemsize x "
+                       "parameter count (wte counted once) plus 2 * n_layer * B * C * itemsize * the mean "
+                       "context (prompt + new / 2); prefill not counted, so a lower bound",
+    "pct_roofline": "tilekit % of floor: perf / roofline * 100 (kernels, prefill), or decode floor_ms / "
+                    "ms_per_token * 100; anchor_pct_roofline the same for the anchor",
+    "error": "||tilekit - anchor|| / ||anchor|| in float64 over the output checked before timing; decode "
+             "rows: the logits of the first generated position. fp32 decode rows fail unless every greedy "
+             "token equals the anchor's; bf16 decode rows report how many leading tokens agree "
+             "(greedy_agreement, the least over the batch)",
+    "compile_s": "seconds of a compiled anchor's first call (compile and checked run); each compiled anchor "
+                 "has a per-preset budget, and shapes that would start after it is spent are skipped",
+    "host_us_per_call": "overhead suite: median perf_counter_ns of one eager call over 1000 calls of a tiny "
+                        "problem (the GPU never backs up; synchronized before), GPU work excluded; first "
+                        "call = one call right after tilekit.autotune.store.reset() (plans forgotten, "
+                        "kernels compiled), median of 20; floor = ct.launch of a one-array cuTile kernel",
 }
 
 
@@ -43,7 +62,7 @@ DEFINITIONS = {
 class Row:
     """One tilekit-vs-anchor comparison."""
 
-    suite: str                       # "kernels", "model" or "tuning"
+    suite: str                       # "kernels", "model", "tuning" or "overhead"
     name: str                        # "linear", "attention", ..., "prefill", "generate"
     label: str                       # short table label, e.g. "linear gpt2 attn.c_attn 768x2304"
     shape: str                       # full shape, e.g. "M=8192 K=768 N=2304"
@@ -59,9 +78,10 @@ class Row:
     anchor_p90_ms: float | None = None
     tilekit_perf: float | None = None
     anchor_perf: float | None = None
-    roofline: float | None = None    # in `unit`, or floor ms/token for decode rows
+    roofline: float | None = None    # in `unit`, or a floor in ms when roofline_name ends in "_ms"
     roofline_name: str = ""
     pct_roofline: float | None = None
+    anchor_pct_roofline: float | None = None
     error: float | None = None
     tolerance: float | None = None
     status: str = "ok"
@@ -110,9 +130,11 @@ def param_count(config) -> int:
     return sum(math.prod(s) for s in state_dict_shapes(config).values())
 
 
-def decode_floor_ms(n_params: int, copy_gbs: float, bytes_per_param: int = 2) -> float:
-    """Time to read every weight once at the copy bandwidth (see DEFINITIONS['decode_floor_ms'])."""
-    return n_params * bytes_per_param / (copy_gbs * 1e9) * 1e3
+def decode_floor_ms(config, batch: int, prompt: int, new: int, copy_gbs: float, itemsize: int = 2) -> float:
+    """Time to read every weight and the mean step's KV cache once at the copy bandwidth
+    (see DEFINITIONS['decode_floor_ms'])."""
+    kv = 2 * config.n_layer * batch * config.n_embd * itemsize * (prompt + new / 2)
+    return (param_count(config) * itemsize + kv) / (copy_gbs * 1e9) * 1e3
 
 
 def prefill_flops(config, batch: int, seq: int) -> float:
@@ -122,7 +144,7 @@ def prefill_flops(config, batch: int, seq: int) -> float:
 
 
 def fill_times(row: Row, tk: dict | None, an: dict | None) -> Row:
-    """Copy two timer results (and the perf and roofline they imply) into a row."""
+    """Copy two timer results (and the perf and % of roofline or floor they imply) into a row."""
     if tk is not None:
         row.tilekit_ms, row.tilekit_p10_ms, row.tilekit_p90_ms = tk["median_ms"], tk["p10_ms"], tk["p90_ms"]
     if an is not None:
@@ -130,40 +152,60 @@ def fill_times(row: Row, tk: dict | None, an: dict | None) -> Row:
     if row.work is not None and row.unit:
         row.tilekit_perf = rate(row.work, row.tilekit_ms, row.unit)
         row.anchor_perf = rate(row.work, row.anchor_ms, row.unit)
+    if row.roofline_name.endswith("_ms"):            # a floor time: % = floor / measured time
+        row.pct_roofline = pct(row.roofline, row.tilekit_ms)
+        row.anchor_pct_roofline = pct(row.roofline, row.anchor_ms)
+    else:
         row.pct_roofline = pct(row.tilekit_perf, row.roofline)
+        row.anchor_pct_roofline = pct(row.anchor_perf, row.roofline)
     return row
+
+
+def short_error(e: BaseException) -> str:
+    """'TypeName: first line of the message' (at most 300 characters of it)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def strongest_first(rows: list, field=getattr) -> list:
+    """Rows grouped by case in order of first appearance; in each case the fastest measured anchor
+    first and rows that were not measured last. `field(row, name)` reads Row objects or dicts."""
+    cases: dict[tuple, list] = {}
+    for r in rows:
+        cases.setdefault((field(r, "suite"), field(r, "name"), field(r, "label")), []).append(r)
+
+    def speed(r):
+        ms = field(r, "anchor_ms")
+        return (field(r, "status") != "ok" or ms is None, ms or 0.0)
+    return [r for group in cases.values() for r in sorted(group, key=speed)]
 
 
 # -- text table ---------------------------------------------------------------------------------
 
-COLUMNS = (("case", 36, "<"), ("anchor", 13, "<"), ("tk ms", 8, ">"), ("anch ms", 8, ">"),
-           ("ratio", 6, ">"), ("tk perf", 10, ">"), ("%roof", 5, ">"), ("err", 7, ">"))
+COLUMNS = (("case", 36, "<"), ("anchor", 14, "<"), ("tk ms", 8, ">"), ("anch ms", 8, ">"),
+           ("ratio", 6, ">"), ("tk%", 5, ">"), ("anch%", 5, ">"), ("err", 7, ">"))
 WIDTH = 100
-UNIT_SHORT = {"TFLOP/s": "TF/s", "GB/s": "GB/s", "tok/s": "tok/s"}
-SECTIONS = (("kernels", None, "kernels: one call, L2 flushed; linear rows are M=8192 tokens x KxN"),
-            ("model", "prefill", "model prefill: one forward with full logits (B x T x V)"),
-            ("model", "generate", "model decode: ms per step = wall time / 128 new tokens; "
-                                  "%roof = weight-read floor / tilekit"),
+SECTIONS = (("kernels", None, "kernels: GPU time of one call (CUDA graph replay, L2 flushed); % of the roofline"),
+            ("model", "prefill", "model prefill: one forward with full logits (B x T x V); % of the dense-peak floor"),
+            ("model", "generate", "model decode: ms per new token (wall time); % of the weights + KV floor; "
+                                  "err: 1st logits"),
             ("tuning", None, "tuning: the model with heuristic defaults (anchor, TILEKIT_AUTOTUNE=off) "
-                             "vs the tuning databases"))
+                             "vs the tuning databases"),
+            ("overhead", None, "overhead: host ms per eager call, GPU work excluded; anchor: the torch op"))
 
 
 def _num(v: float | None, width: int) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     a = abs(v)
-    text = f"{v:.0f}" if a >= 1000 else f"{v:.1f}" if a >= 100 else f"{v:.2f}" if a >= 1 else f"{v:.3f}"
+    text = f"{v:.0f}" if a >= 1000 else f"{v:.1f}" if a >= 100 else f"{v:.2f}" if a >= 1 else f"{v:.3g}"
     if a >= 1e6:
         text = f"{v:.2e}"
     return text[:width]
 
 
-def _perf(v: float | None, unit: str) -> str:
-    if v is None:
-        return "-"
-    if v >= 1e5:
-        return f"{v / 1e3:.0f}k {UNIT_SHORT.get(unit, unit)}"
-    return f"{_num(v, 6)} {UNIT_SHORT.get(unit, unit)}"
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}%"
 
 
 def _cells(row: Row) -> list[str]:
@@ -172,8 +214,7 @@ def _cells(row: Row) -> list[str]:
         return [row.label, row.anchor, tag, "", "", "", "", "-" if row.error is None else f"{row.error:.1e}"]
     r = row.ratio
     return [row.label, row.anchor, _num(row.tilekit_ms, 8), _num(row.anchor_ms, 8),
-            "-" if r is None else f"{r:.2f}x", _perf(row.tilekit_perf, row.unit),
-            "-" if row.pct_roofline is None else f"{row.pct_roofline:.0f}%",
+            "-" if r is None else f"{r:.2f}x", _pct(row.pct_roofline), _pct(row.anchor_pct_roofline),
             "-" if row.error is None else f"{row.error:.1e}"]
 
 

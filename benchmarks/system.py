@@ -51,12 +51,14 @@ def _cuda_version(v: int) -> str:
 
 
 def gpu_identity() -> dict:
-    """Name, arch, SM count, PCI bus id and the driver / runtime CUDA versions of the current GPU."""
+    """Name, arch, SM count, PCI bus id and the driver / runtime CUDA versions of the current GPU
+    (through CuPy alone, so an older tilekit checkout can be described too)."""
     import cupy
-    from tilekit.device import device_info
     dev = cupy.cuda.Device()
-    info = device_info(dev.id).as_dict()
-    info["index"] = dev.id
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    info = {"name": name, "arch": f"sm_{props['major']}{props['minor']}",
+            "sm_count": int(props["multiProcessorCount"]), "index": dev.id}
     info["pci_bus_id"] = dev.pci_bus_id
     info["l2_bytes"] = int(dev.attributes.get("L2CacheSize", 0))
     info["memory_bytes"] = int(cupy.cuda.runtime.memGetInfo()[1])
@@ -66,7 +68,6 @@ def gpu_identity() -> dict:
 
 
 def versions() -> dict:
-    from tilekit.device import toolchain
     v = {"python": platform.python_version(), "platform": platform.platform()}
     for dist in ("torch", "transformers", "cupy-cuda13x", "cupy-cuda12x", "cupy", "numpy",
                  "cuda-tile", "matplotlib", "tilekit"):
@@ -78,6 +79,7 @@ def versions() -> dict:
     except ImportError:
         pass
     try:
+        from tilekit.device import toolchain
         v.update(toolchain())          # cuda_tile, tileiras
     except Exception as e:  # noqa: BLE001 - record, never fail the run over a version string
         v["toolchain_error"] = str(e)

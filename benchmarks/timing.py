@@ -4,7 +4,9 @@ Both sides must run on the same stream, or the events would time the wrong work.
 launches on torch's current stream for torch tensors and on CuPy's current stream for CuPy
 arrays; torch and cuBLAS run on torch's current stream. `shared_stream()` makes CuPy's current
 stream torch's current stream (by default the legacy default stream, handle 0), and `measure`
-refuses to run when the two differ.
+refuses to run when the two differ. `measure_graph` times a CUDA-graph replay of a callable with
+the same timer (GPU work only); `host_time` times the host side of eager calls; `CompileBudget`
+bounds the time torch.compile anchors may spend compiling.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import contextlib
 import importlib.util
 import sys
 import time
+
+from benchmarks.report import short_error
 
 import numpy as np
 
@@ -96,6 +100,92 @@ def measure(fn, *, flush_l2: bool, warmup: int = 5, reps: int = 30) -> dict:
         ends[i].record(stream)
     ends[-1].synchronize()
     return summarize(cupy.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends))
+
+
+_capture_streams: dict[int, object] = {}
+
+
+def capture(fn):
+    """(graph, output): fn() recorded once into a torch.cuda.CUDAGraph, CuPy's stream following torch's.
+
+    fn runs once first on the capture stream (a side stream kept per device), so per-stream scratch,
+    plans and library workspaces exist before capture; the output is returned to be kept alive with
+    the graph, which writes into it on every replay.
+    """
+    import torch
+    dev = torch.cuda.current_device()
+    side = _capture_streams.setdefault(dev, torch.cuda.Stream())
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), shared_stream():
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side, capture_error_mode="relaxed"), shared_stream():
+        out = fn()
+    return graph, out
+
+
+def measure_graph(fn, *, flush_l2: bool, warmup: int = 5, reps: int = 30) -> dict:
+    """measure() of graph replays of fn() (see capture): the GPU time of fn's work alone.
+
+    A callable that cannot be captured (CuPy refuses cuBLAS calls under capture) is timed eagerly
+    instead; the result then holds `eager`, the reason."""
+    try:
+        graph, out = capture(fn)
+    except Exception as e:  # noqa: BLE001
+        return dict(measure(fn, flush_l2=flush_l2, warmup=warmup, reps=reps),
+                    eager=f"timed eagerly, graph capture failed: {short_error(e)}")
+    try:
+        return measure(graph.replay, flush_l2=flush_l2, warmup=warmup, reps=reps)
+    finally:
+        del graph, out
+
+
+def host_time(fn, *, calls: int = 1000, sync_every: int = 100) -> dict:
+    """Host time of one eager fn() (perf_counter_ns, in ms): median of `calls` calls after one warm-up.
+
+    The device is synchronized before the first call and every `sync_every` calls, outside the timed
+    calls, so a small problem's GPU work never backs the launch queue up into the host's time.
+    """
+    fn()
+    times = []
+    for i in range(calls):
+        if i % sync_every == 0:
+            synchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e6)
+    synchronize()
+    return summarize(times)
+
+
+class CompileBudget:
+    """Seconds a torch.compile anchor may spend in first calls (compiles); once they are spent, or
+    once a compile failed, `skip_reason()` says why its later shapes are skipped."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.spent, self.failure = seconds, 0.0, None
+
+    def skip_reason(self) -> str | None:
+        if self.failure:
+            return f"torch.compile failed on an earlier shape ({self.failure})"
+        if self.spent > self.seconds:
+            return f"compile budget spent ({self.spent:.0f} s > {self.seconds:.0f} s)"
+        return None
+
+    def first_call(self, fn):
+        """fn() (the call that compiles), its seconds charged to the budget; (result, seconds)."""
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+            synchronize()
+        except Exception as e:
+            self.failure = short_error(e)
+            raise
+        finally:
+            seconds = time.perf_counter() - t0
+            self.spent += seconds
+        return out, seconds
 
 
 def synchronize() -> None:

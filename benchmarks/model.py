@@ -1,50 +1,89 @@
-"""tilekit's GPT against Hugging Face GPT2LMHeadModel on the same random weights: prefill and decode.
+"""tilekit's GPT against PyTorch anchors on the same random weights: prefill and greedy decode.
 
-The HF model is built from GPT2Config(**config.to_hf_dict()) on the GPU in bf16, its biases and
-LayerNorm parameters nudged off 0 / 1 so the check exercises them, and its state dict (float32,
-without the "transformer." prefix, the tied lm_head and the mask buffers) builds tilekit's GPT,
-so both hold bit-identical bf16 weights.
+The HF model is built from GPT2Config(**config.to_hf_dict()) on the GPU, its biases and LayerNorm
+parameters nudged off 0 / 1 so the checks exercise them, and its state dict (float32, without the
+"transformer." prefix, the tied lm_head and the mask buffers) builds tilekit's GPT, so both hold
+identical weights. Anchors, all on those weights: prefill: HF sdpa / eager and
+torch.compile(mode="reduce-overhead") of the HF forward; decode: the gpt-fast-style step
+(benchmarks.gptfast), HF generate with a static cache (compiled) and with the dynamic cache.
 """
 
 from __future__ import annotations
 
-import time
 import traceback
 from dataclasses import dataclass
 
 import numpy as np
 
 from benchmarks import checks, timing
-from benchmarks.report import Row, decode_floor_ms, fill_times, param_count, prefill_flops
+from benchmarks.report import Row, decode_floor_ms, fill_times, prefill_flops, short_error
 
 PROMPT, NEW_TOKENS = 128, 128
-COMPILE_BUDGET_S = 180.0        # per preset: shapes whose compile would start later are skipped
+FP32_NEW_TOKENS = 16
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+COMPILED = ("gpt-fast step", "HF compile", "HF static")       # anchors whose first call compiles
+COMPILE_BUDGET_S = {"gpt-fast step": 300.0, "HF compile": 90.0, "HF static": 90.0}   # per preset
 
 
 @dataclass(frozen=True)
 class ModelPlan:
     preset: str
-    prefill: tuple = ()                       # (batch, seq) pairs
-    decode: tuple = ()                        # batch sizes
-    prefill_impls: tuple = ("sdpa", "eager")
-    decode_impls: tuple = ("sdpa", "eager")
-    compile: bool = False                     # also torch.compile(HF sdpa) for prefill
+    prefill: tuple = ()                       # ((batch, seq), anchors): "HF compile", "HF sdpa", "HF eager"
+    decode: tuple = ()                        # (batch, anchors): "gpt-fast step", "HF static", "HF sdpa",
+    dtype: str = "bfloat16"                   #   "HF eager", "gpt-fast eager"
+    new_tokens: int = NEW_TOKENS
     prefill_reps: int = 10
     config: object = None                     # a GPTConfig to use instead of the preset's (tests)
 
 
+def fp32_check(batches: tuple = (1,)) -> ModelPlan:
+    """gpt2 in fp32, 16 greedy tokens: every token must equal HF's and the gpt-fast module's."""
+    return ModelPlan("gpt2", decode=tuple((b, ("HF sdpa", "gpt-fast eager")) for b in batches), dtype="float32",
+                     new_tokens=FP32_NEW_TOKENS)
+
+
 def plan(mode: str) -> list[ModelPlan]:
+    """Quick keeps the strongest anchors (the compiled decode step at B1 and B8, torch.compile prefill)
+    for both models, the fp32 token check, and HF generate (static and dynamic cache) at gpt2 B1 only, to
+    stay within about 8 minutes from cold caches; full runs every anchor everywhere."""
     if mode == "quick":
-        return [ModelPlan("gpt2", prefill=((1, 128), (8, 1024)), decode=(1,), decode_impls=("sdpa",)),
-                ModelPlan("gpt2-xl", prefill=((8, 1024),), decode=(1,), decode_impls=("sdpa",))]
+        prefill = tuple((shape, ("HF compile", "HF sdpa")) for shape in ((1, 128), (8, 1024)))
+        step = (8, ("gpt-fast step",))
+        return [ModelPlan("gpt2", prefill, ((1, ("gpt-fast step", "HF static", "HF sdpa")), step)),
+                fp32_check(),
+                ModelPlan("gpt2-xl", prefill, ((1, ("gpt-fast step",)), step))]
     if mode == "full":
-        grid = tuple((b, t) for b in (1, 8) for t in (128, 512, 1024))
-        return [ModelPlan(p, prefill=grid, decode=(1, 8), compile=True, prefill_reps=20)
-                for p in ("gpt2", "gpt2-xl")]
+        prefill = tuple(((b, t), ("HF compile", "HF sdpa", "HF eager")) for b in (1, 8) for t in (128, 512, 1024))
+        decode = tuple((b, ("gpt-fast step", "HF static", "HF sdpa", "HF eager")) for b in (1, 8))
+        return [ModelPlan(p, prefill, decode, prefill_reps=20) for p in ("gpt2", "gpt2-xl")] + [fp32_check((1, 8))]
     raise ValueError(f"mode must be 'quick' or 'full', got {mode!r}")
 
 
-# -- building the two models --------------------------------------------------------------------
+def prefill_label(preset: str, B: int, T: int) -> str:
+    return f"prefill {preset} B{B} T{T}"
+
+
+def decode_label(preset: str, B: int, new: int = NEW_TOKENS, dtype: str = "bfloat16") -> str:
+    kind = "" if dtype == "bfloat16" else f" {dtype.replace('float', 'fp')}"
+    return f"generate {preset}{kind} B{B} {PROMPT}+{new}"
+
+
+def decode_verdict(agree: list[int], new: int, error: float, tolerance: float, exact: bool) -> tuple[str, str]:
+    """(status, note) of a decode row: fp32 (`exact`) rows need every greedy token equal; all rows need
+    the first-step logits within tolerance. `agree`: leading tokens equal, per sequence."""
+    if exact and min(agree) < new:
+        return "failed", f"greedy tokens differ from the anchor's after {min(agree)}/{new} (fp32 must match)"
+    if not error < tolerance:
+        return "failed", f"first-step logits relative error {error:.3g} >= {tolerance:g}"
+    spread = "" if len(agree) == 1 else f" (least of {len(agree)} sequences; median {int(np.median(agree))})"
+    return "ok", f"greedy tokens agree for the first {min(agree)}/{new}{spread}"
+
+
+def _per_token(t: dict, n: int) -> dict:
+    return {k: (v / n if k.endswith("_ms") else v) for k, v in t.items()}
+
+
+# -- building the models ------------------------------------------------------------------------
 
 HF_CORE_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon",
                 "activation_function", "tie_word_embeddings")
@@ -60,20 +99,22 @@ def hf_config(config, impl: str):
         return GPT2Config(**{k: d[k] for k in HF_CORE_KEYS}, attn_implementation=impl)
 
 
-def build_hf(config, impl: str, *, seed: int | None = None, like=None):
-    """GPT2LMHeadModel in bf16 on the GPU, eval mode, attention `impl`; weights random or `like`'s."""
+def build_hf(config, impl: str, *, dtype: str = "bfloat16", seed: int | None = None, like=None):
+    """GPT2LMHeadModel on the GPU, eval mode, attention `impl`, no end-of-text stop; weights random or `like`'s."""
     import torch
     from transformers import GPT2LMHeadModel
     if seed is not None:
         torch.manual_seed(seed)
     with torch.device("cuda"):
         model = GPT2LMHeadModel(hf_config(config, impl))
-    model = model.to(dtype=torch.bfloat16).eval().requires_grad_(False)
+    model = model.to(dtype=getattr(torch, dtype)).eval().requires_grad_(False)
     if getattr(model.config, "_attn_implementation", None) != impl and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(impl)
     actual = getattr(model.config, "_attn_implementation", None)
     if actual != impl:
         raise RuntimeError(f"transformers built attention {actual!r}, not {impl!r}")
+    model.generation_config.eos_token_id = None          # generate exactly max_new_tokens, as tilekit does
+    model.generation_config.pad_token_id = config.vocab_size - 1
     if like is not None:
         model.load_state_dict(like.state_dict())
     elif seed is not None:
@@ -111,219 +152,215 @@ def tilekit_state(model, config) -> dict:
     return state
 
 
+class Anchors:
+    """The anchors of one preset over one HF sdpa model (the eager one is built on first use)."""
+
+    def __init__(self, base, config, dtype: str):
+        self.models, self.config, self.dtype = {"sdpa": base}, config, dtype
+        self.compiled_forward = None
+
+    def hf(self, impl: str):
+        if impl not in self.models:
+            self.models[impl] = build_hf(self.config, impl, dtype=self.dtype, like=self.models["sdpa"])
+        return self.models[impl]
+
+    def prefill(self, name: str):
+        """callable(ids) -> full logits (B, T, V)."""
+        import torch
+        if name == "HF compile":
+            if self.compiled_forward is None:
+                self.compiled_forward = torch.compile(self.models["sdpa"], mode="reduce-overhead", dynamic=False)
+
+            def forward(ids):
+                torch.compiler.cudagraph_mark_step_begin()   # the last call's outputs may be overwritten
+                return self.compiled_forward(input_ids=ids, use_cache=False).logits
+            return forward
+        model = self.hf(name.removeprefix("HF "))
+        return lambda ids: model(input_ids=ids, use_cache=False).logits
+
+    def decode(self, name: str, batch: int, new: int):
+        """callable(prompt, check) -> (tokens (B, PROMPT + new), logits (B, V) of the first new token or None)."""
+        if name.startswith("gpt-fast"):
+            from benchmarks.gptfast import GPT2Decoder
+            decoder = GPT2Decoder(self.models["sdpa"], batch, PROMPT + new, compile=name == "gpt-fast step")
+            return lambda prompt, check=False: decoder.generate(prompt, new)
+        model = self.hf("sdpa" if name == "HF static" else name.removeprefix("HF "))
+        extra = {"cache_implementation": "static"} if name == "HF static" else {}
+
+        def generate(prompt, check=False):
+            import torch
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                                 do_sample=False, output_logits=check, return_dict_in_generate=check, **extra)
+            return (out.sequences, out.logits[0]) if check else (out, None)
+        return generate
+
+
 # -- one preset ---------------------------------------------------------------------------------
 
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+def _row(p: ModelPlan, name: str, label: str, shape: str, anchor: str, **kw) -> Row:
+    return Row(suite="model", name=name, label=label, shape=shape, anchor=anchor, dtype=p.dtype, **kw)
 
 
-def prefill_label(preset: str, B: int, T: int) -> str:
-    return f"prefill {preset} B{B} T{T}"
+def _first_call(name: str, budgets: dict, fn, r: Row):
+    """fn(), charged to the anchor's compile budget when it is a compiled one; the row notes the seconds
+    and whether Inductor fell back from CUDA graphs."""
+    if name not in budgets:
+        return fn()
+    from torch._dynamo.utils import counters
+    skips = counters["inductor"]["cudagraph_skips"]
+    out, seconds = budgets[name].first_call(fn)
+    skipped = counters["inductor"]["cudagraph_skips"] - skips
+    r.params.update(compile_s=round(seconds, 1), cudagraph_skips=skipped)
+    r.note = f"first call (compile) {seconds:.1f} s" + (f"; Inductor skipped CUDA graphs {skipped}x" if skipped else "")
+    return out
 
 
-def decode_label(preset: str, B: int) -> str:
-    return f"generate {preset} B{B} {PROMPT}+{NEW_TOKENS}"
-
-
-def _prefill_row(p: ModelPlan, config, B: int, T: int, anchor: str, calib: dict) -> Row:
-    return Row(suite="model", name="prefill", label=prefill_label(p.preset, B, T),
-               shape=f"B={B} T={T} V={config.vocab_size}", anchor=anchor, unit="TFLOP/s",
-               work=prefill_flops(config, B, T), roofline=calib.get("matmul_peak_tflops"),
-               roofline_name="matmul_peak_tflops", tolerance=checks.MODEL_TOLERANCE,
-               params={"preset": p.preset, "batch": B, "seq": T})
-
-
-def run_prefill(p: ModelPlan, config, gpt, hf: dict, calib: dict, log, rng) -> list[Row]:
-    """Every (B, T) of the plan against every HF variant in `hf` (name -> callable(ids) -> logits)."""
+def run_prefill(p: ModelPlan, config, gpt, anchors: Anchors, budgets: dict, calib: dict, log, rng) -> list[Row]:
+    """Every (B, T) of the plan against every prefill anchor: full logits checked, then timed."""
     import torch
     rows = []
-    compile_spent, compile_name = 0.0, next((n for n in hf if "compile" in n), None)
-    for B, T in p.prefill:
+    for (B, T), names in p.prefill:
         ids = rng.integers(0, config.vocab_size, (B, T), dtype=np.int64)
         ids_t = torch.from_numpy(ids).cuda()
         log(f"[model {p.preset}] prefill B={B} T={T}")
+        new = [_row(p, "prefill", prefill_label(p.preset, B, T), f"B={B} T={T} V={config.vocab_size}", name,
+                    unit="TFLOP/s", work=prefill_flops(config, B, T), roofline=calib.get("matmul_peak_tflops"),
+                    roofline_name="matmul_peak_tflops", tolerance=checks.MODEL_TOLERANCE,
+                    params={"preset": p.preset, "batch": B, "seq": T}) for name in names]
+        rows += new
         try:
             out = gpt(ids)
         except Exception as e:  # noqa: BLE001
             log(traceback.format_exc())
-            for name in hf:
-                r = _prefill_row(p, config, B, T, name, calib)
-                r.status, r.note = "error", f"tilekit: {_short(e)}"
-                rows.append(r)
+            for r in new:
+                r.status, r.note = "error", f"tilekit: {short_error(e)}"
             continue
         tk_time = None
-        for name, forward in hf.items():
-            r = _prefill_row(p, config, B, T, name, calib)
-            rows.append(r)
-            if name == compile_name and compile_spent > COMPILE_BUDGET_S:
-                r.status, r.note = "skipped", (
-                    "torch.compile failed on an earlier shape" if compile_spent == float("inf") else
-                    f"torch.compile budget spent ({compile_spent:.0f} s > {COMPILE_BUDGET_S:.0f} s "
-                    f"for {p.preset})")
+        for r in new:
+            name = r.anchor
+            if name in budgets and (reason := budgets[name].skip_reason()):
+                r.status, r.note = "skipped", reason
                 continue
             try:
-                t0 = time.perf_counter()
-                ref = forward(ids_t)
-                timing.synchronize()
-                if name == compile_name:
-                    compile_spent += time.perf_counter() - t0
-                    r.note = f"first call (compile) {time.perf_counter() - t0:.1f} s"
-                r.error = checks.rel_error(out, ref)
-                del ref
+                forward = anchors.prefill(name)
+                r.error = checks.rel_error(out, _first_call(name, budgets, lambda: forward(ids_t), r))
                 if not r.error < r.tolerance:
                     r.status, r.note = "failed", f"logits relative error {r.error:.3g} >= {r.tolerance:g}"
                     continue
-                reps, warm = p.prefill_reps, 2
                 if tk_time is None:
-                    tk_time = timing.measure(lambda: gpt(ids), flush_l2=True, warmup=warm, reps=reps)
-                an = timing.measure(lambda: forward(ids_t), flush_l2=True, warmup=warm, reps=reps)
-                fill_times(r, tk_time, an)
+                    tk_time = timing.measure(lambda: gpt(ids), flush_l2=True, warmup=2, reps=p.prefill_reps)
+                fill_times(r, tk_time, timing.measure(lambda: forward(ids_t), flush_l2=True, warmup=2,
+                                                      reps=p.prefill_reps))
                 log(f"    vs {name}: tilekit {r.tilekit_ms:.2f} ms, {name} {r.anchor_ms:.2f} ms, "
-                    f"ratio {r.ratio:.2f}, err {r.error:.1e}")
+                    f"ratio {r.ratio:.2f}, err {r.error:.1e} {r.note}")
             except Exception as e:  # noqa: BLE001
                 log(traceback.format_exc())
-                r.status, r.note = "error", f"{name}: {_short(e)}"
-                if name == compile_name:         # one failed compile is enough
-                    compile_spent = float("inf")
+                r.status, r.note = "error", f"{name}: {short_error(e)}"
         del out
         timing.free_memory()
     return rows
 
 
-def _per_token(t: dict, n: int) -> dict:
-    return {k: (v / n if k.endswith("_ms") else v) for k, v in t.items()}
-
-
-def run_decode(p: ModelPlan, config, gpt, hf: dict, calib: dict, log, rng) -> list[Row]:
-    """Greedy generation of NEW_TOKENS after a PROMPT-token random prompt, wall-clock, both sides."""
+def run_decode(p: ModelPlan, config, gpt, anchors: Anchors, budgets: dict, calib: dict, log, rng) -> list[Row]:
+    """Greedy generation of p.new_tokens after a PROMPT-token random prompt: checked, then wall-clock timed."""
     import torch
-    rows = []
-    n_params = param_count(config)
-    floor = decode_floor_ms(n_params, calib["copy_bandwidth_gbs"]) if calib.get("copy_bandwidth_gbs") else None
-    for B in p.decode:
+    rows, new, exact = [], p.new_tokens, p.dtype == "float32"
+    for B, names in p.decode:
+        floor = (decode_floor_ms(config, B, PROMPT, new, calib["copy_bandwidth_gbs"], ITEMSIZE[p.dtype])
+                 if calib.get("copy_bandwidth_gbs") else None)
         prompt = rng.integers(0, config.vocab_size, (B, PROMPT), dtype=np.int64)
         prompt_t = torch.from_numpy(prompt).cuda()
-        mask = torch.ones_like(prompt_t)
-        last = {}
-
-        def tk_generate():
-            last["tilekit"] = gpt.generate(prompt, NEW_TOKENS, temperature=0)
-
-        log(f"[model {p.preset}] decode B={B}: {PROMPT} prompt + {NEW_TOKENS} new tokens")
+        log(f"[model {p.preset}] decode {p.dtype} B={B}: {PROMPT} prompt + {new} new tokens")
+        block = [_row(p, "generate", decode_label(p.preset, B, new, p.dtype), f"B={B} prompt={PROMPT} new={new}",
+                      name, unit="tok/s", work=float(B), roofline=floor, roofline_name="decode_floor_ms",
+                      tolerance=checks.TOLERANCE["float32"] if exact else checks.MODEL_TOLERANCE,
+                      params={"preset": p.preset, "batch": B, "new_tokens": new}) for name in names]
+        rows += block
         try:
-            tk_time = _per_token(timing.wall_time(tk_generate, warmup=1, runs=3), NEW_TOKENS)
-            produced = len(last["tilekit"][0]) - PROMPT
-            tk_error = None if produced == NEW_TOKENS else f"tilekit produced {produced} tokens"
+            tk_tokens = np.stack(gpt.generate(prompt, new, temperature=0))
+            if tk_tokens.shape != (B, PROMPT + new):
+                raise RuntimeError(f"tilekit generated tokens of shape {tk_tokens.shape}")
+            tk_logits = gpt(prompt)[:, -1]                    # the first generated position's logits
+            tk_time = _per_token(timing.wall_time(lambda: gpt.generate(prompt, new, temperature=0),
+                                                  warmup=0, runs=3), new)
         except Exception as e:  # noqa: BLE001
             log(traceback.format_exc())
-            tk_time, tk_error = None, f"tilekit: {_short(e)}"
-        for name, model in hf.items():
-            r = Row(suite="model", name="generate", label=decode_label(p.preset, B),
-                    shape=f"B={B} prompt={PROMPT} new={NEW_TOKENS}", anchor=name, unit="tok/s",
-                    roofline=floor, roofline_name="decode_floor_ms",
-                    params={"preset": p.preset, "batch": B, "param_count": n_params})
-            rows.append(r)
-            if tk_error:
-                r.status, r.note = ("failed" if tk_time else "error"), tk_error
+            for r in block:
+                r.status, r.note = "error", f"tilekit: {short_error(e)}"
+            continue
+        for r in block:
+            name = r.anchor
+            if name in budgets and (reason := budgets[name].skip_reason()):
+                r.status, r.note = "skipped", reason
                 continue
-
-            def hf_generate(model=model):
-                last["hf"] = model.generate(prompt_t, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                                            min_new_tokens=NEW_TOKENS, do_sample=False,
-                                            pad_token_id=config.vocab_size - 1)
-
             try:
-                an = _per_token(timing.wall_time(hf_generate, warmup=1, runs=3), NEW_TOKENS)
+                generate = anchors.decode(name, B, new)
+                tokens, logits = _first_call(name, budgets, lambda: generate(prompt_t, check=True), r)
+                tokens = tokens.cpu().numpy()
+                agree = [checks.leading_agreement(tk_tokens[b, PROMPT:], tokens[b, PROMPT:]) for b in range(B)]
+                r.error = checks.rel_error(tk_logits, logits)
+                r.params.update(greedy_agreement=min(agree), greedy_agreement_per_sequence=agree)
+                compile_note = r.note
+                r.status, r.note = decode_verdict(agree, new, r.error, r.tolerance, exact)
+                r.note = "; ".join(filter(None, (r.note, compile_note)))
+                if r.status != "ok":
+                    continue
+                an = _per_token(timing.wall_time(lambda: generate(prompt_t), warmup=0, runs=3), new)
                 fill_times(r, tk_time, an)
-                r.tilekit_perf = B * 1e3 / r.tilekit_ms
-                r.anchor_perf = B * 1e3 / r.anchor_ms
-                r.pct_roofline = None if floor is None else 100.0 * floor / r.tilekit_ms
-                hf_tokens = last["hf"][0, PROMPT:].tolist()
-                same = checks.leading_agreement(last["tilekit"][0][PROMPT:], hf_tokens)
-                r.params["greedy_agreement"] = same
-                r.note = f"greedy tokens equal HF's for the first {same}/{NEW_TOKENS} (sequence 0)"
                 log(f"    vs {name}: tilekit {r.tilekit_ms:.3f} ms/token, {name} {r.anchor_ms:.3f} ms/token, "
                     f"ratio {r.ratio:.2f}, floor {floor or 0:.3f} ms; {r.note}")
             except Exception as e:  # noqa: BLE001
                 log(traceback.format_exc())
-                r.status, r.note = "error", f"{name}: {_short(e)}"
+                r.status, r.note = "error", f"{name}: {short_error(e)}"
+        del tk_logits
         timing.free_memory()
     return rows
 
 
-def _forward(model):
-    def forward(ids):
-        return model(input_ids=ids, use_cache=False).logits
-    return forward
-
-
-def _compiled(model, log):
-    import torch
-    import torch._dynamo
-    for knob in ("recompile_limit", "cache_size_limit"):    # one graph per (B, T): keep them all
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
-    log("    torch.compile(HF sdpa, dynamic=False): compiles on the first call of each shape")
-    return _forward(torch.compile(model, dynamic=False))
-
-
 def run_preset(p: ModelPlan, calib: dict, log, seed: int = 0) -> list[Row]:
+    import time
+
     import torch
     from tilekit.models import GPT, GPTConfig
     config = p.config if p.config is not None else GPTConfig.preset(p.preset)
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
-    impls = sorted(set(p.prefill_impls) | set(p.decode_impls), key=("sdpa", "eager").index)
-    models, rows = {}, []
     with torch.no_grad():      # not inference_mode: its tensors would become the parameters
-        base = build_hf(config, "sdpa", seed=seed)
-        models["sdpa"] = base
-        for impl in impls:
-            if impl in models:
-                continue
-            try:
-                models[impl] = build_hf(config, impl, like=base)
-            except Exception as e:  # noqa: BLE001 - the other variants still run
-                log(traceback.format_exc())
-                rows.append(Row(suite="model", name="prefill", label=f"model {p.preset}", shape="-",
-                                anchor=f"HF {impl}", status="error", note=f"building HF {impl}: {_short(e)}"))
+        base = build_hf(config, "sdpa", dtype=p.dtype, seed=seed)
         state = tilekit_state(base, config)
-    gpt = GPT(config, dtype="bfloat16", state=state)
+    gpt = GPT(config, dtype=p.dtype, state=state)
     del state
-    log(f"[model {p.preset}] built HF ({', '.join(models)}) and tilekit models in {time.perf_counter() - t0:.1f} s")
-    with torch.inference_mode():
-        prefill = {f"HF {i}": _forward(models[i]) for i in p.prefill_impls if i in models}
-        if p.compile:
-            try:
-                prefill["HF compile"] = _compiled(base, log)
-            except Exception as e:  # noqa: BLE001
-                log(f"    torch.compile unavailable: {_short(e)}")
-                rows.append(Row(suite="model", name="prefill", label=f"model {p.preset}", shape="-",
-                                anchor="HF compile", status="skipped", note=f"torch.compile: {_short(e)}"))
-        rows += run_prefill(p, config, gpt, prefill, calib, log, rng)
-        decode = {f"HF {i}": models[i] for i in p.decode_impls if i in models}
-        rows += run_decode(p, config, gpt, decode, calib, log, rng)
-    del gpt, models, base, prefill, decode
-    timing.free_memory()
-    return rows
+    log(f"[model {p.preset}] built HF sdpa and tilekit models ({p.dtype}) in {time.perf_counter() - t0:.1f} s")
+    anchors = Anchors(base, config, p.dtype)
+    budgets = {name: timing.CompileBudget(COMPILE_BUDGET_S[name]) for name in COMPILED}
+    try:
+        with torch.inference_mode():
+            return (run_prefill(p, config, gpt, anchors, budgets, calib, log, rng)
+                    + run_decode(p, config, gpt, anchors, budgets, calib, log, rng))
+    finally:
+        del gpt, anchors, base
+        torch._dynamo.reset()           # compiled graphs and their CUDA-graph pools go with the preset
+        timing.free_memory()
 
 
 def run(mode: str, calib: dict, log=print) -> list[Row]:
     try:
+        import torch._dynamo
         import transformers
         transformers.logging.set_verbosity_error()
     except ImportError as e:
         return [Row(suite="model", name="prefill", label="model benchmarks", shape="-", anchor="HF",
                     status="skipped", note=f"transformers is not installed ({e})")]
+    for knob in ("recompile_limit", "cache_size_limit"):      # one graph per shape and batch: keep them all
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
     rows = []
     for p in plan(mode):
         try:
             rows += run_preset(p, calib, log)
         except Exception as e:  # noqa: BLE001
             log(traceback.format_exc())
-            rows.append(Row(suite="model", name="prefill", label=f"model {p.preset}", shape="-",
-                            anchor="HF", status="error", note=_short(e)))
+            rows.append(Row(suite="model", name="prefill", label=f"model {p.preset} {p.dtype}", shape="-",
+                            anchor="HF", status="error", note=short_error(e)))
             timing.free_memory()
     return rows
-

@@ -17,8 +17,8 @@ import numpy as np
 
 from benchmarks import checks, timing
 from benchmarks.markdown import SOURCES_PREFIX
-from benchmarks.model import NEW_TOKENS, PROMPT, _per_token, _short, decode_label, prefill_label
-from benchmarks.report import Row, fill_times, prefill_flops
+from benchmarks.model import NEW_TOKENS, PROMPT, _per_token, decode_label, prefill_label
+from benchmarks.report import Row, fill_times, prefill_flops, short_error
 
 UNTUNED = "AUTOTUNE=off"
 
@@ -62,12 +62,13 @@ def in_both_modes(gpt, measure) -> dict:
 
 
 def config_sources(config, batch: int, seq: int, *, prefill: bool) -> str:
-    """'38 shipped, 2 default': where the cached mode's configs come from for this size."""
+    """'38 shipped, 2 default': where the cached mode's configs come from for a full-logits forward at
+    (batch, seq), or for a greedy generation of NEW_TOKENS after a seq-token prompt."""
     from tilekit.device import device_info
-    from tilekit.models.workload import model_problems
+    from tilekit.models import workload
     device = device_info()
-    problems = model_problems(config, "bfloat16", (batch,), (seq,), prefill=prefill, decode=not prefill,
-                              full_logits=prefill)
+    problems = (workload.forward_problems(config, "bfloat16", batch, seq) if prefill else
+                workload.generate_problems(config, "bfloat16", batch, seq, NEW_TOKENS))
     counts = Counter()
     for op, problem in problems:
         found = op.resolve(problem, device, "cached")
@@ -76,9 +77,9 @@ def config_sources(config, batch: int, seq: int, *, prefill: bool) -> str:
     return ", ".join(f"{n} {source}" for source, n in counts.most_common())
 
 
-def _row(name: str, label: str, shape: str, unit: str, work, sources: str, params: dict) -> Row:
+def _row(name: str, label: str, shape: str, unit: str, work, params: dict) -> Row:
     return Row(suite="tuning", name=name, label=label, shape=shape, anchor=UNTUNED, unit=unit, work=work,
-               tolerance=checks.MODEL_TOLERANCE, note=SOURCES_PREFIX + sources, params=params)
+               tolerance=checks.MODEL_TOLERANCE, params=params)
 
 
 def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, config=None) -> list[Row]:
@@ -91,11 +92,11 @@ def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, c
     for B, T in prefill:
         ids = rng.integers(0, config.vocab_size, (B, T), dtype=np.int64)
         r = _row("prefill", prefill_label(preset, B, T), f"B={B} T={T} V={config.vocab_size}", "TFLOP/s",
-                 prefill_flops(config, B, T), config_sources(config, B, T, prefill=True),
-                 {"preset": preset, "batch": B, "seq": T})
+                 prefill_flops(config, B, T), {"preset": preset, "batch": B, "seq": T})
         rows.append(r)
-        log(f"[tuning {preset}] prefill B={B} T={T} ({r.note})")
         try:
+            r.note = SOURCES_PREFIX + config_sources(config, B, T, prefill=True)
+            log(f"[tuning {preset}] prefill B={B} T={T} ({r.note})")
             outs = {}
 
             def prefill_time(mode):
@@ -112,16 +113,16 @@ def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, c
             log(f"    untuned {r.anchor_ms:.2f} ms, tuned {r.tilekit_ms:.2f} ms, ratio {r.ratio:.2f}")
         except Exception as e:  # noqa: BLE001
             log(traceback.format_exc())
-            r.status, r.note = "error", _short(e)
+            r.status, r.note = "error", short_error(e)
         timing.free_memory()
     for B in decode:
         prompt = rng.integers(0, config.vocab_size, (B, PROMPT), dtype=np.int64)
         r = _row("generate", decode_label(preset, B), f"B={B} prompt={PROMPT} new={NEW_TOKENS}", "tok/s",
-                 None, config_sources(config, B, PROMPT + NEW_TOKENS, prefill=False),
-                 {"preset": preset, "batch": B})
+                 float(B), {"preset": preset, "batch": B})
         rows.append(r)
-        log(f"[tuning {preset}] decode B={B} ({r.note})")
         try:
+            r.note = SOURCES_PREFIX + config_sources(config, B, PROMPT, prefill=False)
+            log(f"[tuning {preset}] decode B={B} ({r.note})")
             tokens = {}
 
             def decode_time(mode):
@@ -131,13 +132,12 @@ def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, c
 
             times = in_both_modes(gpt, decode_time)
             fill_times(r, times["cached"], times["off"])
-            r.tilekit_perf, r.anchor_perf = B * 1e3 / r.tilekit_ms, B * 1e3 / r.anchor_ms
             same = checks.leading_agreement(tokens["cached"][0][PROMPT:], tokens["off"][0][PROMPT:])
             r.note += f"; greedy tokens agree for the first {same}/{NEW_TOKENS} (sequence 0)"
             log(f"    untuned {r.anchor_ms:.3f} ms/token, tuned {r.tilekit_ms:.3f} ms/token, ratio {r.ratio:.2f}")
         except Exception as e:  # noqa: BLE001
             log(traceback.format_exc())
-            r.status, r.note = "error", _short(e)
+            r.status, r.note = "error", short_error(e)
     return rows
 
 
@@ -149,6 +149,6 @@ def run(mode: str, log=print) -> list[Row]:
         except Exception as e:  # noqa: BLE001
             log(traceback.format_exc())
             rows.append(Row(suite="tuning", name="prefill", label=f"tuning {preset}", shape="-",
-                            anchor=UNTUNED, status="error", note=_short(e)))
+                            anchor=UNTUNED, status="error", note=short_error(e)))
         timing.free_memory()       # the preset's model is gone once run_preset returns
     return rows

@@ -10,6 +10,7 @@ torch.compile(mode="reduce-overhead") of the HF forward; decode: the gpt-fast-st
 
 from __future__ import annotations
 
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -318,8 +319,6 @@ def run_decode(p: ModelPlan, config, gpt, anchors: Anchors, budgets: dict, calib
 
 
 def run_preset(p: ModelPlan, calib: dict, log, seed: int = 0) -> list[Row]:
-    import time
-
     import torch
     from tilekit.models import GPT, GPTConfig
     config = p.config if p.config is not None else GPTConfig.preset(p.preset)

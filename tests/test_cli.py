@@ -178,7 +178,7 @@ def test_bench_from_an_installed_tilekit(where, tmp_path):
     script.write_text(BENCH_SCRIPT.format(root=str(ROOT)))
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                        cwd=ROOT if where == "checkout root" else tmp_path,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
     if where == "elsewhere":
         assert (p.returncode, p.stdout, p.stderr) == (2, "", f"tilekit: {cli.BENCH_ONLY_IN_CHECKOUT}\n")
         assert "python -m benchmarks" in cli.BENCH_ONLY_IN_CHECKOUT
@@ -187,7 +187,7 @@ def test_bench_from_an_installed_tilekit(where, tmp_path):
 
 
 def _module(*args, env_extra=None):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "tilekit", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=60)
 

@@ -266,7 +266,7 @@ def test_hostile_database_files_are_misses_not_hangs(make, says):
 
 def _module(*args, cwd, timeout=120):
     return subprocess.run([sys.executable, "-m", "tilekit", *args], capture_output=True, text=True, cwd=cwd,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=timeout)
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])), timeout=timeout)
 
 
 def test_a_50_mb_export_is_read_in_seconds(tmp_path):
@@ -355,7 +355,7 @@ def test_killed_writers_leave_nothing_behind_the_next_writer(tmp_path, capsys):
     script = tmp_path / "writer.py"
     script.write_text(KILLED_WRITER)
     writer = subprocess.Popen([sys.executable, str(script), str(user_root())], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
     try:
         assert writer.stdout.readline() == "writing\n"
     finally:

@@ -219,11 +219,13 @@ def check_same(name_a: str, a: Info, name_b: str, b: Info, *, dtype: bool = True
 
 
 def check_last_contiguous(a: Info, name: str) -> None:
-    if a.shape and a.shape[-1] > 1 and a.strides[-1] != 1:
+    if a.shape and a.shape[-1] > 1 and a.strides[-1] != 1 and 0 not in a.shape:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {a.strides[-1]})")
 
 
 def check_contiguous(a: Info, name: str) -> None:
+    if 0 in a.shape:                   # an empty array has no layout to speak of
+        return
     step = 1
     for n, s in zip(reversed(a.shape), reversed(a.strides)):
         if n > 1 and s != step:

@@ -362,7 +362,9 @@ class Op:
 
         def args(c: Config) -> tuple:
             for n, s in (self.scratch(p, c) if self.scratch else {}).items():
-                values[n] = work.get((n, s)) or work.setdefault((n, s), arr.bench_array(s, device, rng))
+                if (n, s) not in work:
+                    work[n, s] = arr.bench_array(s, device, rng)
+                values[n] = work[n, s]
             return tuple(values[n] for n in launch.args) + tuple(launch.constants(p, c))
 
         return BenchCase(grid=lambda c: tuple(launch.grid(p, c)), args=args)

@@ -74,7 +74,7 @@ class GPT(CausalLM):
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         if allow_tf32 and dtype != "float32":
             raise ValueError("allow_tf32 applies to dtype='float32' only")
-        self.config, self.dtype, self.allow_tf32 = config, dtype, allow_tf32
+        self.config, self.dtype, self.allow_tf32, self.meta = config, dtype, allow_tf32, meta
         self.checkpoint_dir: Path | None = None
         self._init_runtime()
         if meta:
@@ -92,6 +92,10 @@ class GPT(CausalLM):
         self.blocks = [Block(*(w[f"h.{i}.{n}"] for n in BLOCK_PARAMS)) for i in range(config.n_layer)]
 
     # -- the math ---------------------------------------------------------------------------------
+    def meta_twin(self) -> "GPT":
+        """This model with MetaArray weights: what a dry run of its kernels needs."""
+        return GPT(self.config, dtype=self.dtype, allow_tf32=self.allow_tf32, meta=True)
+
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
         return Activations(self.config, batch, tokens, self.dtype, arrays)
 

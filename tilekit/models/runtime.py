@@ -274,8 +274,9 @@ def host_ids(x, name: str) -> np.ndarray:
 class CausalLM:
     """forward, generate and the workload of a model that provides the math (see the module doc).
 
-    A subclass sets `config` (with vocab_size and block_size) and `dtype`, and implements
-    cache_dims(), activations(), hidden(), final_norm(), lm_head(), tokenizer() and eos_token_id().
+    A subclass sets `config` (with vocab_size and block_size), `dtype` and `meta` (MetaArray weights),
+    and implements cache_dims(), activations(), hidden(), final_norm(), lm_head(), meta_twin(),
+    tokenizer() and eos_token_id().
     """
 
     max_prefill_graphs = 4
@@ -464,6 +465,8 @@ class CausalLM:
         """(op, problem) of every kernel call of forward() on (batch, seq_len) ids, or, with
         new_tokens, of generate() continuing batch prompts of seq_len tokens by new_tokens greedily
         (its prompt prefill and a decode step): the very step code, run on MetaArrays."""
+        if not self.meta:
+            return self.meta_twin().kernel_problems(batch, seq_len, new_tokens)
         with recording() as calls:
             if new_tokens is None:
                 buf = PromptBuffers(self, batch, seq_len, META)

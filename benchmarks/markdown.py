@@ -65,10 +65,12 @@ def check(row: dict) -> str:
     """What the row's check measured: the relative error, and for decode rows the greedy agreement."""
     error = row.get("error")              # a number, None, or "inf" / "nan" (JSON has no infinities)
     text = "-" if error is None else f"err {error:.1e}" if isinstance(error, (int, float)) else f"err {error}"
-    agree = row.get("params", {}).get("greedy_agreement")
-    if agree is not None:
-        n = row["params"].get("new_tokens")
-        text += f", {agree}{'' if n is None else f'/{n}'} tokens agree"
+    params = row.get("params", {})
+    if params.get("greedy_agreement") is not None:
+        n = params.get("new_tokens")
+        text += f", {params['greedy_agreement']}{'' if n is None else f'/{n}'} tokens agree"
+        if len(each := params.get("greedy_agreement_per_sequence") or []) > 1:
+            text += f" (least of {len(each)}; median {sorted(each)[len(each) // 2]})"
     return text
 
 

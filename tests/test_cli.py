@@ -294,13 +294,13 @@ def test_db_export_layers(layer, expected, tmp_path, monkeypatch, capsys):
 def test_db_export_all_prefers_the_user_entry(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(ROOT / "tuning_db"))
     store.reset()
-    key, shipped_entry = next((k, e) for d, k, e in store.shipped_db().items() if d.path.stem == "NVIDIA_H200")
+    key, shipped_entry = next((k, e) for d, k, e in store.shipped_db().items() if d.path.stem == "NVIDIA_H100_80GB_HBM3")
     mine = dict(shipped_entry, time_us=1.0)
-    store.user_db().store(H200, {key: mine})
+    store.user_db().store(H100, {key: mine})
     export = tmp_path / "export.json"
     assert run(["db", "export", str(export), "--layer", "all"], capsys)[0] == 0
-    (h200,) = [f for f in json.loads(export.read_text())["files"] if f["device"]["name"] == H200.name]
-    assert h200["entries"][key] == mine
+    (h100,) = [f for f in json.loads(export.read_text())["files"] if f["device"]["name"] == H100.name]
+    assert h100["entries"][key] == mine
 
 
 def test_db_export_to_a_bad_place(tmp_path, capsys):
@@ -510,7 +510,7 @@ def test_explain_without_any_db(capsys):
 def test_explain_with_shipped_db_exact_gpu(monkeypatch, capsys):
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(ROOT / "tuning_db"))
     store.reset()
-    lines = explain("NVIDIA H200", capsys)
+    lines = explain("NVIDIA H100 80GB HBM3", capsys)
     assert all(line.endswith("shipped db, exact-gpu, exact bucket") for line in lines), lines
 
 

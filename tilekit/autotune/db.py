@@ -374,7 +374,8 @@ class TuningDB:
                     continue
                 why_not = usable(key, entry)
                 if why_not:
-                    warn_once(f"tilekit: not using {self.layer} entry {key} ({dfile.path.name}): {why_not}")
+                    warn_once(f"tilekit: not using {self.layer} entries of {dfile.path}: {why_not} "
+                              f"(`tilekit db verify` lists them)")
                     continue
                 best = (distance, key)
             if best is not None:

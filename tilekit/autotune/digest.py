@@ -1,6 +1,7 @@
 """Hashes of code by what it does: a tuned result stays valid while its kernel and launch stay the same.
 
-A digest covers each function's syntax tree without docstrings (comments never reach the tree), and,
+A digest covers each function's syntax tree without docstrings (comments never reach the tree; the
+tree is written out so that every Python version writes it alike), and,
 recursively, every tilekit function, cuTile function or kernel and plain constant it names. So editing
 a comment or a docstring keeps a tuning database valid, while changing a kernel, a tile helper it
 calls, a constant it reads, or the grid and arguments it is launched with makes its entries stale.
@@ -48,6 +49,17 @@ def _ours(value) -> bool:
     return module.split(".")[0] == "tilekit" or getattr(value, "_cutile_tile_function", False)
 
 
+def _canonical(node) -> str:
+    """A syntax tree as text that no Python version adds to: fields that are None or empty lists
+    (new optional fields such as 3.12's type_params, or 3.13's dump defaults) are left out."""
+    if isinstance(node, ast.AST):
+        fields = ((name, _canonical(getattr(node, name, None))) for name in node._fields)
+        return f"{type(node).__name__}(" + ",".join(f"{k}={v}" for k, v in fields if v not in ("None", "[]")) + ")"
+    if isinstance(node, list):
+        return "[" + ",".join(_canonical(item) for item in node) + "]"
+    return repr(node)
+
+
 def _visit(obj, parts: list[str], seen: set[int]) -> None:
     func = _function_of(obj)
     if func is None or id(func) in seen:
@@ -66,7 +78,7 @@ def _visit(obj, parts: list[str], seen: set[int]) -> None:
                 and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
-    parts.append(f"{func.__qualname__}:{ast.dump(tree)}")
+    parts.append(f"{func.__qualname__}:{_canonical(tree)}")
     names = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)})
     for name in names:
         if name not in func.__globals__:

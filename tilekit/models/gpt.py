@@ -84,7 +84,6 @@ class GPT(CausalLM):
             if state is None:
                 state = random_state_dict(config, seed)
             check_state_dict(config, state)
-            self.device = cupy.cuda.runtime.getDevice()
             w = {name: cupy.asarray(np.ascontiguousarray(a, dtype=np.float32).astype(numpy_dtype(dtype)))
                  for name, a in state.items()}
         self.wte, self.wpe = w["wte.weight"], w["wpe.weight"]

@@ -1,4 +1,4 @@
-"""A fake TunableOp, devices and entries for CPU tests of the tuning database and dispatch."""
+"""A fake op, devices and entries for CPU tests of the tuning database and dispatch."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def listed_keys(out: str) -> set[str]:
 
 @pytest.mark.parametrize("argv", [[], ["tune"], ["db"], ["db", "list"], ["db", "show"], ["db", "explain"],
                                   ["db", "export"], ["db", "import"], ["db", "verify"], ["db", "clear"],
-                                  ["generate"], ["bench"]])
+                                  ["generate"]])
 def test_help_exits_0(argv, capsys):
     rc, out, err = run(argv + ["--help"], capsys)
     assert rc == 0, err
@@ -164,26 +164,13 @@ def test_generate_without_gpu_says_so_before_loading(monkeypatch, capsys):
     assert line == f"tilekit: generate needs a GPU: {gpu_unavailable_reason()}"
 
 
-BENCH_SCRIPT = """import sys
-import tilekit.cli
-sys.path[:] = [p for p in sys.path if p not in ("", {root!r})]   # as installed: no checkout on sys.path
-assert "benchmarks" not in sys.modules
-sys.exit(tilekit.cli.main(["bench", "--help"]))
-"""
-
-
-@pytest.mark.parametrize("where", ["elsewhere", "checkout root"])
-def test_bench_from_an_installed_tilekit(where, tmp_path):
-    script = tmp_path / "installed.py"
-    script.write_text(BENCH_SCRIPT.format(root=str(ROOT)))
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                       cwd=ROOT if where == "checkout root" else tmp_path,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
-    if where == "elsewhere":
-        assert (p.returncode, p.stdout, p.stderr) == (2, "", f"tilekit: {cli.BENCH_ONLY_IN_CHECKOUT}\n")
-        assert "python -m benchmarks" in cli.BENCH_ONLY_IN_CHECKOUT
-    else:
-        assert p.returncode == 0 and p.stdout.startswith("usage: python -m benchmarks"), p.stderr
+def test_the_installed_cli_has_no_bench_and_never_imports_the_benchmarks(capsys):
+    """The suite lives in the source checkout (`python -m benchmarks`); the installed command neither
+    offers it nor imports code from the current directory."""
+    line = misuse(["bench"], capsys)
+    assert "invalid choice: 'bench'" in line
+    assert "python -m benchmarks" in cli.__doc__
+    assert "benchmarks" not in open(cli.__file__).read().replace("python -m benchmarks", "")
 
 
 def _module(*args, env_extra=None):
@@ -195,8 +182,9 @@ def _module(*args, env_extra=None):
 def test_module_entry_point():
     p = _module("--help")
     assert p.returncode == 0 and "usage: tilekit" in p.stdout
-    for sub in ("tune", "db", "generate", "bench"):
+    for sub in ("tune", "db", "generate"):
         assert sub in p.stdout
+    assert not any(line.split()[:1] == ["bench"] for line in p.stdout.splitlines())
     p = _module("tune", "--kernel", "nosuch")
     assert p.returncode == 2 and p.stdout == ""
     assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("tilekit: --kernel must be one of")

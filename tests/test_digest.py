@@ -66,7 +66,8 @@ def test_real_ops_have_stable_digests():
     from tilekit.autotune.registry import registered_ops
     for op in registered_ops().values():
         assert len(op.kernel_hash()) == 16 and not op.kernel_hash().startswith(UNAVAILABLE), op.name
-        assert op.kernel_hash() == op.kernel_hash()
+        parts = [f for launch in op.launches for f in (launch.kernel, launch.grid, launch.constants)]
+        assert code_digest(*parts, op.arrays, *([op.scratch] if op.scratch else [])) == op.kernel_hash()
 
 
 def test_the_written_tree_has_no_empty_fields():

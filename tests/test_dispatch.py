@@ -211,3 +211,83 @@ def test_auto_falls_back_with_one_warning_when_tuning_fails(auto, monkeypatch):
     monkeypatch.setattr(tuner, "tune_many", lambda items, **kw: [])
     with pytest.warns(TuningDBWarning, match="produced no result"):
         assert call_config(make_op()) == DEFAULT        # nothing stored anywhere: the default
+
+
+def test_concurrent_first_calls_tune_a_key_once(auto, monkeypatch):
+    """Threads missing the same key at once: one tunes, the others wait for its result."""
+    op, calls = make_op(), []
+    _fake_measurement(monkeypatch, TUNED, calls)
+    results = []
+    threads = [threading.Thread(target=lambda M=M: results.append(call_config(op, M=M))) for M in range(1000, 1004)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert results == [TUNED] * 4 and calls == [op.problem_key(problem(M=1000))[1]]
+
+
+def test_a_failed_auto_tune_is_not_retried_for_new_signatures(auto, monkeypatch):
+    op, attempts = make_op(), []
+
+    def broken(items, **kwargs):
+        attempts.append(1)
+        raise RuntimeError("no candidate compiled")
+    monkeypatch.setattr(tuner, "tune_many", broken)
+    with pytest.warns(TuningDBWarning, match="auto-tuning"):
+        assert call_config(op, M=1000) == DEFAULT
+    assert call_config(op, M=1001) == DEFAULT and call_config(op, M=1002) == DEFAULT
+    assert len(attempts) == 1
+
+
+def test_a_missing_required_array_is_named():
+    op = make_op()
+    with pytest.raises(TypeError, match="x must be a CUDA device array .*got None"):
+        op.plan_for((None,))
+
+
+def test_a_plan_built_across_a_forget_is_not_kept(op, monkeypatch):
+    """The databases changed while a call was choosing its config: the call runs, its plan is not kept."""
+    real = op.resolve
+
+    def resolve_then_forget(*args, **kwargs):
+        found = real(*args, **kwargs)
+        op.forget()                  # e.g. a tuner in another thread stored a result meanwhile
+        return found
+    monkeypatch.setattr(op, "resolve", resolve_then_forget)
+    assert call_config(op) == TUNED
+    assert op._plans == {}
+
+
+def test_the_first_declaration_of_a_name_stays():
+    from tilekit.autotune.registry import registered_ops
+    op = make_op()
+    again = op_module.Op(op.name, args=op.args, key=dict(dtype=None, M=None, N=None), space=op.space,
+                         default=op.default, arrays=op.arrays, launches=op.launches, bind=op.bind)
+    assert registered_ops()[op.name] is op and again is not op
+
+
+def test_recording_sees_only_its_own_thread():
+    other = []
+    with op_module.recording() as mine:
+        t = threading.Thread(target=lambda: other.append(make_op().plan_for((MetaArray((4, 4), "float32"),))))
+        t.start()
+        t.join()
+        make_op().plan_for((MetaArray((8, 4), "float32"),))
+    assert len(mine) == 1 and mine[0][1]["M"] == 8 and other
+
+
+def test_scratch_slots_are_distinct_under_threads():
+    from tilekit.autotune import arrays as arr
+    from tilekit.autotune.arrays import ArraySpec
+    slots = []
+
+    def make(i):
+        for j in range(300):
+            slots.append(arr.scratch_slot(f"t{i}", 0, (ArraySpec("float32", (j + 1,), role="scratch"),)))
+
+    threads = [threading.Thread(target=make, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(slots)) == len(slots) == 1800

@@ -1,4 +1,6 @@
-"""The `tilekit` command: tune kernels, inspect and move tuning databases, generate text, benchmark."""
+"""The `tilekit` command: tune kernels, inspect and move tuning databases, generate text.
+
+The benchmark suite lives in the source checkout: `python -m benchmarks` from its root."""
 
 from __future__ import annotations
 
@@ -546,7 +548,7 @@ def _db_clear(args) -> int:
     return 0
 
 
-# -- generate, bench -------------------------------------------------------------------------
+# -- generate -------------------------------------------------------------------------
 
 def cmd_generate(args) -> int:
     from tilekit.device import gpu_unavailable_reason
@@ -563,24 +565,6 @@ def cmd_generate(args) -> int:
                         top_p=args.top_p, seed=args.seed, stream_to=lambda s: print(s, end="", flush=True))
     print()
     return 0
-
-
-BENCH_ONLY_IN_CHECKOUT = ("tilekit bench runs the benchmark suite of a source checkout: run it from the "
-                          "repository root (where benchmarks/cli.py is), or run `python -m benchmarks` there")
-
-
-def cmd_bench(args) -> int:
-    """The suite of the source checkout in the current directory (an installed tilekit has none)."""
-    cwd = Path.cwd()
-    if (cwd / "benchmarks" / "cli.py").is_file() and str(cwd) not in sys.path:
-        sys.path.insert(0, str(cwd))
-    try:
-        from benchmarks.cli import main as bench_main
-    except ModuleNotFoundError as e:
-        if e.name not in ("benchmarks", "benchmarks.cli"):
-            raise
-        raise UsageError(BENCH_ONLY_IN_CHECKOUT) from None
-    return bench_main(args.bench_args)
 
 
 # -- parser ----------------------------------------------------------------------------------
@@ -664,21 +648,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="run the benchmark suite of the source checkout in the current "
-                                         "directory (arguments go to `python -m benchmarks`)", add_help=False)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of `python -m benchmarks`")
-    bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from tilekit.autotune.db import TuningDBError
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:   # everything after `bench` is the suite's own (argparse REMAINDER drops options)
-        args = argparse.Namespace(func=cmd_bench, bench_args=argv[1:])
-    else:
-        args = build_parser().parse_args(argv)
-        args.argv = argv
+    args = build_parser().parse_args(argv)
+    args.argv = argv
     if getattr(args, "command", None) in ("tune", "db"):
         import tilekit.kernels  # noqa: F401  (declares the ops that tuning entries name)
     try:

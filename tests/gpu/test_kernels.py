@@ -333,18 +333,31 @@ def test_empty_problems_launch_nothing_and_return_empty_results():
     assert layer_norm(rand((0, 64), "bfloat16"), rand((64,), "bfloat16"), rand((64,), "bfloat16")).shape == (0, 64)
     q = rand((0, 2, 5, 64), "bfloat16")
     assert attention(q, q, q).shape == (0, 2, 5, 64)
+    q0, kv0 = rand((0, 2, 1, 64), "bfloat16"), rand((0, 2, 8, 64), "bfloat16")
+    assert decode_attention(q0, kv0, kv0, cupy.zeros((0,), cupy.int32)).shape == (0, 2, 1, 64)
+    none = cupy.zeros((0,), cupy.int32)
+    greedy_step(rand((0, 50), "bfloat16"), none, none, cupy.zeros((0, 4), cupy.int32), none)   # no rows
+    with pytest.raises(ValueError, match="no positions"):
+        q1 = rand((1, 2, 1, 64), "bfloat16")
+        decode_attention(q1, rand((1, 2, 0, 64), "bfloat16"), rand((1, 2, 0, 64), "bfloat16"),
+                         cupy.zeros((1,), cupy.int32))
+    with pytest.raises(ValueError, match="no vocabulary"):
+        one = cupy.zeros((1,), cupy.int32)
+        greedy_step(rand((1, 0), "bfloat16"), one, one, cupy.zeros((1, 4), cupy.int32), one)
     cupy.cuda.runtime.deviceSynchronize()
 
 
-def test_threads_sharing_a_stream_handle_never_share_scratch():
-    """Eager split-KV decode attention from several threads on the legacy default stream (one handle):
-    each thread's partial sums are its own, so every result is right."""
+@pytest.mark.parametrize("stream", ["legacy default", "per-thread default"])
+def test_threads_sharing_a_stream_handle_never_share_scratch(stream):
+    """Eager split-KV decode attention from several threads on one stream handle (the legacy default
+    stream, or each thread's per-thread default stream, which all share handle 2): each thread's
+    partial sums are its own, so every result is right."""
     import threading
     errors = []
 
     def work(seed):
         try:
-            with cupy.cuda.Stream.null:
+            with (cupy.cuda.Stream.null if stream == "legacy default" else cupy.cuda.Stream.ptds):
                 for _ in range(5):
                     check_decode(2, 4, 1, 1024, 64, "bfloat16", np.random.default_rng(seed))
         except Exception as e:  # noqa: BLE001 - reported below

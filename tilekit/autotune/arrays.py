@@ -62,8 +62,9 @@ def contiguous_strides(shape) -> tuple[int, ...]:
 
 
 class MetaArray:
-    """dtype, shape and element strides without memory: reshape, transpose and basic indexing
-    follow NumPy's rules for views (a reshape that needs a copy gives a contiguous array).
+    """dtype, shape and element strides without memory: transpose and basic indexing follow NumPy's
+    rules for views; a reshape always gives a contiguous array (a view of a contiguous array, else
+    what NumPy's copy would be).
 
     On device -1 (a dry run) ops record their problem with the default config; on a device index
     they also choose the config as for a real array of that device, and launch nothing (tests)."""
@@ -284,11 +285,6 @@ def allocator(kind: str, device: int, shape: tuple[int, ...], dtype: str,
     return lambda: make().transpose(*axes)
 
 
-def empty(kind: str, device: int, shape: tuple[int, ...], dtype: str):
-    """Uninitialised array of `kind` on `device`."""
-    return allocator(kind, device, tuple(shape), dtype)()
-
-
 def stream_getter(kind: str, device: int) -> Callable[[], int]:
     """A function returning the raw handle of the caller's current stream on `device`: torch's for
     torch tensors, CuPy's otherwise."""
@@ -305,30 +301,36 @@ def stream_getter(kind: str, device: int) -> Callable[[], int]:
     return lambda: get(device).ptr
 
 
-def stream_handle(stream) -> int:
-    """The raw cudaStream_t of a torch or CuPy stream (0 for the legacy default stream)."""
-    return stream.cuda_stream if hasattr(stream, "cuda_stream") else stream.ptr
-
-
+_slot_lock = threading.Lock()
 _slots: dict[tuple, int] = {}
+_slot_specs: list[tuple[int, tuple[ArraySpec, ...]]] = []     # slot -> (device, specs)
 _scratch: dict[tuple, tuple] = {}
 
 
 def scratch_slot(owner: str, device: int, specs: tuple[ArraySpec, ...]) -> int:
     """A small int naming one set of work arrays (owner, device, specs), so the hot path hashes ints."""
-    return _slots.setdefault((owner, device, specs), len(_slots))
+    with _slot_lock:
+        slot = _slots.get((owner, device, specs))
+        if slot is None:
+            slot = _slots[owner, device, specs] = len(_slot_specs)
+            _slot_specs.append((device, specs))
+        return slot
 
 
 def scratch(slot: int, stream: int) -> tuple:
     """The CuPy work arrays of `slot` for `stream` and the calling thread: neither streams nor threads
-    sharing a stream handle ever share them. `zeros` specs are zeroed once at creation (the kernels
-    that use them leave them zeroed)."""
+    sharing a stream handle ever share them. `zeros` specs are zeroed once, on `stream`, at creation
+    (the kernels that use them leave them zeroed). Work arrays of threads that have ended are dropped
+    whenever new ones are made."""
     key = (slot, stream, threading.get_ident())
     found = _scratch.get(key)
     if found is None:
         import cupy
-        (_, device, specs), = [k for k, v in _slots.items() if v == slot]
-        with cupy.cuda.Device(device):
+        device, specs = _slot_specs[slot]
+        alive = {t.ident for t in threading.enumerate()}
+        for old in [k for k in list(_scratch) if k[2] not in alive]:
+            _scratch.pop(old, None)
+        with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream):
             found = _scratch.setdefault(key, tuple(
                 (cupy.zeros if s.role == "zeros" else cupy.empty)(s.shape, dtype=numpy_dtype(s.dtype))
                 for s in specs))

@@ -14,6 +14,7 @@ import importlib
 import io
 import os
 import sys
+import threading
 import time
 import types
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -93,16 +94,21 @@ def compile_config(module: str, op_name: str, problem: dict, config: dict, arch:
     return time.perf_counter() - start
 
 
+_main_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def _bare_main():
     """A spawned worker re-runs the parent's __main__ script, which in a user's unguarded script calls
-    ops again (auto mode): while workers start, __main__ is a bare module, so they import only tilekit."""
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
+    ops again (auto mode): while workers start, __main__ is a bare module, so they import only tilekit.
+    One pool at a time swaps it, so the real module always comes back."""
+    with _main_lock:
+        main = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
 
 
 def precompile(tasks: Sequence[tuple], arch: str, *, workers: int | None = None,

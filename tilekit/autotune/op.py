@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -98,18 +99,61 @@ class BenchCase:
 
 
 _ARRAY, _VIEW, _FIXED, _WORK, _SCALAR = range(5)
-_recorders: list[list] = []
+_recording = threading.local()         # .calls: the list of the innermost recording() of this thread
 
 
 @contextlib.contextmanager
 def recording():
-    """Collect (op, problem) of every op call in the block (calls with MetaArrays launch nothing)."""
+    """Collect (op, problem) of every op call this thread makes in the block (calls with MetaArrays
+    launch nothing)."""
     calls: list[tuple[Op, dict]] = []
-    _recorders.append(calls)
+    outer, _recording.calls = getattr(_recording, "calls", None), calls
     try:
         yield calls
     finally:
-        _recorders.remove(calls)
+        _recording.calls = outer
+
+
+class _Tuning:
+    """Auto-mode tuning of one key at a time per process: the first caller tunes, later callers wait
+    for it (no op lock is held, so nothing else waits), and a key whose tuning failed is not retried."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.running: dict[str, threading.Event] = {}
+        self.failed: set[str] = set()
+
+    def tune(self, op: "Op", problem: Problem, key: str, device: DeviceInfo) -> Config | None:
+        """The tuned config, or None when tuning failed (now or before in this process)."""
+        with self.lock:
+            if key in self.failed:
+                return None
+            done = self.running.get(key)
+            mine = done is None
+            if mine:
+                done = self.running[key] = threading.Event()
+        if not mine:
+            done.wait()
+            return None if key in self.failed else _stored_config(op, problem, device)
+        from tilekit.autotune.tuner import tune
+        try:
+            return tune(op, problem).config
+        except Exception:
+            self.failed.add(key)
+            raise
+        finally:
+            with self.lock:
+                del self.running[key]
+            done.set()
+
+
+_tuning = _Tuning()
+
+
+def _stored_config(op: "Op", problem: Problem, device: DeviceInfo) -> Config | None:
+    """The config another thread's tuning just stored for `problem` on `device`, if any."""
+    found = op.resolve(problem, device, mode="cached")
+    return found.config if found.match is not None and found.match.bucket_rule == "exact" else None
 
 
 class Plan:
@@ -152,10 +196,12 @@ class Op:
     arrays(problem): every array the launches take except scratch -> ArraySpec (role in/out/absent).
     scratch(problem, config): work arrays -> ArraySpec (role scratch or zeros), per stream and thread.
     scalars(problem): a representative value of each runtime scalar (benchmarks, compile signatures).
+    optional: the public function's array arguments that may be None (the others must be arrays).
     bind(infos, flags): validates one call (raising errors that name the argument) -> Binding.
     """
 
-    def __init__(self, name: str, *, args: tuple[str, ...], key: Mapping[str, Callable | None],
+    def __init__(self, name: str, *, args: tuple[str, ...], optional: tuple[str, ...] = (),
+                 key: Mapping[str, Callable | None],
                  space: SearchSpace, default: Callable[[Problem], Config],
                  arrays: Callable[[Problem], dict], launches: tuple[Launch, ...],
                  bind: Callable[[list, tuple], Binding], scratch: Callable | None = None,
@@ -163,6 +209,7 @@ class Op:
                  extras: Mapping[str, Callable[[Problem], Any]] | None = None,
                  cli_defaults: Mapping | None = None):
         self.name, self.args, self.bind = name, tuple(args), bind
+        self.required = tuple(a not in optional for a in args)
         self.fields = tuple(key)
         self.buckets = {f: b for f, b in key.items() if b is not None}
         self.extras = dict(extras or {})
@@ -173,6 +220,7 @@ class Op:
         self.kernel = self.tuned_launch.kernel
         self.field_defaults = dict(cli_defaults or {})
         self._plans: dict[tuple, Plan] = {}
+        self._generation = 0                  # bumped by forget(): a plan built before it is not kept
         self._hinted: dict[tuple, Any] = {}
         self._pins: list[tuple[Config, dict]] = []
         register(self)
@@ -233,13 +281,18 @@ class Op:
             plan = None
         if plan is None:
             plan = self._new_plan(key, arrays, flags)
-        if _recorders:
-            _recorders[-1].append((self, plan.problem))
+        calls = getattr(_recording, "calls", None)
+        if calls is not None:
+            calls.append((self, plan.problem))
         return plan, arrays
 
     def _new_plan(self, key: tuple, arrays: tuple, flags: tuple) -> Plan:
-        """The slow path: validate, choose the config, build the plan. Holds no lock (tuning in auto
-        mode may take minutes); two threads racing here build equal plans."""
+        """The slow path: validate, choose the config, build the plan. Holds no op lock (tuning in
+        auto mode may take minutes); a plan built across a forget() is used once, not kept."""
+        for a, name, required in zip(arrays, self.args, self.required):
+            if a is None and required:
+                raise TypeError(f"{name} must be a CUDA device array (CuPy array or torch CUDA tensor), got None")
+        generation = self._generation
         infos = [None if a is None else arr.info(arr.as_device_array(a, n), n) for a, n in zip(arrays, self.args)]
         binding = self.bind(infos, flags)
         problem = self.complete(binding.problem)
@@ -250,7 +303,8 @@ class Op:
             config = self._choose(problem, first.device).config
         plan = self.plan(problem, config, binding, first.kind, first.device)
         try:
-            self._plans[key] = plan
+            if generation == self._generation:
+                self._plans[key] = plan
         except TypeError as e:
             raise TypeError(f"{self.name}: options must be hashable ({e})") from None
         return plan
@@ -265,12 +319,10 @@ class Op:
         work = [n for n, spec in specs.items() if spec.role in ("scratch", "zeros")]
         plan.work = arr.scratch_slot(self.name, device, tuple(specs[n] for n in work)) if work else None
         plan.launches = []
-        if kind == "meta":
+        grids = [tuple(launch.grid(problem, config)) for launch in self.launches]
+        if kind == "meta" or any(0 in grid for grid in grids):    # an empty problem: nothing to launch
             return plan
-        for launch in self.launches:
-            grid = tuple(launch.grid(problem, config))
-            if 0 in grid:                      # an empty problem: nothing to launch
-                continue
+        for launch, grid in zip(self.launches, grids):
             sources = []
             for name in launch.args:
                 spec = specs.get(name)
@@ -310,9 +362,10 @@ class Op:
         best = min(found, key=lambda m: (m.device_rule != "exact-gpu", m.bucket_rule != "exact"), default=None)
         exact = best is not None and best.device_rule == "exact-gpu" and best.bucket_rule == "exact"
         if mode == "auto" and not exact:
-            from tilekit.autotune.tuner import tune
             try:
-                return Resolution(tune(self, problem).config, "tuned")
+                config = _tuning.tune(self, problem, key, device)
+                if config is not None:
+                    return Resolution(config, "tuned")
             except Exception as e:  # noqa: BLE001 - a kernel call never fails because tuning did
                 fallback = best.describe() if best else "the heuristic default"
                 warn_once(f"tilekit: auto-tuning {key} failed ({type(e).__name__}: {e}); using {fallback}")
@@ -346,6 +399,7 @@ class Op:
 
     def forget(self) -> None:
         """Drop in-process plans (after the databases changed)."""
+        self._generation += 1
         self._plans = {}
         for _, saved in self._pins:           # what pinned() will restore must forget too
             saved.clear()

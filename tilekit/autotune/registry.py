@@ -7,7 +7,9 @@ _ops: dict[str, object] = {}
 
 
 def register(op) -> None:
-    _ops[op.name] = op
+    """Declare `op`; the first declaration of a name stays (running an op module as a script,
+    `python -m tilekit.kernels.<op>`, declares a second copy, which must not replace the package's)."""
+    _ops.setdefault(op.name, op)
 
 
 def registered_ops() -> dict:

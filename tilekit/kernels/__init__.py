@@ -1,4 +1,4 @@
-"""cuTile kernels, one module per op; each registers a TunableOp with the autotuner."""
+"""cuTile kernels, one module per op; importing them declares every op (tilekit.autotune.op.Op)."""
 
 from tilekit.kernels.attention import attention
 from tilekit.kernels.decode_attention import decode_attention

@@ -161,7 +161,7 @@ def _bind(a: list, flags: tuple) -> Binding:
 
 
 ATTENTION = Op(
-    "attention", args=("q", "k", "v", "out"),
+    "attention", args=("q", "k", "v", "out"), optional=("out",),
     key=dict(dtype=None, B=None, H=None, Tq=pow2_bucket, Tk=pow2_bucket, D=None, causal=None),
     space=SPACE, default=default_config, arrays=_arrays,
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"])},
@@ -193,6 +193,7 @@ def attention_reference(q, k, v, *, causal: bool = True, scale: float | None = N
 
 
 if __name__ == "__main__":
+    from tilekit.kernels.attention import attention, attention_reference  # the package's op, not this script's copy
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
     for B, H, T, D, dtype, causal in [(2, 3, 300, 64, "bfloat16", True), (1, 2, 77, 128, "float16", False),
                                       (1, 2, 33, 64, "float32", True)]:

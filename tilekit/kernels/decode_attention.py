@@ -137,6 +137,8 @@ def _bind(a: list, flags: tuple) -> Binding:
     if lengths.shape != (B,) or lengths.device != q.device:
         raise ValueError(f"lengths must be an int32 array of shape ({B},) on GPU {q.device}, "
                          f"got shape {lengths.shape} on GPU {lengths.device}")
+    if k_cache.shape[2] < 1:
+        raise ValueError(f"k_cache has no positions to attend to (shape {k_cache.shape})")
     if not 1 <= nq <= MAX_QUERIES:
         raise ValueError(f"q holds {nq} query tokens per sequence; decode_attention takes 1..{MAX_QUERIES} "
                          f"(use attention() for prefill)")
@@ -149,7 +151,7 @@ def _bind(a: list, flags: tuple) -> Binding:
 
 
 DECODE_ATTENTION = Op(
-    "decode_attention", args=("q", "k_cache", "v_cache", "lengths", "out"),
+    "decode_attention", args=("q", "k_cache", "v_cache", "lengths", "out"), optional=("out",),
     key=dict(dtype=None, B=pow2_bucket, H=None, nq=None, capacity=pow2_bucket, D=None),
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"]), "length_offset": 0},
@@ -187,6 +189,7 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, scale: float | N
 
 
 if __name__ == "__main__":
+    from tilekit.kernels.decode_attention import decode_attention, decode_attention_reference  # the package's op, not this script's copy
     import cupy
 
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import cuda.tile as ct
@@ -93,17 +94,23 @@ def _bind(a: list, flags: tuple) -> Binding:
 
 
 def _default_positions(ids: arrays.Info):
-    """0..T-1 along the last axis of ids, flattened (made once per call signature)."""
+    """0..T-1 along the last axis of ids, flattened."""
     M, T = math.prod(ids.shape), ids.shape[-1]
     if ids.kind == "meta":
         return arrays.MetaArray((M,), ids.dtype, device=ids.device)
+    return _positions(ids.device, ids.dtype, M, T)
+
+
+@functools.cache
+def _positions(device: int, dtype: str, M: int, T: int):
+    """Made once per process (a captured graph may read it after its plan is forgotten)."""
     import cupy
-    with cupy.cuda.Device(ids.device):
-        return cupy.tile(cupy.arange(T, dtype=ids.dtype), M // max(T, 1))
+    with cupy.cuda.Device(device):
+        return cupy.tile(cupy.arange(T, dtype=dtype), M // max(T, 1))
 
 
 EMBEDDING = Op(
-    "embedding", args=("ids", "wte", "wpe", "positions", "out"),
+    "embedding", args=("ids", "wte", "wpe", "positions", "out"), optional=("positions", "out"),
     key=dict(dtype=None, ids=None, M=pow2_bucket, C=None, V=None, P=None), space=SPACE,
     default=default_config, arrays=_arrays,
     launches=(Launch(embedding_kernel, _grid, ("ids", "pos", "wte", "wpe", "out"), _constants),),
@@ -125,6 +132,7 @@ def embedding_reference(ids, wte, wpe, positions) -> np.ndarray:
 
 
 if __name__ == "__main__":
+    from tilekit.kernels.embedding import embedding, embedding_reference  # the package's op, not this script's copy
     import cupy
 
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand

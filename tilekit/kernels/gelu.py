@@ -90,8 +90,8 @@ def _bind(a: list, flags: tuple) -> Binding:
                    output=(1, arrays.allocator(x.kind, x.device, x.shape, x.dtype)), returns=1)
 
 
-GELU = Op("gelu", args=("x", "out"), key=dict(dtype=None, n=pow2_bucket, exact=None), space=SPACE,
-          default=default_config, arrays=_arrays,
+GELU = Op("gelu", args=("x", "out"), optional=("out",), key=dict(dtype=None, n=pow2_bucket, exact=None),
+          space=SPACE, default=default_config, arrays=_arrays,
           launches=(Launch(gelu_kernel, _grid, ("x", "y"), _constants),), bind=_bind,
           cli_defaults=dict(exact=0))
 
@@ -113,6 +113,7 @@ def gelu_reference(x, approximate: str = "tanh") -> np.ndarray:
 
 
 if __name__ == "__main__":
+    from tilekit.kernels.gelu import gelu, gelu_reference  # the package's op, not this script's copy
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand, rounded
     for shape, dtype, approximate in [((1000, 333), "bfloat16", "tanh"), ((4096,), "float32", "none"),
                                       ((7, 3), "float16", "tanh")]:

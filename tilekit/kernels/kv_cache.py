@@ -93,6 +93,7 @@ def write_kv_reference(k, v, k_cache, v_cache, start) -> tuple[np.ndarray, np.nd
 
 
 if __name__ == "__main__":
+    from tilekit.kernels.kv_cache import write_kv, write_kv_reference  # the package's op, not this script's copy
     import cupy
 
     from tilekit.kernels.checks import host, rand

@@ -136,7 +136,7 @@ def _bind(a: list, flags: tuple) -> Binding:
 
 
 LAYER_NORM = Op(
-    "layer_norm", args=("x", "weight", "bias", "rows", "out"),
+    "layer_norm", args=("x", "weight", "bias", "rows", "out"), optional=("rows", "out"),
     key=dict(dtype=None, M=pow2_bucket, N=None, gather=None), extras=dict(rows_in=lambda p: p["M"]),
     space=SPACE, default=default_config, arrays=_arrays, scalars=lambda p: {"eps": 1e-5},
     launches=(Launch(layer_norm_kernel, _grid, ("x", "w", "b", "y", "rows", "eps"), _constants),),
@@ -149,7 +149,8 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, *, rows=None, out=None):
     rows: optional int32 device array of row indices into x viewed as (M, N); then only those
     rows are normalised and the result is (len(rows), N) (e.g. the last token of each sequence).
     """
-    if not (type(eps) in (float, int) and 0 < eps < math.inf):
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)) \
+            or not 0 < eps < math.inf:
         raise ValueError(f"eps must be a positive number, got {eps!r}")
     return LAYER_NORM((x, weight, bias, rows, out), (), (float(eps),))
 
@@ -163,6 +164,7 @@ def layer_norm_reference(x, weight, bias, eps: float = 1e-5) -> np.ndarray:
 
 
 if __name__ == "__main__":
+    from tilekit.kernels.layernorm import layer_norm, layer_norm_reference  # the package's op, not this script's copy
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
     for shape, dtype in [((8, 128, 768), "bfloat16"), ((3, 1600), "float32"), ((5, 20000), "float16")]:
         x, w, b = rand(shape, dtype, 2.0, 0.5), rand(shape[-1:], dtype), rand(shape[-1:], dtype)

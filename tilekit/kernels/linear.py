@@ -198,7 +198,7 @@ def _bind(a: list, flags: tuple) -> Binding:
 
 
 LINEAR = Op(
-    "linear", args=("x", "weight", "bias", "residual", "out"),
+    "linear", args=("x", "weight", "bias", "residual", "out"), optional=("bias", "residual", "out"),
     key=dict(dtype=None, M=pow2_bucket, N=None, K=None, wt=None, bias=None, act=None, res=None, tf32=None),
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
     launches=(Launch(linear_kernel, _grid, ("x", "w", "bias", "res", "y", "partial", "counter"), _constants),),
@@ -234,6 +234,7 @@ def linear_reference(x, weight, bias=None, *, activation=None, residual=None,
 
 
 if __name__ == "__main__":
+    from tilekit.kernels.linear import linear, linear_reference  # the package's op, not this script's copy
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
     for M, N, K, dtype, layout, act in [(300, 200, 136, "bfloat16", "in_out", "gelu"), (1, 1600, 6400, "bfloat16",
                                         "in_out", None), (5, 1031, 72, "float32", "out_in", None)]:

@@ -92,6 +92,8 @@ def _bind(a: list, flags: tuple) -> Binding:
     if len(logits.shape) != 2:
         raise ValueError(f"logits must be 2-D (batch, vocab), got shape {logits.shape}")
     arrays.check_last_contiguous(logits, "logits")
+    if logits.shape[1] < 1:
+        raise ValueError(f"logits has no vocabulary to choose from (shape {logits.shape})")
     B = logits.shape[0]
     for name, s in zip(("tokens", "positions", "history", "finished"), state):
         arrays.check_dtype(s, name, ("int32",))
@@ -136,6 +138,7 @@ def greedy_reference(logits) -> np.ndarray:
 
 
 if __name__ == "__main__":
+    from tilekit.kernels.sampling import greedy_step, greedy_reference  # the package's op, not this script's copy
     import cupy
 
     from tilekit.kernels.checks import host, rand

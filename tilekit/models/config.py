@@ -1,11 +1,48 @@
-"""GPT-2 family hyper-parameters: the four Hugging Face presets and custom sizes."""
+"""GPT-2 family hyper-parameters (the four Hugging Face presets and custom sizes), and the config helpers
+every model family shares."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+MAX_JSON_BYTES = 16 << 20  # config.json and safetensors indexes are small; a larger file is refused unread
+
+
+def read_json(path: str | Path, what: str) -> dict:
+    """The JSON object in `path`, an untrusted file: ValueError naming it if it is unreadable, too large,
+    not strict JSON, not an object or repeats a key (json would silently keep the last)."""
+    path = Path(path)
+
+    def strict(pairs):
+        d = dict(pairs)
+        if len(d) < len(pairs):
+            raise ValueError(f"repeated key {next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)!r}")
+        return d
+
+    def no_constant(name):
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise ValueError(f"larger than {MAX_JSON_BYTES} bytes")
+        d = json.loads(path.read_bytes(), object_pairs_hook=strict, parse_constant=no_constant)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"cannot read {what} {path}: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"cannot read {what} {path}: a JSON object expected, got {type(d).__name__}")
+    return d
+
+
+def check_positive_ints(config, names) -> None:
+    """ValueError naming the first of `names` whose value in `config` is not a positive int (bools are not)."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -20,10 +57,7 @@ class GPTConfig:
     layer_norm_epsilon: float = 1e-5
 
     def __post_init__(self):
-        for name in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"))
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by "
                              f"n_head ({self.n_head})")
@@ -63,12 +97,7 @@ class GPTConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "GPTConfig":
-        path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read model config {path}: {e}") from None
-        return cls.from_hf_dict(d)
+        return cls.from_hf_dict(read_json(path, "model config"))
 
     def to_hf_dict(self) -> dict:
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",

@@ -1,4 +1,5 @@
-"""GPT-2 in NumPy on the CPU, composed from the kernels' float64 references: the oracle for the GPU model.
+"""GPT-2 in NumPy on the CPU, composed from the kernels' float64 references: the oracle for the GPU model;
+and ReferenceLM, what it shares with the other reference models (llama_reference.py).
 
 Every op computes in float64; its output is stored in the model's dtype, so float32 mirrors a GPU model whose
 kernels write fp32 activations and float64 is the exact answer to compare both against.
@@ -7,6 +8,7 @@ kernels write fp32 activations and float64 is the exact answer to compare both a
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -14,25 +16,29 @@ from tilekit.kernels.attention import attention_reference
 from tilekit.kernels.embedding import embedding_reference
 from tilekit.kernels.layernorm import layer_norm_reference
 from tilekit.kernels.linear import linear_reference
-from tilekit.models.checkpoint import check_state_dict, load_state_dict
+from tilekit.models import checkpoint as gpt2_checkpoint
 from tilekit.models.config import GPTConfig
 
 
-class ReferenceGPT:
-    """GPT-2 (pre-LayerNorm, tanh GELU, LM head tied to wte) over a state dict of canonical names."""
+class ReferenceLM:
+    """What the NumPy reference models share: validated weights in one dtype, loading, validated ids, `forward`
+    and greedy generation by recomputation. A model names its family's `checkpoint` module (check_state_dict,
+    load_state_dict) and writes `_hidden` (final-norm hidden states) and `_lm_head`."""
 
-    def __init__(self, config: GPTConfig, state: dict[str, np.ndarray], dtype=np.float64):
+    checkpoint: ModuleType
+
+    def __init__(self, config, state: dict[str, np.ndarray], dtype=np.float64):
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
-        check_state_dict(config, state)
+        self.checkpoint.check_state_dict(config, state)
         self.config = config
         self.state = {name: np.ascontiguousarray(array, dtype=self.dtype) for name, array in state.items()}
 
     @classmethod
-    def from_pretrained(cls, path_or_name: str | Path, dtype=np.float64) -> "ReferenceGPT":
-        """Load a Hugging Face GPT-2 checkpoint directory or cached hub model name."""
-        config, state = load_state_dict(path_or_name, dtype=dtype)
+    def from_pretrained(cls, path_or_name: str | Path, dtype=np.float64) -> "ReferenceLM":
+        """Load a Hugging Face checkpoint directory or cached hub model name."""
+        config, state = cls.checkpoint.load_state_dict(path_or_name, dtype=dtype)
         return cls(config, state, dtype)
 
     def forward(self, ids) -> np.ndarray:
@@ -65,6 +71,16 @@ class ReferenceGPT:
                              f"[{ids.min()}, {ids.max()}]")
         return ids.astype(np.int64)
 
+    def _cast(self, x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x, dtype=self.dtype)
+
+
+class ReferenceGPT(ReferenceLM):
+    """GPT-2 (pre-LayerNorm, tanh GELU, LM head tied to wte) over a state dict of canonical names."""
+
+    checkpoint = gpt2_checkpoint
+    config: GPTConfig
+
     def _hidden(self, ids: np.ndarray) -> np.ndarray:
         """Final-LayerNorm hidden states (B, T, C) for validated ids."""
         cfg, w, cast = self.config, self.state, self._cast
@@ -87,6 +103,3 @@ class ReferenceGPT:
     def _lm_head(self, x: np.ndarray) -> np.ndarray:
         """Logits through the LM head tied to the token embedding: x @ wte.T."""
         return self._cast(linear_reference(x, self.state["wte.weight"], weight_layout="out_in"))
-
-    def _cast(self, x: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(x, dtype=self.dtype)

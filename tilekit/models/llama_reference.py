@@ -1,0 +1,110 @@
+"""Llama in NumPy on the CPU: the oracle for the GPU model, and the float64 references of the Llama ops.
+
+The op references (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) live here until their cuTile
+kernels exist; each kernel module will then take its reference, as kernels/layernorm.py has LayerNorm's. They
+follow Hugging Face transformers' LlamaForCausalLM, which computes RoPE frequencies in float32; here everything
+is float64, the exact answer both are compared against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tilekit.kernels.attention import attention_reference
+from tilekit.kernels.linear import linear_reference
+from tilekit.models import llama_checkpoint
+from tilekit.models.llama_checkpoint import EMBEDDING
+from tilekit.models.llama_config import LlamaConfig, RopeScaling
+from tilekit.models.reference import ReferenceLM
+
+
+def rms_norm_reference(x, weight, eps: float) -> np.ndarray:
+    """float64 RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight."""
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """float64 (head_dim / 2,) rotary inverse frequencies theta^(-2i / head_dim), with Llama 3.1's adjustment."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv_freq
+    old_context = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated smoothly.
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    scaled = np.where(wavelen > old_context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    medium = (wavelen >= old_context / scaling.high_freq_factor) & (wavelen <= old_context / scaling.low_freq_factor)
+    return np.where(medium, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
+
+
+def rope_reference(x, positions, inv_freq) -> np.ndarray:
+    """float64 rotary embedding of x (..., D) in Hugging Face's rotate-half layout: feature i pairs with i + D/2.
+
+    `positions` (integers) broadcast against x.shape[:-1], e.g. (B, 1, T) for x laid out (B, H, T, D).
+    """
+    x = np.asarray(x, np.float64)
+    angles = np.asarray(positions, np.float64)[..., None] * np.asarray(inv_freq, np.float64)
+    cos, sin = np.cos(angles), np.sin(angles)
+    x1, x2 = np.split(x, 2, axis=-1)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def grouped_attention_reference(q, k, v, *, causal: bool = True) -> np.ndarray:
+    """float64 attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D): query head h reads kv head h // (H/Hkv)."""
+    group = q.shape[1] // k.shape[1]
+    return attention_reference(q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), causal=causal)
+
+
+def swiglu_reference(gate, up) -> np.ndarray:
+    """float64 silu(gate) * up."""
+    gate = np.asarray(gate, np.float64)
+    return gate * 0.5 * (1 + np.tanh(gate / 2)) * np.asarray(up, np.float64)  # sigmoid via tanh: no overflow
+
+
+class ReferenceLlama(ReferenceLM):
+    """Llama (pre-RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, tied or untied LM head) over a state dict
+    of Hugging Face names."""
+
+    checkpoint = llama_checkpoint
+    config: LlamaConfig
+
+    def __init__(self, config: LlamaConfig, state: dict[str, np.ndarray], dtype=np.float64):
+        super().__init__(config, state, dtype)
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def _hidden(self, ids: np.ndarray) -> np.ndarray:
+        """Final-RMSNorm hidden states (B, T, C) for validated ids."""
+        cfg, w, cast = self.config, self.state, self._cast
+        B, T = ids.shape
+        D, eps = cfg.head_dim, cfg.rms_norm_eps
+        positions = np.arange(T)
+
+        def heads(x: np.ndarray, n: int) -> np.ndarray:  # (B, T, n * D) -> (B, n, T, D)
+            return x.reshape(B, T, n, D).transpose(0, 2, 1, 3)
+
+        def linear(x: np.ndarray, name: str, residual=None) -> np.ndarray:  # nn.Linear without bias
+            return linear_reference(x, w[name], weight_layout="out_in", residual=residual)
+
+        x = cast(w[EMBEDDING][ids])
+        for i in range(cfg.n_layer):
+            p = f"model.layers.{i}."
+            h = cast(rms_norm_reference(x, w[p + "input_layernorm.weight"], eps))
+            q = cast(rope_reference(heads(linear(h, p + "self_attn.q_proj.weight"), cfg.n_head), positions,
+                                    self.inv_freq))
+            k = cast(rope_reference(heads(linear(h, p + "self_attn.k_proj.weight"), cfg.n_kv_head), positions,
+                                    self.inv_freq))
+            v = cast(heads(linear(h, p + "self_attn.v_proj.weight"), cfg.n_kv_head))
+            y = cast(grouped_attention_reference(q, k, v)).transpose(0, 2, 1, 3).reshape(B, T, cfg.n_head * D)
+            x = cast(linear(y, p + "self_attn.o_proj.weight", residual=x))
+            h = cast(rms_norm_reference(x, w[p + "post_attention_layernorm.weight"], eps))
+            h = cast(swiglu_reference(linear(h, p + "mlp.gate_proj.weight"), linear(h, p + "mlp.up_proj.weight")))
+            x = cast(linear(h, p + "mlp.down_proj.weight", residual=x))
+        return cast(rms_norm_reference(x, w["model.norm.weight"], eps))
+
+    def _lm_head(self, x: np.ndarray) -> np.ndarray:
+        """Logits x @ W.T, W the LM head or, when tied, the token embedding."""
+        head = EMBEDDING if self.config.tie_word_embeddings else "lm_head.weight"
+        return self._cast(linear_reference(x, self.state[head], weight_layout="out_in"))

@@ -211,3 +211,10 @@ def test_block_params_name_every_block_tensor_in_field_order():
     stems = [n.replace("attn.c_attn", "attn").replace("attn.c_proj", "proj").replace("mlp.c_fc", "fc")
              .replace("mlp.c_proj", "mlp_proj").replace(".weight", "_w").replace(".bias", "_b") for n in BLOCK_PARAMS]
     assert stems == fields
+
+
+@pytest.mark.parametrize("field, value", [("n_layer", 10 ** 9), ("n_embd", 1 << 30), ("vocab_size", 1 << 40)])
+def test_implausible_sizes_in_a_config_are_refused(field, value):
+    """A hostile config.json cannot make the shape checks run for hours."""
+    with pytest.raises(ValueError, match=f"{field} = {value} is larger than any model"):
+        GPTConfig(**{field: value, **({"n_head": 1} if field == "n_embd" else {})})

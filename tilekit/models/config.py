@@ -37,12 +37,21 @@ def read_json(path: str | Path, what: str) -> dict:
     return d
 
 
+MAX_SIZE = 1 << 24       # no model dimension comes near; a config file claiming more is refused
+MAX_LAYERS = 4096
+
+
 def check_positive_ints(config, names) -> None:
-    """ValueError naming the first of `names` whose value in `config` is not a positive int (bools are not)."""
+    """ValueError naming the first of `names` whose value in `config` is not a positive int (bools are
+    not) of plausible size (a hostile config.json must not make the shape checks run for hours)."""
     for name in names:
         value = getattr(config, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
+        most = MAX_LAYERS if name == "n_layer" else MAX_SIZE
+        if value > most:
+            raise ValueError(f"{type(config).__name__}.{name} = {value} is larger than any model tilekit runs "
+                             f"(at most {most})")
 
 
 @dataclass(frozen=True)

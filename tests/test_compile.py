@@ -40,7 +40,7 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
     for name, problems in PROBLEMS.items():
         op = ops[name]
         for problem in problems:
-            bucketed = op.complete({**problem, **op.problem_key(problem)[0]})
+            bucketed = op.tuning_problem(problem)
             candidates = op.space.candidates(bucketed)
             assert candidates, f"{name}: empty search space for {problem}"
             assert op.space.contains(op.default(bucketed)), f"{name}: default outside its space"

@@ -81,7 +81,7 @@ def test_precompiled_configs_are_cache_hits_for_the_jit(tmp_path):
         tasks = []
         for n, p in cases:
             op = ops[n]
-            problem = op.complete({**p, **op.problem_key(p)[0]})
+            problem = op.tuning_problem(p)
             tasks.append((op, problem, op.default(problem)))
         ok, errors = precompile(tasks, device_info().arch, workers=4)
         assert not errors, errors

@@ -89,7 +89,7 @@ OPS = {"linear": LINEAR, "linear_split_k": LINEAR, "layer_norm": LAYER_NORM, "ge
 
 def sampled_configs(name, k=5):
     op, p = OPS[name], SPACE_CASES[name]
-    candidates = op.space.candidates(op.complete({**p, **op.problem_key(p)[0]}))
+    candidates = op.space.candidates(op.tuning_problem(p))
     picks = random.Random(0).sample(candidates, min(k, len(candidates)))
     return [op.default(p)] + [c for c in picks if c != op.default(p)]
 
@@ -97,7 +97,7 @@ def sampled_configs(name, k=5):
 @pytest.fixture(scope="module")
 def precompiled_space_samples():
     """Fill cuTile's disk cache for the sampled configs in parallel before measuring them."""
-    tasks = [(OPS[name], OPS[name].complete({**p, **OPS[name].problem_key(p)[0]}), c)
+    tasks = [(OPS[name], OPS[name].tuning_problem(p), c)
              for name, p in SPACE_CASES.items() for c in sampled_configs(name)]
     precompile(tasks, device_info().arch)
 

@@ -160,8 +160,7 @@ class Plan:
     """A validated call signature with its config: the grid, constants and argument sources of each
     launch, the output allocator and the stream getter. Calling it launches."""
 
-    __slots__ = ("op", "problem", "config", "device", "launches", "alloc", "out_index", "returns",
-                 "stream", "work")
+    __slots__ = ("problem", "config", "launches", "alloc", "out_index", "returns", "stream", "work")
 
     def __call__(self, arrays: tuple, scalars: tuple):
         if self.alloc is not None and arrays[self.out_index] is None:
@@ -244,6 +243,11 @@ class Op:
         bucketed = bucket_problem({f: problem[f] for f in self.fields}, self.buckets)
         return bucketed, key_string(self.name, bucketed)
 
+    def tuning_problem(self, problem: Problem) -> dict:
+        """What the tuner measures for `problem`: its key fields bucketed, its launch-only fields kept
+        (or filled in where it lacks them)."""
+        return self.complete({**problem, **self.problem_key(problem)[0]})
+
     def complete(self, problem: Problem) -> dict:
         """The problem with every launch-only field it lacks filled in."""
         full = dict(problem)
@@ -311,7 +315,7 @@ class Op:
 
     def plan(self, problem: dict, config: Config, binding: Binding, kind: str, device: int) -> Plan:
         plan = Plan()
-        plan.op, plan.problem, plan.config, plan.device = self, problem, dict(config), device
+        plan.problem, plan.config = problem, dict(config)
         plan.stream = arr.stream_getter(kind, device)
         plan.out_index, plan.alloc = binding.output if binding.output else (None, None)
         plan.returns = binding.returns

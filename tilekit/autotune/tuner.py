@@ -57,8 +57,7 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
     dev = device_info()
     plans = []
     for op, problem in items:
-        bucketed, key = op.problem_key(problem)
-        bucketed = op.complete({**problem, **bucketed})        # launch-only fields from the problem
+        bucketed, key = op.tuning_problem(problem), op.problem_key(problem)[1]
         candidates = op.space.candidates(bucketed)
         default = op.default(bucketed)
         if op.space.contains(default):

@@ -25,14 +25,20 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
     item = {"float32": 4}.get(p["dtype"], 2)
     if op_name == "linear":
         return item * (p["M"] * p["K"] + p["K"] * p["N"] + p["bias"] * p["N"] + (1 + p["res"]) * p["M"] * p["N"])
+    if op_name == "swiglu_linear":
+        return item * (p["M"] * p["K"] + 2 * p["K"] * p["N"] + p["M"] * p["N"])
     if op_name == "layer_norm":
         return item * (2 * p["M"] * p["N"] + 2 * p["N"])
+    if op_name == "rms_norm":
+        return item * ((2 + 2 * p["res"]) * p["M"] * p["N"] + p["N"])
+    if op_name == "rope":                       # the rotated heads read and written, a table row per token
+        return item * 2 * p["B"] * p["H"] * p["T"] * p["D"] + 4 * p["B"] * p["T"] * p["D"]
     if op_name == "embedding":
-        return item * 3 * p["M"] * p["C"]
+        return item * (3 if p["P"] else 2) * p["M"] * p["C"]
     if op_name == "kv_write":
         return item * 4 * p["B"] * p["H"] * p["T"] * p["D"]
     if op_name == "decode_attention":           # the keys and values of the context, once
-        return item * 2 * p["B"] * p["H"] * context * p["D"]
+        return item * 2 * p["B"] * p["Hkv"] * context * p["D"]
     if op_name == "greedy":
         return item * p["B"] * p["V"]
     return float("nan")
@@ -119,8 +125,9 @@ def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
     """Greedy-generate PROMPT + NEW_TOKENS once (graphs captured), then profile the decode step."""
     import numpy as np
 
-    from tilekit.models import GPT, GPTConfig
-    model = GPT(GPTConfig.preset(preset), dtype="bfloat16", seed=0)
+    from tilekit.models import GPT, LLAMA_PRESETS, GPTConfig, Llama
+    model = (Llama(LLAMA_PRESETS[preset], dtype="bfloat16", seed=0) if preset in LLAMA_PRESETS
+             else GPT(GPTConfig.preset(preset), dtype="bfloat16", seed=0))
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, PROMPT))
     model.generate(prompt, NEW_TOKENS, temperature=0)
     (gen,) = model._generations.values()
@@ -132,7 +139,7 @@ def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", action="append", help="GPT-2 preset (repeatable; default gpt2 and gpt2-xl)")
+    ap.add_argument("--model", action="append", help="GPT-2 or Llama preset (repeatable; default gpt2 and gpt2-xl)")
     ap.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 8)")
     ap.add_argument("--out", type=Path, help="write breakdown.json here")
     args = ap.parse_args(argv)

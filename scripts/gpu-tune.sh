@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# On a GPU host: tune MODEL[:DTYPE] ... from scratch into a fresh database (the shipped layer ignored),
-# the way tuning_db/ is built; the GPU's file and one log per model land in $OUT.
-#   source .gpu/setup.sh && scripts/gpu-tune.sh gpt2 gpt2:fp16 gpt2-xl
+# On a GPU host: tune MODEL[:DTYPE] ... into a fresh user database. Kernel shapes the shipped database
+# already holds, usable, for this very GPU are skipped (FRESH=1 tunes everything), so after a kernel
+# change this re-tunes just what went stale or is new. The GPU's tuned file and one log per model land
+# in $OUT; fold them into tuning_db/ with `python scripts/ship_tuning.py FILE...`.
+#   source .gpu/setup.sh && scripts/gpu-tune.sh gpt2 gpt2:fp16 llama-3.2-1b
 set -uo pipefail
 out="${OUT:-/tmp/tilekit-gpu}"; mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TILEKIT_CACHE_DIR="${TILEKIT_CACHE_DIR:-/tmp/tilekit-tune}" TILEKIT_SHIPPED_DB=/nonexistent
+export PYTHONUNBUFFERED=1 TILEKIT_CACHE_DIR="${TILEKIT_CACHE_DIR:-/tmp/tilekit-tune}"
+[ "${FRESH:-0}" = 1 ] && export TILEKIT_SHIPPED_DB=/nonexistent
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_.-')
 status=0
 for spec in "$@"; do
@@ -12,7 +15,7 @@ for spec in "$@"; do
     log="$out/tune-$model-$dtype-$gpu.txt"
     { time python3 -m tilekit tune --model "$model" --dtype "$dtype"; } > "$log" 2>&1 || status=1
     tail -3 "$log"
+    cp "$TILEKIT_CACHE_DIR"/tuning/sm_*/*.json "$out/" 2>/dev/null   # after each model: a timeout keeps the rest
 done
-cp "$TILEKIT_CACHE_DIR"/tuning/sm_*/*.json "$out/" 2>/dev/null
 python3 -m tilekit db verify | tail -2
 exit $status

@@ -7,7 +7,7 @@ from tilekit.kernels.decode_attention import DECODE_ATTENTION
 from tilekit.kernels.linear import LINEAR
 
 LIN = dict(dtype="bfloat16", M=1, N=4800, K=1600, wt="kn", bias=1, act="none", res=0, tf32=0)
-ATT = dict(dtype="bfloat16", B=1, H=25, nq=1, capacity=256, D=64)
+ATT = dict(dtype="bfloat16", B=1, H=25, Hkv=25, nq=1, capacity=256, D=64)
 
 
 def test_linear_bytes_are_weights_plus_activations():

@@ -8,8 +8,10 @@ import pytest
 from tilekit.kernels.attention import attention_reference
 from tilekit.models.llama_checkpoint import random_state_dict
 from tilekit.models.llama_config import LlamaConfig, RopeScaling
-from tilekit.models.llama_reference import (ReferenceLlama, grouped_attention_reference, rms_norm_reference,
-                                            rope_inv_freq, rope_reference, swiglu_reference)
+from tilekit.kernels.rmsnorm import rms_norm_reference
+from tilekit.kernels.rope import rope_reference
+from tilekit.kernels.swiglu import swiglu_reference
+from tilekit.models.llama_reference import ReferenceLlama, rope_inv_freq
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = ["tiny-llama", "tiny-llama-tied"]  # GQA + llama3 rope + untied, sharded; MQA + plain rope + tied
@@ -130,10 +132,10 @@ def test_rope_inv_freq_llama3_bands():
     assert np.all(np.diff(scaled) < 0)  # still decreasing: the interpolation joins both ends
 
 
-def test_grouped_attention_reference_shares_kv_heads():
+def test_attention_reference_shares_kv_heads_between_query_groups():
     rng = np.random.default_rng(2)
     q, k, v = rng.standard_normal((2, 4, 6, 8)), rng.standard_normal((2, 2, 6, 8)), rng.standard_normal((2, 2, 6, 8))
-    out = grouped_attention_reference(q, k, v)
+    out = attention_reference(q, k, v)
     for h in range(4):
         np.testing.assert_allclose(out[:, h], attention_reference(q[:, h:h + 1], k[:, h // 2:h // 2 + 1],
                                                                   v[:, h // 2:h // 2 + 1])[:, 0])

@@ -54,15 +54,24 @@ def _dtype(text: str) -> str:
 
 
 def _config_for(model: str):
-    """A preset name or a checkpoint (directory or HF cache name) -> GPTConfig."""
-    from tilekit.models.checkpoint import CONFIG_NAME, resolve_checkpoint
-    from tilekit.models.config import PRESETS, GPTConfig
+    """A preset name (GPT-2 or Llama) or a checkpoint / config.json -> GPTConfig or LlamaConfig."""
+    from tilekit.models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, resolve_checkpoint
+    from tilekit.models.config import PRESETS, GPTConfig, read_json
+    from tilekit.models.llama_checkpoint import INDEX_NAME
+    from tilekit.models.llama_config import LLAMA_PRESETS, LlamaConfig
     if model in PRESETS:
         return GPTConfig.preset(model)
+    if model in LLAMA_PRESETS:
+        return LlamaConfig.preset(model)
+    path = Path(model)
     try:
-        return GPTConfig.from_json(resolve_checkpoint(model) / CONFIG_NAME)
-    except FileNotFoundError as e:
-        raise UsageError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint: {e}")
+        if not (path.is_file() and path.name.endswith(".json")):
+            path = resolve_checkpoint(model, (WEIGHTS_NAME, INDEX_NAME), ("openai-community", "meta-llama")) / CONFIG_NAME
+        data = read_json(path, "model config")
+        return LlamaConfig.from_hf_dict(data) if data.get("model_type") == "llama" else GPTConfig.from_hf_dict(data)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"--model {model!r} is neither a preset ({', '.join([*PRESETS, *LLAMA_PRESETS])}) nor a "
+                         f"usable checkpoint or config.json: {e}")
 
 
 def _parse_shape(op, text: str, dtype: str) -> dict:

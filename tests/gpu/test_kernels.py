@@ -21,7 +21,11 @@ from tilekit.kernels.embedding import embedding_reference  # noqa: E402
 from tilekit.kernels.gelu import GELU, gelu_reference  # noqa: E402
 from tilekit.kernels.layernorm import LAYER_NORM, layer_norm_reference  # noqa: E402
 from tilekit.kernels.linear import LINEAR, linear_reference  # noqa: E402
+from tilekit.kernels.rmsnorm import RMS_NORM  # noqa: E402
+from tilekit.kernels.rope import ROPE  # noqa: E402
 from tilekit.kernels.sampling import GREEDY, greedy_reference  # noqa: E402
+from tilekit.kernels.swiglu import SWIGLU_LINEAR  # noqa: E402
+from tests.gpu.test_llama_kernels import check_rms_norm, check_rope, check_swiglu_linear  # noqa: E402
 
 GPU = settings(max_examples=12, deadline=None, derandomize=True)
 DTYPES = st.sampled_from(["bfloat16", "float16", "float32"])
@@ -79,12 +83,20 @@ SPACE_CASES = {
     "linear_split_k": dict(dtype="bfloat16", M=5, N=1000, K=1536, wt="kn", bias=1, act="gelu", res=1, tf32=0),
     "layer_norm": dict(dtype="bfloat16", M=37, N=1600, gather=0),
     "gelu": dict(dtype="bfloat16", n=10007, exact=0),
-    "attention": dict(dtype="bfloat16", B=2, H=3, Tq=300, Tk=300, D=64, causal=1),
-    "decode_attention": dict(dtype="bfloat16", B=2, H=3, nq=1, capacity=700, D=64),
+    "attention": dict(dtype="bfloat16", B=2, H=3, Hkv=3, Tq=300, Tk=300, D=64, causal=1),
+    "attention_gqa": dict(dtype="bfloat16", B=2, H=8, Hkv=2, Tq=300, Tk=300, D=64, causal=1),
+    "decode_attention": dict(dtype="bfloat16", B=2, H=3, Hkv=3, nq=1, capacity=700, D=64),
+    "decode_attention_gqa": dict(dtype="bfloat16", B=2, H=8, Hkv=2, nq=3, capacity=700, D=128),
     "greedy": dict(dtype="bfloat16", B=3, V=50257, L=16),
+    "rms_norm": dict(dtype="bfloat16", M=37, N=2048, gather=0, res=1),
+    "rope": dict(dtype="bfloat16", table="float32", B=2, H=6, T=77, D=64),
+    "swiglu_linear": dict(dtype="bfloat16", M=300, N=200, K=136),
+    "swiglu_linear_few_rows": dict(dtype="bfloat16", M=3, N=1000, K=512),
 }
 OPS = {"linear": LINEAR, "linear_split_k": LINEAR, "layer_norm": LAYER_NORM, "gelu": GELU, "attention": ATTENTION,
-       "decode_attention": DECODE_ATTENTION, "greedy": GREEDY}
+       "attention_gqa": ATTENTION, "decode_attention": DECODE_ATTENTION, "decode_attention_gqa": DECODE_ATTENTION,
+       "greedy": GREEDY, "rms_norm": RMS_NORM, "rope": ROPE, "swiglu_linear": SWIGLU_LINEAR,
+       "swiglu_linear_few_rows": SWIGLU_LINEAR}
 
 
 def sampled_configs(name, k=5):
@@ -110,12 +122,18 @@ def run_case(name):
         check_layer_norm((p["M"], p["N"]), p["dtype"])
     elif name == "gelu":
         check_gelu((p["n"],), p["dtype"], "tanh")
-    elif name == "attention":
-        check_attention(p["B"], p["H"], p["Tq"], p["Tk"], p["D"], p["dtype"], True)
-    elif name == "decode_attention":
-        check_decode(p["B"], p["H"], p["nq"], p["capacity"], p["D"], p["dtype"])
+    elif name.startswith("attention"):
+        check_attention(p["B"], p["H"], p["Tq"], p["Tk"], p["D"], p["dtype"], True, p["Hkv"])
+    elif name.startswith("decode_attention"):
+        check_decode(p["B"], p["H"], p["nq"], p["capacity"], p["D"], p["dtype"], p["Hkv"])
     elif name == "greedy":
         check_greedy(p["B"], p["V"], p["L"], p["dtype"])
+    elif name == "rms_norm":
+        check_rms_norm((p["M"], p["N"]), p["dtype"], residual=True)
+    elif name == "rope":
+        check_rope(p["B"], p["H"] - 2, 2, p["T"], p["D"], p["dtype"])
+    elif name.startswith("swiglu_linear"):
+        check_swiglu_linear(p["M"], p["N"], p["K"], p["dtype"])
 
 
 @pytest.mark.parametrize("name", list(SPACE_CASES))
@@ -159,16 +177,15 @@ def test_gelu_matches_reference(shape, dtype, approximate):
 
 # -- attention -------------------------------------------------------------------------------
 
-def check_attention(B, H, Tq, Tk, D, dtype, causal):
-    """q, k, v as strided views of one fused QKV buffer, the way GPT-2 calls it."""
-    qkv = rand((B, Tk, 3, H, D), dtype)
-    q = qkv[:, Tk - Tq:, 0].transpose(0, 2, 1, 3)
-    k = qkv[:, :, 1].transpose(0, 2, 1, 3)
-    v = qkv[:, :, 2].transpose(0, 2, 1, 3)
+def check_attention(B, H, Tq, Tk, D, dtype, causal, Hkv=None):
+    """q, k, v as strided views of one fused QKV buffer, the way GPT-2 (Hkv = H) and Llama call it."""
+    Hkv = H if Hkv is None else Hkv
+    heads = rand((B, Tk, H + 2 * Hkv, D), dtype).transpose(0, 2, 1, 3)
+    q, k, v = heads[:, :H, Tk - Tq:], heads[:, H:H + Hkv], heads[:, H + Hkv:]
     out = poisoned((B, Tq, H, D), dtype).transpose(0, 2, 1, 3)
     attention(q, k, v, causal=causal, out=out)
     ref = attention_reference(host(q), host(k), host(v), causal=causal)
-    assert_close(host(out), ref, TOL[dtype], f"attention {(B, H, Tq, Tk, D, dtype, causal)}")
+    assert_close(host(out), ref, TOL[dtype], f"attention {(B, H, Hkv, Tq, Tk, D, dtype, causal)}")
 
 
 @GPU
@@ -183,19 +200,35 @@ def test_attention_fp32_and_shorter_queries():
     check_attention(2, 1, 33, 40, 64, "bfloat16", False)
 
 
+@pytest.mark.parametrize("H,Hkv,T,D,dtype", [(8, 2, 300, 64, "bfloat16"), (32, 8, 129, 128, "bfloat16"),
+                                             (4, 1, 65, 64, "float32"), (6, 3, 1, 64, "float16")])
+def test_grouped_query_attention(H, Hkv, T, D, dtype):
+    check_attention(2, H, T, T, D, dtype, True, Hkv)
+    check_attention(1, H, max(1, T // 3), T, D, dtype, True, Hkv)
+
+
 # -- decode attention, KV cache, embedding, greedy -------------------------------------------
 
-def check_decode(B, H, nq, capacity, D, dtype, rng=np.random.default_rng(0)):
+def check_decode(B, H, nq, capacity, D, dtype, Hkv=None, rng=np.random.default_rng(0)):
+    Hkv = H if Hkv is None else Hkv
     q = rand((B, H, nq, D), dtype)
-    kc = rand((B, H, capacity, D), dtype)
-    vc = rand((B, H, capacity, D), dtype)
+    kc = rand((B, Hkv, capacity, D), dtype)
+    vc = rand((B, Hkv, capacity, D), dtype)
     lengths_h = rng.integers(nq, capacity + 1, B).astype(np.int32)
     lengths_h[0] = capacity
     out = poisoned((B, H, nq, D), dtype)
     decode_attention(q, kc, vc, cupy.asarray(lengths_h), out=out)
     ref = decode_attention_reference(host(q), host(kc), host(vc), lengths_h)
-    assert_close(host(out), ref, TOL[dtype], f"decode_attention {(B, H, nq, capacity, D, dtype)}")
+    assert_close(host(out), ref, TOL[dtype], f"decode_attention {(B, H, Hkv, nq, capacity, D, dtype)}")
     return q, kc, vc, lengths_h, out
+
+
+@pytest.mark.parametrize("B,H,Hkv,nq,capacity,D,dtype", [(1, 32, 8, 1, 1024, 64, "bfloat16"),
+                                                          (3, 32, 8, 2, 300, 128, "bfloat16"),
+                                                          (2, 14, 2, 3, 100, 64, "float32"),
+                                                          (1, 8, 1, 1, 4100, 128, "float16")])
+def test_grouped_query_decode_attention(B, H, Hkv, nq, capacity, D, dtype):
+    check_decode(B, H, nq, capacity, D, dtype, Hkv)
 
 
 @GPU
@@ -215,7 +248,7 @@ def test_decode_attention_length_offset():
 
 
 @pytest.mark.parametrize("module", ["layernorm", "gelu", "linear", "attention", "decode_attention", "kv_cache",
-                                    "embedding", "sampling"])
+                                    "embedding", "sampling", "rmsnorm", "rope", "swiglu"])
 def test_each_op_module_checks_itself(module):
     """`python -m tilekit.kernels.<op>`: the op's own check against its reference (kv_cache's is the
     KV-cache write test, clipping included)."""

@@ -2,7 +2,8 @@
 
 Grid: (query tiles, batch x heads). Each program keeps its BM queries in registers and walks
 the key/value tiles up to the causal limit; tiles wholly below the diagonal skip the mask.
-q, k, v may be strided views (for example slices of a fused QKV projection) as long as the
+With fewer key/value heads than query heads (grouped-query attention, Llama), query head h
+reads key/value head h // (H / Hkv). q, k, v may be strided views (for example slices of a fused QKV projection) as long as the
 head dimension is contiguous, so GPT-2's c_attn output is read in place.
 """
 
@@ -45,9 +46,11 @@ def batch_head(bh, H):
 @ct.kernel
 def attention_kernel(Q, K, V, O, qk_scale: float, BM: ct.Constant[int], BN: ct.Constant[int],
                      D: ct.Constant[int], CAUSAL: ct.Constant[bool]):
-    """O = softmax(Q K^T * scale [+ causal mask]) V on (B, H, T, D) arrays; queries are the last Tq keys."""
+    """O = softmax(Q K^T * scale [+ causal mask]) V on (B, H, T, D) queries and (B, Hkv, T, D) keys and
+    values; queries are the last Tq keys."""
     pid_m = ct.bid(0)
     b, h = batch_head(ct.bid(1), Q.shape[1])
+    hk = h // (Q.shape[1] // K.shape[1])
     Tq = Q.shape[2]
     Tk = K.shape[2]
     offset = Tk - Tq
@@ -63,13 +66,13 @@ def attention_kernel(Q, K, V, O, qk_scale: float, BM: ct.Constant[int], BN: ct.C
         kv_end = Tk
         n_full = Tk // BN
     for j in range(n_full):
-        k = ct.load(K, (b, h, 0, j), (1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO).reshape((D, BN))
-        v = ct.load(V, (b, h, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
+        k = ct.load(K, (b, hk, 0, j), (1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO).reshape((D, BN))
+        v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
         s = ct.mma(q, k, ct.zeros((BM, BN), dtype=ct.float32)) * qk_scale
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v)
     for j in range(n_full, ct.cdiv(kv_end, BN)):
-        k = ct.load(K, (b, h, 0, j), (1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO).reshape((D, BN))
-        v = ct.load(V, (b, h, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
+        k = ct.load(K, (b, hk, 0, j), (1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO).reshape((D, BN))
+        v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
         s = ct.mma(q, k, ct.zeros((BM, BN), dtype=ct.float32)) * qk_scale
         k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
         visible = k_pos < Tk
@@ -95,10 +98,12 @@ def default_config(p: dict) -> dict:
     return dict(BM=64, BN=128 if p["Tk"] >= 128 else 64, occupancy=2 if pow2_ceil(p["D"]) <= 64 else 1)
 
 
-def qkv_views(dtype: str, B: int, H: int, T: int, D: int, offset: int = 0) -> ArraySpec:
-    """(B, H, T, D) heads as views into a fused [B, T, 3, H, D] QKV buffer, as GPT-2 produces them;
-    `offset` leading positions of that buffer's T + offset are skipped."""
-    row = 3 * H * D
+def qkv_views(dtype: str, B: int, H: int, T: int, D: int, offset: int = 0, fused_heads: int | None = None
+              ) -> ArraySpec:
+    """(B, H, T, D) heads as views into a fused [B, T, fused_heads, D] QKV buffer (GPT-2's [B, T, 3, H, D]
+    when fused_heads is None; Llama's query, key and value heads side by side); `offset` leading
+    positions of that buffer's T + offset are skipped."""
+    row = (3 * H if fused_heads is None else fused_heads) * D
     return ArraySpec(dtype, (B, H, T, D), ((T + offset) * row, D, row, 1))
 
 
@@ -108,9 +113,10 @@ def heads_out(dtype: str, B: int, H: int, T: int, D: int) -> ArraySpec:
 
 
 def _arrays(p: dict) -> dict:
-    B, H, Tq, Tk, D, dt = p["B"], p["H"], p["Tq"], p["Tk"], p["D"], p["dtype"]
-    return {"q": qkv_views(dt, B, H, Tq, D, Tk - Tq), "k": qkv_views(dt, B, H, Tk, D),
-            "v": qkv_views(dt, B, H, Tk, D), "o": heads_out(dt, B, H, Tq, D)}
+    B, H, Hkv, Tq, Tk, D, dt = p["B"], p["H"], p["Hkv"], p["Tq"], p["Tk"], p["D"], p["dtype"]
+    fused = H + 2 * Hkv
+    return {"q": qkv_views(dt, B, H, Tq, D, Tk - Tq, fused), "k": qkv_views(dt, B, Hkv, Tk, D, 0, fused),
+            "v": qkv_views(dt, B, Hkv, Tk, D, 0, fused), "o": heads_out(dt, B, H, Tq, D)}
 
 
 def _grid(p: dict, c: dict) -> tuple:
@@ -122,7 +128,8 @@ def _constants(p: dict, c: dict) -> tuple:
 
 
 def check_qkv(q, k, v, names=("q", "k", "v")) -> None:
-    """Validate (B, H, T, D) query/key/value Infos: same batch, heads and head_dim; v like k."""
+    """Validate (B, H, T, D) query and (B, Hkv, T, D) key/value Infos: same batch and head_dim, Hkv
+    dividing H; v like k."""
     for name, a in zip(names, (q, k, v)):
         if len(a.shape) != 4:
             raise ValueError(f"{name} must be 4-D (batch, heads, time, head_dim), got shape {a.shape}")
@@ -130,9 +137,10 @@ def check_qkv(q, k, v, names=("q", "k", "v")) -> None:
     arrays.check_dtype(q, names[0], arrays.FLOAT_DTYPES)
     arrays.check_same(names[0], q, names[1], k)
     arrays.check_same(names[0], q, names[2], v)
-    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"{names[1]} shape {k.shape} does not match {names[0]} shape {q.shape} "
-                         f"in batch, heads or head_dim")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or not 1 <= k.shape[1] <= q.shape[1] \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{names[1]} shape {k.shape} does not match {names[0]} shape {q.shape}: batch and "
+                         f"head_dim must be equal and its heads must divide {names[0]}'s")
     if v.shape != k.shape:
         raise ValueError(f"{names[2]} shape {v.shape} must equal {names[1]} shape {k.shape}")
     if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
@@ -154,7 +162,8 @@ def _bind(a: list, flags: tuple) -> Binding:
         raise ValueError(f"k has {Tk} positions, fewer than q's {Tq}")
     if out is not None:
         check_heads_out(out, q)
-    return Binding(problem=dict(dtype=q.dtype, B=B, H=H, Tq=Tq, Tk=Tk, D=D, causal=int(bool(causal))),
+    return Binding(problem=dict(dtype=q.dtype, B=B, H=H, Hkv=k.shape[1], Tq=Tq, Tk=Tk, D=D,
+                                causal=int(bool(causal))),
                    arrays={"q": (0, None), "k": (1, None), "v": (2, None), "o": (3, None)},
                    output=(3, arrays.allocator(q.kind, q.device, (B, Tq, H, D), q.dtype, (0, 2, 1, 3))),
                    returns=3, scalars={"qk_scale": (0, LOG2E / math.sqrt(D))})
@@ -162,7 +171,7 @@ def _bind(a: list, flags: tuple) -> Binding:
 
 ATTENTION = Op(
     "attention", args=("q", "k", "v", "out"), optional=("out",),
-    key=dict(dtype=None, B=None, H=None, Tq=pow2_bucket, Tk=pow2_bucket, D=None, causal=None),
+    key=dict(dtype=None, B=None, H=None, Hkv=None, Tq=pow2_bucket, Tk=pow2_bucket, D=None, causal=None),
     space=SPACE, default=default_config, arrays=_arrays,
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"])},
     launches=(Launch(attention_kernel, _grid, ("q", "k", "v", "o", "qk_scale"), _constants),),
@@ -170,7 +179,8 @@ ATTENTION = Op(
 
 
 def attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=None):
-    """softmax(q k^T * scale) v for (B, H, T, D) arrays; causal masks keys after each query.
+    """softmax(q k^T * scale) v for (B, H, T, D) queries and (B, Hkv, T, D) keys and values (Hkv
+    dividing H: query head h reads key/value head h // (H / Hkv)); causal masks keys after each query.
 
     k and v may be longer than q (Tk >= Tq): the queries are then the last Tq positions. out, if
     given, is a (B, H, Tq, D) array (any strides with a contiguous last dimension).
@@ -179,8 +189,11 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=N
 
 
 def attention_reference(q, k, v, *, causal: bool = True, scale: float | None = None) -> np.ndarray:
-    """float64 NumPy attention on (B, H, T, D); with Tq < Tk the queries are the last Tq positions."""
+    """float64 NumPy attention on (B, H, T, D) queries and (B, Hkv, T, D) keys and values (query head h
+    reads key/value head h // (H / Hkv)); with Tq < Tk the queries are the last Tq positions."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    group = q.shape[-3] // k.shape[-3] if q.ndim == 4 else 1
+    k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
     tq, tk = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ np.swapaxes(k, -1, -2)) * scale
@@ -195,11 +208,11 @@ def attention_reference(q, k, v, *, causal: bool = True, scale: float | None = N
 if __name__ == "__main__":
     from tilekit.kernels.attention import attention, attention_reference  # the package's op, not this script's copy
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
-    for B, H, T, D, dtype, causal in [(2, 3, 300, 64, "bfloat16", True), (1, 2, 77, 128, "float16", False),
-                                      (1, 2, 33, 64, "float32", True)]:
-        qkv = rand((B, T, 3, H, D), dtype)
-        q, k, v = (qkv[:, :, j].transpose(0, 2, 1, 3) for j in range(3))
+    for B, H, Hkv, T, D, dtype, causal in [(2, 3, 3, 300, 64, "bfloat16", True), (1, 2, 2, 77, 128, "float16", False),
+                                           (1, 2, 2, 33, 64, "float32", True), (2, 8, 2, 200, 64, "bfloat16", True)]:
+        qkv = rand((B, T, H + 2 * Hkv, D), dtype).transpose(0, 2, 1, 3)
+        q, k, v = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]
         out = attention(q, k, v, causal=causal, out=poisoned((B, T, H, D), dtype).transpose(0, 2, 1, 3))
         err = assert_close(host(out), attention_reference(host(q), host(k), host(v), causal=causal),
                            TOL[dtype], f"attention {B, H, T, D} {dtype}")
-        print(f"attention B{B} H{H} T{T} D{D} {dtype} causal={causal}: ok, relative error {err:.2e}")
+        print(f"attention B{B} H{H} Hkv{Hkv} T{T} D{D} {dtype} causal={causal}: ok, relative error {err:.2e}")

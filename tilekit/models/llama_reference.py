@@ -1,9 +1,7 @@
-"""Llama in NumPy on the CPU: the oracle for the GPU model, and the float64 references of the Llama ops.
+"""Llama in NumPy on the CPU: the oracle for the GPU model.
 
-The op references (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU) live here until their cuTile
-kernels exist; each kernel module will then take its reference, as kernels/layernorm.py has LayerNorm's. They
-follow Hugging Face transformers' LlamaForCausalLM, which computes RoPE frequencies in float32; here everything
-is float64, the exact answer both are compared against.
+It follows Hugging Face transformers' LlamaForCausalLM, which computes RoPE frequencies in float32; here
+everything is float64 (each op's reference from its kernel module), the exact answer both are compared against.
 """
 
 from __future__ import annotations
@@ -14,16 +12,13 @@ import numpy as np
 
 from tilekit.kernels.attention import attention_reference
 from tilekit.kernels.linear import linear_reference
+from tilekit.kernels.rmsnorm import rms_norm_reference
+from tilekit.kernels.rope import rope_reference
+from tilekit.kernels.swiglu import swiglu_reference
 from tilekit.models import llama_checkpoint
 from tilekit.models.llama_checkpoint import EMBEDDING
 from tilekit.models.llama_config import LlamaConfig, RopeScaling
 from tilekit.models.reference import ReferenceLM
-
-
-def rms_norm_reference(x, weight, eps: float) -> np.ndarray:
-    """float64 RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight."""
-    x = np.asarray(x, np.float64)
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * np.asarray(weight, np.float64)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
@@ -38,30 +33,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     scaled = np.where(wavelen > old_context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
     medium = (wavelen >= old_context / scaling.high_freq_factor) & (wavelen <= old_context / scaling.low_freq_factor)
     return np.where(medium, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
-
-
-def rope_reference(x, positions, inv_freq) -> np.ndarray:
-    """float64 rotary embedding of x (..., D) in Hugging Face's rotate-half layout: feature i pairs with i + D/2.
-
-    `positions` (integers) broadcast against x.shape[:-1], e.g. (B, 1, T) for x laid out (B, H, T, D).
-    """
-    x = np.asarray(x, np.float64)
-    angles = np.asarray(positions, np.float64)[..., None] * np.asarray(inv_freq, np.float64)
-    cos, sin = np.cos(angles), np.sin(angles)
-    x1, x2 = np.split(x, 2, axis=-1)
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def grouped_attention_reference(q, k, v, *, causal: bool = True) -> np.ndarray:
-    """float64 attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D): query head h reads kv head h // (H/Hkv)."""
-    group = q.shape[1] // k.shape[1]
-    return attention_reference(q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), causal=causal)
-
-
-def swiglu_reference(gate, up) -> np.ndarray:
-    """float64 silu(gate) * up."""
-    gate = np.asarray(gate, np.float64)
-    return gate * 0.5 * (1 + np.tanh(gate / 2)) * np.asarray(up, np.float64)  # sigmoid via tanh: no overflow
 
 
 class ReferenceLlama(ReferenceLM):
@@ -97,7 +68,7 @@ class ReferenceLlama(ReferenceLM):
             k = cast(rope_reference(heads(linear(h, p + "self_attn.k_proj.weight"), cfg.n_kv_head), positions,
                                     self.inv_freq))
             v = cast(heads(linear(h, p + "self_attn.v_proj.weight"), cfg.n_kv_head))
-            y = cast(grouped_attention_reference(q, k, v)).transpose(0, 2, 1, 3).reshape(B, T, cfg.n_head * D)
+            y = cast(attention_reference(q, k, v)).transpose(0, 2, 1, 3).reshape(B, T, cfg.n_head * D)
             x = cast(linear(y, p + "self_attn.o_proj.weight", residual=x))
             h = cast(rms_norm_reference(x, w[p + "post_attention_layernorm.weight"], eps))
             h = cast(swiglu_reference(linear(h, p + "mlp.gate_proj.weight"), linear(h, p + "mlp.up_proj.weight")))

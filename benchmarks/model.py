@@ -1,11 +1,12 @@
-"""tilekit's GPT against PyTorch anchors on the same random weights: prefill and greedy decode.
+"""tilekit's GPT-2 and Llama against PyTorch anchors on the same random weights: prefill and greedy decode.
 
-The HF model is built from GPT2Config(**config.to_hf_dict()) on the GPU, its biases and LayerNorm
-parameters nudged off 0 / 1 so the checks exercise them, and its state dict (float32, without the
-"transformer." prefix, the tied lm_head and the mask buffers) builds tilekit's GPT, so both hold
-identical weights. Anchors, all on those weights: prefill: HF sdpa / eager and
-torch.compile(mode="reduce-overhead") of the HF forward; decode: the gpt-fast-style step
-(benchmarks.gptfast), HF generate with a static cache (compiled) and with the dynamic cache.
+The HF model is built from GPT2Config or LlamaConfig (config.to_hf_dict()) on the GPU, its biases and
+LayerNorm / RMSNorm weights nudged off 0 / 1 so the checks exercise them, and its state dict (float32;
+GPT-2: without the "transformer." prefix, the tied lm_head and the mask buffers; Llama: under its own
+names, lm_head dropped when tied) builds tilekit's GPT or Llama, so both hold identical weights.
+Anchors, all on those weights: prefill: HF sdpa / eager and torch.compile(mode="reduce-overhead") of
+the HF forward; decode: the gpt-fast-style step (benchmarks.gptfast), HF generate with a static cache
+(compiled) and with the dynamic cache.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks import checks, timing
-from benchmarks.report import Row, decode_floor_ms, fill_times, prefill_flops, short_error
+from benchmarks.report import Row, decode_floor_ms, fill_times, is_llama, prefill_flops, short_error
 
 PROMPT, NEW_TOKENS = 128, 128
 FP32_NEW_TOKENS = 16
@@ -34,7 +35,7 @@ class ModelPlan:
     dtype: str = "bfloat16"                   #   "HF eager", "gpt-fast eager"
     new_tokens: int = NEW_TOKENS
     prefill_reps: int = 10
-    config: object = None                     # a GPTConfig to use instead of the preset's (tests)
+    config: object = None                     # a GPTConfig or LlamaConfig instead of the preset's (tests)
 
 
 def fp32_check(batches: tuple = (1,)) -> ModelPlan:
@@ -45,19 +46,33 @@ def fp32_check(batches: tuple = (1,)) -> ModelPlan:
 
 def plan(mode: str) -> list[ModelPlan]:
     """Quick keeps the strongest anchors (the compiled decode step at B1 and B8, torch.compile prefill)
-    for both models, the fp32 token check, and HF generate (static and dynamic cache) at gpt2 B1 only, to
-    stay within about 8 minutes from cold caches; full runs every anchor everywhere."""
+    for every model, the fp32 token check, and HF generate (static and dynamic cache) at gpt2 B1 only
+    (static at llama-3.2-1b B1); full runs every anchor everywhere (Llama: the compiled decode step, HF
+    static, HF compile and HF sdpa)."""
     if mode == "quick":
         prefill = tuple((shape, ("HF compile", "HF sdpa")) for shape in ((1, 128), (8, 1024)))
         step = (8, ("gpt-fast step",))
         return [ModelPlan("gpt2", prefill, ((1, ("gpt-fast step", "HF static", "HF sdpa")), step)),
                 ModelPlan("gpt2-xl", prefill, ((1, ("gpt-fast step",)), step)),
+                ModelPlan("llama-3.2-1b", prefill=(((1, 128), ("HF compile", "HF sdpa")), ((8, 1024), ("HF compile",))),
+                          decode=((1, ("gpt-fast step", "HF static")), step)),
                 fp32_check()]                 # last: its cold first call is mostly cuTile compiling fp32 kernels
     if mode == "full":
-        prefill = tuple(((b, t), ("HF compile", "HF sdpa", "HF eager")) for b in (1, 8) for t in (128, 512, 1024))
+        shapes = tuple((b, t) for b in (1, 8) for t in (128, 512, 1024))
+        prefill = tuple((shape, ("HF compile", "HF sdpa", "HF eager")) for shape in shapes)
         decode = tuple((b, ("gpt-fast step", "HF static", "HF sdpa", "HF eager")) for b in (1, 8))
-        return [ModelPlan(p, prefill, decode, prefill_reps=20) for p in ("gpt2", "gpt2-xl")] + [fp32_check((1, 8))]
+        llama = ModelPlan("llama-3.2-1b", tuple((shape, ("HF compile", "HF sdpa")) for shape in shapes),
+                          tuple((b, ("gpt-fast step", "HF static")) for b in (1, 8)), prefill_reps=20)
+        return ([ModelPlan(p, prefill, decode, prefill_reps=20) for p in ("gpt2", "gpt2-xl")]
+                + [llama, fp32_check((1, 8))])
     raise ValueError(f"mode must be 'quick' or 'full', got {mode!r}")
+
+
+def model_config(preset: str):
+    """The LlamaConfig of a Llama preset (LLAMA_PRESETS), else the GPTConfig of a GPT-2 one."""
+    from tilekit.models.config import GPTConfig
+    from tilekit.models.llama_config import LLAMA_PRESETS
+    return LLAMA_PRESETS[preset] if preset in LLAMA_PRESETS else GPTConfig.preset(preset)
 
 
 def prefill_label(preset: str, B: int, T: int) -> str:
@@ -100,15 +115,43 @@ def hf_config(config, impl: str):
         return GPT2Config(**{k: d[k] for k in HF_CORE_KEYS}, attn_implementation=impl)
 
 
-def build_hf(config, impl: str, *, dtype: str = "bfloat16", seed: int | None = None, like=None):
-    """GPT2LMHeadModel on the GPU, eval mode, attention `impl`, no end-of-text stop; weights random or `like`'s."""
+def hf_llama_config(config, impl: str):
+    """transformers.LlamaConfig(**config.to_hf_dict()) asking for attention `impl`."""
+    import transformers
+    d = {k: v for k, v in config.to_hf_dict().items() if k != "model_type"}
+    try:
+        return transformers.LlamaConfig(**d, attn_implementation=impl)
+    except TypeError:       # a config class that refuses keys it does not declare: build_hf sets `impl`
+        return transformers.LlamaConfig.from_dict(config.to_hf_dict())
+
+
+def _build_llama(config, impl: str, dtype: str):
+    """LlamaForCausalLM on the GPU, created in `dtype`: its rotary inv_freq stays float32, as from_pretrained
+    leaves it (a model-wide .to(bfloat16) would round it and shift every RoPE angle)."""
     import torch
-    from transformers import GPT2LMHeadModel
+    from transformers import LlamaForCausalLM
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(hf_llama_config(config, impl), attn_implementation=impl,
+                                              dtype=getattr(torch, dtype))
+    inv_freq = model.model.rotary_emb.inv_freq
+    if inv_freq.dtype != torch.float32:
+        raise RuntimeError(f"transformers built the rotary inv_freq in {inv_freq.dtype}, not float32")
+    return model.eval().requires_grad_(False)
+
+
+def build_hf(config, impl: str, *, dtype: str = "bfloat16", seed: int | None = None, like=None):
+    """GPT2LMHeadModel or LlamaForCausalLM on the GPU, eval mode, attention `impl`, no end-of-text stop;
+    weights random or `like`'s."""
+    import torch
     if seed is not None:
         torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = GPT2LMHeadModel(hf_config(config, impl))
-    model = model.to(dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+    if is_llama(config):
+        model = _build_llama(config, impl, dtype)
+    else:
+        from transformers import GPT2LMHeadModel
+        with torch.device("cuda"):
+            model = GPT2LMHeadModel(hf_config(config, impl))
+        model = model.to(dtype=getattr(torch, dtype)).eval().requires_grad_(False)
     if getattr(model.config, "_attn_implementation", None) != impl and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(impl)
     actual = getattr(model.config, "_attn_implementation", None)
@@ -123,26 +166,37 @@ def build_hf(config, impl: str, *, dtype: str = "bfloat16", seed: int | None = N
     return model
 
 
+def nudged(name: str) -> bool:
+    """Whether _nudge_affine moves this parameter: a bias, a GPT-2 LayerNorm's or a Llama RMSNorm's weight."""
+    return name.endswith((".bias", "norm.weight")) or ".ln_" in name
+
+
 def _nudge_affine(model, seed: int) -> None:
-    """Biases and LayerNorm parameters += N(0, 0.02), so they are neither 0 nor 1."""
+    """Biases and LayerNorm / RMSNorm parameters += N(0, 0.02), so they are neither 0 nor 1."""
     import torch
     g = torch.Generator(device="cuda").manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".bias") or ".ln_" in name or ".ln_f." in name:
+            if nudged(name):
                 noise = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
                 p.add_((0.02 * noise).to(p.dtype))
 
 
 def tilekit_state(model, config) -> dict:
-    """HF state dict -> tilekit's: float32 numpy under GPT2Model's names, tied head and buffers dropped."""
-    from tilekit.models.checkpoint import BUFFER_SUFFIXES, PREFIX, state_dict_shapes
-    wanted = state_dict_shapes(config)
+    """HF state dict -> tilekit's: float32 numpy under GPT2Model's names (GPT-2) or the HF names as they are
+    (Llama), tied head and buffers dropped."""
+    if is_llama(config):
+        from tilekit.models import llama_checkpoint as family
+        prefix, tied = "", config.tie_word_embeddings
+    else:
+        from tilekit.models import checkpoint as family
+        prefix, tied = family.PREFIX, True
+    wanted = family.state_dict_shapes(config)
     state, unknown = {}, []
     for name, t in model.state_dict().items():
-        if name == "lm_head.weight" or name.endswith(BUFFER_SUFFIXES):
+        if (tied and name == "lm_head.weight") or name.endswith(family.BUFFER_SUFFIXES):
             continue
-        name = name.removeprefix(PREFIX)
+        name = name.removeprefix(prefix)
         if name in wanted:
             state[name] = t.detach().float().cpu().numpy()
         else:
@@ -182,8 +236,9 @@ class Anchors:
     def decode(self, name: str, batch: int, new: int):
         """callable(prompt, check) -> (tokens (B, PROMPT + new), logits (B, V) of the first new token or None)."""
         if name.startswith("gpt-fast"):
-            from benchmarks.gptfast import GPT2Decoder
-            decoder = GPT2Decoder(self.models["sdpa"], batch, PROMPT + new, compile=name == "gpt-fast step")
+            from benchmarks.gptfast import GPT2Decoder, LlamaDecoder
+            cls = LlamaDecoder if is_llama(self.config) else GPT2Decoder
+            decoder = cls(self.models["sdpa"], batch, PROMPT + new, compile=name == "gpt-fast step")
             return lambda prompt, check=False: decoder.generate(prompt, new)
         model = self.hf("sdpa" if name == "HF static" else name.removeprefix("HF "))
         extra = {"cache_implementation": "static"} if name == "HF static" else {}
@@ -320,14 +375,14 @@ def run_decode(p: ModelPlan, config, gpt, anchors: Anchors, budgets: dict, calib
 
 def run_preset(p: ModelPlan, calib: dict, log, seed: int = 0) -> list[Row]:
     import torch
-    from tilekit.models import GPT, GPTConfig
-    config = p.config if p.config is not None else GPTConfig.preset(p.preset)
+    from tilekit.models import GPT, Llama
+    config = p.config if p.config is not None else model_config(p.preset)
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     with torch.no_grad():      # not inference_mode: its tensors would become the parameters
         base = build_hf(config, "sdpa", dtype=p.dtype, seed=seed)
         state = tilekit_state(base, config)
-    gpt = GPT(config, dtype=p.dtype, state=state)
+    gpt = (Llama if is_llama(config) else GPT)(config, dtype=p.dtype, state=state)
     del state
     log(f"[model {p.preset}] built HF sdpa and tilekit models ({p.dtype}) in {time.perf_counter() - t0:.1f} s")
     anchors = Anchors(base, config, p.dtype)

@@ -27,22 +27,24 @@ DEFINITIONS = {
     "layer_norm_bytes": "2 * M * N * itemsize (read x, write y) + 2 * N * itemsize (weight, bias)",
     "gelu_bytes": "2 * n * itemsize (read x, write y)",
     "decode_attention_bytes": "2 * B * H * ctx * D * itemsize (the K and V cache read once)",
-    "prefill_flops": "2 * B * T * (12 * n_layer * C^2 + V * C) + 2 * n_layer * B * T^2 * C "
-                     "(weight matmuls incl. the LM head, plus causal attention); prefill floor = "
+    "prefill_flops": "2 * B * T * (n_layer * W + V * C) + 2 * n_layer * B * T^2 * H * D (weight matmuls "
+                     "incl. the LM head, plus causal attention); W = a layer's matmul weights: 12 * C^2 for "
+                     "GPT-2, (2 * H + 2 * Hkv) * D * C + 3 * C * I for Llama; prefill floor = "
                      "prefill_flops / matmul_peak_tflops",
     "prefill_ms": "one forward with full logits (B x T x V), host included on both sides (the model API "
                   "as a caller sees it), CUDA events, L2 flushed, median of reps",
     "decode_ms_per_token": "wall time of a greedy generation (128 random prompt tokens -> 128 new), "
                            "CUDA-synchronized, median of 3 runs after the checked first run, divided by the "
                            "new tokens (one step serves the whole batch; the prompt prefill is included on "
-                           "every side). Anchors: gpt-fast step = GPT-2 in PyTorch with static KV-cache "
+                           "every side). Anchors: gpt-fast step = the model in PyTorch with static KV-cache "
                            "buffers, SDPA, argmax on the GPU, the step compiled with torch.compile("
                            "mode='reduce-overhead') (Inductor + CUDA graphs), prefill eager as in gpt-fast; "
                            "HF static = transformers generate with cache_implementation='static' (compiles "
                            "the decode forward); HF sdpa / eager = generate with the dynamic cache",
     "decode_floor_ms": "(weight bytes + KV-cache bytes read per step) / copy_bandwidth_gbs: itemsize x "
-                       "parameter count (wte counted once) plus 2 * n_layer * B * C * itemsize * the mean "
-                       "context (prompt + new / 2); prefill not counted, so a lower bound",
+                       "parameter count (a tied LM head counted once) plus 2 * n_layer * B * Hkv * D * "
+                       "itemsize * the mean context (prompt + new / 2) (GPT-2: Hkv * D = C); prefill not "
+                       "counted, so a lower bound",
     "pct_roofline": "tilekit % of floor: perf / roofline * 100 (kernels, prefill), or decode floor_ms / "
                     "ms_per_token * 100; anchor_pct_roofline the same for the anchor",
     "error": "||tilekit - anchor|| / ||anchor|| in float64 over the output checked before timing; decode "
@@ -124,23 +126,46 @@ def pct(value: float | None, roof: float | None) -> float | None:
     return 100.0 * value / roof
 
 
+def is_llama(config) -> bool:
+    """Whether `config` is a LlamaConfig (else a GPTConfig)."""
+    from tilekit.models.llama_config import LlamaConfig
+    return isinstance(config, LlamaConfig)
+
+
 def param_count(config) -> int:
-    """Parameters of a GPT-2 config with the LM head tied to wte (wte counted once)."""
-    from tilekit.models.checkpoint import state_dict_shapes
+    """Parameters of a GPT-2 config (LM head tied to wte, counted once) or a Llama config (every tensor,
+    lm_head unless tied)."""
+    if is_llama(config):
+        from tilekit.models.llama_checkpoint import state_dict_shapes
+    else:
+        from tilekit.models.checkpoint import state_dict_shapes
     return sum(math.prod(s) for s in state_dict_shapes(config).values())
+
+
+def kv_width(config) -> int:
+    """Key (or value) numbers per token per layer: n_kv_head * head_dim (GPT-2: n_embd)."""
+    return getattr(config, "n_kv_head", config.n_head) * config.head_dim
+
+
+def layer_matmul_params(config) -> int:
+    """Weights one layer multiplies each token by: q, k, v and output projections, then the MLP."""
+    C, H, D = config.n_embd, config.n_head, config.head_dim
+    mlp = 3 * C * config.intermediate_size if is_llama(config) else 8 * C * C
+    return 2 * H * D * C + 2 * kv_width(config) * C + mlp
 
 
 def decode_floor_ms(config, batch: int, prompt: int, new: int, copy_gbs: float, itemsize: int = 2) -> float:
     """Time to read every weight and the mean step's KV cache once at the copy bandwidth
     (see DEFINITIONS['decode_floor_ms'])."""
-    kv = 2 * config.n_layer * batch * config.n_embd * itemsize * (prompt + new / 2)
+    kv = 2 * config.n_layer * batch * kv_width(config) * itemsize * (prompt + new / 2)
     return (param_count(config) * itemsize + kv) / (copy_gbs * 1e9) * 1e3
 
 
 def prefill_flops(config, batch: int, seq: int) -> float:
     """FLOPs of one full-logits forward (see DEFINITIONS['prefill_flops'])."""
     C, L, V = config.n_embd, config.n_layer, config.vocab_size
-    return 2.0 * batch * seq * (12 * L * C * C + V * C) + 2.0 * L * batch * seq * seq * C
+    attention = 2.0 * L * batch * seq * seq * config.n_head * config.head_dim
+    return 2.0 * batch * seq * (L * layer_matmul_params(config) + V * C) + attention
 
 
 def fill_times(row: Row, tk: dict | None, an: dict | None) -> Row:

@@ -32,6 +32,7 @@ def ship(path: Path) -> str:
     stale = {key for key, entry in target.read().items() if entry_reason(key, entry, "shipped")}
     target.remove(stale - new.keys())
     shipped.store(device, new)
+    target.path.with_name(target.path.name + ".lock").unlink(missing_ok=True)   # not part of the repository
     note = f"; ignored {sum(dropped.values())} unusable: {dict(dropped)}" if dropped else ""
     return f"{target.path.relative_to(SHIPPED.parent)}: {len(new)} tuned entries in, {len(stale)} stale out{note}"
 

@@ -15,7 +15,9 @@ import pytest
 from benchmarks import checks, cli, kernels, markdown, model, overhead, plots, report, system, timing, tuning
 from benchmarks import tuning_stats
 from benchmarks.report import Row
+from tilekit.models import checkpoint, llama_checkpoint
 from tilekit.models.config import PRESETS, GPTConfig
+from tilekit.models.llama_config import LlamaConfig, RopeScaling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,6 +102,35 @@ def test_prefill_flops():
     matmuls = 2 * B * T * (2 * (8 * 24 + 8 * 8 + 8 * 32 + 32 * 8) + 10 * 8)
     attention = 2 * (2 * B * T * T * 8)        # per layer: QK^T and PV, 2*B*T*T*C each, halved by causality
     assert report.prefill_flops(c, B, T) == pytest.approx(matmuls + attention)
+
+
+def test_llama_param_count_and_decode_floor():
+    """Llama-3.2-1B: every tensor (the tied LM head once); KV read per step from the 8 KV heads of 64 only."""
+    llama = model.model_config("llama-3.2-1b")
+    C, H, Hkv, D, F, V, L = 2048, 32, 8, 64, 8192, 128256, 16         # F: the MLP's intermediate size
+    layer = C * H * D + 2 * C * Hkv * D + H * D * C + 3 * C * F + 2 * C
+    assert report.param_count(llama) == V * C + L * layer + C == 1_235_814_400
+    assert report.param_count(llama.replace(tie_word_embeddings=False)) == 1_235_814_400 + V * C
+    weights, kv = 1_235_814_400 * 2, 2 * L * Hkv * D * 2 * 192        # mean context 128 + 128 / 2
+    assert report.decode_floor_ms(llama, 1, 128, 128, 3000.0) == pytest.approx((weights + kv) / 3e12 * 1e3)
+    b8 = report.decode_floor_ms(llama, 8, 128, 16, 1000.0, itemsize=4)
+    assert b8 == pytest.approx((1_235_814_400 * 4 + 2 * L * 8 * Hkv * D * 4 * 136) / 1e12 * 1e3)
+    assert report.kv_width(llama) == 512 and report.kv_width(GPTConfig.preset("gpt2")) == 768
+
+
+def test_llama_prefill_flops():
+    """Grouped-query projections, SwiGLU and a head_dim that is not n_embd / n_head, against a hand count."""
+    c = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, head_dim=6, intermediate_size=24, vocab_size=10,
+                    max_position_embeddings=64, rope_scaling=None, tie_word_embeddings=False)
+    B, T = 3, 5
+    layer = 16 * 24 + 2 * (16 * 12) + 24 * 16 + 3 * (16 * 24)      # q, k + v, o, gate + up + down
+    matmuls = 2 * B * T * (2 * layer + 10 * 16)
+    attention = 2 * (2 * B * T * T * 24)       # per layer: QK^T and PV over H * D = 24, halved by causality
+    assert report.layer_matmul_params(c) == layer == 2304
+    assert report.prefill_flops(c, B, T) == pytest.approx(matmuls + attention)
+    assert report.prefill_flops(c.replace(tie_word_embeddings=True), B, T) == report.prefill_flops(c, B, T)
+    gpt2 = GPTConfig.preset("gpt2")
+    assert report.layer_matmul_params(gpt2) == 12 * 768 * 768
 
 
 def _t(ms: float) -> dict:
@@ -273,27 +304,102 @@ def test_labels_fit_the_table():
 
 def test_model_plans():
     """Quick keeps the compiled decode step at B1 and B8 and the compiled prefill at B1 T128 and B8 T1024
-    for both models, HF generate at gpt2 B1, and the fp32 token check; full adds every anchor everywhere."""
+    for every model, HF generate at gpt2 B1 (static at llama B1), and the fp32 token check; full adds
+    every anchor everywhere."""
     quick, full = model.plan("quick"), model.plan("full")
+    assert [p.preset for p in quick] == ["gpt2", "gpt2-xl", "llama-3.2-1b", "gpt2"]
     bf16 = [p for p in quick if p.dtype == "bfloat16"]
-    assert [p.preset for p in bf16] == ["gpt2", "gpt2-xl"]
-    for p in bf16:
+    assert [p.preset for p in bf16] == ["gpt2", "gpt2-xl", "llama-3.2-1b"]
+    for p in bf16[:2]:
         assert p.prefill == (((1, 128), ("HF compile", "HF sdpa")), ((8, 1024), ("HF compile", "HF sdpa")))
         assert [B for B, _ in p.decode] == [1, 8] and all(names[0] == "gpt-fast step" for _, names in p.decode)
     assert dict(bf16[0].decode)[1] == ("gpt-fast step", "HF static", "HF sdpa")
     fp32 = [p for p in quick if p.dtype == "float32"]
     assert fp32 == [model.fp32_check()] and fp32[0].new_tokens == 16 and fp32[0].preset == "gpt2"
     assert fp32[0].decode == ((1, ("HF sdpa", "gpt-fast eager")),) and not fp32[0].prefill
+    llama = bf16[2]
+    assert llama.prefill == (((1, 128), ("HF compile", "HF sdpa")), ((8, 1024), ("HF compile",)))
+    assert llama.decode == ((1, ("gpt-fast step", "HF static")), (8, ("gpt-fast step",)))
     assert model.fp32_check((1, 8)) in full
+    assert [p.preset for p in full] == ["gpt2", "gpt2-xl", "llama-3.2-1b", "gpt2"]
     for p in full:
         if p.dtype == "bfloat16":
-            assert len(p.prefill) == 6 and [B for B, _ in p.decode] == [1, 8]
-            assert all(set(names) == {"gpt-fast step", "HF static", "HF sdpa", "HF eager"} for _, names in p.decode)
-            assert all(set(names) == {"HF compile", "HF sdpa", "HF eager"} for _, names in p.prefill)
-    assert all(128 + p.new_tokens <= GPTConfig.preset(p.preset).block_size for p in full)
+            assert len(p.prefill) == 6 and [B for B, _ in p.decode] == [1, 8] and p.prefill_reps == 20
+            if p.preset == "llama-3.2-1b":
+                decode, prefill = {"gpt-fast step", "HF static"}, {"HF compile", "HF sdpa"}
+            else:
+                decode, prefill = {"gpt-fast step", "HF static", "HF sdpa", "HF eager"}, {"HF compile", "HF sdpa",
+                                                                                           "HF eager"}
+            assert all(set(names) == decode for _, names in p.decode)
+            assert all(set(names) == prefill for _, names in p.prefill)
+    assert all(128 + p.new_tokens <= model.model_config(p.preset).block_size for p in full)
     assert set(model.COMPILED) == set(model.COMPILE_BUDGET_S)
     with pytest.raises(ValueError):
         model.plan("slow")
+
+
+def test_model_config_dispatches_on_the_preset():
+    assert model.model_config("llama-3.2-1b") == LlamaConfig.preset("llama-3.2-1b")
+    assert model.model_config("gpt2-xl") == GPTConfig.preset("gpt2-xl")
+    assert report.is_llama(model.model_config("llama-3.2-1b")) and not report.is_llama(GPTConfig())
+    with pytest.raises(ValueError):
+        model.model_config("gpt5")
+
+
+def test_nudged_parameters():
+    """Biases and LayerNorm weights of GPT-2 (HF names, as before Llama came), RMSNorm weights of Llama."""
+    hf = [checkpoint.PREFIX + name for name in checkpoint.state_dict_shapes(TINY)]
+    assert [n for n in hf if model.nudged(n)] == [n for n in hf if n.endswith(".bias") or ".ln_" in n or ".ln_f." in n]
+    gpt = {name.removeprefix(checkpoint.PREFIX) for name in hf if model.nudged(name)}
+    assert "ln_f.weight" in gpt and "h.1.ln_2.weight" in gpt and "wte.weight" not in gpt
+    llama = {name for name in llama_checkpoint.state_dict_shapes(TINY_LLAMA) if model.nudged(name)}
+    assert llama == {"model.norm.weight"} | {f"model.layers.{i}.{n}_layernorm.weight" for i in range(2)
+                                             for n in ("input", "post_attention")}
+    assert not model.nudged("lm_head.weight") and not model.nudged("model.embed_tokens.weight")
+
+
+class _Tensor:
+    """Enough of a torch tensor for tilekit_state: detach().float().cpu().numpy()."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def detach(self):
+        return self
+
+    def float(self):
+        return _Tensor(self.a.astype(np.float32))
+
+    def cpu(self):
+        return self
+
+    def numpy(self):
+        return self.a
+
+
+class _HF:
+    def __init__(self, names):
+        self.names = names
+
+    def state_dict(self):
+        return {name: _Tensor(np.full((2,), i, np.float64)) for i, name in enumerate(self.names)}
+
+
+def test_tilekit_state_names():
+    """GPT-2: "transformer." dropped, lm_head and mask buffers skipped; Llama: HF names kept, lm_head dropped
+    only when tied; float32; a tensor tilekit expects and HF lacks is an error."""
+    gpt_names = list(checkpoint.state_dict_shapes(TINY))
+    hf = [checkpoint.PREFIX + n for n in gpt_names] + ["lm_head.weight", "transformer.h.0.attn.bias"]
+    state = model.tilekit_state(_HF(hf), TINY)
+    assert list(state) == gpt_names and all(a.dtype == np.float32 for a in state.values())
+    for tied in (False, True):
+        config = TINY_LLAMA.replace(tie_word_embeddings=tied)
+        names = list(llama_checkpoint.state_dict_shapes(config))
+        hf = names + ["lm_head.weight"] * tied + ["model.rotary_emb.inv_freq"]
+        state = model.tilekit_state(_HF(hf), config)
+        assert list(state) == names and ("lm_head.weight" in state) == (not tied)
+    with pytest.raises(ValueError, match="lacks 1"):
+        model.tilekit_state(_HF(names[1:] + ["lm_head.weight"]), config)
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -732,6 +838,9 @@ GPU_REASON = _gpu_reason()
 gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"GPU smoke test: {GPU_REASON}")
 CALIB = {"copy_bandwidth_gbs": 3000.0, "matmul_peak_tflops": 800.0}
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=1000, block_size=512)
+TINY_LLAMA = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, intermediate_size=512, vocab_size=1000,
+                         max_position_embeddings=512, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 256),
+                         tie_word_embeddings=False)
 
 
 @gpu
@@ -822,6 +931,34 @@ def test_gpu_model_fp32_tokens_match():
     pytest.importorskip("transformers")
     p = model.ModelPlan("tiny", decode=((1, ("HF sdpa", "gpt-fast eager")), (4, ("HF sdpa", "gpt-fast eager"))),
                         dtype="float32", new_tokens=16, config=TINY)
+    with timing.shared_stream():
+        rows = model.run_preset(p, CALIB, log=print)
+    for r in rows:
+        assert r.status == "ok", (r.anchor, r.status, r.note)
+        assert r.params["greedy_agreement"] == 16 and r.error < checks.TOLERANCE["float32"]
+
+
+@gpu
+def test_gpu_model_tiny_llama():
+    """Llama's anchors on a 2-layer grouped-query model with an untied head: checked, timed."""
+    pytest.importorskip("transformers")
+    prefill, decode = ("HF compile", "HF sdpa"), ("gpt-fast step", "HF static")
+    p = model.ModelPlan("tiny-llama", prefill=(((2, 64), prefill),), decode=((2, decode),), new_tokens=32,
+                        prefill_reps=2, config=TINY_LLAMA)
+    with timing.shared_stream():
+        rows = model.run_preset(p, CALIB, log=print)
+    assert [(r.name, r.anchor) for r in rows] == [("prefill", a) for a in prefill] + [("generate", a) for a in decode]
+    for r in rows:
+        assert r.status == "ok", (r.label, r.anchor, r.status, r.note)
+        assert r.tilekit_ms > 0 and r.anchor_ms > 0 and r.error < checks.MODEL_TOLERANCE
+
+
+@gpu
+def test_gpu_model_llama_fp32_tokens_match():
+    """fp32 greedy tokens of tilekit's Llama, HF and the gpt-fast Llama module (tied head) are equal."""
+    pytest.importorskip("transformers")
+    p = model.ModelPlan("tiny-llama", decode=((1, ("HF sdpa", "gpt-fast eager")), (4, ("HF sdpa", "gpt-fast eager"))),
+                        dtype="float32", new_tokens=16, config=TINY_LLAMA.replace(tie_word_embeddings=True))
     with timing.shared_stream():
         rows = model.run_preset(p, CALIB, log=print)
     for r in rows:

@@ -14,6 +14,7 @@ from tilekit.autotune.keys import bucket_problem, key_string, parse_key
 from tilekit.autotune.registry import registered_ops
 from tilekit.device import DeviceInfo
 from tilekit.models.config import GPTConfig
+from tilekit.models.llama_config import LLAMA_PRESETS
 from tilekit.models.workload import model_problems
 
 SHIPPED = Path(__file__).resolve().parents[1] / "tuning_db"
@@ -88,28 +89,33 @@ def test_entries_are_sound_and_in_space(path):
     assert not stale, f"{len(stale)} stale entries (re-tune on that GPU):\n" + "\n".join(stale[:10])
 
 
+def _config(model: str):
+    return LLAMA_PRESETS[model] if model in LLAMA_PRESETS else GPTConfig.preset(model)
+
+
 def _missing(path: Path, model: str, dtype: str = "bfloat16") -> list[str]:
     have = set(_entries(path))
     want = {op.problem_key(p)[1] for op, p in
-            model_problems(GPTConfig.preset(model), dtype, (1, 8), (128, 1024))}
+            model_problems(_config(model), dtype, (1, 8), (128, 1024))}
     assert want
     return sorted(want - have)
 
 
 @pytest.mark.parametrize("model, dtype", [("gpt2", "bfloat16"), ("gpt2-medium", "bfloat16"),
-                                          ("gpt2-large", "bfloat16"), ("gpt2-xl", "bfloat16"), ("gpt2", "float16")])
+                                          ("gpt2-large", "bfloat16"), ("gpt2-xl", "bfloat16"), ("gpt2", "float16"),
+                                          ("llama-3.2-1b", "bfloat16"), ("llama-3.1-8b", "bfloat16")])
 def test_h100_covers_every_model_shape(model, dtype):
     missing = _missing(H100_FILE, model, dtype)
     assert not missing, f"{len(missing)} {model} {dtype} shapes missing from {_rel(H100_FILE)}: {missing}"
 
 
-@pytest.mark.parametrize("model", ["gpt2", "gpt2-xl"])
+@pytest.mark.parametrize("model", ["gpt2", "gpt2-xl", "llama-3.2-1b"])
 def test_another_sm90_gpu_uses_the_h100_entries(model, monkeypatch):
     """An H200 has no file of its own: every shape resolves through the same-arch rule, exact bucket."""
     from tilekit.autotune import store
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(SHIPPED))
     store.reset()
-    for op, problem in model_problems(GPTConfig.preset(model), "bfloat16", (1, 8), (128, 1024)):
+    for op, problem in model_problems(_config(model), "bfloat16", (1, 8), (128, 1024)):
         found = op.resolve(problem, H200, "cached")
         assert found.source == "shipped" and found.match.bucket_rule == "exact", (op.name, problem)
         assert found.match.device_rule.startswith("same-arch (NVIDIA_H100"), found.describe()

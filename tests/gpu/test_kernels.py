@@ -14,7 +14,7 @@ cupy = pytest.importorskip("cupy")
 from tilekit.autotune.compile import precompile  # noqa: E402
 from tilekit.device import device_info  # noqa: E402
 from tilekit.kernels import (attention, decode_attention, embedding, gelu, greedy_step, layer_norm,  # noqa: E402
-                             linear)
+                             linear, rms_norm, swiglu_linear)
 from tilekit.kernels.attention import ATTENTION, attention_reference  # noqa: E402
 from tilekit.kernels.decode_attention import DECODE_ATTENTION, decode_attention_reference  # noqa: E402
 from tilekit.kernels.embedding import embedding_reference  # noqa: E402
@@ -364,6 +364,8 @@ def test_empty_problems_launch_nothing_and_return_empty_results():
     ids = cupy.zeros((2, 3), cupy.int32)
     assert embedding(ids, rand((10, 0), "bfloat16"), rand((8, 0), "bfloat16")).shape == (2, 3, 0)
     assert layer_norm(rand((0, 64), "bfloat16"), rand((64,), "bfloat16"), rand((64,), "bfloat16")).shape == (0, 64)
+    assert rms_norm(rand((0, 64), "bfloat16"), rand((64,), "bfloat16")).shape == (0, 64)
+    assert swiglu_linear(rand((0, 64), "bfloat16"), rand((8, 64), "bfloat16"), rand((8, 64), "bfloat16")).shape == (0, 8)
     q = rand((0, 2, 5, 64), "bfloat16")
     assert attention(q, q, q).shape == (0, 2, 5, 64)
     q0, kv0 = rand((0, 2, 1, 64), "bfloat16"), rand((0, 2, 8, 64), "bfloat16")
@@ -392,7 +394,7 @@ def test_threads_sharing_a_stream_handle_never_share_scratch(stream):
         try:
             with (cupy.cuda.Stream.null if stream == "legacy default" else cupy.cuda.Stream.ptds):
                 for _ in range(5):
-                    check_decode(2, 4, 1, 1024, 64, "bfloat16", np.random.default_rng(seed))
+                    check_decode(2, 4, 1, 1024, 64, "bfloat16", rng=np.random.default_rng(seed))
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 

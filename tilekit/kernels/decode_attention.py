@@ -102,7 +102,7 @@ SPACE = SearchSpace(_fits, BN=(64, 128), CHUNK=(128, 256, 512, 1024, 2048), occu
 
 def default_config(p: dict) -> dict:
     # Aim for about two programs per SM on a 132-SM GPU.
-    per_seq = max(1, 264 // (p["B"] * p["Hkv"]))
+    per_seq = max(1, 264 // max(1, p["B"] * p["Hkv"]))
     chunk = max(256, pow2_ceil(math.ceil(p["capacity"] / per_seq)))
     return dict(BN=128, CHUNK=min(2048, chunk), occupancy=4)
 

@@ -96,7 +96,9 @@ def rotate_half(x):
 
 class LlamaDecoder(StaticDecoder):
     """Greedy Llama generation for `batch` sequences of up to `capacity` tokens over an HF LlamaForCausalLM:
-    rotate-half RoPE from tables built once by the model's rotary embedding, grouped-query SDPA, SwiGLU."""
+    rotate-half RoPE from tables built once by the model's rotary embedding, SDPA over the key/value heads repeated
+    for each query group (as gpt-fast does: SDPA's enable_gqa with a mask may fall back to its math backend),
+    SwiGLU."""
 
     def __init__(self, hf, batch: int, capacity: int, *, compile: bool = True):
         m, c = hf.model, hf.config
@@ -105,7 +107,7 @@ class LlamaDecoder(StaticDecoder):
         super().__init__(batch, capacity, len(m.layers), (batch, c.num_key_value_heads, capacity, head_dim), w,
                          compile=compile)
         self.embed, self.layers, self.norm, self.lm_head = m.embed_tokens, m.layers, m.norm, hf.lm_head
-        self.head_dim = head_dim
+        self.head_dim, self.group = head_dim, c.num_attention_heads // c.num_key_value_heads
         # cos, sin (1, capacity, D) in the weights' dtype, as HF computes them (x only lends dtype and device)
         cos, sin = m.rotary_emb(w, torch.arange(capacity, device=w.device)[None])
         self.register_buffer("cos", cos[0].contiguous())
@@ -126,7 +128,8 @@ class LlamaDecoder(StaticDecoder):
             k = attn.k_proj(h).view(B, T, -1, self.head_dim).transpose(1, 2)     # (B, Hkv, T, D)
             v = attn.v_proj(h).view(B, T, -1, self.head_dim).transpose(1, 2)
             q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            y = F.scaled_dot_product_attention(q, *cache.update(pos, k, v), attn_mask=mask, enable_gqa=True)
+            keys, values = (t.repeat_interleave(self.group, dim=1) for t in cache.update(pos, k, v))
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)   # gpt-fast's GQA: a fast backend
             x = x + attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
             h = layer.post_attention_layernorm(x)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))

@@ -100,6 +100,16 @@ def _constants(p: dict, c: dict) -> tuple:
     return (c["TM"], c["TN"], c["TN"] >= p["N"], bool(p["gather"]))
 
 
+def check_rows(rows, x) -> None:
+    """Validate the row indices a norm gathers from x: 1-D int32 on x's GPU, x's rows short enough."""
+    arrays.check_dtype(rows, "rows", ("int32",))
+    if len(rows.shape) != 1 or rows.device != x.device:
+        raise ValueError(f"rows must be a 1-D int32 array on GPU {x.device}, got shape {rows.shape}")
+    arrays.check_contiguous(rows, "rows")
+    if x.shape[-1] > MAX_GATHER_N:
+        raise ValueError(f"rows= needs a last dimension <= {MAX_GATHER_N}, got {x.shape[-1]}")
+
+
 def _bind(a: list, flags: tuple) -> Binding:
     x, w, b, rows, out = a
     arrays.check_dtype(x, "x", arrays.FLOAT_DTYPES)
@@ -116,12 +126,7 @@ def _bind(a: list, flags: tuple) -> Binding:
     M = math.prod(x.shape[:-1])
     out_shape = x.shape
     if rows is not None:
-        arrays.check_dtype(rows, "rows", ("int32",))
-        if len(rows.shape) != 1 or rows.device != x.device:
-            raise ValueError(f"rows must be a 1-D int32 array on GPU {x.device}, got shape {rows.shape}")
-        arrays.check_contiguous(rows, "rows")
-        if N > MAX_GATHER_N:
-            raise ValueError(f"rows= needs a last dimension <= {MAX_GATHER_N}, got {N}")
+        check_rows(rows, x)
         out_shape = (rows.shape[0], N)
     if out is not None:
         arrays.check_out(out, "out", x, out_shape)

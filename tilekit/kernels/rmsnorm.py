@@ -21,7 +21,7 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace
 from tilekit.kernels import layernorm
-from tilekit.kernels.layernorm import MAX_GATHER_N, default_config
+from tilekit.kernels.layernorm import check_rows, default_config
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -116,12 +116,7 @@ def _bind(a: list, flags: tuple) -> Binding:
         arrays.check_contiguous(res, "residual")
         views["res"] = (2, flat)
     if rows is not None:
-        arrays.check_dtype(rows, "rows", ("int32",))
-        if len(rows.shape) != 1 or rows.device != x.device:
-            raise ValueError(f"rows must be a 1-D int32 array on GPU {x.device}, got shape {rows.shape}")
-        arrays.check_contiguous(rows, "rows")
-        if N > MAX_GATHER_N:
-            raise ValueError(f"rows= needs a last dimension <= {MAX_GATHER_N}, got {N}")
+        check_rows(rows, x)
         out_shape = (rows.shape[0], N)
         views["rows"] = (3, None)
     if out is not None:

@@ -25,8 +25,9 @@ def ship(path: Path) -> str:
     if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
         raise ValueError(f"{path} is not a tilekit device file (an object with device and entries)")
     device = device_from_record(data.get("device"))
-    dropped = Counter(why for key, entry in data["entries"].items() if (why := entry_reason(key, entry, "shipped")))
-    new = {key: entry for key, entry in data["entries"].items() if entry_reason(key, entry, "shipped") is None}
+    reasons = {key: entry_reason(key, entry, "shipped") for key, entry in data["entries"].items()}
+    dropped = Counter(why for why in reasons.values() if why)
+    new = {key: data["entries"][key] for key, why in reasons.items() if why is None}
     shipped = TuningDB(SHIPPED, "maintainer", writable=True)    # the repository's copy, not an installed one
     target = shipped.file_for(device)
     stale = {key for key, entry in target.read().items() if entry_reason(key, entry, "shipped")}

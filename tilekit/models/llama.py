@@ -82,7 +82,8 @@ class Llama(CausalLM):
         for i in range(config.n_layer):
             p = f"model.layers.{i}."
             self.blocks.append(Block(
-                w[p + "input_layernorm.weight"], self._stacked([w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                w[p + "input_layernorm.weight"],
+                self._stacked([w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                 w[p + "self_attn.o_proj.weight"], w[p + "post_attention_layernorm.weight"],
                 w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"]))
         positions = min(config.block_size, ROPE_TABLE_LIMIT)
@@ -101,16 +102,10 @@ class Llama(CausalLM):
         if state is not None:
             return {name: cupy.asarray(np.ascontiguousarray(state[name], np.float32).astype(numpy_dtype(self.dtype)))
                     for name in shapes}
-        rng, std = cupy.random.default_rng(seed), 0.02
-        out = {}
+        rng, out = cupy.random.default_rng(seed), {}
         for name, shape in shapes.items():
-            if name.endswith("norm.weight"):
-                a = rng.standard_normal(shape, dtype=cupy.float32) * 0.1 + 1.0
-            else:
-                scale = std / np.sqrt(2 * self.config.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) \
-                    else std
-                a = rng.standard_normal(shape, dtype=cupy.float32) * scale
-            out[name] = a.astype(numpy_dtype(self.dtype))
+            mean, std = llama_checkpoint.weight_stats(self.config, name)
+            out[name] = (rng.standard_normal(shape, dtype=cupy.float32) * std + mean).astype(numpy_dtype(self.dtype))
         return out
 
     def _stacked(self, parts: list):
@@ -166,10 +161,11 @@ class Llama(CausalLM):
     def from_pretrained(cls, path_or_name: str | Path, *, dtype: str = "bfloat16") -> "Llama":
         """Load a local Hugging Face Llama checkpoint directory (single-file or sharded safetensors) or a model in
         the local HF cache."""
-        config, state = llama_checkpoint.load_state_dict(path_or_name)
+        directory = resolve_checkpoint(path_or_name, weights=(llama_checkpoint.WEIGHTS_NAME, INDEX_NAME),
+                                       orgs=("meta-llama",))
+        config, state = llama_checkpoint.load_state_dict(directory)
         model = cls(config, dtype=dtype, state=state)
-        model.checkpoint_dir = resolve_checkpoint(path_or_name, weights=(llama_checkpoint.WEIGHTS_NAME, INDEX_NAME),
-                                                  orgs=("meta-llama",))
+        model.checkpoint_dir = directory
         return model
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -200,7 +196,8 @@ class Llama(CausalLM):
         """The checkpoint's tokenizer.json via `tokenizers`."""
         from tokenizers import Tokenizer
         if self.checkpoint_dir is None:
-            raise ValueError("this model has no checkpoint directory to read a tokenizer from (use Llama.from_pretrained)")
+            raise ValueError("this model has no checkpoint directory to read a tokenizer from "
+                             "(use Llama.from_pretrained)")
         path = self.checkpoint_dir / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {self.checkpoint_dir}")

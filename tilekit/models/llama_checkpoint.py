@@ -132,10 +132,13 @@ def random_state_dict(config: LlamaConfig, seed: int, dtype=np.float32) -> dict[
     Projections and embeddings ~ N(0, 0.02), the residual ones (o_proj, down_proj) scaled by 1/sqrt(2 n_layer).
     RMSNorm weights ~ N(1, 0.1), not all ones, so tests exercise them.
     """
-    def stats(name: str) -> tuple[float, float]:
-        if name.endswith("norm.weight"):
-            return 1.0, 0.1
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            return 0.0, 0.02 / math.sqrt(2 * config.n_layer)
-        return 0.0, 0.02
-    return random_tensors(state_dict_shapes(config), seed, dtype, stats)
+    return random_tensors(state_dict_shapes(config), seed, dtype, lambda name: weight_stats(config, name))
+
+
+def weight_stats(config: LlamaConfig, name: str) -> tuple[float, float]:
+    """(mean, standard deviation) of random weights for tensor `name` (see random_state_dict)."""
+    if name.endswith("norm.weight"):
+        return 1.0, 0.1
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 0.0, 0.02 / math.sqrt(2 * config.n_layer)
+    return 0.0, 0.02

@@ -4,6 +4,7 @@
 # change this re-tunes just what went stale or is new. The GPU's tuned file and one log per model land
 # in $OUT; fold them into tuning_db/ with `python scripts/ship_tuning.py FILE...`.
 #   source .gpu/setup.sh && scripts/gpu-tune.sh gpt2 gpt2:fp16 llama-3.2-1b
+# TUNE_ARGS adds `tilekit tune` options, e.g. TUNE_ARGS='--devices all' on a host with several GPUs.
 set -uo pipefail
 out="${OUT:-/tmp/tilekit-gpu}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TILEKIT_CACHE_DIR="${TILEKIT_CACHE_DIR:-/tmp/tilekit-tune}"
@@ -13,7 +14,7 @@ status=0
 for spec in "$@"; do
     model="${spec%%:*}"; dtype="bf16"; [[ "$spec" == *:* ]] && dtype="${spec##*:}"
     log="$out/tune-$model-$dtype-$gpu.txt"
-    { time python3 -m tilekit tune --model "$model" --dtype "$dtype"; } > "$log" 2>&1 || status=1
+    { time python3 -m tilekit tune --model "$model" --dtype "$dtype" ${TUNE_ARGS:-}; } > "$log" 2>&1 || status=1
     tail -3 "$log"
     cp "$TILEKIT_CACHE_DIR"/tuning/sm_*/*.json "$out/" 2>/dev/null   # after each model: a timeout keeps the rest
 done

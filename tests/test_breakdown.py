@@ -25,7 +25,7 @@ def test_calls_expand_to_their_launches_in_order():
     summary = summarize(rows)
     assert [s["op"] for s in summary] == ["decode_attention", "linear"]
     assert sum(s["share"] for s in summary) == pytest.approx(1.0)
-    assert "decode_attention" in format_table(summary, 4000.0, 0.02)
+    assert "decode_attention" in format_table(summary, 4000.0, 0.02, 0.03)
     with pytest.raises(RuntimeError, match="profiled"):
         kernel_rows(calls, kernels[:2], 200, 4000.0)
     with pytest.raises(RuntimeError, match="was launched"):

@@ -35,6 +35,10 @@ from tilekit.device import DeviceInfo, device_info, toolchain
 
 MODES = ("off", "cached", "auto")
 
+# Kernels launch with programmatic dependent launch (each starts while the previous one finishes; see
+# tilekit.kernels.dependent_launch) unless TILEKIT_DEPENDENT_LAUNCH=0.
+DEPENDENT_LAUNCH = os.environ.get("TILEKIT_DEPENDENT_LAUNCH", "1").strip() != "0"
+
 
 def autotune_mode() -> str:
     mode = os.environ.get("TILEKIT_AUTOTUNE", "cached").strip().lower() or "cached"
@@ -182,7 +186,7 @@ class Plan:
                     else:
                         value = scalars[a]
                         args.append(b if value is None else value)
-                ct_launch(handle, grid, kernel, (*args, *constants))
+                ct_launch(handle, grid, kernel, (*args, *constants), programmatic_dependent_launch=DEPENDENT_LAUNCH)
         return None if self.returns is None else arrays[self.returns]
 
 

@@ -19,6 +19,7 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634
@@ -48,6 +49,7 @@ def attention_kernel(Q, K, V, O, qk_scale: float, BM: ct.Constant[int], BN: ct.C
                      D: ct.Constant[int], CAUSAL: ct.Constant[bool]):
     """O = softmax(Q K^T * scale [+ causal mask]) V on (B, H, T, D) queries and (B, Hkv, T, D) keys and
     values; queries are the last Tq keys."""
+    sync_with_previous_kernel()
     pid_m = ct.bid(0)
     b, h = batch_head(ct.bid(1), Q.shape[1])
     hk = h // (Q.shape[1] // K.shape[1])

@@ -23,6 +23,7 @@ from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.attention import (LOG2E, attention_reference, batch_head, check_heads_out, check_qkv,
                                        heads_out, online_softmax_step, qkv_views)
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 MAX_QUERIES = 16
@@ -48,6 +49,7 @@ def decode_split_kernel(Q, K, V, Lengths, Opart, Mpart, Lpart, qk_scale: float, 
     is query head hk * G + r // nq, token r % nq (G = H / Hkv).
     Opart: (B, Hkv, S, QP, D) fp32; Mpart, Lpart: (B, Hkv, S, QP) fp32.
     """
+    sync_with_previous_kernel()
     b, hk = batch_head(ct.bid(0), K.shape[1])
     split = ct.bid(1)
     nq = Q.shape[2]
@@ -76,6 +78,7 @@ def decode_split_kernel(Q, K, V, Lengths, Opart, Mpart, Lpart, qk_scale: float, 
 def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Constant[int]):
     """O[b, heads of kv head hk] = the merge of the partial softmax states of all splits of (batch,
     key/value head) ct.bid(0)."""
+    sync_with_previous_kernel()
     b, hk = batch_head(ct.bid(0), Mpart.shape[1])
     S = Mpart.shape[2]
     m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)

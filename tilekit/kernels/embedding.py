@@ -16,12 +16,14 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 
 
 @ct.kernel
 def embedding_kernel(Ids, Pos, Wte, Wpe, Out, TM: ct.Constant[int], TC: ct.Constant[int],
                      HAS_POS: ct.Constant[bool]):
     """Rows TM*bid(0).. of Out[M, C], columns TC*bid(1).. ; out-of-range ids read as zero rows."""
+    sync_with_previous_kernel()
     pid = ct.bid(0)
     cblk = ct.bid(1)
     ids = ct.load(Ids, (pid,), (TM,), padding_mode=ct.PaddingMode.ZERO).reshape((TM, 1))

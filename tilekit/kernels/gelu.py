@@ -12,6 +12,7 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 
 SQRT_2_OVER_PI = 0.7978845608028654
 
@@ -42,6 +43,7 @@ def gelu_erf(x):
 @ct.kernel
 def gelu_kernel(X, Y, BLOCK: ct.Constant[int], EXACT: ct.Constant[bool]):
     """Y = gelu(X) over flat arrays, one BLOCK-sized tile per program."""
+    sync_with_previous_kernel()
     pid = ct.bid(0)
     x = ct.load(X, (pid,), (BLOCK,), padding_mode=ct.PaddingMode.ZERO).astype(ct.float32)
     if EXACT:

@@ -11,11 +11,13 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.attention import batch_head, check_qkv, qkv_views
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 
 
 @ct.kernel
 def kv_write_kernel(K, V, Kc, Vc, Start, TT: ct.Constant[int], D: ct.Constant[int]):
     """Kc[b, h, Start[b] + t] = K[b, h, t] (and V likewise); positions past the capacity are dropped."""
+    sync_with_previous_kernel()
     tb = ct.bid(0)
     b, h = batch_head(ct.bid(1), K.shape[1])
     T = K.shape[2]

@@ -18,6 +18,7 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 MAX_GATHER_N = 8192
@@ -27,6 +28,7 @@ MAX_GATHER_N = 8192
 def layer_norm_kernel(X, W, B, Y, Rows, eps: float, TM: ct.Constant[int], TN: ct.Constant[int],
                       ONE_TILE: ct.Constant[bool], GATHER: ct.Constant[bool]):
     """Y = (X - mean) / sqrt(var + eps) * W + B over rows of X[M, N] (rows X[Rows[i]] when GATHER)."""
+    sync_with_previous_kernel()
     pid = ct.bid(0)
     N = X.shape[1]
     cols = ct.arange(TN, dtype=ct.int32).reshape((1, TN))

@@ -17,9 +17,20 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 from tilekit.kernels.gelu import gelu_reference, gelu_tanh
 
 ZERO = ct.PaddingMode.ZERO
+
+
+@ct.function
+def grouped_tile(tile, tiles_m, tiles_n, GROUP_M):
+    """(row tile, column tile) of a program in grouped order: GROUP_M row tiles share each column
+    panel of the weights while it sits in L2."""
+    group_width = GROUP_M * tiles_n
+    first_m = (tile // group_width) * GROUP_M
+    group_rows = ct.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % group_width) % group_rows, (tile % group_width) // group_rows
 
 
 @ct.kernel
@@ -40,15 +51,11 @@ def linear_kernel(X, W, Bias, Res, Y, Partial, Counter,
     pid = ct.bid(0)
     tile = pid // SPLIT_K
     split = pid % SPLIT_K
-    # Grouped ordering: GROUP_M row-tiles share each column panel of W while it sits in L2.
     tiles_m = ct.cdiv(M, TM)
     tiles_n = ct.cdiv(N, TN)
-    group_width = GROUP_M * tiles_n
-    first_m = (tile // group_width) * GROUP_M
-    group_rows = ct.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % group_width) % group_rows
-    pid_n = (tile % group_width) // group_rows
+    pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
 
+    sync_with_previous_kernel()
     k_tiles = ct.cdiv(K, TK)
     per_split = ct.cdiv(k_tiles, SPLIT_K)
     acc = ct.zeros((TM, TN), dtype=ct.float32)

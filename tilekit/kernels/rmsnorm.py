@@ -21,6 +21,7 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace
 from tilekit.kernels import layernorm
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 from tilekit.kernels.layernorm import check_rows, default_config
 
 ZERO = ct.PaddingMode.ZERO
@@ -41,6 +42,7 @@ def rms_norm_kernel(X, Res, W, Y, Rows, eps: float, TM: ct.Constant[int], TN: ct
                     ONE_TILE: ct.Constant[bool], GATHER: ct.Constant[bool], HAS_RES: ct.Constant[bool]):
     """Y = S / sqrt(mean(S^2) + eps) * W over rows of S = X (+ Res, stored back to Res when HAS_RES);
     rows X[Rows[i]] when GATHER."""
+    sync_with_previous_kernel()
     pid = ct.bid(0)
     N = X.shape[1]
     if ONE_TILE:

@@ -21,12 +21,14 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.attention import MAX_HEAD_DIM, batch_head
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 
 
 @ct.kernel
 def rope_kernel(X, Pos, Cos, Sin, TT: ct.Constant[int], HALF: ct.Constant[int]):
     """Rotate X[b, h, t] for TT positions t of program (ct.bid(0), batch x head ct.bid(1)) by the
     angles of position Pos[b * T + t]: Cos/Sin rows, of which the first D/2 columns are read."""
+    sync_with_previous_kernel()
     b, h = batch_head(ct.bid(1), X.shape[1])
     T = X.shape[2]
     half = X.shape[3] // 2

@@ -10,11 +10,13 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 
 
 @ct.kernel
 def argmax_chunk_kernel(Logits, BestVal, BestIdx, CH: ct.Constant[int]):
     """BestVal/BestIdx[b, s] = max and first argmax of Logits[b, s*CH:(s+1)*CH]."""
+    sync_with_previous_kernel()
     b = ct.bid(0)
     s = ct.bid(1)
     x = ct.load(Logits, (b, s), (1, CH), padding_mode=ct.PaddingMode.NEG_INF).astype(ct.float32)
@@ -29,6 +31,7 @@ def greedy_finish_kernel(BestVal, BestIdx, Tokens, Positions, History, Finished,
 
     Tokens[b] = token; History[b, Positions[b] + 1] = token; Positions[b] += 1; Finished[b] |= token == eos.
     """
+    sync_with_previous_kernel()
     b = ct.bid(0)
     vals = ct.load(BestVal, (b, 0), (1, SP), padding_mode=ct.PaddingMode.NEG_INF)
     which = ct.argmax(vals, axis=1, keepdims=True).astype(ct.int32)

@@ -18,18 +18,10 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
+from tilekit.kernels.linear import grouped_tile
 
 ZERO = ct.PaddingMode.ZERO
-
-
-@ct.function
-def grouped_tile(tile, tiles_m, tiles_n, GROUP_M):
-    """(row tile, column tile) of a program in grouped order: GROUP_M row tiles share each column
-    panel of the weights while it sits in L2."""
-    group_width = GROUP_M * tiles_n
-    first_m = (tile // group_width) * GROUP_M
-    group_rows = ct.minimum(tiles_m - first_m, GROUP_M)
-    return first_m + (tile % group_width) % group_rows, (tile % group_width) // group_rows
 
 
 @ct.kernel
@@ -40,6 +32,7 @@ def swiglu_linear_kernel(X, Wg, Wu, Y, TM: ct.Constant[int], TN: ct.Constant[int
     K = X.shape[1]
     N = Y.shape[1]
     pid_m, pid_n = grouped_tile(ct.bid(0), ct.cdiv(M, TM), ct.cdiv(N, TN), GROUP_M)
+    sync_with_previous_kernel()
     gate = ct.zeros((TM, TN), dtype=ct.float32)
     up = ct.zeros((TM, TN), dtype=ct.float32)
     for k in range(ct.cdiv(K, TK)):

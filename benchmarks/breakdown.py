@@ -7,8 +7,9 @@ bandwidth.
 The kernels come from the profiler in launch order; the problem each one ran comes from recording
 the same step's op calls (tilekit.autotune.op.recording), so every row names its op and shape.
 Under programmatic dependent launch a kernel starts before the previous one ends and its span
-includes the wait, so kernel times come from a step captured without it; both step times, with and
-without, are reported.
+includes the wait, so kernel times come from a step captured without it. What each op adds to the
+step is its critical path: the sum over its kernels of (its end - the previous kernel's end), given
+for the step without and with dependent launch, whose step times are both reported.
 """
 
 from __future__ import annotations
@@ -49,18 +50,19 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
 
 def kernel_rows(calls: list, kernels: list, context: int, bandwidth_gbs: float) -> list[dict]:
     """One row per kernel: calls (op, problem) expand to their launches, zipped with the profiled
-    kernels (name, microseconds) in launch order; an op's bytes go to its first (tuned) kernel."""
+    kernels (name, microseconds, end time in microseconds) in launch order; an op's bytes go to its
+    first (tuned) kernel; path_us is the kernel's end minus the previous kernel's end."""
     expected = [(op, p, i) for op, p in calls for i, _ in enumerate(op.launches)]
     if len(expected) != len(kernels):
         raise RuntimeError(f"{len(kernels)} kernels profiled, {len(expected)} launches recorded")
     rows = []
-    for (op, p, i), (name, us) in zip(expected, kernels):
+    for j, ((op, p, i), (name, us, end)) in enumerate(zip(expected, kernels)):
         launch = op.launches[i]
         if launch.kernel._pyfunc.__name__ not in name:
             raise RuntimeError(f"kernel {name!r} profiled where {launch.kernel._pyfunc.__name__} was launched")
         nbytes = min_bytes(op.name, p, context) if launch.hinted else 0.0
         rows.append({"op": op.name, "kernel": launch.kernel._pyfunc.__name__, "key": op.problem_key(p)[1],
-                     "us": us, "bytes": nbytes,
+                     "us": us, "bytes": nbytes, "path_us": end - kernels[j - 1][2] if j else us,
                      "pct_bandwidth": 100.0 * nbytes / (us * 1e-6) / (bandwidth_gbs * 1e9) if nbytes else None})
     return rows
 
@@ -75,16 +77,18 @@ def summarize(rows: list[dict]) -> list[dict]:
     for op, rs in sorted(groups.items(), key=lambda kv: -sum(r["us"] for r in kv[1])):
         us, nbytes = sum(r["us"] for r in rs), sum(r["bytes"] for r in rs)
         out.append({"op": op, "kernels": len(rs), "us": us, "mean_us": us / len(rs),
-                    "share": us / total, "bytes": nbytes})
+                    "share": us / total, "bytes": nbytes, "path_us": sum(r["path_us"] for r in rs)})
     return out
 
 
 def format_table(summary: list[dict], bandwidth_gbs: float, step_ms: float, sequential_ms: float) -> str:
-    lines = [f"{'op':<18}{'kernels':>8}{'total us':>10}{'mean us':>9}{'share':>7}{'MB':>8}{'% of BW':>9}"]
+    lines = [f"{'op':<18}{'kernels':>8}{'total us':>10}{'mean us':>9}{'share':>7}{'MB':>8}{'% of BW':>9}"
+             f"{'path us':>9}{'path dep':>9}"]
     for s in summary:
         pct = 100.0 * s["bytes"] / (s["us"] * 1e-6) / (bandwidth_gbs * 1e9) if s["bytes"] else 0.0
+        dependent = f"{s['path_us_dependent']:>9.1f}" if s.get("path_us_dependent") is not None else f"{'-':>9}"
         lines.append(f"{s['op']:<18}{s['kernels']:>8}{s['us']:>10.1f}{s['mean_us']:>9.2f}{100 * s['share']:>6.0f}%"
-                     f"{s['bytes'] / 1e6:>8.1f}{pct:>8.0f}%")
+                     f"{s['bytes'] / 1e6:>8.1f}{pct:>8.0f}%{s['path_us']:>9.1f}" + dependent)
     kernel_us = sum(s["us"] for s in summary)
     lines.append(f"kernels {kernel_us / 1e3:.3f} ms of a {sequential_ms:.3f} ms step without dependent launch; "
                  f"{step_ms:.3f} ms with it (replayed graphs, wall); copy bandwidth {bandwidth_gbs:.0f} GB/s")
@@ -124,9 +128,9 @@ def profile_step(gen, bandwidth_gbs: float, reps: int = 5) -> dict:
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
     per_step = len(events) // reps
-    replays = [[(e.name, e.time_range.end - e.time_range.start) for e in events[i * per_step:(i + 1) * per_step]]
-               for i in range(reps)]
-    median = sorted(replays, key=lambda r: sum(us for _, us in r))[reps // 2]
+    replays = [[(e.name, e.time_range.end - e.time_range.start, e.time_range.end)
+                for e in events[i * per_step:(i + 1) * per_step]] for i in range(reps)]
+    median = sorted(replays, key=lambda r: r[-1][2] - r[0][2] + r[0][1])[reps // 2]
     rows = kernel_rows(calls, median, context, bandwidth_gbs)
     return {"step_ms": step_ms, "context": context, "kernels": rows, "summary": summarize(rows)}
 
@@ -142,21 +146,24 @@ def _decode_generation(model, batch: int):
 
 
 def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
-    """The decode step's time as it runs (dependent launch), then its kernels profiled in a step
-    captured without dependent launch."""
+    """The decode step profiled as it runs (dependent launch), then captured and profiled without it."""
     from tilekit.autotune import op
     from tilekit.models import GPT, LLAMA_PRESETS, GPTConfig, Llama
     model = (Llama(LLAMA_PRESETS[preset], dtype="bfloat16", seed=0) if preset in LLAMA_PRESETS
              else GPT(GPTConfig.preset(preset), dtype="bfloat16", seed=0))
-    step_ms = replay_ms(_decode_generation(model, batch)) if op.DEPENDENT_LAUNCH else None
+    dependent = profile_step(_decode_generation(model, batch), bandwidth_gbs) if op.DEPENDENT_LAUNCH else None
     saved, op.DEPENDENT_LAUNCH = op.DEPENDENT_LAUNCH, False
     try:
         result = profile_step(_decode_generation(model, batch), bandwidth_gbs)
     finally:
         op.DEPENDENT_LAUNCH = saved
     result["step_ms_sequential"] = result["step_ms"]
-    result["step_ms"] = step_ms if step_ms is not None else result["step_ms"]
-    result.update(preset=preset, batch=batch, bandwidth_gbs=bandwidth_gbs, dependent_launch=step_ms is not None)
+    if dependent is not None:
+        result["step_ms"] = dependent["step_ms"]
+        paths = {s["op"]: s["path_us"] for s in dependent["summary"]}
+        for s in result["summary"]:
+            s["path_us_dependent"] = paths[s["op"]]
+    result.update(preset=preset, batch=batch, bandwidth_gbs=bandwidth_gbs, dependent_launch=dependent is not None)
     log(f"[breakdown {preset} B{batch}]\n" + format_table(result["summary"], bandwidth_gbs, result["step_ms"],
                                                           result["step_ms_sequential"]))
     return result

@@ -17,13 +17,16 @@ def test_linear_bytes_are_weights_plus_activations():
 
 def test_calls_expand_to_their_launches_in_order():
     calls = [(LINEAR, LIN), (DECODE_ATTENTION, ATT)]
-    kernels = [("linear_kernel_x", 5.0), ("decode_split_kernel_y", 4.0), ("decode_merge_kernel_z", 2.0)]
+    kernels = [("linear_kernel_x", 5.0, 105.0), ("decode_split_kernel_y", 4.0, 108.0),
+               ("decode_merge_kernel_z", 2.0, 111.0)]          # (name, us, end us): the split overlaps the linear
     rows = kernel_rows(calls, kernels, 200, 4000.0)
     assert [r["kernel"] for r in rows] == ["linear_kernel", "decode_split_kernel", "decode_merge_kernel"]
     assert rows[2]["bytes"] == 0 and rows[1]["bytes"] == min_bytes("decode_attention", ATT, 200)
     assert rows[0]["pct_bandwidth"] == pytest.approx(100 * rows[0]["bytes"] / 5e-6 / 4e12)
+    assert [r["path_us"] for r in rows] == [5.0, 3.0, 3.0]
     summary = summarize(rows)
     assert [s["op"] for s in summary] == ["decode_attention", "linear"]
+    assert [s["path_us"] for s in summary] == [6.0, 5.0]
     assert sum(s["share"] for s in summary) == pytest.approx(1.0)
     assert "decode_attention" in format_table(summary, 4000.0, 0.02, 0.03)
     with pytest.raises(RuntimeError, match="profiled"):

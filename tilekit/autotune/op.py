@@ -66,13 +66,15 @@ class Launch:
     """One kernel launch of an op. `args` names its runtime arguments (declared arrays, scratch and
     scalars) in the kernel's order; `constants(problem, config)` gives the compile-time arguments
     that follow them. The config's hints (occupancy, num_ctas) apply to the `hinted` launch, the
-    one the tuner measures."""
+    one the tuner measures. `dependent`: launched with programmatic dependent launch (when
+    DEPENDENT_LAUNCH is on); a launch without it waits for the kernel before it as usual."""
 
     kernel: Any
     grid: Callable[[Problem, Config], tuple]
     args: tuple[str, ...]
     constants: Callable[[Problem, Config], tuple]
     hinted: bool = True
+    dependent: bool = True
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ class Plan:
         if self.launches:
             handle = self.stream()
             work = arr.scratch(self.work, handle) if self.work is not None else ()
-            for kernel, grid, sources, constants in self.launches:
+            for kernel, grid, sources, constants, dependent in self.launches:
                 args = []
                 for kind, a, b in sources:
                     if kind == _ARRAY:
@@ -186,7 +188,8 @@ class Plan:
                     else:
                         value = scalars[a]
                         args.append(b if value is None else value)
-                ct_launch(handle, grid, kernel, (*args, *constants), programmatic_dependent_launch=DEPENDENT_LAUNCH)
+                ct_launch(handle, grid, kernel, (*args, *constants),
+                          programmatic_dependent_launch=DEPENDENT_LAUNCH and dependent)
         return None if self.returns is None else arrays[self.returns]
 
 
@@ -348,7 +351,8 @@ class Op:
                 else:
                     raise RuntimeError(f"{self.name}: kernel argument {name!r} is not bound")
             kernel = self.hinted(config) if launch.hinted else launch.kernel
-            plan.launches.append((kernel, grid, tuple(sources), tuple(launch.constants(problem, config))))
+            plan.launches.append((kernel, grid, tuple(sources), tuple(launch.constants(problem, config)),
+                                  launch.dependent))
         return plan
 
     # -- choosing the config ----------------------------------------------------------------------

@@ -20,8 +20,9 @@ from tilekit.models.workload import model_problems
 SHIPPED = Path(__file__).resolve().parents[1] / "tuning_db"
 FILES = sorted(p for p in SHIPPED.rglob("*") if p.is_file())
 H100_FILE = SHIPPED / "sm_90" / "NVIDIA_H100_80GB_HBM3.json"
-H200_FILE = SHIPPED / "sm_90" / "NVIDIA_H200.json"
-H800 = DeviceInfo("NVIDIA H800", "sm_90", 132)      # an sm_90 GPU without a file of its own
+# sm_90 GPUs without a file of their own (the H200's entries went stale with dependent launch and were
+# dropped until it is re-tuned; it runs the H100's)
+OTHER_SM90 = [DeviceInfo("NVIDIA H800", "sm_90", 132), DeviceInfo("NVIDIA H200", "sm_90", 132)]
 
 
 def _rel(path: Path) -> str:
@@ -102,7 +103,7 @@ def _missing(path: Path, model: str, dtype: str = "bfloat16") -> list[str]:
     return sorted(want - have)
 
 
-@pytest.mark.parametrize("path", [H100_FILE, H200_FILE], ids=_rel)
+@pytest.mark.parametrize("path", [H100_FILE], ids=_rel)
 @pytest.mark.parametrize("model, dtype", [("gpt2", "bfloat16"), ("gpt2-medium", "bfloat16"),
                                           ("gpt2-large", "bfloat16"), ("gpt2-xl", "bfloat16"), ("gpt2", "float16"),
                                           ("llama-3.2-1b", "bfloat16"), ("llama-3.1-8b", "bfloat16")])
@@ -111,13 +112,14 @@ def test_each_shipped_gpu_covers_every_model_shape(path, model, dtype):
     assert not missing, f"{len(missing)} {model} {dtype} shapes missing from {_rel(path)}: {missing}"
 
 
+@pytest.mark.parametrize("device", OTHER_SM90, ids=lambda d: d.name)
 @pytest.mark.parametrize("model", ["gpt2", "gpt2-xl", "llama-3.2-1b"])
-def test_another_sm90_gpu_uses_a_shipped_sm90_file(model, monkeypatch):
+def test_another_sm90_gpu_uses_a_shipped_sm90_file(model, device, monkeypatch):
     """A GPU without a file of its own: every shape resolves through the same-arch rule, exact bucket."""
     from tilekit.autotune import store
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(SHIPPED))
     store.reset()
     for op, problem in model_problems(_config(model), "bfloat16", (1, 8), (128, 1024)):
-        found = op.resolve(problem, H800, "cached")
+        found = op.resolve(problem, device, "cached")
         assert found.source == "shipped" and found.match.bucket_rule == "exact", (op.name, problem)
         assert found.match.device_rule.startswith("same-arch (NVIDIA_H"), found.describe()

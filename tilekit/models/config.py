@@ -3,6 +3,7 @@ every model family shares."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections import Counter
@@ -10,6 +11,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MAX_JSON_BYTES = 16 << 20  # config.json and safetensors indexes are small; a larger file is refused unread
+
+
+@contextlib.contextmanager
+def hf_config_fields(d: dict, unsupported: dict[str, bool], family: str):
+    """Reading a Hugging Face config.json dict `d`: ValueError naming every key whose value asks for a
+    variant tilekit does not compute (`unsupported`: key -> is it such a value), then, within the block,
+    naming a required key the file lacks."""
+    bad = [f"{k}={d[k]!r}" for k, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise ValueError(f"config.json asks for a {family} variant tilekit does not compute: {', '.join(bad)}")
+    try:
+        yield
+    except KeyError as e:
+        raise ValueError(f"config.json lacks the {family} key {e.args[0]!r}") from None
 
 
 def read_json(path: str | Path, what: str) -> dict:
@@ -94,15 +109,10 @@ class GPTConfig:
             "scale_attn_weights": not d.get("scale_attn_weights", True),
             "n_inner": d.get("n_inner") not in (None, 4 * d.get("n_embd", 0)),
         }
-        bad = [f"{k}={d[k]!r}" for k, is_bad in unsupported.items() if is_bad]
-        if bad:
-            raise ValueError(f"config.json asks for a GPT-2 variant tilekit does not compute: {', '.join(bad)}")
-        try:
+        with hf_config_fields(d, unsupported, "GPT-2"):
             return cls(n_layer=int(d["n_layer"]), n_head=int(d["n_head"]), n_embd=int(d["n_embd"]),
                        vocab_size=int(d["vocab_size"]), block_size=int(d.get("n_positions", d.get("n_ctx", 1024))),
                        layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)))
-        except KeyError as e:
-            raise ValueError(f"config.json lacks the GPT-2 key {e.args[0]!r}") from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> "GPTConfig":

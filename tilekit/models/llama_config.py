@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from tilekit.models.config import check_positive_ints, read_json
+from tilekit.models.config import check_positive_ints, hf_config_fields, read_json
 
 
 def _check_number(owner, name: str, low: float = 0.0) -> None:
@@ -126,10 +126,7 @@ class LlamaConfig:
             "layer_types": d.get("layer_types") is not None and (not isinstance(d["layer_types"], list) or any(
                 t != "full_attention" for t in d["layer_types"])),
         }
-        bad = [f"{k}={d[k]!r}" for k, is_bad in unsupported.items() if is_bad]
-        if bad:
-            raise ValueError(f"config.json asks for a Llama variant tilekit does not compute: {', '.join(bad)}")
-        try:
+        with hf_config_fields(d, unsupported, "Llama"):
             max_positions = d.get("max_position_embeddings", 2048)
             scaling = None if rope_type == "default" else RopeScaling(
                 factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
@@ -145,8 +142,6 @@ class LlamaConfig:
                        rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)), rope_scaling=scaling,
                        tie_word_embeddings=d.get("tie_word_embeddings", False),
                        bos_token_id=d.get("bos_token_id", 1), eos_token_id=d.get("eos_token_id", 2))
-        except KeyError as e:
-            raise ValueError(f"config.json lacks the Llama key {e.args[0]!r}") from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> "LlamaConfig":

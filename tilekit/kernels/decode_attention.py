@@ -45,7 +45,7 @@ def query_rows(QP, nq, hk, group, H):
 @ct.kernel
 def decode_attention_kernel(Q, K, V, Knew, Vnew, Lengths, Opart, Mpart, Lpart, Counter, O, qk_scale: float,
                             length_offset: int, QP: ct.Constant[int], BN: ct.Constant[int], D: ct.Constant[int],
-                            CHUNK: ct.Constant[int], MERGE: ct.Constant[int], NEW: ct.Constant[bool]):
+                            CHUNK: ct.Constant[int], NEW: ct.Constant[bool]):
     """Split ct.bid(1) of (batch, key/value head) ct.bid(0); the last split to finish merges.
 
     Q: (B, H, nq, D); K, V: (B, Hkv, capacity, D); Lengths[b] + length_offset = valid keys, the
@@ -53,7 +53,7 @@ def decode_attention_kernel(Q, K, V, Knew, Vnew, Lengths, Opart, Mpart, Lpart, C
     and values come from Knew, Vnew (B, Hkv, nq, D) and are written into K and V. Row r of the
     query tile is query head hk * G + r // nq, token r % nq (G = H / Hkv).
     Opart: (B, Hkv, S, QP, D) fp32; Mpart, Lpart: (B, Hkv, S, QP) fp32; Counter: (B * Hkv,) int32,
-    zero before and after each launch. The merge reads MERGE splits' states with each gather.
+    zero before and after each launch.
     """
     sync_with_previous_kernel()
     B, H, nq = Q.shape[0], Q.shape[1], Q.shape[2]
@@ -94,25 +94,18 @@ def decode_attention_kernel(Q, K, V, Knew, Vnew, Lengths, Opart, Mpart, Lpart, C
     arrived = ct.atomic_add(Counter, ct.bid(0), 1)        # acq_rel: our partial before it, theirs after
     last = arrived == ct.num_blocks(1) - 1
     mb = ct.where(last, b, B)                              # other programs address no sequence at all
+    rows = ct.arange(QP, dtype=ct.int32).reshape((QP, 1))
+    m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
     splits = ct.minimum(last_split + 1, ct.num_blocks(1))
-    rows = ct.arange(QP, dtype=ct.int32).reshape((1, QP))
-    m_run = ct.full((QP, 1), -math.inf, dtype=ct.float32)
+    for part in range(splits):
+        m_max = ct.maximum(m_max, ct.gather(Mpart, (mb, hk, part, rows)))
+    m_max = ct.where(m_max == -math.inf, 0.0, m_max)
     total = ct.zeros((QP, 1), dtype=ct.float32)
     out = ct.zeros((QP, D), dtype=ct.float32)
-    for group in range(ct.cdiv(splits, MERGE)):           # MERGE splits' states per round trip
-        part = ct.arange(MERGE, dtype=ct.int32).reshape((MERGE, 1)) + group * MERGE
-        index = ct.where(part < splits, part, ct.num_blocks(1))   # past the splits: no slot, zeros read
-        m = ct.where(part < splits, ct.gather(Mpart, (mb, hk, index, rows)), -math.inf)
-        l = ct.gather(Lpart, (mb, hk, index, rows))
-        o = ct.gather(Opart, (mb, hk, index.reshape((MERGE, 1, 1)), rows.reshape((1, QP, 1)),
-                              dims.reshape((1, 1, D))))
-        m_new = ct.maximum(m_run, ct.max(m, axis=0).reshape((QP, 1)))
-        m_safe = ct.where(m_new == -math.inf, 0.0, m_new)
-        w = ct.exp2(m - m_safe.reshape((1, QP)))
-        alpha = ct.exp2(m_run - m_safe)
-        total = total * alpha + ct.sum(l * w, axis=0).reshape((QP, 1))
-        out = out * alpha + ct.sum(o * w.reshape((MERGE, QP, 1)), axis=0)
-        m_run = m_new
+    for part in range(splits):
+        w = ct.exp2(ct.gather(Mpart, (mb, hk, part, rows)) - m_max)
+        total = total + ct.gather(Lpart, (mb, hk, part, rows)) * w
+        out = out + ct.gather(Opart, (mb, hk, part, rows, dims)) * w
     ct.scatter(O, (mb, head, token, dims), (out / total).astype(O.dtype))
     if NEW:             # every other program has finished reading the cache: fill the new slots
         pos = new + (length - nq)
@@ -167,9 +160,7 @@ def _grid(p: dict, c: dict) -> tuple:
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    qp, d = _qp(p), pow2_ceil(p["D"])
-    merge = min(pow2_ceil(_splits(p, c)), max(1, 8192 // (qp * d)))     # at most 32 KB of partial outputs at once
-    return (qp, c["BN"], d, c["CHUNK"], merge, bool(p["new"]))
+    return (_qp(p), c["BN"], pow2_ceil(p["D"]), c["CHUNK"], bool(p["new"]))
 
 
 def _bind(a: list, flags: tuple) -> Binding:

@@ -3,11 +3,10 @@
 With a handful of rows a linear layer is a matrix-vector product bound by how fast W streams in,
 so the grid runs over N (and, split-K, over K) only: every program streams one TN-wide panel of W
 through a 16-row tensor-core tile, with a prefetch-depth hint (`latency`) on the weight loads the
-tuner chooses. Optionally the LayerNorm or RMSNorm before the layer runs inside it, at no extra pass
-over x: statistics are summed in the main loop and the normalisation is applied in the epilogue by
-linearity (see gemv_kernel), so a decode step launches one kernel where it launched two. (Taking
-the statistics in a prologue first cost 10-14 us per call on an H100: two dependent passes of
-L2-latency-bound tile loads.) `linear()` sends calls with at most ROWS rows here.
+tuner chooses. Optionally the LayerNorm or RMSNorm before the layer runs in its prologue: each
+program takes the statistics of the rows (they are a few kilobytes, read from L2) and normalises
+each x tile as it loads it, so the normalised rows never make a trip to memory and a decode step
+launches one kernel where it launched two. `linear()` sends calls with at most ROWS rows here.
 """
 
 from __future__ import annotations
@@ -27,8 +26,27 @@ from tilekit.kernels.gelu import gelu_reference, gelu_tanh
 
 ZERO = ct.PaddingMode.ZERO
 ROWS = 16                      # rows of the x tile: the most rows this op takes
-NORM_ROWS = ROWS - 2           # with a norm: two rows of the tile carry its weight and bias
 NORMS = {None: 0, "layer_norm": 1, "rms_norm": 2}
+
+
+@ct.function
+def row_statistics(X, TK, NORM, eps):
+    """(mean, 1 / std) of each of the ROWS rows of X[M, K] in fp32, over K in TK-wide tiles: the
+    mean first, then the squares around it (LayerNorm), or the mean square about zero (RMSNorm)."""
+    K = X.shape[1]
+    cols = ct.arange(TK, dtype=ct.int32).reshape((1, TK))
+    mean = ct.zeros((ROWS, 1), dtype=ct.float32)
+    if NORM == 1:
+        for k in range(ct.cdiv(K, TK)):
+            x = ct.load(X, (0, k), (ROWS, TK), padding_mode=ZERO).astype(ct.float32)
+            mean = mean + ct.sum(x, axis=1, keepdims=True)
+        mean = mean / K
+    squares = ct.zeros((ROWS, 1), dtype=ct.float32)
+    for k in range(ct.cdiv(K, TK)):
+        x = ct.load(X, (0, k), (ROWS, TK), padding_mode=ZERO).astype(ct.float32)
+        centered = ct.where(cols + k * TK < K, x - mean, 0.0)
+        squares = squares + ct.sum(centered * centered, axis=1, keepdims=True)
+    return mean, ct.rsqrt(squares / K + eps)
 
 
 @ct.function
@@ -54,12 +72,7 @@ def gemv_kernel(X, W, Bias, Res, NormW, NormB, Y, Partial, Counter, eps: float,
                 W_NK: ct.Constant[bool], HAS_BIAS: ct.Constant[bool], GELU: ct.Constant[bool],
                 HAS_RES: ct.Constant[bool], NORM: ct.Constant[int], TF32: ct.Constant[bool]):
     """Y[M, N] = act(norm(X)[M, K] @ W + Bias) + Res for M <= ROWS; W is [K, N], or [N, K] when W_NK.
-
-    NORM: 0 none; 1 LayerNorm (NormW g, NormB beta), 2 RMSNorm (NormW g), for M <= NORM_ROWS and
-    SPLIT_K 1. The norm costs no pass of its own: the main loop feeds x * g to the tensor cores and
-    sums x and x^2 per row on the way; two spare rows of the x tile carry g and beta, so the product
-    also yields g @ W and beta @ W, and the epilogue forms
-    norm(x) @ W = rstd * (x*g @ W - mean * g @ W) + beta @ W.
+    NORM: 0 none, 1 LayerNorm (NormW, NormB), 2 RMSNorm (NormW).
 
     With SPLIT_K > 1, SPLIT_K programs share each TN-wide panel, each summing a slice of K into its
     own fp32 Partial[split]; the last to arrive, counted in Counter[panel] (left at zero for the
@@ -69,31 +82,27 @@ def gemv_kernel(X, W, Bias, Res, NormW, NormB, Y, Partial, Counter, eps: float,
     K = X.shape[1]
     panel = ct.bid(0) // SPLIT_K
     split = ct.bid(0) % SPLIT_K
-    rows = ct.arange(ROWS, dtype=ct.int32).reshape((ROWS, 1))
     sync_with_previous_kernel()
+    if NORM != 0:
+        mean, rstd = row_statistics(X, TK, NORM, eps)
     k_tiles = ct.cdiv(K, TK)
     per_split = ct.cdiv(k_tiles, SPLIT_K)
     acc = ct.zeros((ROWS, TN), dtype=ct.float32)
-    sums = ct.zeros((ROWS, 1), dtype=ct.float32)
-    squares = ct.zeros((ROWS, 1), dtype=ct.float32)
     for k in range(split * per_split, ct.minimum(k_tiles, (split + 1) * per_split)):
         a = ct.load(X, (0, k), (ROWS, TK), padding_mode=ZERO)
         if NORM != 0:
-            x = a.astype(ct.float32)
-            sums = sums + ct.sum(x, axis=1, keepdims=True)
-            squares = squares + ct.sum(x * x, axis=1, keepdims=True)
-            g = ct.load(NormW, (k,), (TK,), padding_mode=ZERO).astype(ct.float32).reshape((1, TK))
-            x = ct.where(rows == ROWS - 1, g, x * g)
+            scaled = (a.astype(ct.float32) - mean) * rstd
+            scaled = scaled * ct.load(NormW, (k,), (TK,), padding_mode=ZERO).astype(ct.float32).reshape((1, TK))
             if NORM == 1:
-                x = ct.where(rows == ROWS - 2, ct.load(NormB, (k,), (TK,), padding_mode=ZERO).astype(ct.float32)
-                             .reshape((1, TK)), x)
-            a = x.astype(X.dtype)
+                scaled = scaled + ct.load(NormB, (k,), (TK,), padding_mode=ZERO).astype(ct.float32).reshape((1, TK))
+            a = scaled.astype(X.dtype)        # rounded as the separate norm kernel stores it
         b = weight_tile(W, k, panel, TK, TN, W_NK, LATENCY)
         if TF32:
             a = a.astype(ct.tfloat32)
             b = b.astype(ct.tfloat32)
         acc = ct.mma(a, b, acc)
 
+    rows = ct.arange(ROWS, dtype=ct.int32).reshape((ROWS, 1))
     cols = (ct.arange(TN, dtype=ct.int32) + panel * TN).reshape((1, TN))
     if SPLIT_K > 1:
         ct.store(Partial, (split, 0, panel), acc.reshape((1, ROWS, TN)))
@@ -104,14 +113,6 @@ def gemv_kernel(X, W, Bias, Res, NormW, NormB, Y, Partial, Counter, eps: float,
         for s in range(SPLIT_K):
             acc = acc + ct.gather(Partial, (s, rows, cols))
         ct.atomic_xchg(Counter, ct.where(last, panel, Counter.shape[0]), 0, memory_order=ct.MemoryOrder.RELAXED)
-    if NORM == 1:
-        mean = sums / K
-        rstd = ct.rsqrt(ct.maximum(squares / K - mean * mean, 0.0) + eps)
-        g_w = ct.sum(ct.where(rows == ROWS - 1, acc, 0.0), axis=0, keepdims=True)
-        beta_w = ct.sum(ct.where(rows == ROWS - 2, acc, 0.0), axis=0, keepdims=True)
-        acc = (acc - mean * g_w) * rstd + beta_w
-    if NORM == 2:
-        acc = acc * ct.rsqrt(squares / K + eps)
     if HAS_BIAS:
         acc = acc + ct.load(Bias, (panel,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
     if GELU:
@@ -125,12 +126,12 @@ def gemv_kernel(X, W, Bias, Res, NormW, NormB, Y, Partial, Counter, eps: float,
 
 def _fits(c: dict, p: dict) -> bool:
     """Prune tiles wider than the problem, weight tiles over 64 KB, and K splits that leave a split no
-    tile, that the panels alone already outnumber the SMs for, or that a norm's row statistics forbid."""
+    tile or that the panels alone already outnumber the SMs for."""
     item = 4 if p["dtype"] == "float32" else 2
     panels = ct.cdiv(p["N"], c["TN"])
     return (c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(128, pow2_ceil(p["K"]))
             and c["TN"] * c["TK"] * item <= 64 * 1024
-            and (c["SPLIT_K"] == 1 or (c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"]) and panels < 264 and not p["norm"])))
+            and (c["SPLIT_K"] == 1 or (c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"]) and panels < 264)))
 
 
 SPACE = SearchSpace(_fits, TN=(32, 64, 128), TK=(128, 256, 512), SPLIT_K=(1, 2, 4), LATENCY=(0, 8), occupancy=(1, 2))
@@ -218,12 +219,10 @@ def _bind(a: list, flags: tuple) -> Binding:
     x, w, bias, res, norm_w, norm_b, out = a
     activation, weight_layout, allow_tf32, norm = flags
     problem, views = check_linear_args(x, w, bias, res, out, activation, weight_layout, allow_tf32)
+    if problem["M"] > ROWS:
+        raise ValueError(f"x has {problem['M']} rows; gemv takes at most {ROWS} (use linear)")
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {tuple(NORMS)}, got {norm!r}")
-    most = ROWS if norm is None else NORM_ROWS
-    if problem["M"] > most:
-        raise ValueError(f"x has {problem['M']} rows; gemv takes at most {most}{'' if norm is None else ' with a norm'} "
-                         f"(use linear)")
     K = problem["K"]
     for name, v, wanted in (("norm_weight", norm_w, norm is not None), ("norm_bias", norm_b, norm == "layer_norm")):
         if (v is not None) != wanted:
@@ -273,14 +272,17 @@ def gemv(x, weight, bias=None, *, activation: str | None = None, residual=None, 
 
 
 def gemv_reference(x, weight, bias=None, *, activation=None, residual=None, norm=None, norm_weight=None,
-                   norm_bias=None, eps: float = 1e-5, weight_layout: str = "in_out") -> np.ndarray:
-    """float64 NumPy gemv: act(norm(x) @ W + bias) + residual."""
+                   norm_bias=None, eps: float = 1e-5, weight_layout: str = "in_out", dtype=None) -> np.ndarray:
+    """float64 NumPy gemv. With a norm and `dtype` (a NumPy dtype), the normalised rows are rounded to
+    it first, as the kernel feeds them to the tensor cores."""
     x = np.asarray(x, np.float64)
     if norm is not None:
         mean = x.mean(-1, keepdims=True) if norm == "layer_norm" else 0.0
         x = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + eps) * np.asarray(norm_weight, np.float64)
         if norm == "layer_norm":
             x = x + np.asarray(norm_bias, np.float64)
+        if dtype is not None:
+            x = x.astype(dtype).astype(np.float64)
     w = np.asarray(weight, np.float64)
     y = x @ (w if weight_layout == "in_out" else w.T)
     if bias is not None:

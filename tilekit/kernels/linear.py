@@ -19,7 +19,7 @@ from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 from tilekit.kernels.gelu import gelu_reference, gelu_tanh
-from tilekit.kernels.gemv import NORM_ROWS, ROWS as GEMV_ROWS, check_linear_args, gemv
+from tilekit.kernels.gemv import ROWS as GEMV_ROWS, check_linear_args, gemv
 from tilekit.kernels.layernorm import layer_norm
 from tilekit.kernels.rmsnorm import rms_norm
 
@@ -194,9 +194,9 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
 
 def norm_linear(x, norm: str, norm_weight, norm_bias, weight, bias=None, *, eps: float = 1e-5, normed=None, **kw):
     """linear(norm(x), weight, bias, **kw), norm 'layer_norm' (norm_weight, norm_bias) or 'rms_norm'
-    (norm_weight, norm_bias None). With at most NORM_ROWS rows one gemv kernel does both; otherwise
-    the norm is written to `normed` (an array like x; allocated when None) and a linear reads it."""
-    if _rows(x) <= NORM_ROWS:
+    (norm_weight, norm_bias None). With at most GEMV_ROWS rows one kernel does both; otherwise the
+    norm is written to `normed` (an array like x; allocated when None) and a linear reads it."""
+    if _rows(x) <= GEMV_ROWS:
         return gemv(x, weight, bias, norm=norm, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps, **kw)
     if norm == "layer_norm":
         normed = layer_norm(x, norm_weight, norm_bias, eps, out=normed)

@@ -291,24 +291,3 @@ def test_scratch_slots_are_distinct_under_threads():
     for t in threads:
         t.join()
     assert len(set(slots)) == len(slots) == 1800
-
-
-def test_linear_sends_few_rows_to_gemv_and_norm_linear_fuses_them():
-    """Up to 16 rows a linear layer is the weight-streaming gemv, and norm_linear is that one kernel
-    with the norm inside; past 16 rows they are the tiled GEMM (after the norm's own kernel)."""
-    from tilekit.kernels import linear, norm_linear
-    w, b, g = MetaArray((768, 2304), "bfloat16"), MetaArray((2304,), "bfloat16"), MetaArray((768,), "bfloat16")
-    for rows, expected in [(1, ["gemv"]), (16, ["gemv"]), (17, ["linear"])]:
-        with op_module.recording() as calls:
-            linear(MetaArray((rows, 768), "bfloat16"), w, b)
-        assert [op.name for op, _ in calls] == expected
-    for rows, expected in [(8, ["gemv"]), (17, ["layer_norm", "linear"])]:
-        with op_module.recording() as calls:
-            norm_linear(MetaArray((rows, 768), "bfloat16"), "layer_norm", g, g, w, b,
-                        normed=MetaArray((rows, 768), "bfloat16"))
-        assert [op.name for op, _ in calls] == expected
-    with op_module.recording() as calls:
-        norm_linear(MetaArray((1, 768), "bfloat16"), "rms_norm", g, None, w)
-    assert calls[0][1]["norm"] == 2 and calls[0][1]["bias"] == 0
-    with pytest.raises(ValueError, match="norm must be"):
-        norm_linear(MetaArray((17, 768), "bfloat16"), "rms_norm", g, g, w)

@@ -4,14 +4,13 @@ from tilekit.kernels.attention import attention
 from tilekit.kernels.decode_attention import decode_attention
 from tilekit.kernels.embedding import embedding
 from tilekit.kernels.gelu import gelu
-from tilekit.kernels.gemv import gemv
 from tilekit.kernels.kv_cache import write_kv
 from tilekit.kernels.layernorm import layer_norm
-from tilekit.kernels.linear import linear, norm_linear
+from tilekit.kernels.linear import linear
 from tilekit.kernels.rmsnorm import rms_norm
 from tilekit.kernels.rope import apply_rope
 from tilekit.kernels.sampling import greedy_step
 from tilekit.kernels.swiglu import swiglu_linear
 
-__all__ = ["apply_rope", "attention", "decode_attention", "embedding", "gelu", "gemv", "greedy_step", "layer_norm",
-           "linear", "norm_linear", "rms_norm", "swiglu_linear", "write_kv"]
+__all__ = ["apply_rope", "attention", "decode_attention", "embedding", "gelu", "greedy_step", "layer_norm", "linear",
+           "rms_norm", "swiglu_linear", "write_kv"]

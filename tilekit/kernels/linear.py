@@ -19,9 +19,6 @@ from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 from tilekit.kernels.gelu import gelu_reference, gelu_tanh
-from tilekit.kernels.gemv import ROWS as GEMV_ROWS, check_linear_args, gemv
-from tilekit.kernels.layernorm import layer_norm
-from tilekit.kernels.rmsnorm import rms_norm
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -161,8 +158,48 @@ def _constants(p: dict, c: dict) -> tuple:
 
 def _bind(a: list, flags: tuple) -> Binding:
     x, w, bias, res, out = a
-    problem, views = check_linear_args(x, w, bias, res, out, *flags)
-    out_shape = x.shape[:-1] + (problem["N"],)
+    activation, weight_layout, allow_tf32 = flags
+    arrays.check_dtype(x, "x", arrays.FLOAT_DTYPES)
+    arrays.check_same("x", x, "weight", w)
+    if len(x.shape) < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {x.shape}")
+    if len(w.shape) != 2:
+        raise ValueError(f"weight must be 2-D, got shape {w.shape}")
+    if weight_layout not in ("in_out", "out_in"):
+        raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {weight_layout!r}")
+    K = x.shape[-1]
+    N = w.shape[1] if weight_layout == "in_out" else w.shape[0]
+    if (w.shape[0] if weight_layout == "in_out" else w.shape[1]) != K:
+        raise ValueError(f"weight shape {w.shape} ({weight_layout}) does not match x's last dimension {K}")
+    if activation not in (None, "gelu"):
+        raise ValueError(f"activation must be None or 'gelu', got {activation!r}")
+    if allow_tf32 not in (False, True):
+        raise ValueError(f"allow_tf32 must be a bool, got {allow_tf32!r}")
+    if allow_tf32 and x.dtype != "float32":
+        raise ValueError("allow_tf32 applies to float32 inputs only")
+    arrays.check_last_contiguous(x, "x")
+    arrays.check_last_contiguous(w, "weight")
+    M = math.prod(x.shape[:-1])
+    out_shape = x.shape[:-1] + (N,)
+    views = {"x": (0, None if len(x.shape) == 2 else (M, K)), "w": (1, None),
+             "y": (4, None if len(out_shape) == 2 else (M, N))}
+    if bias is not None:
+        arrays.check_same("x", x, "bias", bias)
+        if bias.shape != (N,):
+            raise ValueError(f"bias must have shape ({N},), got {bias.shape}")
+        arrays.check_contiguous(bias, "bias")
+        views["bias"] = (2, None)
+    if res is not None:
+        arrays.check_same("x", x, "residual", res)
+        if res.shape != out_shape:
+            raise ValueError(f"residual must have shape {out_shape}, got {res.shape}")
+        arrays.check_contiguous(res, "residual")
+        views["res"] = (3, None if len(out_shape) == 2 else (M, N))
+    if out is not None:
+        arrays.check_out(out, "out", x, out_shape)
+    problem = dict(dtype=x.dtype, M=M, N=N, K=K, wt="kn" if weight_layout == "in_out" else "nk",
+                   bias=int(bias is not None), act=activation or "none", res=int(res is not None),
+                   tf32=int(bool(allow_tf32)))
     return Binding(problem=problem, arrays=views, returns=4,
                    output=(4, arrays.allocator(x.kind, x.device, out_shape, x.dtype)))
 
@@ -183,35 +220,9 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
 
     weight is [in, out] (weight_layout='in_out', GPT-2's Conv1D) or [out, in] ('out_in', e.g. the
     tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). fp32 inputs use exact fp32
-    products unless allow_tf32=True. Returns an array of x's kind, or writes into `out`. Calls with
-    at most GEMV_ROWS rows (decoding) run the weight-streaming gemv kernel.
+    products unless allow_tf32=True. Returns an array of x's kind, or writes into `out`.
     """
-    if _rows(x) <= GEMV_ROWS:
-        return gemv(x, weight, bias, activation=activation, residual=residual, out=out,
-                         weight_layout=weight_layout, allow_tf32=allow_tf32)
     return LINEAR((x, weight, bias, residual, out), (activation, weight_layout, allow_tf32))
-
-
-def norm_linear(x, norm: str, norm_weight, norm_bias, weight, bias=None, *, eps: float = 1e-5, normed=None, **kw):
-    """linear(norm(x), weight, bias, **kw), norm 'layer_norm' (norm_weight, norm_bias) or 'rms_norm'
-    (norm_weight, norm_bias None). With at most GEMV_ROWS rows one kernel does both; otherwise the
-    norm is written to `normed` (an array like x; allocated when None) and a linear reads it."""
-    if _rows(x) <= GEMV_ROWS:
-        return gemv(x, weight, bias, norm=norm, norm_weight=norm_weight, norm_bias=norm_bias, eps=eps, **kw)
-    if norm == "layer_norm":
-        normed = layer_norm(x, norm_weight, norm_bias, eps, out=normed)
-    elif norm == "rms_norm" and norm_bias is None:
-        normed = rms_norm(x, norm_weight, eps, out=normed)
-    else:
-        raise ValueError(f"norm must be 'layer_norm' or 'rms_norm' (without norm_bias), got {norm!r}")
-    return linear(normed, weight, bias, **kw)
-
-
-def _rows(x) -> int:
-    shape = getattr(x, "shape", None)
-    if shape is None or len(shape) < 1:
-        raise TypeError(f"x must be a CUDA device array with a last dimension, got {type(x).__name__}")
-    return math.prod(shape[:-1])
 
 
 def linear_reference(x, weight, bias=None, *, activation=None, residual=None,

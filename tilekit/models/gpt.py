@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tilekit.autotune.arrays import MetaArray, numpy_dtype
-from tilekit.kernels import embedding, layer_norm, linear, norm_linear
+from tilekit.kernels import embedding, layer_norm, linear
 from tilekit.models.checkpoint import (check_state_dict, load_state_dict, random_state_dict,
                                        resolve_checkpoint, save_state_dict, state_dict_shapes)
 from tilekit.models.config import GPTConfig
@@ -107,14 +107,17 @@ class GPT(CausalLM):
 
         attend(layer, q, k, v, out) writes one layer's attention into out (B, H, T, D) and fills the
         KV cache where there is one."""
+        eps = self.config.layer_norm_epsilon
         x, other = acts.x, acts.other
         embedding(ids, self.wte, self.wpe, positions, out=x)
         for i, blk in enumerate(self.blocks):
-            self._normed_linear(x, blk.ln_1_w, blk.ln_1_b, blk.attn_w, blk.attn_b, acts.h, out=acts.qkv)
+            layer_norm(x, blk.ln_1_w, blk.ln_1_b, eps, out=acts.h)
+            self._linear(acts.h, blk.attn_w, blk.attn_b, out=acts.qkv)
             attend(i, acts.q, acts.k, acts.v, acts.heads)
             self._linear(acts.y, blk.proj_w, blk.proj_b, residual=x, out=other)
             x, other = other, x
-            self._normed_linear(x, blk.ln_2_w, blk.ln_2_b, blk.fc_w, blk.fc_b, acts.h, activation="gelu", out=acts.f)
+            layer_norm(x, blk.ln_2_w, blk.ln_2_b, eps, out=acts.h)
+            self._linear(acts.h, blk.fc_w, blk.fc_b, activation="gelu", out=acts.f)
             self._linear(acts.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=x, out=other)
             x, other = other, x
         return x                  # an even number of swaps: acts.x
@@ -127,17 +130,8 @@ class GPT(CausalLM):
         """Logits h @ wte^T through the LM head tied to the token embedding."""
         return self._linear(h, self.wte, weight_layout="out_in", out=out)
 
-    def logits(self, x, normed, out) -> None:
-        """lm_head(final_norm(x)) into out, through `normed` where the rows are too many for one kernel."""
-        self._normed_linear(x, self.ln_f_w, self.ln_f_b, self.wte, None, normed, weight_layout="out_in", out=out)
-
     def _linear(self, x, w, b=None, **kw):
         return linear(x, w, b, allow_tf32=self.allow_tf32, **kw)
-
-    def _normed_linear(self, x, ln_w, ln_b, w, b, normed, **kw):
-        """linear(LayerNorm(x)): one kernel for a few rows (decoding), else the norm through `normed`."""
-        return norm_linear(x, "layer_norm", ln_w, ln_b, w, b, eps=self.config.layer_norm_epsilon, normed=normed,
-                           allow_tf32=self.allow_tf32, **kw)
 
     # -- checkpoints and tokenizer ----------------------------------------------------------------
     @classmethod

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from tilekit.autotune.arrays import MetaArray, numpy_dtype
-from tilekit.kernels import apply_rope, embedding, linear, norm_linear, rms_norm, swiglu_linear
+from tilekit.kernels import apply_rope, embedding, linear, rms_norm, swiglu_linear
 from tilekit.kernels.rope import rope_tables
 from tilekit.models import llama_checkpoint
 from tilekit.models.checkpoint import resolve_checkpoint
@@ -136,8 +136,8 @@ class Llama(CausalLM):
         x, other = acts.x, acts.other
         embedding(ids, self.embed, out=x)
         for i, blk in enumerate(self.blocks):
-            norm_linear(x, "rms_norm", blk.attn_norm, None, blk.qkv, eps=eps, normed=acts.h, weight_layout="out_in",
-                        out=acts.qkv)
+            rms_norm(x, blk.attn_norm, eps, out=acts.h)
+            linear(acts.h, blk.qkv, weight_layout="out_in", out=acts.qkv)
             apply_rope(acts.qk, positions, self.cos, self.sin)
             attend(i, acts.q, acts.k, acts.v, acts.heads)
             linear(acts.y, blk.o_proj, weight_layout="out_in", residual=x, out=other)
@@ -155,11 +155,6 @@ class Llama(CausalLM):
     def lm_head(self, h, out=None):
         """Logits h @ W^T, W the LM head or, when tied, the token embedding."""
         return linear(h, self.head, weight_layout="out_in", out=out)
-
-    def logits(self, x, normed, out) -> None:
-        """lm_head(final_norm(x)) into out, through `normed` where the rows are too many for one kernel."""
-        norm_linear(x, "rms_norm", self.norm, None, self.head, eps=self.config.rms_norm_eps, normed=normed,
-                    weight_layout="out_in", out=out)
 
     # -- checkpoints and tokenizer ----------------------------------------------------------------
     @classmethod

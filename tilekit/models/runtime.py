@@ -1,8 +1,7 @@
 """The runtime half of a decoder-only language model on tilekit kernels, shared by every model.
 
-A model class (GPT) holds weights and writes its math as five methods: `activations` (its working
-buffers), `hidden` (embeddings and blocks), `final_norm`, `lm_head` and `logits` (the two fused for
-the decode step's few rows). `CausalLM` turns those into
+A model class (GPT) holds weights and writes its math as four methods: `activations` (its working
+buffers), `hidden` (embeddings and blocks), `final_norm` and `lm_head`. `CausalLM` turns those into
 `forward` (a CUDA graph per shape), `generate` (KV cache, greedy on the GPU or sampling on the
 host, graphs of the decode step and of prompt prefills, kept between calls) and the workload:
 `kernel_problems` runs the same step code on MetaArrays and records what each kernel is asked.
@@ -109,18 +108,16 @@ class DecodeState:
         """One token for every sequence."""
         cache = self.cache
 
-        def attend(i, q, k, v, out):        # writes k and v into the cache too
-            decode_attention(q, cache.k[i], cache.v[i], self.positions, k_new=k, v_new=v, length_offset=1, out=out)
+        def attend(i, q, k, v, out):
+            write_kv(k, v, cache.k[i], cache.v[i], self.positions)
+            decode_attention(q, cache.k[i], cache.v[i], self.positions, length_offset=1, out=out)
 
         self._head(self.model.hidden(self.acts, self.tokens, self.positions, attend), None, greedy, eos)
 
     def _head(self, x, rows, greedy: bool, eos: int) -> None:
         """Final norm (of `rows` only, when given), logits, and the greedy pick."""
-        if rows is None:
-            self.model.logits(x, self.acts.h, self.logits)
-        else:
-            self.model.final_norm(x, self.acts.h, rows=rows)
-            self.model.lm_head(self.acts.h, out=self.logits)
+        self.model.final_norm(x, self.acts.h, rows=rows)
+        self.model.lm_head(self.acts.h, out=self.logits)
         if greedy:
             greedy_step(self.logits, self.tokens, self.positions, self.history, self.finished, eos)
 
@@ -278,7 +275,7 @@ class CausalLM:
     """forward, generate and the workload of a model that provides the math (see the module doc).
 
     A subclass sets `config` (with vocab_size and block_size), `dtype` and `meta` (MetaArray weights),
-    and implements cache_dims(), activations(), hidden(), final_norm(), lm_head(), logits(), meta_twin(),
+    and implements cache_dims(), activations(), hidden(), final_norm(), lm_head(), meta_twin(),
     tokenizer() and eos_token_id().
     """
 

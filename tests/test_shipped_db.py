@@ -20,9 +20,9 @@ from tilekit.models.workload import model_problems
 SHIPPED = Path(__file__).resolve().parents[1] / "tuning_db"
 FILES = sorted(p for p in SHIPPED.rglob("*") if p.is_file())
 H100_FILE = SHIPPED / "sm_90" / "NVIDIA_H100_80GB_HBM3.json"
-# sm_90 GPUs without a file of their own (the H200's entries went stale with dependent launch and were
-# dropped until it is re-tuned; it runs the H100's)
-OTHER_SM90 = [DeviceInfo("NVIDIA H800", "sm_90", 132), DeviceInfo("NVIDIA H200", "sm_90", 132)]
+H200_FILE = SHIPPED / "sm_90" / "NVIDIA_H200.json"
+# sm_90 GPUs without a file of their own
+OTHER_SM90 = [DeviceInfo("NVIDIA H800", "sm_90", 132), DeviceInfo("NVIDIA H20", "sm_90", 78)]
 
 
 def _rel(path: Path) -> str:
@@ -36,7 +36,7 @@ def _entries(path: Path) -> dict:
 
 
 def test_shipped_files_exist():
-    assert H100_FILE in FILES
+    assert H100_FILE in FILES and H200_FILE in FILES
 
 
 @pytest.mark.parametrize("path", FILES, ids=_rel)
@@ -103,7 +103,7 @@ def _missing(path: Path, model: str, dtype: str = "bfloat16") -> list[str]:
     return sorted(want - have)
 
 
-@pytest.mark.parametrize("path", [H100_FILE], ids=_rel)
+@pytest.mark.parametrize("path", [H100_FILE, H200_FILE], ids=_rel)
 @pytest.mark.parametrize("model, dtype", [("gpt2", "bfloat16"), ("gpt2-medium", "bfloat16"),
                                           ("gpt2-large", "bfloat16"), ("gpt2-xl", "bfloat16"), ("gpt2", "float16"),
                                           ("llama-3.2-1b", "bfloat16"), ("llama-3.1-8b", "bfloat16")])

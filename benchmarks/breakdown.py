@@ -145,12 +145,19 @@ def _decode_generation(model, batch: int):
     return gen
 
 
+def decode_model(preset: str):
+    """tilekit's bf16 GPT or Llama of a preset, random weights from seed 0."""
+    from benchmarks.model import model_config
+    from benchmarks.report import is_llama
+    from tilekit.models import GPT, Llama
+    config = model_config(preset)
+    return (Llama if is_llama(config) else GPT)(config, dtype="bfloat16", seed=0)
+
+
 def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
     """The decode step profiled as it runs (dependent launch), then captured and profiled without it."""
     from tilekit.autotune import op
-    from tilekit.models import GPT, LLAMA_PRESETS, GPTConfig, Llama
-    model = (Llama(LLAMA_PRESETS[preset], dtype="bfloat16", seed=0) if preset in LLAMA_PRESETS
-             else GPT(GPTConfig.preset(preset), dtype="bfloat16", seed=0))
+    model = decode_model(preset)
     dependent = profile_step(_decode_generation(model, batch), bandwidth_gbs) if op.DEPENDENT_LAUNCH else None
     saved, op.DEPENDENT_LAUNCH = op.DEPENDENT_LAUNCH, False
     try:

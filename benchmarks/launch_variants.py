@@ -9,9 +9,8 @@ Produced docs/results/dependent-launch-variants-h200.txt (its VAR lines); an exp
 import json
 import sys
 
-from benchmarks.breakdown import _decode_generation, replay_ms
+from benchmarks.breakdown import _decode_generation, decode_model, replay_ms
 from tilekit.autotune import op
-from tilekit.models import GPT, LLAMA_PRESETS, GPTConfig, Llama
 
 real = op.ct_launch
 
@@ -39,8 +38,7 @@ def spy(h, g, k, a, programmatic_dependent_launch=False):
 if __name__ == "__main__":
     out = {}
     for preset in sys.argv[2:]:
-        model = (Llama(LLAMA_PRESETS[preset], dtype="bfloat16", seed=0) if preset in LLAMA_PRESETS
-                 else GPT(GPTConfig.preset(preset), dtype="bfloat16", seed=0))
+        model = decode_model(preset)
         op.ct_launch = spy
         _decode_generation(model, 1)
         names = sorted(seen)

@@ -22,7 +22,7 @@ from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace
 from tilekit.kernels import layernorm
 from tilekit.kernels.dependent_launch import sync_with_previous_kernel
-from tilekit.kernels.layernorm import check_rows, default_config
+from tilekit.kernels.layernorm import check_rows, checked_eps, default_config
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -147,10 +147,7 @@ def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, rows=None, out=None
     array of row indices into x viewed as (M, N); only those rows are normalised, giving
     (len(rows), N). Returns an array of x's kind, or writes into `out`.
     """
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)) \
-            or not 0 < eps < math.inf:
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
-    return RMS_NORM((x, weight, residual, rows, out), (), (float(eps),))
+    return RMS_NORM((x, weight, residual, rows, out), (), (checked_eps(eps),))
 
 
 def rms_norm_reference(x, weight, eps: float) -> np.ndarray:

@@ -28,9 +28,7 @@ class ReferenceLM:
     checkpoint: ModuleType
 
     def __init__(self, config, state: dict[str, np.ndarray], dtype=np.float64):
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float32, np.float64):
-            raise ValueError(f"dtype must be float32 or float64, got {self.dtype}")
+        self.dtype = gpt2_checkpoint.float_dtype(dtype)
         self.checkpoint.check_state_dict(config, state)
         self.config = config
         self.state = {name: np.ascontiguousarray(array, dtype=self.dtype) for name, array in state.items()}

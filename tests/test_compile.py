@@ -58,7 +58,8 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
             tasks += [(op, bucketed, c) for c in [op.default(bucketed)] + sample]
     split_k = ops["linear"]
     tasks += [(split_k, dict(PROBLEMS["linear"][0], M=8, act="gelu", res=1),   # few rows: split-K's own path
-               dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=4, occupancy=1, num_ctas=1))]
+               dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=4, PERSISTENT=0, occupancy=1, num_ctas=1,
+                    num_worker_warps=0))]
     ok, errors = precompile(tasks, arch, workers=2)
     assert not errors, "\n".join(f"{tasks[i][0].name} {tasks[i][2]}: {e}" for i, e in errors.items())
     assert len(ok) == len(tasks)

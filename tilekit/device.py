@@ -35,6 +35,11 @@ def device_info(index: int | None = None) -> DeviceInfo:
                       sm_count=int(props["multiProcessorCount"]))
 
 
+def sm_count() -> int:
+    """Streaming multiprocessors of CuPy's current GPU (sizes persistent grids)."""
+    return device_info().sm_count
+
+
 def gpu_unavailable_reason() -> str | None:
     """None when a CUDA GPU and driver are usable, else a one-line reason."""
     try:

@@ -80,6 +80,7 @@ def test_linear_torch_in_torch_out():
 
 SPACE_CASES = {
     "linear": dict(dtype="bfloat16", M=300, N=200, K=136, wt="kn", bias=1, act="gelu", res=1, tf32=0),
+    "linear_many_rows": dict(dtype="bfloat16", M=1500, N=1000, K=520, wt="nk", bias=1, act="gelu", res=1, tf32=0),
     "linear_split_k": dict(dtype="bfloat16", M=5, N=1000, K=1536, wt="kn", bias=1, act="gelu", res=1, tf32=0),
     "layer_norm": dict(dtype="bfloat16", M=37, N=1600, gather=0),
     "gelu": dict(dtype="bfloat16", n=10007, exact=0),
@@ -93,7 +94,7 @@ SPACE_CASES = {
     "swiglu_linear": dict(dtype="bfloat16", M=300, N=200, K=136),
     "swiglu_linear_few_rows": dict(dtype="bfloat16", M=3, N=1000, K=512),
 }
-OPS = {"linear": LINEAR, "linear_split_k": LINEAR, "layer_norm": LAYER_NORM, "gelu": GELU, "attention": ATTENTION,
+OPS = {"linear": LINEAR, "linear_many_rows": LINEAR, "linear_split_k": LINEAR, "layer_norm": LAYER_NORM, "gelu": GELU, "attention": ATTENTION,
        "attention_gqa": ATTENTION, "decode_attention": DECODE_ATTENTION, "decode_attention_gqa": DECODE_ATTENTION,
        "greedy": GREEDY, "rms_norm": RMS_NORM, "rope": ROPE, "swiglu_linear": SWIGLU_LINEAR,
        "swiglu_linear_few_rows": SWIGLU_LINEAR}
@@ -321,6 +322,10 @@ def test_bad_inputs_name_the_argument():
         attention(q, q, q)
     with pytest.raises(ValueError, match="q must be 4-D"):
         attention(x, x, x)
+    for scale in (0.0, -0.125, math.inf, "0.1"):
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            q = rand((1, 1, 4, 64), "bfloat16")
+            attention(q, q, q, scale=scale)
     with pytest.raises(ValueError, match="weight must have shape"):
         layer_norm(x, rand((63,), "bfloat16"), rand((64,), "bfloat16"))
     with pytest.raises(TypeError, match="lengths has dtype int64"):
@@ -348,11 +353,25 @@ def test_layer_norm_selected_rows():
 def test_split_k_partials_are_summed_by_the_last_arrival(split_k):
     """Split-K programs publish partial sums through an arrival counter the last one resets: repeated
     calls on fresh data stay right in every row (a lost ordering would show as a wrong tile)."""
-    config = dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=split_k, occupancy=1, num_ctas=1)
+    config = dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=split_k, PERSISTENT=0, occupancy=1, num_ctas=1,
+                  num_worker_warps=0)
     with LINEAR.pinned(config):
         for M, K in [(1, 6400), (8, 1600), (3, 1024), (1, 1600), (8, 6400)]:
             check_linear(M, 777, K, "bfloat16", act="gelu", res=True)
             check_linear(M, 1600, K, "float32")
+
+
+@pytest.mark.parametrize("TK", [32, 64])
+def test_persistent_programs_cover_every_tile(TK):
+    """A persistent grid (one program per SM) walks more tiles than it has programs, partial edge tiles
+    and every epilogue included, in both weight layouts."""
+    config = dict(TM=128, TN=256, TK=TK, GROUP_M=8, SPLIT_K=1, PERSISTENT=1, occupancy=1, num_ctas=1,
+                  num_worker_warps=8)
+    assert math.ceil(3000 / 128) * math.ceil(2500 / 256) > device_info().sm_count
+    with LINEAR.pinned(config):
+        for layout in ("in_out", "out_in"):
+            check_linear(3000, 2500, 777, "bfloat16", layout, bias=True, act="gelu", res=True)
+            check_linear(2049, 1031, 1600, "float16", layout, bias=False)
 
 
 # -- the launch path ---------------------------------------------------------------------------

@@ -330,8 +330,10 @@ class Op:
         work = [n for n, spec in specs.items() if spec.role in ("scratch", "zeros")]
         plan.work = arr.scratch_slot(self.name, device, tuple(specs[n] for n in work)) if work else None
         plan.launches = []
+        if kind == "meta":
+            return plan
         grids = [tuple(launch.grid(problem, config)) for launch in self.launches]
-        if kind == "meta" or any(0 in grid for grid in grids):    # an empty problem: nothing to launch
+        if any(0 in grid for grid in grids):    # an empty problem: nothing to launch
             return plan
         for launch, grid in zip(self.launches, grids):
             sources = []

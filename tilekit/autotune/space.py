@@ -12,7 +12,7 @@ from tilekit.autotune.digest import code_digest
 Config = dict[str, int]
 Problem = Mapping[str, object]
 
-HINTS = ("occupancy", "num_ctas")  # compiler hints; every other parameter is a kernel constant
+HINTS = ("occupancy", "num_ctas", "num_worker_warps")  # compiler hints; every other parameter is a kernel constant
 
 
 class SearchSpace:
@@ -59,9 +59,9 @@ class SearchSpace:
 
 
 def split_hints(config: Config) -> tuple[dict, dict]:
-    """(kernel constants, compiler hints) of a config."""
+    """(kernel constants, compiler hints) of a config; a hint of 0 leaves the choice to the compiler."""
     consts = {k: v for k, v in config.items() if k not in HINTS}
-    hints = {k: v for k, v in config.items() if k in HINTS}
+    hints = {k: v for k, v in config.items() if k in HINTS and v != 0}
     return consts, hints
 
 

@@ -17,6 +17,7 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.device import sm_count
 from tilekit.kernels.dependent_launch import sync_with_previous_kernel
 from tilekit.kernels.gelu import gelu_reference, gelu_tanh
 
@@ -33,29 +34,16 @@ def grouped_tile(tile, tiles_m, tiles_n, GROUP_M):
     return first_m + (tile % group_width) % group_rows, (tile % group_width) // group_rows
 
 
-@ct.kernel
-def linear_kernel(X, W, Bias, Res, Y, Partial, Counter,
-                  TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
-                  GROUP_M: ct.Constant[int], SPLIT_K: ct.Constant[int], W_NK: ct.Constant[bool],
-                  HAS_BIAS: ct.Constant[bool], GELU: ct.Constant[bool], HAS_RES: ct.Constant[bool],
-                  TF32: ct.Constant[bool]):
-    """Y[M, N] = act(X[M, K] @ W + Bias) + Res; W is [K, N], or [N, K] when W_NK.
-
-    With SPLIT_K > 1 (few rows, as in decoding) SPLIT_K programs share each output tile, each
-    summing a slice of K into its own fp32 Partial[split]; the last to arrive, counted in
-    Counter[tile] (left at zero for the next call), adds the partial sums and runs the epilogue.
-    """
+@ct.function
+def output_tile(X, W, Bias, Res, Y, Partial, Counter, tile, split, TM, TN, TK, GROUP_M, SPLIT_K, W_NK,
+                HAS_BIAS, GELU, HAS_RES, TF32):
+    """Output tile `tile` (split `split` of its K range when SPLIT_K > 1): the main loop and the epilogue."""
     M = X.shape[0]
     K = X.shape[1]
     N = Y.shape[1]
-    pid = ct.bid(0)
-    tile = pid // SPLIT_K
-    split = pid % SPLIT_K
     tiles_m = ct.cdiv(M, TM)
     tiles_n = ct.cdiv(N, TN)
     pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
-
-    sync_with_previous_kernel()
     k_tiles = ct.cdiv(K, TK)
     per_split = ct.cdiv(k_tiles, SPLIT_K)
     acc = ct.zeros((TM, TN), dtype=ct.float32)
@@ -94,6 +82,31 @@ def linear_kernel(X, W, Bias, Res, Y, Partial, Counter,
         ct.store(Y, (pid_m, pid_n), acc.astype(Y.dtype))
 
 
+@ct.kernel
+def linear_kernel(X, W, Bias, Res, Y, Partial, Counter,
+                  TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
+                  GROUP_M: ct.Constant[int], SPLIT_K: ct.Constant[int], PERSISTENT: ct.Constant[bool],
+                  W_NK: ct.Constant[bool], HAS_BIAS: ct.Constant[bool], GELU: ct.Constant[bool],
+                  HAS_RES: ct.Constant[bool], TF32: ct.Constant[bool]):
+    """Y[M, N] = act(X[M, K] @ W + Bias) + Res; W is [K, N], or [N, K] when W_NK.
+
+    PERSISTENT: a grid of about one program per resident slot walks the output tiles in strides of
+    the grid, so one tile's epilogue overlaps the next one's loads. With SPLIT_K > 1 (few rows, as
+    in decoding) SPLIT_K programs share each output tile, each summing a slice of K into its own
+    fp32 Partial[split]; the last to arrive, counted in Counter[tile] (left at zero for the next
+    call), adds the partial sums and runs the epilogue.
+    """
+    sync_with_previous_kernel()
+    if PERSISTENT:
+        tiles = ct.cdiv(X.shape[0], TM) * ct.cdiv(Y.shape[1], TN)
+        for tile in range(ct.bid(0), tiles, ct.num_blocks(0)):
+            output_tile(X, W, Bias, Res, Y, Partial, Counter, tile, 0, TM, TN, TK, GROUP_M, 1, W_NK,
+                        HAS_BIAS, GELU, HAS_RES, TF32)
+    else:
+        output_tile(X, W, Bias, Res, Y, Partial, Counter, ct.bid(0) // SPLIT_K, ct.bid(0) % SPLIT_K, TM, TN, TK,
+                    GROUP_M, SPLIT_K, W_NK, HAS_BIAS, GELU, HAS_RES, TF32)
+
+
 # -- search space and heuristic default ---------------------------------------------------------
 
 def _fits(c: dict, p: dict) -> bool:
@@ -102,29 +115,43 @@ def _fits(c: dict, p: dict) -> bool:
     m = pow2_ceil(p["M"])
     few_rows = m <= 64
     tm_min = 64 if m >= 256 else max(16, m // 4)
+    tile = c["TM"] * c["TN"]
+    eight_warps = c["num_worker_warps"] == 8
     return (tm_min <= c["TM"] <= max(16, m)
             and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
             and (few_rows or c["TN"] >= 32)
-            and (m < 256 or (c["TN"] >= 64 and c["TK"] >= 64))      # thin tiles only pay off for few rows
+            # thin tiles only pay off for few rows; short K steps only for the two-warpgroup 128x256 tiles
+            and (m < 256 or (c["TN"] >= 64 and (c["TK"] >= 64 or (tile == 128 * 256 and eight_warps))))
             and (c["TK"] <= 128 or few_rows)      # long K steps cut the serial loop when rows are few
-            and (not few_rows or (c["TN"] <= 64 and c["TK"] >= 128 and c["num_ctas"] == 1))
+            and (not few_rows or (c["TN"] <= 64 and c["TK"] >= 128 and c["num_ctas"] == 1 and not eight_warps))
             and (c["SPLIT_K"] == 1 or (few_rows and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])))
-            and c["TM"] * c["TN"] <= 128 * 256
+            and tile <= 128 * 256
             and (c["TM"] + c["TN"]) * c["TK"] * item <= 48 * 1024
-            and (c["occupancy"] == 1 or c["TM"] * c["TN"] <= 128 * 128)
-            and (c["num_ctas"] == 1 or (m >= 1024 and c["TM"] >= 128)))
+            and (c["occupancy"] == 1 or tile <= 128 * 128)
+            and (c["num_ctas"] == 1 or (m >= 1024 and c["TM"] >= 128 and not eight_warps))
+            # two warpgroups of workers for tiles from 128x128; a one-CTA 128x256 tile spills without them
+            and (not eight_warps or tile >= 128 * 128)
+            and (tile < 128 * 256 or eight_warps or c["num_ctas"] == 2)
+            # persistent grids measured well only with two warpgroups and one program per SM
+            and (not c["PERSISTENT"] or (eight_warps and c["occupancy"] == 1 and c["num_ctas"] == 1)))
 
 
 SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128, 256), TN=(16, 32, 64, 128, 256), TK=(32, 64, 128, 256, 512),
-                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8), occupancy=(1, 2), num_ctas=(1, 2))
+                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8), PERSISTENT=(0, 1), occupancy=(1, 2), num_ctas=(1, 2),
+                    num_worker_warps=(0, 8))
 
 
 def default_config(p: dict) -> dict:
     m = pow2_ceil(p["M"])
+    if m >= 1024 and p["dtype"] != "float32":
+        return dict(TM=128, TN=256, TK=32, GROUP_M=8, SPLIT_K=1, PERSISTENT=1, occupancy=1, num_ctas=1,
+                    num_worker_warps=8)
     if m >= 128:
-        return dict(TM=128, TN=128, TK=64, GROUP_M=8, SPLIT_K=1, occupancy=1, num_ctas=1)
+        return dict(TM=128, TN=128, TK=64, GROUP_M=8, SPLIT_K=1, PERSISTENT=0, occupancy=1, num_ctas=1,
+                    num_worker_warps=0)
     # Few rows: a GEMV in disguise, bound by how fast W streams in; narrow tiles give more programs.
-    return dict(TM=max(16, m), TN=32, TK=128, GROUP_M=8, SPLIT_K=1, occupancy=1, num_ctas=1)
+    return dict(TM=max(16, m), TN=32, TK=128, GROUP_M=8, SPLIT_K=1, PERSISTENT=0, occupancy=1, num_ctas=1,
+                num_worker_warps=0)
 
 
 def _arrays(p: dict) -> dict:
@@ -148,12 +175,14 @@ def _scratch(p: dict, c: dict) -> dict:
 
 
 def _grid(p: dict, c: dict) -> tuple:
+    if c["PERSISTENT"]:
+        return (min(_tiles(p, c), sm_count() * c["occupancy"]), 1, 1)
     return (_tiles(p, c) * c["SPLIT_K"], 1, 1)
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"], p["wt"] == "nk", bool(p["bias"]),
-            p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
+    return (c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"], bool(c["PERSISTENT"]), p["wt"] == "nk",
+            bool(p["bias"]), p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
 
 
 def _bind(a: list, flags: tuple) -> Binding:

@@ -52,17 +52,19 @@ def _fits(c: dict, p: dict) -> bool:
         and (few_rows or (c["TN"] >= 64 and c["TK"] <= 128))
         and c["TM"] * c["TN"] <= 128 * 128
         and (c["TM"] + 2 * c["TN"]) * c["TK"] * item <= 48 * 1024
-        and (c["occupancy"] == 1 or c["TM"] * c["TN"] <= 64 * 128))
+        and (c["occupancy"] == 1 or c["TM"] * c["TN"] <= 64 * 128)
+        # two warpgroups of workers for the larger many-row tiles (as linear's 128x256)
+        and (c["num_worker_warps"] == 0 or (not few_rows and c["TM"] * c["TN"] >= 64 * 128)))
 
 
 SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128), TN=(32, 64, 128), TK=(32, 64, 128, 256), GROUP_M=(8,),
-                    occupancy=(1, 2))
+                    occupancy=(1, 2), num_worker_warps=(0, 8))
 
 
 def default_config(p: dict) -> dict:
     if pow2_ceil(p["M"]) >= 128:
-        return dict(TM=128, TN=64, TK=64, GROUP_M=8, occupancy=1)
-    return dict(TM=max(16, pow2_ceil(p["M"])), TN=32, TK=128, GROUP_M=8, occupancy=1)
+        return dict(TM=128, TN=64, TK=64, GROUP_M=8, occupancy=1, num_worker_warps=0)
+    return dict(TM=max(16, pow2_ceil(p["M"])), TN=32, TK=128, GROUP_M=8, occupancy=1, num_worker_warps=0)
 
 
 def _arrays(p: dict) -> dict:

@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         print("matplotlib is not installed", file=sys.stderr)
         return 2
     prefix = f"{args.results.stem}-" + (f"{args.suite}-" if args.suite else "")
-    for path in write_all(args.results, args.out or args.results.parent, prefix, args.suite):
+    out_dir = args.out or args.results.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in write_all(args.results, out_dir, prefix, args.suite):
         print(path)
     return 0
 

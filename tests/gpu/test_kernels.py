@@ -94,10 +94,10 @@ SPACE_CASES = {
     "swiglu_linear": dict(dtype="bfloat16", M=300, N=200, K=136),
     "swiglu_linear_few_rows": dict(dtype="bfloat16", M=3, N=1000, K=512),
 }
-OPS = {"linear": LINEAR, "linear_many_rows": LINEAR, "linear_split_k": LINEAR, "layer_norm": LAYER_NORM, "gelu": GELU, "attention": ATTENTION,
-       "attention_gqa": ATTENTION, "decode_attention": DECODE_ATTENTION, "decode_attention_gqa": DECODE_ATTENTION,
-       "greedy": GREEDY, "rms_norm": RMS_NORM, "rope": ROPE, "swiglu_linear": SWIGLU_LINEAR,
-       "swiglu_linear_few_rows": SWIGLU_LINEAR}
+OPS = {"linear": LINEAR, "linear_many_rows": LINEAR, "linear_split_k": LINEAR, "layer_norm": LAYER_NORM,
+       "gelu": GELU, "attention": ATTENTION, "attention_gqa": ATTENTION, "decode_attention": DECODE_ATTENTION,
+       "decode_attention_gqa": DECODE_ATTENTION, "greedy": GREEDY, "rms_norm": RMS_NORM, "rope": ROPE,
+       "swiglu_linear": SWIGLU_LINEAR, "swiglu_linear_few_rows": SWIGLU_LINEAR}
 
 
 def sampled_configs(name, k=5):

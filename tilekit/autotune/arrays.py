@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 INT_DTYPES = ("int32", "int64")
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
@@ -205,6 +207,14 @@ def _other_signature(a):
 
 
 # -- checks shared by the ops' validation ---------------------------------------------------------
+
+def checked_positive(value, name: str) -> float:
+    """A scalar argument (eps, scale) as a float; ValueError naming it unless it is a positive finite number."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
 
 def check_dtype(a: Info, name: str, allowed: tuple[str, ...]) -> None:
     if a.dtype not in allowed:

@@ -201,10 +201,8 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=N
     k and v may be longer than q (Tk >= Tq): the queries are then the last Tq positions. out, if
     given, is a (B, H, Tq, D) array (any strides with a contiguous last dimension).
     """
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not 0 < scale < math.inf):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return ATTENTION((q, k, v, out), (bool(causal),), (None if scale is None else float(scale) * LOG2E,))
+    return ATTENTION((q, k, v, out), (bool(causal),),
+                     (None if scale is None else arrays.checked_positive(scale, "scale") * LOG2E,))
 
 
 def attention_reference(q, k, v, *, causal: bool = True, scale: float | None = None) -> np.ndarray:

@@ -102,14 +102,6 @@ def _constants(p: dict, c: dict) -> tuple:
     return (c["TM"], c["TN"], c["TN"] >= p["N"], bool(p["gather"]))
 
 
-def checked_eps(eps) -> float:
-    """A norm's eps as a float; ValueError unless it is a positive finite number."""
-    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)) \
-            or not 0 < eps < math.inf:
-        raise ValueError(f"eps must be a positive number, got {eps!r}")
-    return float(eps)
-
-
 def check_rows(rows, x) -> None:
     """Validate the row indices a norm gathers from x: 1-D int32 on x's GPU, x's rows short enough."""
     arrays.check_dtype(rows, "rows", ("int32",))
@@ -164,7 +156,7 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, *, rows=None, out=None):
     rows: optional int32 device array of row indices into x viewed as (M, N); then only those
     rows are normalised and the result is (len(rows), N) (e.g. the last token of each sequence).
     """
-    return LAYER_NORM((x, weight, bias, rows, out), (), (checked_eps(eps),))
+    return LAYER_NORM((x, weight, bias, rows, out), (), (arrays.checked_positive(eps, "eps"),))
 
 
 def layer_norm_reference(x, weight, bias, eps: float = 1e-5) -> np.ndarray:

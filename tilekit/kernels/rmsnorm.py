@@ -22,7 +22,7 @@ from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace
 from tilekit.kernels import layernorm
 from tilekit.kernels.dependent_launch import sync_with_previous_kernel
-from tilekit.kernels.layernorm import check_rows, checked_eps, default_config
+from tilekit.kernels.layernorm import check_rows, default_config
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -147,7 +147,7 @@ def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, rows=None, out=None
     array of row indices into x viewed as (M, N); only those rows are normalised, giving
     (len(rows), N). Returns an array of x's kind, or writes into `out`.
     """
-    return RMS_NORM((x, weight, residual, rows, out), (), (checked_eps(eps),))
+    return RMS_NORM((x, weight, residual, rows, out), (), (arrays.checked_positive(eps, "eps"),))
 
 
 def rms_norm_reference(x, weight, eps: float) -> np.ndarray:

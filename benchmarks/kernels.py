@@ -10,12 +10,11 @@ into report rows.
 from __future__ import annotations
 
 import math
-import traceback
 from dataclasses import dataclass
 from typing import Callable
 
 from benchmarks import checks, timing
-from benchmarks.report import Row, fill_times, short_error
+from benchmarks.report import Row, fill_times, mark_error, short_error
 
 M_TOKENS = 8192
 HEAD_DIM = 64
@@ -211,18 +210,12 @@ def run_case(case: Case, calib: dict, *, reps: int, warmup: int = 5, log=print,
     try:
         b = build(case, compile_mode)
     except Exception as e:  # noqa: BLE001
-        log(traceback.format_exc())
-        row = _row(case, "-", calib)
-        row.status, row.note = "error", f"inputs: {short_error(e)}"
-        return [row]
+        return mark_error([_row(case, "-", calib)], e, log, "inputs")
     rows = [_row(case, name, calib) for name, _ in b.anchors]
     try:
         out = b.tilekit()                                    # also compiles the kernel
     except Exception as e:  # noqa: BLE001
-        log(traceback.format_exc())
-        for r in rows:
-            r.status, r.note = "error", f"tilekit: {short_error(e)}"
-        return rows
+        return mark_error(rows, e, log, "tilekit")
     tk_time = None
     for r, (name, fn) in zip(rows, b.anchors):
         try:
@@ -249,8 +242,7 @@ def run_case(case: Case, calib: dict, *, reps: int, warmup: int = 5, log=print,
         except Unavailable as e:
             r.status, r.note = "skipped", str(e)
         except Exception as e:  # noqa: BLE001
-            log(traceback.format_exc())
-            r.status, r.note = "error", f"{name}: {short_error(e)}"
+            mark_error([r], e, log, name)
     return rows
 
 

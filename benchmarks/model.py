@@ -12,13 +12,12 @@ the HF forward; decode: the gpt-fast-style step (benchmarks.gptfast), HF generat
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import dataclass
 
 import numpy as np
 
 from benchmarks import checks, timing
-from benchmarks.report import Row, decode_floor_ms, fill_times, is_llama, prefill_flops, short_error
+from benchmarks.report import Row, decode_floor_ms, fill_times, is_llama, mark_error, prefill_flops
 
 PROMPT, NEW_TOKENS = 128, 128
 FP32_NEW_TOKENS = 16
@@ -287,15 +286,12 @@ def run_prefill(p: ModelPlan, config, gpt, anchors: Anchors, budgets: dict, cali
         try:
             out = gpt(ids)
         except Exception as e:  # noqa: BLE001
-            log(traceback.format_exc())
-            for r in new:
-                r.status, r.note = "error", f"tilekit: {short_error(e)}"
+            mark_error(new, e, log, "tilekit")
             continue
         tk_time = None
         for r in new:
             name = r.anchor
-            if name in budgets and (reason := budgets[name].skip_reason()):
-                r.status, r.note = "skipped", reason
+            if _budget_spent(r, budgets):
                 continue
             try:
                 forward = anchors.prefill(name)
@@ -310,11 +306,18 @@ def run_prefill(p: ModelPlan, config, gpt, anchors: Anchors, budgets: dict, cali
                 log(f"    vs {name}: tilekit {r.tilekit_ms:.2f} ms, {name} {r.anchor_ms:.2f} ms, "
                     f"ratio {r.ratio:.2f}, err {r.error:.1e} {r.note}")
             except Exception as e:  # noqa: BLE001
-                log(traceback.format_exc())
-                r.status, r.note = "error", f"{name}: {short_error(e)}"
+                mark_error([r], e, log, name)
         del out
         timing.free_memory()
     return rows
+
+
+def _budget_spent(r: Row, budgets: dict) -> bool:
+    """True, with r marked skipped and why, when r's compiled anchor has spent its compile budget."""
+    if r.anchor in budgets and (reason := budgets[r.anchor].skip_reason()):
+        r.status, r.note = "skipped", reason
+        return True
+    return False
 
 
 def run_decode(p: ModelPlan, config, gpt, anchors: Anchors, budgets: dict, calib: dict, log, rng) -> list[Row]:
@@ -340,14 +343,11 @@ def run_decode(p: ModelPlan, config, gpt, anchors: Anchors, budgets: dict, calib
             tk_time = _per_token(timing.wall_time(lambda: gpt.generate(prompt, new, temperature=0),
                                                   warmup=0, runs=3), new)
         except Exception as e:  # noqa: BLE001
-            log(traceback.format_exc())
-            for r in block:
-                r.status, r.note = "error", f"tilekit: {short_error(e)}"
+            mark_error(block, e, log, "tilekit")
             continue
         for r in block:
             name = r.anchor
-            if name in budgets and (reason := budgets[name].skip_reason()):
-                r.status, r.note = "skipped", reason
+            if _budget_spent(r, budgets):
                 continue
             try:
                 generate = anchors.decode(name, B, new)
@@ -366,8 +366,7 @@ def run_decode(p: ModelPlan, config, gpt, anchors: Anchors, budgets: dict, calib
                 log(f"    vs {name}: tilekit {r.tilekit_ms:.3f} ms/token, {name} {r.anchor_ms:.3f} ms/token, "
                     f"ratio {r.ratio:.2f}, floor {floor or 0:.3f} ms; {r.note}")
             except Exception as e:  # noqa: BLE001
-                log(traceback.format_exc())
-                r.status, r.note = "error", f"{name}: {short_error(e)}"
+                mark_error([r], e, log, name)
         del tk_logits
         timing.free_memory()
     return rows
@@ -413,8 +412,7 @@ def run(mode: str, calib: dict, log=print) -> list[Row]:
         try:
             rows += run_preset(p, calib, log)
         except Exception as e:  # noqa: BLE001
-            log(traceback.format_exc())
-            rows.append(Row(suite="model", name="prefill", label=f"model {p.preset} {p.dtype}", shape="-",
-                            anchor="HF", status="error", note=short_error(e)))
+            rows += mark_error([Row(suite="model", name="prefill", label=f"model {p.preset} {p.dtype}", shape="-",
+                                    anchor="HF")], e, log)
             timing.free_memory()
     return rows

@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import math
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,6 +191,14 @@ def short_error(e: BaseException) -> str:
     """'TypeName: first line of the message' (at most 300 characters of it)."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def mark_error(rows: list, e: BaseException, log, who: str | None = None) -> list:
+    """Log e's traceback and mark each row an error whose note says who failed and why; returns rows."""
+    log(traceback.format_exc())
+    for r in rows:
+        r.status, r.note = "error", f"{who}: {short_error(e)}" if who else short_error(e)
+    return rows
 
 
 def strongest_first(rows: list, field=getattr) -> list:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import traceback
 from collections import Counter
 
 import numpy as np
@@ -18,7 +17,7 @@ import numpy as np
 from benchmarks import checks, timing
 from benchmarks.markdown import SOURCES_PREFIX
 from benchmarks.model import NEW_TOKENS, PROMPT, _per_token, decode_label, prefill_label
-from benchmarks.report import Row, fill_times, prefill_flops, short_error
+from benchmarks.report import Row, fill_times, mark_error, prefill_flops
 
 UNTUNED = "AUTOTUNE=off"
 
@@ -112,8 +111,7 @@ def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, c
             fill_times(r, times["cached"], times["off"])
             log(f"    untuned {r.anchor_ms:.2f} ms, tuned {r.tilekit_ms:.2f} ms, ratio {r.ratio:.2f}")
         except Exception as e:  # noqa: BLE001
-            log(traceback.format_exc())
-            r.status, r.note = "error", short_error(e)
+            mark_error([r], e, log)
         timing.free_memory()
     for B in decode:
         prompt = rng.integers(0, config.vocab_size, (B, PROMPT), dtype=np.int64)
@@ -136,8 +134,7 @@ def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, c
             r.note += f"; greedy tokens agree for the first {same}/{NEW_TOKENS} (sequence 0)"
             log(f"    untuned {r.anchor_ms:.3f} ms/token, tuned {r.tilekit_ms:.3f} ms/token, ratio {r.ratio:.2f}")
         except Exception as e:  # noqa: BLE001
-            log(traceback.format_exc())
-            r.status, r.note = "error", short_error(e)
+            mark_error([r], e, log)
     return rows
 
 
@@ -147,8 +144,7 @@ def run(mode: str, log=print) -> list[Row]:
         try:
             rows += run_preset(preset, prefill, decode, log)
         except Exception as e:  # noqa: BLE001
-            log(traceback.format_exc())
-            rows.append(Row(suite="tuning", name="prefill", label=f"tuning {preset}", shape="-",
-                            anchor=UNTUNED, status="error", note=short_error(e)))
+            rows += mark_error([Row(suite="tuning", name="prefill", label=f"tuning {preset}", shape="-",
+                                    anchor=UNTUNED)], e, log)
         timing.free_memory()       # the preset's model is gone once run_preset returns
     return rows

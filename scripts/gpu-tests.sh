@@ -6,6 +6,10 @@ set -uo pipefail
 out="${OUT:-/tmp/tilekit-gpu}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
-python3 -m pytest -q -n "${WORKERS:-6}" -p no:cacheprovider tests \
-    "$@" 2>&1 | tee "$out/gpu-tests.log" | tail -40
-exit "${PIPESTATUS[0]}"
+# -v logs each test's outcome as it finishes, so a run cut short by a time limit still names its failures.
+python3 -m pytest -v -n "${WORKERS:-6}" -p no:cacheprovider tests \
+    "$@" > "$out/gpu-tests.log" 2>&1
+status=$?
+grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR) " "$out/gpu-tests.log" | sort -u | head -40
+tail -1 "$out/gpu-tests.log"
+exit "$status"

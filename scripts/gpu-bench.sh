@@ -3,11 +3,11 @@
 # the per-kernel decode breakdown, then the quick benchmark suite; the summary table prints last.
 #   source .gpu/setup.sh && scripts/gpu-bench.sh
 set -uo pipefail
-out="${OUT:-/tmp/tilekit-gpu}"; mkdir -p "$out"
+out="${OUT:-/tmp/tilekit-gpu}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
 export PYTHONUNBUFFERED=1
-if [ -d .baseline/tilekit ]; then
-    PYTHONPATH="$PWD/.baseline:$PYTHONPATH" python3 -m benchmarks --only overhead --no-plots \
-        --out "$out/overhead-baseline" > "$out/overhead-baseline.txt" 2>&1
+if [ -d .baseline/tilekit ]; then    # run from inside it: `python -m` puts the current directory first on sys.path
+    (cd .baseline && python3 -m benchmarks --only overhead --no-plots \
+        --out "$out/overhead-baseline" > "$out/overhead-baseline.txt" 2>&1)
 fi
 python3 -m benchmarks --only overhead --no-plots --out "$out/overhead" > "$out/overhead.txt" 2>&1
 python3 -m benchmarks.breakdown --out "$out" > "$out/breakdown.txt" 2>&1

@@ -41,8 +41,8 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
         return item * (3 if p["P"] else 2) * p["M"] * p["C"]
     if op_name == "kv_write":
         return item * 4 * p["B"] * p["H"] * p["T"] * p["D"]
-    if op_name == "decode_attention":           # the keys and values of the context, once
-        return item * 2 * p["B"] * p["Hkv"] * context * p["D"]
+    if op_name == "decode_attention":           # the context's keys and values once, and the new ones written
+        return item * 2 * p["B"] * p["Hkv"] * (context + p["new_kv"] * p["nq"]) * p["D"]
     if op_name == "greedy":
         return item * p["B"] * p["V"]
     return float("nan")

@@ -86,8 +86,8 @@ SPACE_CASES = {
     "gelu": dict(dtype="bfloat16", n=10007, exact=0),
     "attention": dict(dtype="bfloat16", B=2, H=3, Hkv=3, Tq=300, Tk=300, D=64, causal=1),
     "attention_gqa": dict(dtype="bfloat16", B=2, H=8, Hkv=2, Tq=300, Tk=300, D=64, causal=1),
-    "decode_attention": dict(dtype="bfloat16", B=2, H=3, Hkv=3, nq=1, capacity=700, D=64),
-    "decode_attention_gqa": dict(dtype="bfloat16", B=2, H=8, Hkv=2, nq=3, capacity=700, D=128),
+    "decode_attention": dict(dtype="bfloat16", B=2, H=3, Hkv=3, nq=1, capacity=700, D=64, new_kv=1),
+    "decode_attention_gqa": dict(dtype="bfloat16", B=2, H=8, Hkv=2, nq=3, capacity=700, D=128, new_kv=1),
     "greedy": dict(dtype="bfloat16", B=3, V=50257, L=16),
     "rms_norm": dict(dtype="bfloat16", M=37, N=2048, gather=0, res=1),
     "rope": dict(dtype="bfloat16", table="float32", B=2, H=6, T=77, D=64),
@@ -126,7 +126,7 @@ def run_case(name):
     elif name.startswith("attention"):
         check_attention(p["B"], p["H"], p["Tq"], p["Tk"], p["D"], p["dtype"], True, p["Hkv"])
     elif name.startswith("decode_attention"):
-        check_decode(p["B"], p["H"], p["nq"], p["capacity"], p["D"], p["dtype"], p["Hkv"])
+        check_decode(p["B"], p["H"], p["nq"], p["capacity"], p["D"], p["dtype"], p["Hkv"], new_kv=True)
     elif name == "greedy":
         check_greedy(p["B"], p["V"], p["L"], p["dtype"])
     elif name == "rms_norm":
@@ -210,17 +210,30 @@ def test_grouped_query_attention(H, Hkv, T, D, dtype):
 
 # -- decode attention, KV cache, embedding, greedy -------------------------------------------
 
-def check_decode(B, H, nq, capacity, D, dtype, Hkv=None, rng=np.random.default_rng(0)):
+def check_decode(B, H, nq, capacity, D, dtype, Hkv=None, new_kv=False, lengths_h=None, rng=np.random.default_rng(0)):
+    """With new_kv, the new tokens' keys and values come as views of a fused QKV buffer (as the models
+    pass them) and must land in the caches, every other cache position untouched."""
     Hkv = H if Hkv is None else Hkv
-    q = rand((B, H, nq, D), dtype)
     kc = rand((B, Hkv, capacity, D), dtype)
     vc = rand((B, Hkv, capacity, D), dtype)
-    lengths_h = rng.integers(nq, capacity + 1, B).astype(np.int32)
-    lengths_h[0] = capacity
+    if new_kv:
+        heads = rand((B, nq, H + 2 * Hkv, D), dtype).transpose(0, 2, 1, 3)
+        q, k_new, v_new = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:]
+    else:
+        q, k_new, v_new = rand((B, H, nq, D), dtype), None, None
+    if lengths_h is None:
+        lengths_h = rng.integers(nq, capacity + 1, B).astype(np.int32)
+        lengths_h[0] = capacity
+    new = {} if k_new is None else dict(new_k=host(k_new), new_v=host(v_new))
+    ref = decode_attention_reference(host(q), host(kc), host(vc), lengths_h, **new)
+    expected_k, expected_v = host(kc), host(vc)
+    for b, n in enumerate(lengths_h):
+        if new_kv:
+            expected_k[b, :, n - nq:n], expected_v[b, :, n - nq:n] = new["new_k"][b], new["new_v"][b]
     out = poisoned((B, H, nq, D), dtype)
-    decode_attention(q, kc, vc, cupy.asarray(lengths_h), out=out)
-    ref = decode_attention_reference(host(q), host(kc), host(vc), lengths_h)
-    assert_close(host(out), ref, TOL[dtype], f"decode_attention {(B, H, Hkv, nq, capacity, D, dtype)}")
+    decode_attention(q, kc, vc, cupy.asarray(lengths_h), new_k=k_new, new_v=v_new, out=out)
+    assert_close(host(out), ref, TOL[dtype], f"decode_attention {(B, H, Hkv, nq, capacity, D, dtype, new_kv)}")
+    assert np.array_equal(host(kc), expected_k) and np.array_equal(host(vc), expected_v), "KV cache contents"
     return q, kc, vc, lengths_h, out
 
 
@@ -230,6 +243,20 @@ def check_decode(B, H, nq, capacity, D, dtype, Hkv=None, rng=np.random.default_r
                                                           (1, 8, 1, 1, 4100, 128, "float16")])
 def test_grouped_query_decode_attention(B, H, Hkv, nq, capacity, D, dtype):
     check_decode(B, H, nq, capacity, D, dtype, Hkv)
+    check_decode(B, H, nq, capacity, D, dtype, Hkv, new_kv=True)
+
+
+@pytest.mark.parametrize("chunk,BN", [(128, 64), (128, 128), (256, 256)])
+def test_decode_splits_merge_and_write_new_keys_at_every_boundary(chunk, BN):
+    """Pinned to several splits: the new tokens end on, start on and straddle split boundaries, the
+    last split to arrive merges, and repeated calls on fresh data show its counter was reset."""
+    config = dict(BN=BN, CHUNK=chunk, occupancy=2)
+    with DECODE_ATTENTION.pinned(config):
+        for nq in (1, 3):
+            lengths = np.array([chunk, chunk + 1, 2 * chunk + nq - 2, 600, nq], np.int32)
+            for _ in range(2):
+                check_decode(5, 8, nq, 600, 64, "bfloat16", 2, new_kv=True, lengths_h=lengths)
+                check_decode(5, 4, nq, 600, 64, "float32", new_kv=False, lengths_h=lengths)
 
 
 @GPU
@@ -237,6 +264,7 @@ def test_grouped_query_decode_attention(B, H, Hkv, nq, capacity, D, dtype):
        dtype=st.sampled_from(["bfloat16", "float32"]))
 def test_decode_attention_matches_reference(B, nq, capacity, dtype):
     check_decode(B, 4, nq, capacity, 64, dtype)
+    check_decode(B, 4, nq, capacity, 64, dtype, new_kv=True)
 
 
 def test_decode_attention_length_offset():
@@ -246,6 +274,12 @@ def test_decode_attention_length_offset():
     out = decode_attention(q, kc, vc, cupy.asarray(cached), length_offset=1)
     ref = decode_attention_reference(host(q), host(kc), host(vc), cached + 1)
     assert_close(host(out), ref, TOL["bfloat16"], "decode_attention length_offset")
+    k_new, v_new = rand((2, 2, 1, 64), "bfloat16"), rand((2, 2, 1, 64), "bfloat16")
+    ref = decode_attention_reference(host(q), host(kc), host(vc), cached + 1, new_k=host(k_new), new_v=host(v_new))
+    out = decode_attention(q, kc, vc, cupy.asarray(cached), new_k=k_new, new_v=v_new, length_offset=1)
+    assert_close(host(out), ref, TOL["bfloat16"], "decode_attention length_offset new_kv")
+    for b, n in enumerate(cached):            # written at the newest position, lengths + offset - 1
+        assert np.array_equal(host(kc)[b, :, n], host(k_new)[b, :, 0])
 
 
 @pytest.mark.parametrize("module", ["layernorm", "gelu", "linear", "attention", "decode_attention", "kv_cache",
@@ -332,6 +366,10 @@ def test_bad_inputs_name_the_argument():
         q = rand((1, 2, 1, 64), "bfloat16")
         kv = rand((1, 2, 8, 64), "bfloat16")
         decode_attention(q, kv, kv, cupy.zeros((1,), cupy.int64))
+    with pytest.raises(ValueError, match="pass both new_k and new_v"):
+        decode_attention(q, kv, kv, cupy.zeros((1,), cupy.int32), new_k=q)
+    with pytest.raises(ValueError, match="new_k must have shape"):
+        decode_attention(q, kv, kv, cupy.zeros((1,), cupy.int32), new_k=kv, new_v=kv)
     if cupy.cuda.runtime.getDeviceCount() > 1:
         with cupy.cuda.Device(1):
             w1 = rand((64, 32), "bfloat16")

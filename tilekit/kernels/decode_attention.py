@@ -1,12 +1,17 @@
 """Decode attention: a few new query tokens per sequence against a KV cache, split over the context.
 
 Flash-decoding: the context of each (sequence, head) is cut into CHUNK-long splits handled by
-separate programs, so even batch 1 fills the GPU; each split writes its partial softmax state
-(max, sum, unnormalised output) and a small second kernel merges the splits. Lengths live on the
-device, so a CUDA graph can replay a decode step as the cache grows; the grid depends only on the
-cache capacity, and splits past a sequence's length exit at once. With grouped-query attention
-(Hkv < H key/value heads) a program serves one key/value head and every query head of its group,
-stacked as rows of one query tile, so each key and value tile is read once per group.
+separate programs, so even batch 1 can fill the GPU; each split keeps a partial softmax state
+(max, sum, unnormalised output) and the last split of a (sequence, head) to finish, counted by an
+arrival counter, merges them and writes the output. With one split there is no merge: the program
+writes its output directly. The tuner times the whole thing, merge included, so it weighs more
+programs against the merge they cost. Given the new tokens' keys and values, the kernel also
+writes them into the cache (one launch instead of a separate KV write) and attends to them from
+registers. Lengths live on the device, so a CUDA graph can replay a decode step as the cache
+grows; the grid depends only on the cache capacity, and splits past a sequence's length exit at
+once. With grouped-query attention (Hkv < H key/value heads) a program serves one key/value head
+and every query head of its group, stacked as rows of one query tile, so each key and value tile
+is read once per group.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import cuda.tile as ct
 import numpy as np
 
 from tilekit.autotune import arrays
-from tilekit.autotune.arrays import ArraySpec
+from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
@@ -39,26 +44,37 @@ def query_rows(QP, nq, hk, group, H):
 
 
 @ct.kernel
-def decode_split_kernel(Q, K, V, Lengths, Opart, Mpart, Lpart, qk_scale: float, length_offset: int,
-                        QP: ct.Constant[int], BN: ct.Constant[int], D: ct.Constant[int],
-                        CHUNK: ct.Constant[int]):
-    """Partial attention of split ct.bid(1) for (batch, key/value head) ct.bid(0).
+def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart, Counter, qk_scale: float,
+                            length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int],
+                            BN: ct.Constant[int], D: ct.Constant[int], CHUNK: ct.Constant[int],
+                            SPLITS: ct.Constant[int], NEW_KV: ct.Constant[bool]):
+    """Attention of split ct.bid(1) of (batch, key/value head) ct.bid(0); the last split merges.
 
-    Q: (B, H, nq, D); K, V: (B, Hkv, capacity, D); Lengths[b] + length_offset = valid keys, the
-    last nq of which are the queries' own positions (causal among them). Row r of the query tile
-    is query head hk * G + r // nq, token r % nq (G = H / Hkv).
-    Opart: (B, Hkv, S, QP, D) fp32; Mpart, Lpart: (B, Hkv, S, QP) fp32.
+    Q: (B, H, nq, D); K, V: (B, Hkv, capacity, D) caches; Lengths[b] + length_offset = valid keys,
+    the last nq of which are the queries' own positions (causal among them). With NEW_KV those nq
+    keys and values come from Knew, Vnew (B, Hkv, nq, D) and the split holding the last position
+    writes them into K, V; the splits read only the older positions from the cache. Row r of the
+    query tile is query head hk * G + r // nq, token r % nq (G = H / Hkv). Opart: (B, Hkv, S, QP, D)
+    fp32, Mpart, Lpart: (B, Hkv, S, QP) fp32 and Counter (B * Hkv,) int32 (left at zero) serve the
+    merge when SPLITS > 1.
     """
     sync_with_previous_kernel()
-    b, hk = batch_head(ct.bid(0), K.shape[1])
+    bh = ct.bid(0)
+    b, hk = batch_head(bh, K.shape[1])
     split = ct.bid(1)
+    H = Q.shape[1]
     nq = Q.shape[2]
     length = ct.load(Lengths, (b,), shape=()) + length_offset
+    first_new = length - nq
     start = split * CHUNK
-    end = ct.minimum(length, start + CHUNK)
-    head, token = query_rows(QP, nq, hk, Q.shape[1] // K.shape[1], Q.shape[1])
-    q = ct.gather(Q, (b, head, token, ct.arange(D, dtype=ct.int32).reshape((1, D))))
-    q_pos = token + (length - nq)
+    cached = length
+    if NEW_KV:
+        cached = first_new
+    end = ct.minimum(cached, start + CHUNK)
+    head, token = query_rows(QP, nq, hk, H // K.shape[1], H)
+    dims = ct.arange(D, dtype=ct.int32)
+    q = ct.gather(Q, (b, head, token, dims.reshape((1, D))))
+    q_pos = token + first_new
     m_i = ct.full((QP, 1), -math.inf, dtype=ct.float32)
     l_i = ct.zeros((QP, 1), dtype=ct.float32)
     acc = ct.zeros((QP, D), dtype=ct.float32)
@@ -69,38 +85,45 @@ def decode_split_kernel(Q, K, V, Lengths, Opart, Mpart, Lpart, qk_scale: float, 
         k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
         s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v)
-    ct.store(Opart, (b, hk, split, 0, 0), acc.reshape((1, 1, 1, QP, D)))
-    ct.store(Mpart, (b, hk, split, 0), m_i.reshape((1, 1, 1, QP)))
-    ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)))
-
-
-@ct.kernel
-def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Constant[int]):
-    """O[b, heads of kv head hk] = the merge of the partial softmax states of all splits of (batch,
-    key/value head) ct.bid(0)."""
-    sync_with_previous_kernel()
-    b, hk = batch_head(ct.bid(0), Mpart.shape[1])
-    S = Mpart.shape[2]
-    m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
-    for s in range(S):
-        m_max = ct.maximum(m_max, ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)))
-    m_max = ct.where(m_max == -math.inf, 0.0, m_max)
-    total = ct.zeros((QP, 1), dtype=ct.float32)
-    out = ct.zeros((QP, D), dtype=ct.float32)
-    for s in range(S):
-        w = ct.exp2(ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) - m_max)
-        total = total + ct.load(Lpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) * w
-        out = out + ct.load(Opart, (b, hk, s, 0, 0), (1, 1, 1, QP, D)).reshape((QP, D)) * w
-    H = O.shape[1]
-    head, token = query_rows(QP, O.shape[2], hk, H // Mpart.shape[1], H)
-    ct.scatter(O, (b, head, token, ct.arange(D, dtype=ct.int32).reshape((1, D))), (out / total).astype(O.dtype))
+    if NEW_KV:
+        if split == (length - 1) // CHUNK:
+            t = ct.arange(NP, dtype=ct.int32).reshape((NP, 1))
+            k_new = ct.gather(Knew, (b, hk, t, dims.reshape((1, D))))        # (NP, D); rows past nq read zeros
+            v_new = ct.gather(Vnew, (b, hk, t, dims.reshape((1, D))))
+            s = ct.mma(q, ct.transpose(k_new), ct.zeros((QP, NP), dtype=ct.float32)) * qk_scale
+            s = ct.where(t.reshape((1, NP)) <= token, s, -math.inf)          # causal among the new tokens
+            m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v_new)
+            new_rows = (b, hk, t + first_new, dims.reshape((1, D)))
+            ct.scatter(K, new_rows, k_new, mask=t < nq)
+            ct.scatter(V, new_rows, v_new, mask=t < nq)
+    out_index = (b, head, token, dims.reshape((1, D)))
+    if SPLITS == 1:
+        ct.scatter(O, out_index, (acc / l_i).astype(O.dtype))
+    else:
+        ct.store(Opart, (b, hk, split, 0, 0), acc.reshape((1, 1, 1, QP, D)), allow_tma=False)
+        ct.store(Mpart, (b, hk, split, 0), m_i.reshape((1, 1, 1, QP)), allow_tma=False)
+        ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)), allow_tma=False)
+        if ct.atomic_add(Counter, bh, 1) == SPLITS - 1:      # acq_rel: the other splits' partials are visible
+            m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
+            for s in range(SPLITS):
+                m_max = ct.maximum(m_max, ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)))
+            m_max = ct.where(m_max == -math.inf, 0.0, m_max)
+            total = ct.zeros((QP, 1), dtype=ct.float32)
+            out = ct.zeros((QP, D), dtype=ct.float32)
+            for s in range(SPLITS):
+                w = ct.exp2(ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) - m_max)
+                total = total + ct.load(Lpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) * w
+                out = out + ct.load(Opart, (b, hk, s, 0, 0), (1, 1, 1, QP, D)).reshape((QP, D)) * w
+            ct.scatter(O, out_index, (out / total).astype(O.dtype))
+            ct.atomic_xchg(Counter, bh, 0, memory_order=ct.MemoryOrder.RELAXED)
 
 
 def _fits(c: dict, p: dict) -> bool:
-    return c["BN"] <= c["CHUNK"] and c["CHUNK"] <= max(256, pow2_ceil(p["capacity"]))
+    return (c["BN"] <= c["CHUNK"] <= max(256, pow2_ceil(p["capacity"]))
+            and (c["BN"] <= 128 or p["D"] <= 64))          # 256-key tiles only where K and V tiles stay 32 KB
 
 
-SPACE = SearchSpace(_fits, BN=(64, 128), CHUNK=(128, 256, 512, 1024, 2048), occupancy=(2, 4))
+SPACE = SearchSpace(_fits, BN=(64, 128, 256), CHUNK=(128, 256, 512, 1024, 2048), occupancy=(2, 4))
 
 
 def default_config(p: dict) -> dict:
@@ -121,37 +144,37 @@ def _qp(p: dict) -> int:
 
 def _arrays(p: dict) -> dict:
     B, H, Hkv, nq, cap, D, dt = p["B"], p["H"], p["Hkv"], p["nq"], p["capacity"], p["D"], p["dtype"]
-    return {"q": qkv_views(dt, B, H, nq, D, 0, H + 2 * Hkv), "k": ArraySpec(dt, (B, Hkv, cap, D)),
+    fused = H + 2 * Hkv
+    new_kv = {"k_new": qkv_views(dt, B, Hkv, nq, D, 0, fused), "v_new": qkv_views(dt, B, Hkv, nq, D, 0, fused)} \
+        if p["new_kv"] else {"k_new": absent(dt, 4), "v_new": absent(dt, 4)}
+    return {"q": qkv_views(dt, B, H, nq, D, 0, fused), **new_kv, "k": ArraySpec(dt, (B, Hkv, cap, D)),
             "v": ArraySpec(dt, (B, Hkv, cap, D)), "lengths": ArraySpec("int32", (B,), fill=cap),
             "o": heads_out(dt, B, H, nq, D)}
 
 
 def _scratch(p: dict, c: dict) -> dict:
-    """Partial softmax states of the splits, merged by the second kernel."""
+    """Partial softmax states of the splits and their arrival counters (zeroed once, left at zero)."""
     B, H, S, QP = p["B"], p["Hkv"], _splits(p, c), _qp(p)
+    if S == 1:
+        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4),
+                "counter": absent("int32", 1)}
     return {"opart": ArraySpec("float32", (B, H, S, QP, pow2_ceil(p["D"])), role="scratch"),
             "mpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
-            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch")}
+            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
+            "counter": ArraySpec("int32", (B * H,), role="zeros")}
 
 
-def _split_grid(p: dict, c: dict) -> tuple:
+def _grid(p: dict, c: dict) -> tuple:
     return (p["B"] * p["Hkv"], _splits(p, c), 1)
 
 
-def _split_constants(p: dict, c: dict) -> tuple:
-    return (_qp(p), c["BN"], pow2_ceil(p["D"]), c["CHUNK"])
-
-
-def _merge_grid(p: dict, c: dict) -> tuple:
-    return (p["B"] * p["Hkv"], 1, 1)
-
-
-def _merge_constants(p: dict, c: dict) -> tuple:
-    return (_qp(p), pow2_ceil(p["D"]))
+def _constants(p: dict, c: dict) -> tuple:
+    return (_qp(p), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["D"]), c["CHUNK"], _splits(p, c),
+            bool(p["new_kv"]))
 
 
 def _bind(a: list, flags: tuple) -> Binding:
-    q, k_cache, v_cache, lengths, out = a
+    q, k_cache, v_cache, lengths, k_new, v_new, out = a
     check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"))
     B, H, nq, D = q.shape
     arrays.check_dtype(lengths, "lengths", ("int32",))
@@ -167,50 +190,66 @@ def _bind(a: list, flags: tuple) -> Binding:
     if H // Hkv * nq > MAX_ROWS:
         raise ValueError(f"{H // Hkv} query heads per key/value head x {nq} tokens exceed {MAX_ROWS} rows; "
                          f"pass fewer tokens per call")
+    views = {"q": (0, None), "k": (1, None), "v": (2, None), "lengths": (3, None), "o": (6, None)}
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass both new_k and new_v, or neither")
+    if k_new is not None:
+        check_qkv(q, k_new, v_new, ("q", "new_k", "new_v"))
+        if k_new.shape != (B, Hkv, nq, D):
+            raise ValueError(f"new_k must have shape {(B, Hkv, nq, D)} (one key per new token), got {k_new.shape}")
+        views.update(k_new=(4, None), v_new=(5, None))
     if out is not None:
         check_heads_out(out, q)
-    return Binding(problem=dict(dtype=q.dtype, B=B, H=H, Hkv=Hkv, nq=nq, capacity=k_cache.shape[2], D=D),
-                   arrays={"q": (0, None), "k": (1, None), "v": (2, None), "lengths": (3, None), "o": (4, None)},
-                   output=(4, arrays.allocator(q.kind, q.device, q.shape, q.dtype)), returns=4,
+    return Binding(problem=dict(dtype=q.dtype, B=B, H=H, Hkv=Hkv, nq=nq, capacity=k_cache.shape[2], D=D,
+                                new_kv=int(k_new is not None)),
+                   arrays=views, output=(6, arrays.allocator(q.kind, q.device, q.shape, q.dtype)), returns=6,
                    scalars={"qk_scale": (0, LOG2E / math.sqrt(D)), "length_offset": (1, 0)})
 
 
 DECODE_ATTENTION = Op(
-    "decode_attention", args=("q", "k_cache", "v_cache", "lengths", "out"), optional=("out",),
-    key=dict(dtype=None, B=pow2_bucket, H=None, Hkv=None, nq=None, capacity=pow2_bucket, D=None),
+    "decode_attention", args=("q", "k_cache", "v_cache", "lengths", "new_k", "new_v", "out"),
+    optional=("new_k", "new_v", "out"),
+    key=dict(dtype=None, B=pow2_bucket, H=None, Hkv=None, nq=None, capacity=pow2_bucket, D=None, new_kv=None),
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"]), "length_offset": 0},
-    launches=(Launch(decode_split_kernel, _split_grid,
-                     ("q", "k", "v", "lengths", "opart", "mpart", "lpart", "qk_scale", "length_offset"),
-                     _split_constants),
-              Launch(decode_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
-                     hinted=False)),
-    bind=_bind, cli_defaults=dict(nq=1))
+    launches=(Launch(decode_attention_kernel, _grid,
+                     ("q", "k_new", "v_new", "k", "v", "lengths", "o", "opart", "mpart", "lpart", "counter",
+                      "qk_scale", "length_offset"), _constants),),
+    bind=_bind, cli_defaults=dict(nq=1, new_kv=1))
 
 
-def decode_attention(q, k_cache, v_cache, lengths, *, scale: float | None = None, length_offset: int = 0,
-                     out=None):
+def decode_attention(q, k_cache, v_cache, lengths, *, new_k=None, new_v=None, scale: float | None = None,
+                     length_offset: int = 0, out=None):
     """Attention of nq new queries per sequence against a KV cache (flash-decoding).
 
     q: (B, H, nq, D); k_cache, v_cache: (B, Hkv, capacity, D) (Hkv dividing H: grouped-query
     attention); lengths: int32 (B,) on the device.
-    Sequence b attends to its first lengths[b] + length_offset cached positions, the last nq of
-    which are the queries' own (causal among them). Returns (B, H, nq, D) of q's kind.
+    Sequence b attends to its first n = lengths[b] + length_offset cached positions, the last nq of
+    which are the queries' own (causal among them). new_k, new_v (B, Hkv, nq, D), when given, are
+    those nq positions' keys and values: they are written into the caches at n - nq .. n - 1 (the
+    part past the capacity is dropped) in the same launch. Returns (B, H, nq, D) of q's kind.
     """
     if not isinstance(length_offset, (int, np.integer)) or isinstance(length_offset, bool):
         raise TypeError(f"length_offset must be an int, got {type(length_offset).__name__}")
-    return DECODE_ATTENTION((q, k_cache, v_cache, lengths, out), (),
-                            (None if scale is None else float(scale) * LOG2E, int(length_offset)))
+    return DECODE_ATTENTION((q, k_cache, v_cache, lengths, new_k, new_v, out), (),
+                            (None if scale is None else arrays.checked_positive(scale, "scale") * LOG2E,
+                             int(length_offset)))
 
 
-def decode_attention_reference(q, k_cache, v_cache, lengths, *, scale: float | None = None,
+def decode_attention_reference(q, k_cache, v_cache, lengths, *, new_k=None, new_v=None, scale: float | None = None,
                                length_offset: int = 0) -> np.ndarray:
-    """float64 NumPy decode attention: per sequence, attention over its first lengths[b] + offset keys."""
+    """float64 NumPy decode attention: per sequence, attention over its first lengths[b] + offset keys,
+    the last nq of them replaced by new_k, new_v when given."""
     q = np.asarray(q, np.float64)
+    k_cache, v_cache = np.array(k_cache, np.float64), np.array(v_cache, np.float64)
     out = np.empty(q.shape)
+    nq = q.shape[2]
     for b, n in enumerate(np.asarray(lengths) + length_offset):
-        out[b] = attention_reference(q[b:b + 1], np.asarray(k_cache[b:b + 1])[:, :, :n],
-                                     np.asarray(v_cache[b:b + 1])[:, :, :n], causal=True, scale=scale)[0]
+        if new_k is not None:
+            k_cache[b, :, n - nq:n] = np.asarray(new_k, np.float64)[b]
+            v_cache[b, :, n - nq:n] = np.asarray(new_v, np.float64)[b]
+        out[b] = attention_reference(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n],
+                                     causal=True, scale=scale)[0]
     return out
 
 
@@ -219,11 +258,18 @@ if __name__ == "__main__":
     import cupy
 
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
-    for B, H, Hkv, nq, cap, dtype in [(1, 25, 25, 1, 1024, "bfloat16"), (3, 4, 4, 3, 700, "float32"),
-                                      (2, 32, 8, 1, 300, "bfloat16"), (2, 8, 2, 3, 100, "float16")]:
+    for B, H, Hkv, nq, cap, dtype, new in [(1, 25, 25, 1, 1024, "bfloat16", True), (3, 4, 4, 3, 700, "float32", False),
+                                           (2, 32, 8, 1, 300, "bfloat16", False), (2, 8, 2, 3, 100, "float16", True)]:
         q, kc, vc = rand((B, H, nq, 64), dtype), rand((B, Hkv, cap, 64), dtype), rand((B, Hkv, cap, 64), dtype)
+        kn, vn = (rand((B, Hkv, nq, 64), dtype), rand((B, Hkv, nq, 64), dtype)) if new else (None, None)
         lengths = np.random.default_rng(0).integers(nq, cap + 1, B).astype(np.int32)
-        out = decode_attention(q, kc, vc, cupy.asarray(lengths), out=poisoned((B, H, nq, 64), dtype))
-        ref = decode_attention_reference(host(q), host(kc), host(vc), lengths)
+        ref = decode_attention_reference(host(q), host(kc), host(vc), lengths, new_k=kn if kn is None else host(kn),
+                                         new_v=vn if vn is None else host(vn))
+        out = decode_attention(q, kc, vc, cupy.asarray(lengths), new_k=kn, new_v=vn, out=poisoned((B, H, nq, 64), dtype))
         err = assert_close(host(out), ref, TOL[dtype], f"decode_attention B{B} cap{cap} {dtype}")
-        print(f"decode_attention B{B} H{H} Hkv{Hkv} nq{nq} capacity {cap} {dtype}: ok, relative error {err:.2e}")
+        if new:
+            for b, n in enumerate(lengths):
+                assert np.array_equal(host(kc)[b, :, n - nq:n], host(kn)[b]), "new keys not in the cache"
+                assert np.array_equal(host(vc)[b, :, n - nq:n], host(vn)[b]), "new values not in the cache"
+        print(f"decode_attention B{B} H{H} Hkv{Hkv} nq{nq} capacity {cap} {dtype} new_kv={new}: ok, "
+              f"relative error {err:.2e}")

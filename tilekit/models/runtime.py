@@ -108,9 +108,8 @@ class DecodeState:
         """One token for every sequence."""
         cache = self.cache
 
-        def attend(i, q, k, v, out):
-            write_kv(k, v, cache.k[i], cache.v[i], self.positions)
-            decode_attention(q, cache.k[i], cache.v[i], self.positions, length_offset=1, out=out)
+        def attend(i, q, k, v, out):      # writes k and v at self.positions, then attends
+            decode_attention(q, cache.k[i], cache.v[i], self.positions, new_k=k, new_v=v, length_offset=1, out=out)
 
         self._head(self.model.hidden(self.acts, self.tokens, self.positions, attend), None, greedy, eos)
 

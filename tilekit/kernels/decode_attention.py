@@ -43,6 +43,12 @@ def query_rows(QP, nq, hk, group, H):
     return ct.where(r < group * nq, hk * group + r // nq, H), r % nq
 
 
+@ct.function
+def split_state(Part, b, hk, s, QP):
+    """Split s's (QP, 1) row statistics of (batch b, key/value head hk), read without TMA."""
+    return ct.load(Part, (b, hk, s, 0), (1, 1, 1, QP), allow_tma=False).reshape((QP, 1))
+
+
 @ct.kernel
 def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart, Counter, qk_scale: float,
                             length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int],
@@ -103,17 +109,18 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart
         ct.store(Opart, (b, hk, split, 0, 0), acc.reshape((1, 1, 1, QP, D)), allow_tma=False)
         ct.store(Mpart, (b, hk, split, 0), m_i.reshape((1, 1, 1, QP)), allow_tma=False)
         ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)), allow_tma=False)
-        if ct.atomic_add(Counter, bh, 1) == SPLITS - 1:      # acq_rel: the other splits' partials are visible
+        # acq_rel: the other splits' partials are visible to the last one, read without TMA (no async proxy)
+        if ct.atomic_add(Counter, bh, 1) == SPLITS - 1:
             m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
-            for s in range(SPLITS):
-                m_max = ct.maximum(m_max, ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)))
+            for i in range(SPLITS):
+                m_max = ct.maximum(m_max, split_state(Mpart, b, hk, i, QP))
             m_max = ct.where(m_max == -math.inf, 0.0, m_max)
             total = ct.zeros((QP, 1), dtype=ct.float32)
             out = ct.zeros((QP, D), dtype=ct.float32)
-            for s in range(SPLITS):
-                w = ct.exp2(ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) - m_max)
-                total = total + ct.load(Lpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) * w
-                out = out + ct.load(Opart, (b, hk, s, 0, 0), (1, 1, 1, QP, D)).reshape((QP, D)) * w
+            for i in range(SPLITS):
+                w = ct.exp2(split_state(Mpart, b, hk, i, QP) - m_max)
+                total = total + split_state(Lpart, b, hk, i, QP) * w
+                out = out + ct.load(Opart, (b, hk, i, 0, 0), (1, 1, 1, QP, D), allow_tma=False).reshape((QP, D)) * w
             ct.scatter(O, out_index, (out / total).astype(O.dtype))
             ct.atomic_xchg(Counter, bh, 0, memory_order=ct.MemoryOrder.RELAXED)
 
@@ -214,7 +221,11 @@ DECODE_ATTENTION = Op(
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"]), "length_offset": 0},
     launches=(Launch(decode_attention_kernel, _grid,
                      ("q", "k_new", "v_new", "k", "v", "lengths", "o", "opart", "mpart", "lpart", "counter",
-                      "qk_scale", "length_offset"), _constants),),
+                      "qk_scale", "length_offset"), _constants,
+                     # An ordinary launch, once per layer: with every kernel of a decode step launched early,
+                     # kernels queue up several deep and steps run slower (H100: gpt2-xl 2.56 ms against 2.06,
+                     # gpt2 0.355 against 0.321; docs/results/dependent-launch-variants-h100.txt).
+                     dependent=False),),
     bind=_bind, cli_defaults=dict(nq=1, new_kv=1))
 
 
@@ -259,13 +270,15 @@ if __name__ == "__main__":
 
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
     for B, H, Hkv, nq, cap, dtype, new in [(1, 25, 25, 1, 1024, "bfloat16", True), (3, 4, 4, 3, 700, "float32", False),
-                                           (2, 32, 8, 1, 300, "bfloat16", False), (2, 8, 2, 3, 100, "float16", True)]:
+                                           (2, 32, 8, 1, 300, "bfloat16", False),
+                                           (2, 8, 2, 3, 100, "float16", True)]:
         q, kc, vc = rand((B, H, nq, 64), dtype), rand((B, Hkv, cap, 64), dtype), rand((B, Hkv, cap, 64), dtype)
         kn, vn = (rand((B, Hkv, nq, 64), dtype), rand((B, Hkv, nq, 64), dtype)) if new else (None, None)
         lengths = np.random.default_rng(0).integers(nq, cap + 1, B).astype(np.int32)
         ref = decode_attention_reference(host(q), host(kc), host(vc), lengths, new_k=kn if kn is None else host(kn),
                                          new_v=vn if vn is None else host(vn))
-        out = decode_attention(q, kc, vc, cupy.asarray(lengths), new_k=kn, new_v=vn, out=poisoned((B, H, nq, 64), dtype))
+        out = decode_attention(q, kc, vc, cupy.asarray(lengths), new_k=kn, new_v=vn,
+                               out=poisoned((B, H, nq, 64), dtype))
         err = assert_close(host(out), ref, TOL[dtype], f"decode_attention B{B} cap{cap} {dtype}")
         if new:
             for b, n in enumerate(lengths):

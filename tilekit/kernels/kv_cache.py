@@ -76,9 +76,10 @@ KV_WRITE = Op(
     "kv_write", args=("k", "v", "k_cache", "v_cache", "start"),
     key=dict(dtype=None, B=None, H=None, T=pow2_bucket, D=None), extras=dict(capacity=lambda p: -(-p["T"] // 64) * 64),
     space=SPACE, default=default_config, arrays=_arrays,
-    # Not a dependent launch: with every kernel of a decode step launched early, kernels queue up several deep
-    # and GPT-2 steps run slower (H200: gpt2-xl 2.81 ms against 2.22 sequential); one ordinary launch per
-    # layer, here, bounds that (2.13 ms; gpt2 0.37 against 0.45; Llama-3.2-1B 1.08 against 1.19).
+    # Not a dependent launch: one ordinary launch per layer keeps early-launched kernels from queueing
+    # several deep (measured on decode steps when this op wrote their cache: H200 gpt2-xl 2.81 ms with every
+    # launch dependent against 2.13 with this one ordinary); prefill keeps it so. Decode attention now
+    # writes the decode step's cache and plays this part there.
     launches=(Launch(kv_write_kernel, _grid, ("k", "v", "kc", "vc", "start"), _constants, dependent=False),),
     bind=_bind)
 

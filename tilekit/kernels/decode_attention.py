@@ -126,8 +126,9 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart
 
 
 def _fits(c: dict, p: dict) -> bool:
+    # 256-key tiles only where K and V tiles stay 32 KB and the fp32 score tile does not spill
     return (c["BN"] <= c["CHUNK"] <= max(256, pow2_ceil(p["capacity"]))
-            and (c["BN"] <= 128 or p["D"] <= 64))          # 256-key tiles only where K and V tiles stay 32 KB
+            and (c["BN"] <= 128 or (p["D"] <= 64 and p["dtype"] != "float32")))
 
 
 SPACE = SearchSpace(_fits, BN=(64, 128, 256), CHUNK=(128, 256, 512, 1024, 2048), occupancy=(2, 4))
@@ -236,7 +237,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, new_k=None, new_v=None, sc
     q: (B, H, nq, D); k_cache, v_cache: (B, Hkv, capacity, D) (Hkv dividing H: grouped-query
     attention); lengths: int32 (B,) on the device.
     Sequence b attends to its first n = lengths[b] + length_offset cached positions, the last nq of
-    which are the queries' own (causal among them). new_k, new_v (B, Hkv, nq, D), when given, are
+    which are the queries' own (causal among them); n must lie in nq .. capacity. new_k, new_v (B, Hkv, nq, D), when given, are
     those nq positions' keys and values: they are written into the caches at n - nq .. n - 1 (the
     part past the capacity is dropped) in the same launch. Returns (B, H, nq, D) of q's kind.
     """

@@ -27,7 +27,7 @@ PROMPT, NEW_TOKENS = 128, 128
 def min_bytes(op_name: str, p: dict, context: int) -> float:
     """The fewest DRAM bytes one call must move: each input read once, each output written once."""
     item = {"float32": 4}.get(p["dtype"], 2)
-    if op_name in ("linear", "linear_rows"):
+    if op_name == "linear":
         return item * (p["M"] * p["K"] + p["K"] * p["N"] + p["bias"] * p["N"] + (1 + p["res"]) * p["M"] * p["N"])
     if op_name == "swiglu_linear":
         return item * (p["M"] * p["K"] + 2 * p["K"] * p["N"] + p["M"] * p["N"])

@@ -12,9 +12,6 @@ from tilekit.autotune.registry import registered_ops
 PROBLEMS = {
     "linear": [dict(dtype="bfloat16", M=8192, N=2304, K=768, wt="kn", bias=1, act="gelu", res=0, tf32=0),
                dict(dtype="float32", M=3, N=1031, K=72, wt="nk", bias=0, act="none", res=1, tf32=1)],
-    "linear_rows": [dict(dtype="bfloat16", M=1, N=4800, K=1600, wt="kn", bias=1, act="none", res=0, tf32=0),
-                    dict(dtype="float16", M=8, N=6400, K=1600, wt="kn", bias=1, act="gelu", res=1, tf32=0),
-                    dict(dtype="float32", M=3, N=1031, K=72, wt="nk", bias=0, act="none", res=1, tf32=1)],
     "layer_norm": [dict(dtype="bfloat16", M=8192, N=1600, gather=0), dict(dtype="float32", M=3, N=20000, gather=0),
                    dict(dtype="bfloat16", M=8, N=768, gather=1)],
     "gelu": [dict(dtype="float16", n=1 << 20, exact=1), dict(dtype="float32", n=7, exact=0)],

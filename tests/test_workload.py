@@ -20,19 +20,7 @@ def test_model_problems_cover_forward_and_generate(preset):
         assert keys(generate_problems(config, "bfloat16", B, 128, 128)) <= tuned      # the benchmark's 128 + 128
         assert keys(generate_problems(config, "bfloat16", B, 896, 128)) <= tuned      # the longest that fits
     ops = {name for name, _ in tuned}
-    assert ops == {"embedding", "layer_norm", "linear", "linear_rows", "attention", "kv_write", "decode_attention",
-                   "greedy"}
-
-
-def test_decode_linears_stream_rows_and_prefill_linears_tile():
-    """Steps of up to ROWS tokens take linear_rows, longer ones linear, at batch 1 and 8 alike."""
-    from tilekit.kernels.linear import ROWS
-    config = GPTConfig.preset("gpt2")
-    for B in (1, 8):
-        calls = generate_problems(config, "bfloat16", B, 128, 128)
-        rows = {p["M"] for op, p in calls if op.name == "linear_rows"}
-        tiled = {p["M"] for op, p in calls if op.name == "linear"}
-        assert rows == {B} and all(m > ROWS for m in tiled) and tiled
+    assert ops == {"embedding", "layer_norm", "linear", "attention", "kv_write", "decode_attention", "greedy"}
 
 
 def test_generate_sizes_its_cache_like_generate():

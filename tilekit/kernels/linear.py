@@ -3,9 +3,6 @@
 One kernel does the matrix product on tensor cores with an fp32 accumulator and applies bias,
 GELU and the residual add in its epilogue, so the output makes one trip to memory. The tied LM
 head (x @ wte^T) reads wte as it is stored, through a transposed tile load.
-
-Up to ROWS rows (decoding) take a second op, linear_rows: a weight-streaming GEMV in all but name,
-whose programs start loading their weights before the previous kernel has finished.
 """
 
 from __future__ import annotations
@@ -236,141 +233,12 @@ def _bind(a: list, flags: tuple) -> Binding:
                    output=(4, arrays.allocator(x.kind, x.device, out_shape, x.dtype)))
 
 
-# What linear and linear_rows share: their arguments, keys and checks.
-ARGS = dict(args=("x", "weight", "bias", "residual", "out"), optional=("bias", "residual", "out"),
-            key=dict(dtype=None, M=pow2_bucket, N=None, K=None, wt=None, bias=None, act=None, res=None, tf32=None),
-            arrays=_arrays, bind=_bind, cli_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0))
-
 LINEAR = Op(
-    "linear", space=SPACE, default=default_config, scratch=_scratch,
+    "linear", args=("x", "weight", "bias", "residual", "out"), optional=("bias", "residual", "out"),
+    key=dict(dtype=None, M=pow2_bucket, N=None, K=None, wt=None, bias=None, act=None, res=None, tf32=None),
+    space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
     launches=(Launch(linear_kernel, _grid, ("x", "w", "bias", "res", "y", "partial", "counter"), _constants),),
-    **ARGS)
-
-
-# -- few rows: linear_rows ----------------------------------------------------------------------
-
-ROWS = 16      # linear_rows takes up to this many rows: one row tile
-
-
-@ct.function
-def weight_tile(W, k, n, TK, TN, W_NK):
-    """The (TK, TN) weight tile (k, n) of W stored [K, N], or [N, K] when W_NK."""
-    if W_NK:
-        w = ct.load(W, (k, n), (TK, TN), order=(1, 0), padding_mode=ZERO)
-    else:
-        w = ct.load(W, (k, n), (TK, TN), padding_mode=ZERO)
-    return w
-
-
-@ct.function
-def rows_product(X, w, k, acc, TK, TF32):
-    """acc + the rows of X's K tile k times the weight tile w."""
-    a = ct.load(X, (0, k), (ROWS, TK), padding_mode=ZERO)
-    if TF32:
-        a = a.astype(ct.tfloat32)
-        w = w.astype(ct.tfloat32)
-    return ct.mma(a, w, acc)
-
-
-@ct.function
-def rows_epilogue(acc, Bias, Res, Y, n, TN, HAS_BIAS, GELU, HAS_RES):
-    """Bias, GELU and residual on the fp32 (ROWS, TN) column tile n, stored into Y (rows past M dropped)."""
-    if HAS_BIAS:
-        acc = acc + ct.load(Bias, (n,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
-    if GELU:
-        acc = gelu_tanh(acc)
-    if HAS_RES:
-        acc = acc + ct.load(Res, (0, n), (ROWS, TN), padding_mode=ZERO).astype(ct.float32)
-    ct.store(Y, (0, n), acc.astype(Y.dtype))
-
-
-@ct.kernel
-def linear_rows_kernel(X, W, Bias, Res, Y, Partial, Counter, TN: ct.Constant[int], TK: ct.Constant[int],
-                       SPLIT_K: ct.Constant[int], W_NK: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
-                       GELU: ct.Constant[bool], HAS_RES: ct.Constant[bool], TF32: ct.Constant[bool]):
-    """Y[M, N] = act(X[M, K] @ W + Bias) + Res for M <= ROWS; W is [K, N], or [N, K] when W_NK.
-
-    Program ct.bid(0) computes column tile bid // SPLIT_K over the K split bid % SPLIT_K. No kernel
-    writes weights, so it loads its first weight tile before waiting for the previous kernel: under
-    dependent launch the weights stream in while that kernel finishes. With SPLIT_K > 1 each split
-    stores its fp32 sum in Partial[split] (SPLIT_K, M, N); the last to arrive, counted in
-    Counter[tile] (left at zero), adds them and runs the epilogue.
-    """
-    n = ct.bid(0) // SPLIT_K
-    split = ct.bid(0) % SPLIT_K
-    k_tiles = ct.cdiv(X.shape[1], TK)
-    first = split * ct.cdiv(k_tiles, SPLIT_K)
-    w = weight_tile(W, first, n, TK, TN, W_NK)
-    sync_with_previous_kernel()
-    acc = rows_product(X, w, first, ct.zeros((ROWS, TN), dtype=ct.float32), TK, TF32)
-    for k in range(first + 1, ct.minimum(k_tiles, first + ct.cdiv(k_tiles, SPLIT_K))):
-        acc = rows_product(X, weight_tile(W, k, n, TK, TN, W_NK), k, acc, TK, TF32)
-    if SPLIT_K == 1:
-        rows_epilogue(acc, Bias, Res, Y, n, TN, HAS_BIAS, GELU, HAS_RES)
-    else:
-        ct.store(Partial, (split, 0, n), acc.reshape((1, ROWS, TN)), allow_tma=False)
-        # acq_rel: the other splits' partials are visible to the last one, read without TMA (no async proxy)
-        if ct.atomic_add(Counter, n, 1) == SPLIT_K - 1:
-            total = ct.zeros((ROWS, TN), dtype=ct.float32)
-            for s in range(SPLIT_K):
-                part = ct.load(Partial, (s, 0, n), (1, ROWS, TN), padding_mode=ZERO, allow_tma=False)
-                total = total + part.reshape((ROWS, TN))
-            rows_epilogue(total, Bias, Res, Y, n, TN, HAS_BIAS, GELU, HAS_RES)
-            ct.atomic_xchg(Counter, n, 0, memory_order=ct.MemoryOrder.RELAXED)
-
-
-def _splits_fill(k_tiles: int, splits: int) -> bool:
-    """Every one of `splits` splits of k_tiles K tiles gets at least one."""
-    return (splits - 1) * ct.cdiv(k_tiles, splits) < k_tiles
-
-
-def _rows_fits(c: dict, p: dict) -> bool:
-    item = 4 if p["dtype"] == "float32" else 2
-    return (c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(128, pow2_ceil(p["K"]))
-            and (ROWS + c["TN"]) * c["TK"] * item <= 48 * 1024
-            and _splits_fill(ct.cdiv(p["K"], c["TK"]), c["SPLIT_K"]))
-
-
-ROWS_SPACE = SearchSpace(_rows_fits, TN=(32, 64, 128), TK=(128, 256, 512), SPLIT_K=(1, 2, 4, 8, 16),
-                         occupancy=(1, 2))
-
-
-def rows_default_config(p: dict) -> dict:
-    """64-wide column tiles, split over K until about two programs per SM of a 132-SM GPU."""
-    tiles, splits = ct.cdiv(p["N"], 64), 1
-    while splits < 16 and tiles * splits < 264 and _splits_fill(ct.cdiv(p["K"], 128), 2 * splits):
-        splits *= 2
-    return dict(TN=64, TK=128, SPLIT_K=splits, occupancy=2)
-
-
-def _rows_scratch(p: dict, c: dict) -> dict:
-    """Split-K partial sums, and arrival counters zeroed once and left zeroed by every launch."""
-    if c["SPLIT_K"] == 1:
-        return {"partial": absent("float32", 3), "counter": absent("int32", 1)}
-    return {"partial": ArraySpec("float32", (c["SPLIT_K"], p["M"], p["N"]), role="scratch"),
-            "counter": ArraySpec("int32", (ct.cdiv(p["N"], c["TN"]),), role="zeros")}
-
-
-def _rows_grid(p: dict, c: dict) -> tuple:
-    return (ct.cdiv(p["N"], c["TN"]) * c["SPLIT_K"], 1, 1)
-
-
-def _rows_constants(p: dict, c: dict) -> tuple:
-    return (c["TN"], c["TK"], c["SPLIT_K"], p["wt"] == "nk", bool(p["bias"]), p["act"] == "gelu", bool(p["res"]),
-            bool(p["tf32"]))
-
-
-LINEAR_ROWS = Op(
-    "linear_rows", space=ROWS_SPACE, default=rows_default_config, scratch=_rows_scratch,
-    launches=(Launch(linear_rows_kernel, _rows_grid, ("x", "w", "bias", "res", "y", "partial", "counter"),
-                     _rows_constants),),
-    **ARGS)
-
-
-def _rows(x) -> int:
-    """How many rows a linear on x has (0 where x has no shape: LINEAR's checks name the problem)."""
-    shape = tuple(getattr(x, "shape", ()))
-    return math.prod(shape[:-1]) if shape else 0
+    bind=_bind, cli_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0))
 
 
 # -- public function ---------------------------------------------------------------------------
@@ -383,8 +251,7 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
     tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). fp32 inputs use exact fp32
     products unless allow_tf32=True. Returns an array of x's kind, or writes into `out`.
     """
-    op = LINEAR_ROWS if 1 <= _rows(x) <= ROWS else LINEAR
-    return op((x, weight, bias, residual, out), (activation, weight_layout, allow_tf32))
+    return LINEAR((x, weight, bias, residual, out), (activation, weight_layout, allow_tf32))
 
 
 def linear_reference(x, weight, bias=None, *, activation=None, residual=None,

@@ -48,15 +48,18 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
     return float("nan")
 
 
-def kernel_rows(calls: list, kernels: list, context: int, bandwidth_gbs: float) -> list[dict]:
+def kernel_rows(calls: list, kernels: list, context: int, bandwidth_gbs: float, config_of=None) -> list[dict]:
     """One row per kernel: calls (op, problem) expand to their launches, zipped with the profiled
     kernels (name, microseconds, end time in microseconds) in launch order; an op's bytes go to its
-    first (tuned) kernel; path_us is the kernel's end minus the previous kernel's end."""
-    expected = [(op, p, i) for op, p in calls for i, _ in enumerate(op.launches)]
-    if len(expected) != len(kernels):
-        raise RuntimeError(f"{len(kernels)} kernels profiled, {len(expected)} launches recorded")
+    first (tuned) kernel; path_us is the kernel's end minus the previous kernel's end. A launch whose
+    grid is empty under config_of(op, problem) (default: the op's default config) did not run."""
+    config_of = config_of or (lambda op, p: op.default(p))
+    matched = [(op, p, i) for op, p in calls for i, launch in enumerate(op.launches)
+               if 0 not in launch.grid(p, config_of(op, p))]
+    if len(matched) != len(kernels):
+        raise RuntimeError(f"{len(kernels)} kernels profiled, {len(matched)} launches recorded")
     rows = []
-    for j, ((op, p, i), (name, us, end)) in enumerate(zip(expected, kernels)):
+    for j, ((op, p, i), (name, us, end)) in enumerate(zip(matched, kernels)):
         launch = op.launches[i]
         if launch.kernel._pyfunc.__name__ not in name:
             raise RuntimeError(f"kernel {name!r} profiled where {launch.kernel._pyfunc.__name__} was launched")
@@ -115,6 +118,7 @@ def profile_step(gen, bandwidth_gbs: float, reps: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from tilekit.autotune.op import recording
+    from tilekit.device import device_info
     state, stream = gen.state, gen.stream
     with stream, recording() as calls:           # the problems of one step, launched eagerly
         state.step(gen.greedy, gen.eos)
@@ -131,7 +135,8 @@ def profile_step(gen, bandwidth_gbs: float, reps: int = 5) -> dict:
     replays = [[(e.name, e.time_range.end - e.time_range.start, e.time_range.end)
                 for e in events[i * per_step:(i + 1) * per_step]] for i in range(reps)]
     median = sorted(replays, key=lambda r: r[-1][2] - r[0][2] + r[0][1])[reps // 2]
-    rows = kernel_rows(calls, median, context, bandwidth_gbs)
+    device = device_info()
+    rows = kernel_rows(calls, median, context, bandwidth_gbs, lambda op, p: op.resolve(p, device).config)
     return {"step_ms": step_ms, "context": context, "kernels": rows, "summary": summarize(rows)}
 
 

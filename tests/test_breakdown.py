@@ -38,3 +38,13 @@ def test_calls_expand_to_their_launches_in_order():
         kernel_rows(calls, kernels[:3], 200, 4000.0)
     with pytest.raises(RuntimeError, match="was launched"):
         kernel_rows(calls, [kernels[1], kernels[0], kernels[2], kernels[3]], 200, 4000.0)
+
+
+def test_a_merge_runs_only_with_several_splits():
+    one, several = dict(ATT, capacity=256), dict(ATT, capacity=1024)      # default configs: 1 and 4 splits
+    split = [("decode_attention_kernel_a", 4.0, 104.0)]
+    assert len(kernel_rows([(DECODE_ATTENTION, one)], split, 200, 4000.0)) == 1
+    rows = kernel_rows([(DECODE_ATTENTION, several)], split + [("decode_merge_kernel_b", 1.0, 105.0)], 200, 4000.0)
+    assert [r["kernel"] for r in rows] == ["decode_attention_kernel", "decode_merge_kernel"]
+    with pytest.raises(RuntimeError, match="profiled"):
+        kernel_rows([(DECODE_ATTENTION, several)], split, 200, 4000.0)

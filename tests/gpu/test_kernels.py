@@ -246,10 +246,10 @@ def test_grouped_query_decode_attention(B, H, Hkv, nq, capacity, D, dtype):
     check_decode(B, H, nq, capacity, D, dtype, Hkv, new_kv=True)
 
 
-@pytest.mark.parametrize("chunk,BN", [(128, 64), (128, 128), (256, 256)])
+@pytest.mark.parametrize("chunk,BN", [(256, 64), (256, 128), (256, 256)])
 def test_decode_splits_merge_and_write_new_keys_at_every_boundary(chunk, BN):
-    """Pinned to several splits: the new tokens end on, start on and straddle split boundaries, the
-    last split to arrive merges, and repeated calls on fresh data show its counter was reset."""
+    """Pinned to several splits: the new tokens end on, start on and straddle split boundaries, and
+    the merge launch combines the splits (repeated calls on fresh data)."""
     config = dict(BN=BN, CHUNK=chunk, occupancy=2)
     with DECODE_ATTENTION.pinned(config):
         for nq in (1, 3):

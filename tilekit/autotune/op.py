@@ -333,9 +333,11 @@ class Op:
         if kind == "meta":
             return plan
         grids = [tuple(launch.grid(problem, config)) for launch in self.launches]
-        if any(0 in grid for grid in grids):    # an empty problem: nothing to launch
+        if 0 in grids[self.launches.index(self.tuned_launch)]:   # an empty problem: nothing to launch
             return plan
         for launch, grid in zip(self.launches, grids):
+            if 0 in grid:                       # a launch this config does without (decode's merge of one split)
+                continue
             sources = []
             for name in launch.args:
                 spec = specs.get(name)

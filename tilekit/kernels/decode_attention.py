@@ -2,16 +2,14 @@
 
 Flash-decoding: the context of each (sequence, head) is cut into CHUNK-long splits handled by
 separate programs, so even batch 1 can fill the GPU; each split keeps a partial softmax state
-(max, sum, unnormalised output) and the last split of a (sequence, head) to finish, counted by an
-arrival counter, merges them and writes the output. With one split there is no merge: the program
-writes its output directly. The tuner times the whole thing, merge included, so it weighs more
-programs against the merge they cost. Given the new tokens' keys and values, the kernel also
-writes them into the cache (one launch instead of a separate KV write) and attends to them from
-registers. Lengths live on the device, so a CUDA graph can replay a decode step as the cache
-grows; the grid depends only on the cache capacity, and splits past a sequence's length exit at
-once. With grouped-query attention (Hkv < H key/value heads) a program serves one key/value head
-and every query head of its group, stacked as rows of one query tile, so each key and value tile
-is read once per group.
+(max, sum, unnormalised output) and a second, small kernel merges them. With one split (every
+context up to 256 positions) there is no merge: the program writes its output directly, in one
+launch. Given the new tokens' keys and values, the kernel also writes them into the cache (no
+separate KV write) and attends to them from registers. Lengths live on the device, so a CUDA
+graph can replay a decode step as the cache grows; the grid depends only on the cache capacity,
+and splits past a sequence's length exit at once. With grouped-query attention (Hkv < H
+key/value heads) a program serves one key/value head and every query head of its group, stacked
+as rows of one query tile, so each key and value tile is read once per group.
 """
 
 from __future__ import annotations
@@ -43,26 +41,20 @@ def query_rows(QP, nq, hk, group, H):
     return ct.where(r < group * nq, hk * group + r // nq, H), r % nq
 
 
-@ct.function
-def split_state(Part, b, hk, s, QP):
-    """Split s's (QP, 1) row statistics of (batch b, key/value head hk), read without TMA."""
-    return ct.load(Part, (b, hk, s, 0), (1, 1, 1, QP), allow_tma=False).reshape((QP, 1))
-
-
 @ct.kernel
-def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart, Counter, qk_scale: float,
+def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart, qk_scale: float,
                             length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int],
                             BN: ct.Constant[int], D: ct.Constant[int], CHUNK: ct.Constant[int],
                             SPLITS: ct.Constant[int], NEW_KV: ct.Constant[bool]):
-    """Attention of split ct.bid(1) of (batch, key/value head) ct.bid(0); the last split merges.
+    """Attention of split ct.bid(1) of (batch, key/value head) ct.bid(0).
 
     Q: (B, H, nq, D); K, V: (B, Hkv, capacity, D) caches; Lengths[b] + length_offset = valid keys,
     the last nq of which are the queries' own positions (causal among them). With NEW_KV those nq
     keys and values come from Knew, Vnew (B, Hkv, nq, D) and the split holding the last position
     writes them into K, V; the splits read only the older positions from the cache. Row r of the
-    query tile is query head hk * G + r // nq, token r % nq (G = H / Hkv). Opart: (B, Hkv, S, QP, D)
-    fp32, Mpart, Lpart: (B, Hkv, S, QP) fp32 and Counter (B * Hkv,) int32 (left at zero) serve the
-    merge when SPLITS > 1.
+    query tile is query head hk * G + r // nq, token r % nq (G = H / Hkv). With SPLITS == 1 the
+    program writes O; otherwise its partial state goes to Opart (B, Hkv, S, QP, D), Mpart, Lpart
+    (B, Hkv, S, QP), fp32, for decode_merge_kernel.
     """
     sync_with_previous_kernel()
     bh = ct.bid(0)
@@ -102,27 +94,34 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart
             new_rows = (b, hk, t + first_new, dims.reshape((1, D)))
             ct.scatter(K, new_rows, k_new, mask=t < nq)
             ct.scatter(V, new_rows, v_new, mask=t < nq)
-    out_index = (b, head, token, dims.reshape((1, D)))
     if SPLITS == 1:
-        ct.scatter(O, out_index, (acc / l_i).astype(O.dtype))
+        ct.scatter(O, (b, head, token, dims.reshape((1, D))), (acc / l_i).astype(O.dtype))
     else:
-        ct.store(Opart, (b, hk, split, 0, 0), acc.reshape((1, 1, 1, QP, D)), allow_tma=False)
-        ct.store(Mpart, (b, hk, split, 0), m_i.reshape((1, 1, 1, QP)), allow_tma=False)
-        ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)), allow_tma=False)
-        # acq_rel: the other splits' partials are visible to the last one, read without TMA (no async proxy)
-        if ct.atomic_add(Counter, bh, 1) == SPLITS - 1:
-            m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
-            for i in range(SPLITS):
-                m_max = ct.maximum(m_max, split_state(Mpart, b, hk, i, QP))
-            m_max = ct.where(m_max == -math.inf, 0.0, m_max)
-            total = ct.zeros((QP, 1), dtype=ct.float32)
-            out = ct.zeros((QP, D), dtype=ct.float32)
-            for i in range(SPLITS):
-                w = ct.exp2(split_state(Mpart, b, hk, i, QP) - m_max)
-                total = total + split_state(Lpart, b, hk, i, QP) * w
-                out = out + ct.load(Opart, (b, hk, i, 0, 0), (1, 1, 1, QP, D), allow_tma=False).reshape((QP, D)) * w
-            ct.scatter(O, out_index, (out / total).astype(O.dtype))
-            ct.atomic_xchg(Counter, bh, 0, memory_order=ct.MemoryOrder.RELAXED)
+        ct.store(Opart, (b, hk, split, 0, 0), acc.reshape((1, 1, 1, QP, D)))
+        ct.store(Mpart, (b, hk, split, 0), m_i.reshape((1, 1, 1, QP)))
+        ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)))
+
+
+@ct.kernel
+def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Constant[int]):
+    """O[b, heads of kv head hk] = the merge of the partial softmax states of all splits of (batch,
+    key/value head) ct.bid(0)."""
+    sync_with_previous_kernel()
+    b, hk = batch_head(ct.bid(0), Mpart.shape[1])
+    S = Mpart.shape[2]
+    m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
+    for s in range(S):
+        m_max = ct.maximum(m_max, ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)))
+    m_max = ct.where(m_max == -math.inf, 0.0, m_max)
+    total = ct.zeros((QP, 1), dtype=ct.float32)
+    out = ct.zeros((QP, D), dtype=ct.float32)
+    for s in range(S):
+        w = ct.exp2(ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) - m_max)
+        total = total + ct.load(Lpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) * w
+        out = out + ct.load(Opart, (b, hk, s, 0, 0), (1, 1, 1, QP, D)).reshape((QP, D)) * w
+    H = O.shape[1]
+    head, token = query_rows(QP, O.shape[2], hk, H // Mpart.shape[1], H)
+    ct.scatter(O, (b, head, token, ct.arange(D, dtype=ct.int32).reshape((1, D))), (out / total).astype(O.dtype))
 
 
 def _fits(c: dict, p: dict) -> bool:
@@ -131,7 +130,9 @@ def _fits(c: dict, p: dict) -> bool:
             and (c["BN"] <= 128 or (p["D"] <= 64 and p["dtype"] != "float32")))
 
 
-SPACE = SearchSpace(_fits, BN=(64, 128, 256), CHUNK=(128, 256, 512, 1024, 2048), occupancy=(2, 4))
+# Splits of at least 256 positions: a context up to 256 runs in one launch, and a split must pay for the
+# merge launch it adds (the tuner times the split kernel alone).
+SPACE = SearchSpace(_fits, BN=(64, 128, 256), CHUNK=(256, 512, 1024, 2048), occupancy=(2, 4))
 
 
 def default_config(p: dict) -> dict:
@@ -161,24 +162,31 @@ def _arrays(p: dict) -> dict:
 
 
 def _scratch(p: dict, c: dict) -> dict:
-    """Partial softmax states of the splits and their arrival counters (zeroed once, left at zero)."""
+    """Partial softmax states of the splits (none with one split)."""
     B, H, S, QP = p["B"], p["Hkv"], _splits(p, c), _qp(p)
     if S == 1:
-        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4),
-                "counter": absent("int32", 1)}
+        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4)}
     return {"opart": ArraySpec("float32", (B, H, S, QP, pow2_ceil(p["D"])), role="scratch"),
             "mpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
-            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
-            "counter": ArraySpec("int32", (B * H,), role="zeros")}
+            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch")}
 
 
 def _grid(p: dict, c: dict) -> tuple:
     return (p["B"] * p["Hkv"], _splits(p, c), 1)
 
 
+def _merge_grid(p: dict, c: dict) -> tuple:
+    """No merge launch with one split."""
+    return (p["B"] * p["Hkv"] if _splits(p, c) > 1 else 0, 1, 1)
+
+
 def _constants(p: dict, c: dict) -> tuple:
     return (_qp(p), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["D"]), c["CHUNK"], _splits(p, c),
             bool(p["new_kv"]))
+
+
+def _merge_constants(p: dict, c: dict) -> tuple:
+    return (_qp(p), pow2_ceil(p["D"]))
 
 
 def _bind(a: list, flags: tuple) -> Binding:
@@ -221,12 +229,14 @@ DECODE_ATTENTION = Op(
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"]), "length_offset": 0},
     launches=(Launch(decode_attention_kernel, _grid,
-                     ("q", "k_new", "v_new", "k", "v", "lengths", "o", "opart", "mpart", "lpart", "counter",
-                      "qk_scale", "length_offset"), _constants,
+                     ("q", "k_new", "v_new", "k", "v", "lengths", "o", "opart", "mpart", "lpart", "qk_scale",
+                      "length_offset"), _constants,
                      # An ordinary launch, once per layer: with every kernel of a decode step launched early,
                      # kernels queue up several deep and steps run slower (H100: gpt2-xl 2.56 ms against 2.06,
-                     # gpt2 0.355 against 0.321; docs/results/dependent-launch-variants-h100.txt).
-                     dependent=False),),
+                     # gpt2 0.355 against 0.321; docs/results/decode-one-launch-h100.txt).
+                     dependent=False),
+              Launch(decode_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
+                     hinted=False)),
     bind=_bind, cli_defaults=dict(nq=1, new_kv=1))
 
 

@@ -503,6 +503,9 @@ def test_an_unusable_cache_dir_is_one_clear_error(tmp_path, monkeypatch):
     (dict(time_us="fast"), "field 'time_us' missing or of the wrong type"),
     (dict(kernel_hash="0" * 16), "stale: tuned for another version of the kernel source"),
     (dict(space_hash="0" * 16), "stale: tuned over another search space"),
+    # a config the space has since dropped: stale (tune --stale re-tunes it), not a broken entry
+    (dict(config={"A": 3, "occupancy": 1}, space_hash="0" * 16), "stale: tuned over another search space"),
+    (dict(config={"A": 3, "occupancy": 1}, kernel_hash="0" * 16, space_hash="0" * 16), "stale: tuned for another"),
 ])
 def test_entry_reason(change, reason):
     from tilekit.autotune.entries import entry_reason

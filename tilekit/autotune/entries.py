@@ -20,7 +20,7 @@ def _bad_time(value) -> str | None:
 
 def entry_defect(key: str, entry) -> str | None:
     """Why an entry can never be used by this tilekit (malformed, unknown kernel, a key the kernel does
-    not make, config outside its space, a bad time), or None."""
+    not make, config outside the space it claims to be tuned over, a bad time), or None."""
     problem = entry_problem(key, entry)
     if problem:
         return problem
@@ -34,8 +34,8 @@ def entry_defect(key: str, entry) -> str | None:
         canonical = False
     if not canonical:
         return f"key is not a {name} problem key"
-    if not op.space.contains(entry["config"]):
-        return f"config outside the {name} search space"
+    if not op.space.contains(entry["config"]) and entry["space_hash"] == op.space_hash():
+        return f"config outside the {name} search space"    # (tuned over another space: stale, not broken)
     for field in ("time_us", "default_time_us"):
         why = None if field != "time_us" and entry.get(field) is None else _bad_time(entry.get(field))
         if why:

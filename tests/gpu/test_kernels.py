@@ -227,9 +227,8 @@ def check_decode(B, H, nq, capacity, D, dtype, Hkv=None, new_kv=False, lengths_h
     new = {} if k_new is None else dict(new_k=host(k_new), new_v=host(v_new))
     ref = decode_attention_reference(host(q), host(kc), host(vc), lengths_h, **new)
     expected_k, expected_v = host(kc), host(vc)
-    for b, n in enumerate(lengths_h):
-        if new_kv:
-            expected_k[b, :, n - nq:n], expected_v[b, :, n - nq:n] = new["new_k"][b], new["new_v"][b]
+    for b, n in enumerate(lengths_h if new_kv else ()):
+        expected_k[b, :, n - nq:n], expected_v[b, :, n - nq:n] = new["new_k"][b], new["new_v"][b]
     out = poisoned((B, H, nq, D), dtype)
     decode_attention(q, kc, vc, cupy.asarray(lengths_h), new_k=k_new, new_v=v_new, out=out)
     assert_close(host(out), ref, TOL[dtype], f"decode_attention {(B, H, Hkv, nq, capacity, D, dtype, new_kv)}")

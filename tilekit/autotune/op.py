@@ -390,13 +390,12 @@ class Op:
         return Resolution(self.default(self.complete(problem)), "default")
 
     def why_unusable(self, entry: Mapping, layer: str) -> str | None:
-        """None when a stored entry may be used by this kernel now, else the reason."""
+        """None when a sound stored entry (entry_defect found nothing, so a config outside the space
+        was tuned over another one) may be used by this kernel now, else the reason."""
         if entry["kernel_hash"] != self.kernel_hash():
             return "stale: tuned for another version of the kernel source or its launch"
         if entry["space_hash"] != self.space_hash():
             return "stale: tuned over another search space"
-        if not self.space.contains(entry["config"]):
-            return f"config {entry['config']} is not in the current search space"
         if layer == "user" and entry["toolchain"] != toolchain():
             return f"stale: tuned with {entry['toolchain']}, running {toolchain()}"
         return None

@@ -247,9 +247,9 @@ def decode_attention(q, k_cache, v_cache, lengths, *, new_k=None, new_v=None, sc
     q: (B, H, nq, D); k_cache, v_cache: (B, Hkv, capacity, D) (Hkv dividing H: grouped-query
     attention); lengths: int32 (B,) on the device.
     Sequence b attends to its first n = lengths[b] + length_offset cached positions, the last nq of
-    which are the queries' own (causal among them); n must lie in nq .. capacity. new_k, new_v (B, Hkv, nq, D), when given, are
-    those nq positions' keys and values: they are written into the caches at n - nq .. n - 1 (the
-    part past the capacity is dropped) in the same launch. Returns (B, H, nq, D) of q's kind.
+    which are the queries' own (causal among them); n must lie in nq .. capacity. new_k, new_v
+    (B, Hkv, nq, D), when given, are those nq positions' keys and values: they are written into the
+    caches at n - nq .. n - 1 in the same launch. Returns (B, H, nq, D) of q's kind.
     """
     if not isinstance(length_offset, (int, np.integer)) or isinstance(length_offset, bool):
         raise TypeError(f"length_offset must be an int, got {type(length_offset).__name__}")
@@ -280,14 +280,14 @@ if __name__ == "__main__":
     import cupy
 
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
-    for B, H, Hkv, nq, cap, dtype, new in [(1, 25, 25, 1, 1024, "bfloat16", True), (3, 4, 4, 3, 700, "float32", False),
-                                           (2, 32, 8, 1, 300, "bfloat16", False),
-                                           (2, 8, 2, 3, 100, "float16", True)]:
+    cases = [(1, 25, 25, 1, 1024, "bfloat16", True), (2, 32, 8, 1, 300, "bfloat16", False),
+             (3, 4, 4, 3, 700, "float32", False), (2, 8, 2, 3, 100, "float16", True)]
+    for B, H, Hkv, nq, cap, dtype, new in cases:
         q, kc, vc = rand((B, H, nq, 64), dtype), rand((B, Hkv, cap, 64), dtype), rand((B, Hkv, cap, 64), dtype)
         kn, vn = (rand((B, Hkv, nq, 64), dtype), rand((B, Hkv, nq, 64), dtype)) if new else (None, None)
         lengths = np.random.default_rng(0).integers(nq, cap + 1, B).astype(np.int32)
-        ref = decode_attention_reference(host(q), host(kc), host(vc), lengths, new_k=kn if kn is None else host(kn),
-                                         new_v=vn if vn is None else host(vn))
+        ref = decode_attention_reference(host(q), host(kc), host(vc), lengths,
+                                         **(dict(new_k=host(kn), new_v=host(vn)) if new else {}))
         out = decode_attention(q, kc, vc, cupy.asarray(lengths), new_k=kn, new_v=vn,
                                out=poisoned((B, H, nq, 64), dtype))
         err = assert_close(host(out), ref, TOL[dtype], f"decode_attention B{B} cap{cap} {dtype}")

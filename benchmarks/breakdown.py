@@ -112,8 +112,9 @@ def replay_ms(gen, reps: int = 20) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / reps
 
 
-def profile_step(gen, bandwidth_gbs: float, reps: int = 5) -> dict:
-    """Profile `reps` replays of gen's decode graph; return rows of the median replay."""
+def profile_step(gen, bandwidth_gbs: float, reps: int = 5, step_reps: int = 200) -> dict:
+    """Profile `reps` replays of gen's decode graph; return rows of the median replay, and the step time as the
+    mean of `step_reps` more (on the H100, 5 replays read 1.5-3.4% above 200; repeated 100s agree within 0.2%)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -128,7 +129,7 @@ def profile_step(gen, bandwidth_gbs: float, reps: int = 5) -> dict:
         for _ in range(reps):
             gen.decode_graph.launch(stream)
         stream.synchronize()
-    step_ms = replay_ms(gen, reps)
+    step_ms = replay_ms(gen, step_reps)
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
     per_step = len(events) // reps

@@ -6,6 +6,9 @@
 #   mkdir .baseline && git archive main tilekit benchmarks tuning_db | tar -x -C .baseline
 #   source .gpu/setup.sh && python3 -m tilekit tune --stale shipped && scripts/gpu-decode-ab.sh gpt2 gpt2-xl
 # (.baseline/ is not tracked: name it in the device tool's carry.)
+# Caution: the two trees run in separate processes, and the dependent-launch step time has moved 10% between
+# processes with no kernel or config change (docs/results/gemv-decode-h100.txt); confirm a small difference by
+# comparing the variants inside one process.
 set -uo pipefail
 out="${OUT:-/tmp/tilekit-gpu}"; mkdir -p "$out"; out="$(cd "$out" && pwd)"
 export PYTHONUNBUFFERED=1

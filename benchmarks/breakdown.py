@@ -114,7 +114,8 @@ def replay_ms(gen, reps: int = 20) -> float:
 
 def profile_step(gen, bandwidth_gbs: float, reps: int = 5, step_reps: int = 200) -> dict:
     """Profile `reps` replays of gen's decode graph; return rows of the median replay, and the step time as the
-    mean of `step_reps` more (on the H100, 5 replays read 1.5-3.4% above 200; repeated 100s agree within 0.2%)."""
+    mean of `step_reps` more (on the H100, 5 replays read 1.5-3.4% above 200 replays
+    in another process of the same tree; repeated means of 100 agreed within 0.2%)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -29,16 +29,20 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
     item = {"float32": 4}.get(p["dtype"], 2)
     if op_name == "linear":
         return item * (p["M"] * p["K"] + p["K"] * p["N"] + p["bias"] * p["N"] + (1 + p["res"]) * p["M"] * p["N"])
+    if op_name == "residual_linear":            # the fixed-point residual read and written, 8 bytes each
+        return item * (p["M"] * p["K"] + p["K"] * p["N"] + p["bias"] * p["N"]) + 16 * p["M"] * p["N"]
+    if op_name == "residual_mlp":
+        return item * (p["M"] * p["C"] + 2 * p["C"] * p["F"] + p["F"] + p["C"]) + 16 * p["M"] * p["C"]
     if op_name == "swiglu_linear":
         return item * (p["M"] * p["K"] + 2 * p["K"] * p["N"] + p["M"] * p["N"])
-    if op_name == "layer_norm":
-        return item * (2 * p["M"] * p["N"] + 2 * p["N"])
+    if op_name == "layer_norm":                 # a fixed-point input row is 8 bytes per element
+        return (8 if p.get("fixed") else item) * p["M"] * p["N"] + item * (p["M"] * p["N"] + 2 * p["N"])
     if op_name == "rms_norm":
         return item * ((2 + 2 * p["res"]) * p["M"] * p["N"] + p["N"])
     if op_name == "rope":                       # the rotated heads read and written, a table row per token
         return item * 2 * p["B"] * p["H"] * p["T"] * p["D"] + 4 * p["B"] * p["T"] * p["D"]
     if op_name == "embedding":
-        return item * (3 if p["P"] else 2) * p["M"] * p["C"]
+        return (item * (2 if p["P"] else 1) + (8 if p.get("fixed") else item)) * p["M"] * p["C"]
     if op_name == "kv_write":
         return item * 4 * p["B"] * p["H"] * p["T"] * p["D"]
     if op_name == "decode_attention":           # the context's keys and values once, and the new ones written

@@ -59,7 +59,7 @@ def seed_user_db() -> dict[str, set[str]]:
     """Real-op entries in the user db for two GPUs; returns {file stem: keys}."""
     h100 = {LINEAR.problem_key(linear_problem(M=m))[1]: entry(LINEAR, LINEAR_CONFIG, H100, time_us=m / 100)
             for m in (8, 128, 8192)}
-    ln = LAYER_NORM.problem_key(dict(dtype="bfloat16", M=1024, N=768, gather=0))[1]
+    ln = LAYER_NORM.problem_key(dict(dtype="bfloat16", M=1024, N=768, gather=0, fixed=0))[1]
     h100[ln] = entry(LAYER_NORM, LN_CONFIG, H100)
     h200 = {LINEAR.problem_key(linear_problem(M=1024, N=768, res=1))[1]: entry(LINEAR, LINEAR_CONFIG, H200)}
     store.user_db().store(H100, h100)

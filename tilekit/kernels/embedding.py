@@ -1,6 +1,7 @@
 """Token (plus position) embedding: out[i] = wte[ids[i]] (+ wpe[positions[i]]), one gather pass.
 
-GPT-2 adds a learned position table; Llama has none (its positions enter through RoPE).
+GPT-2 adds a learned position table; Llama has none (its positions enter through RoPE). out may be
+a fixed-point residual stream (int64, see fixed_point.py), as a GPT-2 decode step keeps it.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.dependent_launch import sync_with_previous_kernel
+from tilekit.kernels.fixed_point import FIXED_DTYPE, to_fixed
 
 
 @ct.kernel
 def embedding_kernel(Ids, Pos, Wte, Wpe, Out, TM: ct.Constant[int], TC: ct.Constant[int],
-                     HAS_POS: ct.Constant[bool]):
-    """Rows TM*bid(0).. of Out[M, C], columns TC*bid(1).. ; out-of-range ids read as zero rows."""
+                     HAS_POS: ct.Constant[bool], FIXED: ct.Constant[bool]):
+    """Rows TM*bid(0).. of Out[M, C], columns TC*bid(1).. ; out-of-range ids read as zero rows.
+    FIXED: Out is fixed point."""
     sync_with_previous_kernel()
     pid = ct.bid(0)
     cblk = ct.bid(1)
@@ -32,7 +35,10 @@ def embedding_kernel(Ids, Pos, Wte, Wpe, Out, TM: ct.Constant[int], TC: ct.Const
     if HAS_POS:
         pos = ct.load(Pos, (pid,), (TM,), padding_mode=ct.PaddingMode.ZERO).reshape((TM, 1))
         row = row + ct.gather(Wpe, (pos, cols)).astype(ct.float32)
-    ct.store(Out, (pid, cblk), row.astype(Out.dtype))
+    if FIXED:
+        ct.store(Out, (pid, cblk), to_fixed(row))
+    else:
+        ct.store(Out, (pid, cblk), row.astype(Out.dtype))
 
 
 def _fits(c: dict, p: dict) -> bool:
@@ -55,7 +61,7 @@ def _arrays(p: dict) -> dict:
             "pos": ArraySpec(p["ids"], (M,), high=P) if P else absent(p["ids"], 1),
             "wte": ArraySpec(p["dtype"], (p["V"], C)),
             "wpe": ArraySpec(p["dtype"], (P, C)) if P else absent(p["dtype"], 2),
-            "out": ArraySpec(p["dtype"], (M, C), role="out")}
+            "out": ArraySpec(FIXED_DTYPE if p["fixed"] else p["dtype"], (M, C), role="out")}
 
 
 def _grid(p: dict, c: dict) -> tuple:
@@ -63,7 +69,7 @@ def _grid(p: dict, c: dict) -> tuple:
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (c["TM"], c["TC"], p["P"] > 0)
+    return (c["TM"], c["TC"], p["P"] > 0, bool(p["fixed"]))
 
 
 def _bind(a: list, flags: tuple) -> Binding:
@@ -99,12 +105,14 @@ def _bind(a: list, flags: tuple) -> Binding:
             views["pos"] = (3, views["ids"][1])
     C = wte.shape[1]
     out_shape = ids.shape + (C,)
+    fixed_point = out is not None and out.dtype == FIXED_DTYPE
     if out is not None:
-        arrays.check_out(out, "out", wte, out_shape)
+        arrays.check_out(out, "out", wte, out_shape, FIXED_DTYPE if fixed_point else wte.dtype)
     M = math.prod(ids.shape)
     views.update(wte=(1, None), out=(4, None if len(out_shape) == 2 else (M, C)))
     P = 0 if wpe is None else wpe.shape[0]
-    return Binding(problem=dict(dtype=wte.dtype, ids=ids.dtype, M=M, C=C, V=wte.shape[0], P=P),
+    return Binding(problem=dict(dtype=wte.dtype, ids=ids.dtype, M=M, C=C, V=wte.shape[0], P=P,
+                                fixed=int(fixed_point)),
                    arrays=views, output=(4, arrays.allocator(wte.kind, wte.device, out_shape, wte.dtype)),
                    returns=4, fixed=fixed)
 
@@ -127,15 +135,16 @@ def _positions(device: int, dtype: str, M: int, T: int):
 
 EMBEDDING = Op(
     "embedding", args=("ids", "wte", "wpe", "positions", "out"), optional=("wpe", "positions", "out"),
-    key=dict(dtype=None, ids=None, M=pow2_bucket, C=None, V=None, P=None), space=SPACE,
+    key=dict(dtype=None, ids=None, M=pow2_bucket, C=None, V=None, P=None, fixed=None), space=SPACE,
     default=default_config, arrays=_arrays,
     launches=(Launch(embedding_kernel, _grid, ("ids", "pos", "wte", "wpe", "out"), _constants),),
-    bind=_bind, cli_defaults=dict(ids="int32"))
+    bind=_bind, cli_defaults=dict(ids="int32", fixed=0))
 
 
 def embedding(ids, wte, wpe=None, positions=None, *, out=None):
     """wte[ids] + wpe[positions] -> ids.shape + (C,); positions default to 0..T-1 along the last axis.
-    Without a position table (wpe None, as in Llama) just the token rows wte[ids].
+    Without a position table (wpe None, as in Llama) just the token rows wte[ids]. `out` has wte's
+    dtype, or is a fixed-point residual (int64, fixed_point.py) that the rows are written to.
 
     Ids and positions are device integer arrays; an id outside [0, vocab) yields a zero token row
     (validate on the host before upload where that matters).

@@ -1,6 +1,7 @@
 """LayerNorm over the last dimension, any leading shape, fp32 statistics.
 
-Each program normalises TM rows. When a row fits one tile (the usual case: hidden sizes up to
+x may be the fixed-point residual stream of a decode step (int64, see fixed_point.py); the output
+then takes the weights' dtype. Each program normalises TM rows. When a row fits one tile (the usual case: hidden sizes up to
 8192) it is read once and the variance is computed around the mean (two-pass, in registers);
 longer rows are streamed in TN-wide tiles with per-tile mean/M2 merged by Chan's formula, then
 read again to normalise.
@@ -19,15 +20,25 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.dependent_launch import sync_with_previous_kernel
+from tilekit.kernels.fixed_point import FIXED_DTYPE, from_fixed
 
 ZERO = ct.PaddingMode.ZERO
 MAX_GATHER_N = 8192
 
 
+@ct.function
+def as_float(x, FIXED):
+    """An input tile as fp32: decoded from fixed point when FIXED."""
+    if FIXED:
+        return from_fixed(x)
+    return x.astype(ct.float32)
+
+
 @ct.kernel
 def layer_norm_kernel(X, W, B, Y, Rows, eps: float, TM: ct.Constant[int], TN: ct.Constant[int],
-                      ONE_TILE: ct.Constant[bool], GATHER: ct.Constant[bool]):
-    """Y = (X - mean) / sqrt(var + eps) * W + B over rows of X[M, N] (rows X[Rows[i]] when GATHER)."""
+                      ONE_TILE: ct.Constant[bool], GATHER: ct.Constant[bool], FIXED: ct.Constant[bool]):
+    """Y = (X - mean) / sqrt(var + eps) * W + B over rows of X[M, N] (rows X[Rows[i]] when GATHER;
+    X in fixed point when FIXED)."""
     sync_with_previous_kernel()
     pid = ct.bid(0)
     N = X.shape[1]
@@ -35,9 +46,9 @@ def layer_norm_kernel(X, W, B, Y, Rows, eps: float, TM: ct.Constant[int], TN: ct
     if ONE_TILE:
         if GATHER:
             rows = ct.load(Rows, (pid,), (TM,), padding_mode=ZERO).reshape((TM, 1))
-            x = ct.gather(X, (rows, cols)).astype(ct.float32)
+            x = as_float(ct.gather(X, (rows, cols)), FIXED)
         else:
-            x = ct.load(X, (pid, 0), (TM, TN), padding_mode=ZERO).astype(ct.float32)
+            x = as_float(ct.load(X, (pid, 0), (TM, TN), padding_mode=ZERO), FIXED)
         mean = ct.sum(x, axis=1, keepdims=True) / N
         centered = ct.where(cols < N, x - mean, 0.0)
         var = ct.sum(centered * centered, axis=1, keepdims=True) / N
@@ -50,7 +61,7 @@ def layer_norm_kernel(X, W, B, Y, Rows, eps: float, TM: ct.Constant[int], TN: ct
         mean = ct.zeros((TM, 1), dtype=ct.float32)
         m2 = ct.zeros((TM, 1), dtype=ct.float32)
         for j in range(ct.cdiv(N, TN)):
-            x = ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO).astype(ct.float32)
+            x = as_float(ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO), FIXED)
             valid = (cols + j * TN) < N
             n_j = ct.minimum(N - j * TN, TN) * 1.0
             mean_j = ct.sum(x, axis=1, keepdims=True) / n_j
@@ -63,7 +74,7 @@ def layer_norm_kernel(X, W, B, Y, Rows, eps: float, TM: ct.Constant[int], TN: ct
             count = total
         rstd = ct.rsqrt(m2 / N + eps)
         for j in range(ct.cdiv(N, TN)):
-            x = ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO).astype(ct.float32)
+            x = as_float(ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO), FIXED)
             w = ct.load(W, (j,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
             b = ct.load(B, (j,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
             ct.store(Y, (pid, j), ((x - mean) * rstd * w + b).astype(Y.dtype))
@@ -89,7 +100,8 @@ def default_config(p: dict) -> dict:
 def _arrays(p: dict) -> dict:
     """x holds rows_in rows; M rows are normalised (all of them, or those named by `rows`)."""
     M, N, dt = p["M"], p["N"], p["dtype"]
-    return {"x": ArraySpec(dt, (p["rows_in"], N)), "w": ArraySpec(dt, (N,)), "b": ArraySpec(dt, (N,)),
+    x = ArraySpec(FIXED_DTYPE, (p["rows_in"], N), high=1 << 33) if p["fixed"] else ArraySpec(dt, (p["rows_in"], N))
+    return {"x": x, "w": ArraySpec(dt, (N,)), "b": ArraySpec(dt, (N,)),
             "y": ArraySpec(dt, (M, N), role="out"),
             "rows": ArraySpec("int32", (M,), high=p["rows_in"]) if p["gather"] else absent("int32", 1)}
 
@@ -99,7 +111,7 @@ def _grid(p: dict, c: dict) -> tuple:
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (c["TM"], c["TN"], c["TN"] >= p["N"], bool(p["gather"]))
+    return (c["TM"], c["TN"], c["TN"] >= p["N"], bool(p["gather"]), bool(p["fixed"]))
 
 
 def check_rows(rows, x) -> None:
@@ -114,9 +126,10 @@ def check_rows(rows, x) -> None:
 
 def _bind(a: list, flags: tuple) -> Binding:
     x, w, b, rows, out = a
-    arrays.check_dtype(x, "x", arrays.FLOAT_DTYPES)
-    arrays.check_same("x", x, "weight", w)
-    arrays.check_same("x", x, "bias", b)
+    arrays.check_dtype(x, "x", arrays.FLOAT_DTYPES + (FIXED_DTYPE,))
+    arrays.check_dtype(w, "weight", arrays.FLOAT_DTYPES)
+    arrays.check_same("x", x, "weight", w, dtype=x.dtype != FIXED_DTYPE)
+    arrays.check_same("weight", w, "bias", b)
     if not x.shape or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dimension, got shape {x.shape}")
     N = x.shape[-1]
@@ -131,29 +144,31 @@ def _bind(a: list, flags: tuple) -> Binding:
         check_rows(rows, x)
         out_shape = (rows.shape[0], N)
     if out is not None:
-        arrays.check_out(out, "out", x, out_shape)
+        arrays.check_out(out, "out", x, out_shape, w.dtype)
     R = out_shape[0] if rows is not None else M
     views = {"x": (0, None if len(x.shape) == 2 else (M, N)), "w": (1, None), "b": (2, None),
              "y": (4, None if len(out_shape) == 2 else (R, N))}
     if rows is not None:
         views["rows"] = (3, None)
-    return Binding(problem=dict(dtype=x.dtype, M=R, N=N, gather=int(rows is not None), rows_in=M),
-                   arrays=views, output=(4, arrays.allocator(x.kind, x.device, out_shape, x.dtype)),
+    return Binding(problem=dict(dtype=w.dtype, M=R, N=N, gather=int(rows is not None),
+                                fixed=int(x.dtype == FIXED_DTYPE), rows_in=M),
+                   arrays=views, output=(4, arrays.allocator(x.kind, x.device, out_shape, w.dtype)),
                    returns=4, scalars={"eps": (0, None)})
 
 
 LAYER_NORM = Op(
     "layer_norm", args=("x", "weight", "bias", "rows", "out"), optional=("rows", "out"),
-    key=dict(dtype=None, M=pow2_bucket, N=None, gather=None), extras=dict(rows_in=lambda p: p["M"]),
+    key=dict(dtype=None, M=pow2_bucket, N=None, gather=None, fixed=None), extras=dict(rows_in=lambda p: p["M"]),
     space=SPACE, default=default_config, arrays=_arrays, scalars=lambda p: {"eps": 1e-5},
     launches=(Launch(layer_norm_kernel, _grid, ("x", "w", "b", "y", "rows", "eps"), _constants),),
-    bind=_bind, cli_defaults=dict(gather=0))
+    bind=_bind, cli_defaults=dict(gather=0, fixed=0))
 
 
 def layer_norm(x, weight, bias, eps: float = 1e-5, *, rows=None, out=None):
     """LayerNorm of x over its last dimension with affine weight and bias (fp32 statistics).
 
-    rows: optional int32 device array of row indices into x viewed as (M, N); then only those
+    x is a float array of the weights' dtype, or a fixed-point residual (int64, fixed_point.py);
+    the output has the weights' dtype. rows: optional int32 device array of row indices into x viewed as (M, N); then only those
     rows are normalised and the result is (len(rows), N) (e.g. the last token of each sequence).
     """
     return LAYER_NORM((x, weight, bias, rows, out), (), (arrays.checked_positive(eps, "eps"),))

@@ -4,6 +4,11 @@ Every op of the forward pass is a tilekit kernel dispatched with the config the 
 holds for this GPU and shape; CuPy only allocates memory and moves data. Names follow the Hugging
 Face checkpoint (wte, wpe, h.i.ln_1, attn.c_attn, ...), weights stay [in, out] as stored, and the
 LM head reads wte in place.
+
+With few rows (a decode step) the residual stream is fixed point (kernels/fixed_point.py): the
+attention projection and the MLP add into it in place from many programs at once, and for a single
+row the whole MLP is one kernel (residual_mlp). With many rows it is an array of the model's dtype
+and each residual projection writes the sum into the other of two buffers.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from tilekit.autotune.arrays import MetaArray, numpy_dtype
-from tilekit.kernels import embedding, layer_norm, linear
+from tilekit.kernels import embedding, layer_norm, linear, residual_linear, residual_mlp
+from tilekit.kernels.fixed_point import FIXED_DTYPE
 from tilekit.models.checkpoint import (check_state_dict, load_state_dict, random_state_dict,
                                        resolve_checkpoint, save_state_dict, state_dict_shapes)
 from tilekit.models.config import GPTConfig
@@ -49,11 +55,15 @@ class Block:
 class Activations:
     """The blocks' working buffers for B sequences of T tokens as (B*T, width) rows, allocated once so
     that a pass over the blocks allocates nothing and can be captured as a CUDA graph; q, k, v and
-    heads are the (B, H, T, D) views attention reads and writes."""
+    heads are the (B, H, T, D) views attention reads and writes. x is the residual stream: fixed point
+    for up to `fixed_rows` rows, else the model's dtype with `other` as the second buffer."""
 
-    def __init__(self, config: GPTConfig, batch: int, tokens: int, dtype: str, arrays: Arrays):
+    def __init__(self, config: GPTConfig, batch: int, tokens: int, dtype: str, arrays: Arrays, fixed_rows: int):
         M, C, H, D = batch * tokens, config.n_embd, config.n_head, config.head_dim
-        self.x, self.other, self.h, self.y = (arrays.empty((M, C), dtype) for _ in range(4))
+        self.rows, self.fixed = M, M <= fixed_rows
+        self.x = arrays.empty((M, C), FIXED_DTYPE if self.fixed else dtype)
+        self.other = None if self.fixed else arrays.empty((M, C), dtype)
+        self.h, self.y = (arrays.empty((M, C), dtype) for _ in range(2))
         self.qkv = arrays.empty((M, 3 * C), dtype)
         self.f = arrays.empty((M, 4 * C), dtype)
         self.q, self.k, self.v = (self.qkv.reshape(batch, tokens, 3, H, D)[:, :, j].transpose(0, 2, 1, 3)
@@ -63,6 +73,9 @@ class Activations:
 
 class GPT(CausalLM):
     """A GPT-2 family model whose forward pass runs entirely on tilekit kernels."""
+
+    fixed_point_rows = 16   # passes of up to this many rows keep a fixed-point residual stream
+    fused_mlp_rows = 1      # ... and up to this many run the MLP as one kernel (residual_mlp)
 
     def __init__(self, config: GPTConfig, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, allow_tf32: bool = False, meta: bool = False):
@@ -96,7 +109,7 @@ class GPT(CausalLM):
         return GPT(self.config, dtype=self.dtype, allow_tf32=self.allow_tf32, meta=True)
 
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
-        return Activations(self.config, batch, tokens, self.dtype, arrays)
+        return Activations(self.config, batch, tokens, self.dtype, arrays, self.fixed_point_rows)
 
     def cache_dims(self) -> tuple[int, int, int]:
         """(layers, key/value heads, head_dim) of the KV cache."""
@@ -108,19 +121,19 @@ class GPT(CausalLM):
         attend(layer, q, k, v, out) writes one layer's attention into out (B, H, T, D) and fills the
         KV cache where there is one."""
         eps = self.config.layer_norm_epsilon
-        x, other = acts.x, acts.other
-        embedding(ids, self.wte, self.wpe, positions, out=x)
+        embedding(ids, self.wte, self.wpe, positions, out=acts.x)
         for i, blk in enumerate(self.blocks):
-            layer_norm(x, blk.ln_1_w, blk.ln_1_b, eps, out=acts.h)
+            layer_norm(acts.x, blk.ln_1_w, blk.ln_1_b, eps, out=acts.h)
             self._linear(acts.h, blk.attn_w, blk.attn_b, out=acts.qkv)
             attend(i, acts.q, acts.k, acts.v, acts.heads)
-            self._linear(acts.y, blk.proj_w, blk.proj_b, residual=x, out=other)
-            x, other = other, x
-            layer_norm(x, blk.ln_2_w, blk.ln_2_b, eps, out=acts.h)
-            self._linear(acts.h, blk.fc_w, blk.fc_b, activation="gelu", out=acts.f)
-            self._linear(acts.f, blk.mlp_proj_w, blk.mlp_proj_b, residual=x, out=other)
-            x, other = other, x
-        return x                  # an even number of swaps: acts.x
+            self._add_linear(acts, acts.y, blk.proj_w, blk.proj_b)
+            layer_norm(acts.x, blk.ln_2_w, blk.ln_2_b, eps, out=acts.h)
+            if acts.fixed and acts.rows <= self.fused_mlp_rows:
+                residual_mlp(acts.x, acts.h, blk.fc_w, blk.fc_b, blk.mlp_proj_w, blk.mlp_proj_b)
+            else:
+                self._linear(acts.h, blk.fc_w, blk.fc_b, activation="gelu", out=acts.f)
+                self._add_linear(acts, acts.f, blk.mlp_proj_w, blk.mlp_proj_b)
+        return acts.x
 
     def final_norm(self, x, out, rows=None) -> None:
         """ln_f of x (of the rows `rows` only, when given) into out."""
@@ -132,6 +145,15 @@ class GPT(CausalLM):
 
     def _linear(self, x, w, b=None, **kw):
         return linear(x, w, b, allow_tf32=self.allow_tf32, **kw)
+
+    def _add_linear(self, acts: Activations, a, w, b) -> None:
+        """The residual stream acts.x += a @ w + b: in place when fixed point, else into acts.other,
+        which then becomes acts.x."""
+        if acts.fixed:
+            residual_linear(acts.x, a, w, b)
+        else:
+            self._linear(a, w, b, residual=acts.x, out=acts.other)
+            acts.x, acts.other = acts.other, acts.x
 
     # -- checkpoints and tokenizer ----------------------------------------------------------------
     @classmethod

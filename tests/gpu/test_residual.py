@@ -1,0 +1,148 @@
+"""The fixed-point residual stream of decode steps on the GPU: residual_linear and residual_mlp against their
+float64 references, LayerNorm reading it and the embedding writing it, and bit-for-bit repeatability."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tests.gpu.conftest import TOL, assert_close, host, poisoned, rand
+
+cupy = pytest.importorskip("cupy")
+
+from tilekit.kernels import embedding, layer_norm, residual_linear, residual_mlp  # noqa: E402
+from tilekit.kernels.embedding import embedding_reference  # noqa: E402
+from tilekit.kernels.fixed_point import fixed_to_float, float_to_fixed  # noqa: E402
+from tilekit.kernels.layernorm import layer_norm_reference  # noqa: E402
+from tilekit.kernels.residual_linear import RESIDUAL_LINEAR, residual_linear_reference  # noqa: E402
+from tilekit.kernels.residual_mlp import residual_mlp_reference  # noqa: E402
+
+GPU = settings(max_examples=10, deadline=None, derandomize=True)
+DTYPES = st.sampled_from(["bfloat16", "float16", "float32"])
+
+
+def fixed_residual(shape, scale=1.0):
+    """(device fixed-point array, its float64 values) of fresh random values."""
+    start = float_to_fixed(host(rand(shape, "float32", scale)))
+    return cupy.asarray(start), fixed_to_float(start)
+
+
+def added(residual, start) -> np.ndarray:
+    """What a kernel added to a fixed-point residual, in float64 (the difference is exact)."""
+    return fixed_to_float(cupy.asnumpy(residual)) - start
+
+
+def check_residual_linear(M, N, K, dtype, bias=True):
+    residual, start = fixed_residual((M, N))
+    x, w = rand((M, K), dtype), rand((K, N), dtype, 1 / math.sqrt(K))
+    b = rand((N,), dtype) if bias else None
+    assert residual_linear(residual, x, w, b) is residual
+    ref = residual_linear_reference(0.0, host(x), host(w), None if b is None else host(b))
+    assert_close(added(residual, start), ref, TOL[dtype], f"residual_linear {(M, N, K, dtype, bias)}")
+
+
+def check_residual_mlp(M, C, dtype, F=None):
+    F = F or 4 * C
+    residual, start = fixed_residual((M, C))
+    h, w_fc, b_fc = rand((M, C), dtype), rand((C, F), dtype, C ** -0.5), rand((F,), dtype)
+    w_proj, b_proj = rand((F, C), dtype, F ** -0.5), rand((C,), dtype)
+    assert residual_mlp(residual, h, w_fc, b_fc, w_proj, b_proj) is residual
+    ref = residual_mlp_reference(0.0, host(h), host(w_fc), host(b_fc), host(w_proj), host(b_proj))
+    assert_close(added(residual, start), ref, TOL[dtype], f"residual_mlp {(M, C, F, dtype)}")
+
+
+@GPU
+@given(M=st.sampled_from([1, 3, 8, 17, 130]), N=st.sampled_from([64, 200, 768, 1031]),
+       K=st.sampled_from([64, 72, 768, 3072]), dtype=DTYPES, bias=st.booleans())
+def test_residual_linear_matches_reference(M, N, K, dtype, bias):
+    check_residual_linear(M, N, K, dtype, bias)
+
+
+@pytest.mark.parametrize("split_k", [1, 4, 16])
+def test_residual_linear_splits_sum_every_slice(split_k):
+    """Every split of K adds its slice once (the bias once too), with K not a multiple of the splits."""
+    config = dict(TM=16, TN=64, TK=64, SPLIT_K=split_k, occupancy=1)
+    with RESIDUAL_LINEAR.pinned(config):
+        for M, N, K in [(1, 1600, 6400), (8, 777, 1600), (3, 1031, 1088)]:
+            check_residual_linear(M, N, K, "bfloat16")
+            check_residual_linear(M, N, K, "float32")
+
+
+@GPU
+@given(M=st.sampled_from([1, 2, 5, 33]), C=st.sampled_from([64, 200, 768]), dtype=DTYPES)
+def test_residual_mlp_matches_reference(M, C, dtype):
+    check_residual_mlp(M, C, dtype)
+
+
+def test_residual_mlp_uneven_hidden_width():
+    check_residual_mlp(1, 1600, "bfloat16", F=6400 - 40)
+    check_residual_mlp(2, 96, "float32", F=100)
+
+
+def test_fixed_point_sums_repeat_bit_for_bit():
+    """Many programs add into one residual in whatever order they finish: integer sums do not care."""
+    x, w, b = rand((1, 6400), "bfloat16"), rand((6400, 1600), "bfloat16", 0.0125), rand((1600,), "bfloat16")
+    h, w_fc, b_fc = rand((1, 1600), "bfloat16"), rand((1600, 6400), "bfloat16", 0.025), rand((6400,), "bfloat16")
+    start = float_to_fixed(np.random.default_rng(3).standard_normal((1, 1600)))
+    results = []
+    for _ in range(4):
+        residual = cupy.asarray(start)
+        with RESIDUAL_LINEAR.pinned(dict(TM=16, TN=64, TK=64, SPLIT_K=16, occupancy=2)):
+            residual_linear(residual, x, w, b)
+        residual_mlp(residual, h, w_fc, b_fc, w, b)
+        results.append(cupy.asnumpy(residual))
+    assert all(np.array_equal(r, results[0]) for r in results[1:])
+
+
+def check_layer_norm_of_fixed_point(M, N, dtype, gather=False):
+    x, values = fixed_residual((M, N), 3.0)
+    w, b = rand((N,), dtype), rand((N,), dtype)
+    rows = np.arange(M, dtype=np.int32)[::-2] if gather else np.arange(M, dtype=np.int32)
+    out = poisoned((len(rows), N), dtype)
+    layer_norm(x, w, b, rows=cupy.asarray(rows) if gather else None, out=out)
+    ref = layer_norm_reference(values[rows], host(w), host(b))
+    assert_close(host(out), ref, TOL[dtype], f"layer_norm of fixed point {(M, N, dtype, gather)}")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("gather", [False, True])
+def test_layer_norm_of_a_fixed_point_residual(dtype, gather):
+    check_layer_norm_of_fixed_point(9, 1600, dtype, gather)
+    check_layer_norm_of_fixed_point(2, 20000, dtype)          # rows longer than a tile
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_embedding_into_a_fixed_point_residual(dtype):
+    V, P, C = 1031, 64, 1600
+    wte, wpe = rand((V, C), dtype), rand((P, C), dtype)
+    ids = cupy.random.randint(0, V, (3, 5)).astype(cupy.int32)
+    pos = cupy.random.randint(0, P, (3, 5)).astype(cupy.int32)
+    out = cupy.full((3, 5, C), -(1 << 62), cupy.int64)                     # poisoned
+    embedding(ids, wte, wpe, pos, out=out)
+    ref = embedding_reference(host(ids), host(wte), host(wpe), host(pos))
+    assert_close(fixed_to_float(cupy.asnumpy(out)), ref, TOL[dtype], f"embedding into fixed point, {dtype}")
+
+
+def test_bad_inputs_name_the_argument():
+    x, w = rand((2, 64), "bfloat16"), rand((64, 32), "bfloat16")
+    residual = cupy.zeros((2, 32), cupy.int64)
+    with pytest.raises(TypeError, match="residual has dtype bfloat16"):
+        residual_linear(rand((2, 32), "bfloat16"), x, w)
+    with pytest.raises(ValueError, match="residual must have shape"):
+        residual_linear(cupy.zeros((3, 32), cupy.int64), x, w)
+    with pytest.raises(ValueError, match="weight must be"):
+        residual_linear(residual, x, rand((63, 32), "bfloat16"))
+    with pytest.raises(TypeError, match="weight has dtype float32"):
+        residual_linear(residual, x, rand((64, 32), "float32"))
+    h = rand((2, 32), "bfloat16")
+    w_fc, b_fc, w_proj = rand((32, 128), "bfloat16"), rand((128,), "bfloat16"), rand((128, 32), "bfloat16")
+    with pytest.raises(ValueError, match="proj_bias must have shape"):
+        residual_mlp(residual, h, w_fc, b_fc, w_proj, rand((31,), "bfloat16"))
+    with pytest.raises(ValueError, match="fc_weight must be"):
+        residual_mlp(residual, h, rand((31, 128), "bfloat16"), b_fc, w_proj, rand((32,), "bfloat16"))
+    with pytest.raises(TypeError, match="x has dtype int32"):
+        layer_norm(cupy.zeros((2, 64), cupy.int32), rand((64,), "bfloat16"), rand((64,), "bfloat16"))
+    with pytest.raises(TypeError, match="out has dtype bfloat16, expected float32"):
+        layer_norm(cupy.zeros((2, 64), cupy.int64), rand((64,), "float32"), rand((64,), "float32"),
+                   out=rand((2, 64), "bfloat16"))

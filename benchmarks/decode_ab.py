@@ -6,7 +6,8 @@ the model, replays interleaved, so that no process-level effect separates them.
 
 Variants: `fixed` (this tree: fixed-point residual, the MLP in one kernel for one row), `model-dtype`
 (fixed_point_rows = 0: the residual stream in bf16 and every projection a `linear`, the path before
-the fixed-point residual), and for 2 to 16 rows `fused-mlp` (residual_mlp at that many rows too).
+the fixed-point residual), and the other MLP choice: `two-kernel-mlp` (fc linear, then residual_linear)
+where the tree fuses it, `fused-mlp` (residual_mlp) for 2 to 16 rows.
 Each variant's first greedy tokens are compared with the model-dtype variant's.
 """
 
@@ -19,12 +20,16 @@ import sys
 from pathlib import Path
 
 from benchmarks.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, replay_ms
+from tilekit.models import GPT
 
 
 def variants(batch: int) -> dict:
-    """name -> the GPT attributes it sets."""
+    """name -> the GPT attributes it sets: the model-dtype residual, this tree, and this tree with the
+    other choice of MLP for the batch (two kernels where it fuses, fused where it does not)."""
     out = {"model-dtype": dict(fixed_point_rows=0), "fixed": {}}
-    if 1 < batch <= 16:
+    if batch <= GPT.fused_mlp_rows:
+        out["two-kernel-mlp"] = dict(fused_mlp_rows=0)
+    elif batch <= GPT.fixed_point_rows:
         out["fused-mlp"] = dict(fused_mlp_rows=batch)
     return out
 

@@ -31,8 +31,6 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
         return item * (p["M"] * p["K"] + p["K"] * p["N"] + p["bias"] * p["N"] + (1 + p["res"]) * p["M"] * p["N"])
     if op_name == "residual_linear":            # the fixed-point residual read and written, 8 bytes each
         return item * (p["M"] * p["K"] + p["K"] * p["N"] + p["bias"] * p["N"]) + 16 * p["M"] * p["N"]
-    if op_name == "residual_mlp":
-        return item * (p["M"] * p["C"] + 2 * p["C"] * p["F"] + p["F"] + p["C"]) + 16 * p["M"] * p["C"]
     if op_name == "swiglu_linear":
         return item * (p["M"] * p["K"] + 2 * p["K"] * p["N"] + p["M"] * p["N"])
     if op_name == "layer_norm":                 # a fixed-point input row is 8 bytes per element

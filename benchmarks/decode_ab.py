@@ -4,10 +4,9 @@ the model, replays interleaved, so that no process-level effect separates them.
 
     python -m benchmarks.decode_ab --model gpt2 --model gpt2-xl --batch 1 --batch 8 [--out DIR]
 
-Variants: `fixed` (this tree: fixed-point residual, the MLP in one kernel for one row), `model-dtype`
-(fixed_point_rows = 0: the residual stream in bf16 and every projection a `linear`, the path before
-the fixed-point residual), and the other MLP choice: `two-kernel-mlp` (fc linear, then residual_linear)
-where the tree fuses it, `fused-mlp` (residual_mlp) for 2 to 16 rows.
+Variants: `fixed` (this tree: the fixed-point residual stream, both output projections split over K
+by residual_linear) and `model-dtype` (fixed_point_rows = 0: the residual stream in bf16 and every
+projection a `linear`, the path before the fixed-point residual).
 Each variant's first greedy tokens are compared with the model-dtype variant's.
 """
 
@@ -20,18 +19,9 @@ import sys
 from pathlib import Path
 
 from benchmarks.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, replay_ms
-from tilekit.models import GPT
 
 
-def variants(batch: int) -> dict:
-    """name -> the GPT attributes it sets: the model-dtype residual, this tree, and this tree with the
-    other choice of MLP for the batch (two kernels where it fuses, fused where it does not)."""
-    out = {"model-dtype": dict(fixed_point_rows=0), "fixed": {}}
-    if batch <= GPT.fused_mlp_rows:
-        out["two-kernel-mlp"] = dict(fused_mlp_rows=0)
-    elif batch <= GPT.fixed_point_rows:
-        out["fused-mlp"] = dict(fused_mlp_rows=batch)
-    return out
+VARIANTS = {"model-dtype": dict(fixed_point_rows=0), "fixed": {}}    # name -> the GPT attributes it sets
 
 
 def run(preset: str, weights, batch: int, copy_gbs: float, rounds: int = 5, reps: int = 200, log=print) -> dict:
@@ -41,7 +31,7 @@ def run(preset: str, weights, batch: int, copy_gbs: float, rounds: int = 5, reps
     from benchmarks.model import model_config
     from benchmarks.report import decode_floor_ms
     gens, tokens = {}, {}
-    for name, attrs in variants(batch).items():
+    for name, attrs in VARIANTS.items():
         model = copy.copy(weights)          # the same weight arrays, a runtime (graphs, buffers) of its own
         model._init_runtime()
         for attr, value in attrs.items():

@@ -19,7 +19,6 @@ PROBLEMS = {
                    dict(dtype="float32", M=3, N=1600, gather=1, fixed=1)],
     "residual_linear": [dict(dtype="bfloat16", M=1, N=1600, K=6400, bias=1),
                         dict(dtype="float32", M=5, N=1031, K=72, bias=0)],
-    "residual_mlp": [dict(dtype="bfloat16", M=1, C=1600, F=6400), dict(dtype="float16", M=3, C=200, F=800)],
     "gelu": [dict(dtype="float16", n=1 << 20, exact=1), dict(dtype="float32", n=7, exact=0)],
     "attention": [dict(dtype="bfloat16", B=8, H=12, Hkv=12, Tq=1024, Tk=1024, D=64, causal=1),
                   dict(dtype="float16", B=1, H=2, Hkv=2, Tq=7, Tk=9, D=128, causal=0),

@@ -27,9 +27,7 @@ from tilekit.kernels.sampling import GREEDY, greedy_reference  # noqa: E402
 from tilekit.kernels.swiglu import SWIGLU_LINEAR  # noqa: E402
 from tests.gpu.test_llama_kernels import check_rms_norm, check_rope, check_swiglu_linear  # noqa: E402
 from tilekit.kernels.residual_linear import RESIDUAL_LINEAR  # noqa: E402
-from tilekit.kernels.residual_mlp import RESIDUAL_MLP  # noqa: E402
-from tests.gpu.test_residual import (check_layer_norm_of_fixed_point, check_residual_linear,  # noqa: E402
-                                     check_residual_mlp)
+from tests.gpu.test_residual import check_layer_norm_of_fixed_point, check_residual_linear  # noqa: E402
 
 GPU = settings(max_examples=12, deadline=None, derandomize=True)
 DTYPES = st.sampled_from(["bfloat16", "float16", "float32"])
@@ -99,13 +97,12 @@ SPACE_CASES = {
     "swiglu_linear_few_rows": dict(dtype="bfloat16", M=3, N=1000, K=512),
     "layer_norm_fixed": dict(dtype="bfloat16", M=3, N=1600, gather=0, fixed=1),
     "residual_linear": dict(dtype="bfloat16", M=3, N=1000, K=1600, bias=1),
-    "residual_mlp": dict(dtype="bfloat16", M=1, C=768, F=3072),
 }
 OPS = {"linear": LINEAR, "linear_many_rows": LINEAR, "linear_split_k": LINEAR, "layer_norm": LAYER_NORM,
        "gelu": GELU, "attention": ATTENTION, "attention_gqa": ATTENTION, "decode_attention": DECODE_ATTENTION,
        "decode_attention_gqa": DECODE_ATTENTION, "greedy": GREEDY, "rms_norm": RMS_NORM, "rope": ROPE,
        "swiglu_linear": SWIGLU_LINEAR, "swiglu_linear_few_rows": SWIGLU_LINEAR, "layer_norm_fixed": LAYER_NORM,
-       "residual_linear": RESIDUAL_LINEAR, "residual_mlp": RESIDUAL_MLP}
+       "residual_linear": RESIDUAL_LINEAR}
 
 
 def sampled_configs(name, k=5):
@@ -133,8 +130,6 @@ def run_case(name):
         check_layer_norm_of_fixed_point(p["M"], p["N"], p["dtype"])
     elif name == "residual_linear":
         check_residual_linear(p["M"], p["N"], p["K"], p["dtype"])
-    elif name == "residual_mlp":
-        check_residual_mlp(p["M"], p["C"], p["dtype"], p["F"])
     elif name == "gelu":
         check_gelu((p["n"],), p["dtype"], "tanh")
     elif name.startswith("attention"):
@@ -297,8 +292,7 @@ def test_decode_attention_length_offset():
 
 
 @pytest.mark.parametrize("module", ["layernorm", "gelu", "linear", "attention", "decode_attention", "kv_cache",
-                                    "embedding", "sampling", "rmsnorm", "rope", "swiglu", "residual_linear",
-                                    "residual_mlp"])
+                                    "embedding", "sampling", "rmsnorm", "rope", "swiglu", "residual_linear"])
 def test_each_op_module_checks_itself(module):
     """`python -m tilekit.kernels.<op>`: the op's own check against its reference (kv_cache's is the
     KV-cache write test, clipping included)."""

@@ -6,9 +6,9 @@ Face checkpoint (wte, wpe, h.i.ln_1, attn.c_attn, ...), weights stay [in, out] a
 LM head reads wte in place.
 
 With few rows (a decode step) the residual stream is fixed point (kernels/fixed_point.py): the
-attention projection and the MLP add into it in place from many programs at once, and for a single
-row the whole MLP is one kernel (residual_mlp). With many rows it is an array of the model's dtype
-and each residual projection writes the sum into the other of two buffers.
+attention and MLP output projections add into it in place, their K split over many programs. With
+many rows it is an array of the model's dtype and each of them writes the sum into the other of two
+buffers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tilekit.autotune.arrays import MetaArray, numpy_dtype
-from tilekit.kernels import embedding, layer_norm, linear, residual_linear, residual_mlp
+from tilekit.kernels import embedding, layer_norm, linear, residual_linear
 from tilekit.kernels.fixed_point import FIXED_DTYPE
 from tilekit.models.checkpoint import (check_state_dict, load_state_dict, random_state_dict,
                                        resolve_checkpoint, save_state_dict, state_dict_shapes)
@@ -60,7 +60,7 @@ class Activations:
 
     def __init__(self, config: GPTConfig, batch: int, tokens: int, dtype: str, arrays: Arrays, fixed_rows: int):
         M, C, H, D = batch * tokens, config.n_embd, config.n_head, config.head_dim
-        self.rows, self.fixed = M, M <= fixed_rows
+        self.fixed = M <= fixed_rows
         self.x = arrays.empty((M, C), FIXED_DTYPE if self.fixed else dtype)
         self.other = None if self.fixed else arrays.empty((M, C), dtype)
         self.h, self.y = (arrays.empty((M, C), dtype) for _ in range(2))
@@ -75,7 +75,6 @@ class GPT(CausalLM):
     """A GPT-2 family model whose forward pass runs entirely on tilekit kernels."""
 
     fixed_point_rows = 16   # passes of up to this many rows keep a fixed-point residual stream
-    fused_mlp_rows = 1      # ... and up to this many run the MLP as one kernel (residual_mlp)
 
     def __init__(self, config: GPTConfig, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, allow_tf32: bool = False, meta: bool = False):
@@ -128,11 +127,8 @@ class GPT(CausalLM):
             attend(i, acts.q, acts.k, acts.v, acts.heads)
             self._add_linear(acts, acts.y, blk.proj_w, blk.proj_b)
             layer_norm(acts.x, blk.ln_2_w, blk.ln_2_b, eps, out=acts.h)
-            if acts.fixed and acts.rows <= self.fused_mlp_rows:
-                residual_mlp(acts.x, acts.h, blk.fc_w, blk.fc_b, blk.mlp_proj_w, blk.mlp_proj_b)
-            else:
-                self._linear(acts.h, blk.fc_w, blk.fc_b, activation="gelu", out=acts.f)
-                self._add_linear(acts, acts.f, blk.mlp_proj_w, blk.mlp_proj_b)
+            self._linear(acts.h, blk.fc_w, blk.fc_b, activation="gelu", out=acts.f)
+            self._add_linear(acts, acts.f, blk.mlp_proj_w, blk.mlp_proj_b)
         return acts.x
 
     def final_norm(self, x, out, rows=None) -> None:

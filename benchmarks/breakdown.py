@@ -185,12 +185,17 @@ def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", action="append", help="GPT-2 or Llama preset (repeatable; default gpt2 and gpt2-xl)")
+def model_batch_args(module: str, doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """--model (repeatable), --batch (repeatable) and --out of a decode benchmark module."""
+    ap = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=doc.splitlines()[0])
+    ap.add_argument("--model", action="append", help="model preset (repeatable; default gpt2 and gpt2-xl)")
     ap.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 8)")
-    ap.add_argument("--out", type=Path, help="write breakdown.json here")
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", type=Path, help=f"write {module}.json here")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = model_batch_args("breakdown", __doc__, argv)
     import traceback
 
     from benchmarks.timing import copy_bandwidth

@@ -12,13 +12,11 @@ Each variant's first greedy tokens are compared with the model-dtype variant's.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
-from pathlib import Path
 
-from benchmarks.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, replay_ms
+from benchmarks.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_args, replay_ms
 
 
 VARIANTS = {"model-dtype": dict(fixed_point_rows=0), "fixed": {}}    # name -> the GPT attributes it sets
@@ -60,11 +58,7 @@ def run(preset: str, weights, batch: int, copy_gbs: float, rounds: int = 5, reps
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_ab", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", action="append", help="GPT-2 preset (repeatable; default gpt2 and gpt2-xl)")
-    ap.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 8)")
-    ap.add_argument("--out", type=Path, help="write decode_ab.json here")
-    args = ap.parse_args(argv)
+    args = model_batch_args("decode_ab", __doc__, argv)
     from benchmarks.timing import copy_bandwidth
     copy_gbs = copy_bandwidth()["gbs"]
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")

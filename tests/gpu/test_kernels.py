@@ -18,6 +18,7 @@ from tilekit.kernels import (attention, decode_attention, embedding, gelu, greed
 from tilekit.kernels.attention import ATTENTION, attention_reference  # noqa: E402
 from tilekit.kernels.decode_attention import DECODE_ATTENTION, decode_attention_reference  # noqa: E402
 from tilekit.kernels.embedding import embedding_reference  # noqa: E402
+from tilekit.kernels.fixed_point import fixed_to_float  # noqa: E402
 from tilekit.kernels.gelu import GELU, gelu_reference  # noqa: E402
 from tilekit.kernels.layernorm import LAYER_NORM, layer_norm_reference  # noqa: E402
 from tilekit.kernels.linear import LINEAR, linear_reference  # noqa: E402
@@ -312,6 +313,10 @@ def test_embedding(dtype):
     out = poisoned((3, 17, C), dtype)
     embedding(ids, wte, wpe, pos, out=out)
     assert_close(host(out), embedding_reference(host(ids), host(wte), host(wpe), host(pos)), TOL[dtype], "embedding")
+    fixed_point = cupy.full((3, 17, C), -(1 << 62), cupy.int64)            # poisoned
+    embedding(ids, wte, wpe, pos, out=fixed_point)
+    ref = embedding_reference(host(ids), host(wte), host(wpe), host(pos))
+    assert_close(fixed_to_float(cupy.asnumpy(fixed_point)), ref, TOL[dtype], "embedding into a fixed-point residual")
     default_pos = embedding(ids, wte, wpe)
     assert_close(host(default_pos), embedding_reference(host(ids), host(wte), host(wpe),
                                                         np.broadcast_to(np.arange(17), (3, 17))), TOL[dtype],

@@ -1,10 +1,10 @@
 """LayerNorm over the last dimension, any leading shape, fp32 statistics.
 
 x may be the fixed-point residual stream of a decode step (int64, see fixed_point.py); the output
-then takes the weights' dtype. Each program normalises TM rows. When a row fits one tile (the usual case: hidden sizes up to
-8192) it is read once and the variance is computed around the mean (two-pass, in registers);
-longer rows are streamed in TN-wide tiles with per-tile mean/M2 merged by Chan's formula, then
-read again to normalise.
+then takes the weights' dtype. Each program normalises TM rows. When a row fits one tile (the usual
+case: hidden sizes up to 8192) it is read once and the variance is computed around the mean
+(two-pass, in registers); longer rows are streamed in TN-wide tiles with per-tile mean/M2 merged by
+Chan's formula, then read again to normalise.
 """
 
 from __future__ import annotations
@@ -168,8 +168,9 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, *, rows=None, out=None):
     """LayerNorm of x over its last dimension with affine weight and bias (fp32 statistics).
 
     x is a float array of the weights' dtype, or a fixed-point residual (int64, fixed_point.py);
-    the output has the weights' dtype. rows: optional int32 device array of row indices into x viewed as (M, N); then only those
-    rows are normalised and the result is (len(rows), N) (e.g. the last token of each sequence).
+    the output has the weights' dtype. rows: optional int32 device array of row indices into x
+    viewed as (M, N); then only those rows are normalised and the result is (len(rows), N) (e.g. the
+    last token of each sequence).
     """
     return LAYER_NORM((x, weight, bias, rows, out), (), (arrays.checked_positive(eps, "eps"),))
 

@@ -71,7 +71,7 @@ SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128), TN=(32, 64, 128), TK=(64, 128, 
 
 
 def default_config(p: dict) -> dict:
-    """The H100 prototype's winner for one row and 1600 or 768 columns (docs/results/fixed-point-decode-h100.txt)."""
+    """The H100 prototype's winner for one row and 1600 or 768 columns (docs/results/fixed-point-decode.txt)."""
     tk = min(128, max(64, pow2_ceil(p["K"])))
     k_tiles = ct.cdiv(p["K"], tk)
     split = 8 if p["M"] <= 4 else 4 if p["M"] <= 16 else 1

@@ -1,6 +1,6 @@
 """Decode-step variants of tilekit's GPT-2 compared inside one process: the replayed greedy decode graph
-(bf16, a 128-token prompt and 128 new tokens, dependent launch as configured) of two or three copies of
-the model, replays interleaved, so that no process-level effect separates them.
+(bf16, a 128-token prompt and 128 new tokens, dependent launch as configured) of copies of the model
+sharing its weights, replays interleaved, so that no process-level effect separates them.
 
     python -m benchmarks.decode_ab --model gpt2 --model gpt2-xl --batch 1 --batch 8 [--out DIR]
 

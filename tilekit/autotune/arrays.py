@@ -229,6 +229,14 @@ def check_same(name_a: str, a: Info, name_b: str, b: Info, *, dtype: bool = True
         raise TypeError(f"{name_b} has dtype {b.dtype} but {name_a} has dtype {a.dtype}; they must match")
 
 
+def check_bias(bias: Info, x: Info, n: int) -> None:
+    """An optional linear bias: x's device and dtype, shape (n,), contiguous."""
+    check_same("x", x, "bias", bias)
+    if bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+    check_contiguous(bias, "bias")
+
+
 def check_last_contiguous(a: Info, name: str) -> None:
     if a.shape and a.shape[-1] > 1 and a.strides[-1] != 1 and 0 not in a.shape:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {a.strides[-1]})")

@@ -213,10 +213,7 @@ def _bind(a: list, flags: tuple) -> Binding:
     views = {"x": (0, None if len(x.shape) == 2 else (M, K)), "w": (1, None),
              "y": (4, None if len(out_shape) == 2 else (M, N))}
     if bias is not None:
-        arrays.check_same("x", x, "bias", bias)
-        if bias.shape != (N,):
-            raise ValueError(f"bias must have shape ({N},), got {bias.shape}")
-        arrays.check_contiguous(bias, "bias")
+        arrays.check_bias(bias, x, N)
         views["bias"] = (2, None)
     if res is not None:
         arrays.check_same("x", x, "residual", res)

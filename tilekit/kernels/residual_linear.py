@@ -113,10 +113,7 @@ def _bind(a: list, flags: tuple) -> Binding:
     views = {"residual": (0, None if len(residual.shape) == 2 else (M, N)),
              "x": (1, None if len(x.shape) == 2 else (M, K)), "w": (2, None)}
     if bias is not None:
-        arrays.check_same("x", x, "bias", bias)
-        if bias.shape != (N,):
-            raise ValueError(f"bias must have shape ({N},), got {bias.shape}")
-        arrays.check_contiguous(bias, "bias")
+        arrays.check_bias(bias, x, N)
         views["bias"] = (3, None)
     return Binding(problem=dict(dtype=x.dtype, M=M, N=N, K=K, bias=int(bias is not None)), arrays=views,
                    returns=0)

@@ -45,8 +45,8 @@ def plan(mode: str) -> list[Case]:
         cases += [Case("linear", (preset, layer, M_TOKENS, K, N)) for layer, K, N in linear_layers(C)]
     for preset, C in PRESET_WIDTH.items():
         cases.append(Case("epilogue", (preset, "mlp.c_fc", M_TOKENS, C, 4 * C)))
-    attn = [(8, 12, 1024), (1, 25, 1024)] + ([(4, 16, 4096)] if full else [])
-    cases += [Case("attention", (B, H, T, HEAD_DIM)) for B, H, T in attn]
+    attn = [(8, 12, 1024, HEAD_DIM), (1, 25, 1024, HEAD_DIM), (4, 16, 4096, HEAD_DIM), (4, 16, 2048, 128)]
+    cases += [Case("attention", shape) for shape in attn]
     ln = [(8192, 768), (8192, 1600), (32768, 1600)] + ([(16384, 4096)] if full else [])
     cases += [Case("layer_norm", s) for s in ln]
     cases.append(Case("gelu", (16384, 4096)))
@@ -73,7 +73,7 @@ def describe(case: Case) -> tuple[str, str]:
         return f"lin+gelu+res {preset} {K}x{N}", f"{layer} M={M} K={K} N={N}: gelu(x W + b) + r"
     if case.kind == "attention":
         B, H, T, D = p
-        return f"attention causal B{B} H{H} T{T}", f"B={B} H={H} T={T} D={D}"
+        return f"attention causal B{B} H{H} T{T}" + (f" D{D}" if D != HEAD_DIM else ""), f"B={B} H={H} T={T} D={D}"
     if case.kind == "layer_norm":
         return f"layer_norm {p[0]}x{p[1]}", f"M={p[0]} N={p[1]}"
     if case.kind == "gelu":

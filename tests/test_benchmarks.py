@@ -272,7 +272,8 @@ def test_kernel_plans():
     assert kinds == {"linear", "epilogue", "attention", "layer_norm", "gelu", "decode_attention"}
     linear = [c.params for c in full if c.kind == "linear"]
     assert ("gpt2-xl", "mlp.c_proj", 8192, 6400, 1600) in linear and len(linear) == 8
-    assert {c.params[:3] for c in full if c.kind == "attention"} == {(8, 12, 1024), (1, 25, 1024), (4, 16, 4096)}
+    assert {c.params for c in full if c.kind == "attention"} == {(8, 12, 1024, 64), (1, 25, 1024, 64), (4, 16, 4096, 64),
+                                                                 (4, 16, 2048, 128)}
     assert len([c for c in full if c.kind == "decode_attention"]) == 6
     big = [c for c in quick if c.kind == "layer_norm" and c.params[0] * c.params[1] * 2 >= 64 << 20]
     assert big, "a layer_norm input of at least 64 MB"

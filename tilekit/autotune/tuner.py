@@ -32,6 +32,7 @@ class TuneResult:
     candidates: int
     measured: int
     failures: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)      # every measured config (sorted item tuple) -> us
 
     @property
     def speedup(self) -> float | None:
@@ -107,7 +108,7 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
                             default_config=default, default_time_us=timings.get(_freeze(default)),
                             candidates=len(candidates), measured=len(found.successes),
                             failures=[(c, e.__name__, m.splitlines()[0] if m else "")
-                                      for c, e, m in found.failures])
+                                      for c, e, m in found.failures], timings=timings)
         if save:
             store.user_db().store(dev, {key: _entry(op, result, dev)})
             op.forget()

@@ -59,12 +59,20 @@ def batch_head(bh, H):
 
 @ct.kernel
 def attention_kernel(Q, K, V, O, qk_scale: float, BM: ct.Constant[int], BN: ct.Constant[int],
-                     D: ct.Constant[int], CAUSAL: ct.Constant[bool]):
+                     D: ct.Constant[int], CAUSAL: ct.Constant[bool], LONGEST_FIRST: ct.Constant[bool]):
     """O = softmax(Q K^T * scale [+ causal mask]) V on (B, H, T, D) queries and (B, Hkv, T, D) keys and
-    values; queries are the last Tq keys."""
+    values; queries are the last Tq keys.
+
+    The grid is (query tiles, batch x heads), or with LONGEST_FIRST (batch x heads, query tiles) walked
+    from the last query tile down: blocks start in grid order, so the causal programs with the most
+    key tiles start first and the short ones fill the last round instead of idling SMs."""
     sync_with_previous_kernel()
-    pid_m = ct.bid(0)
-    b, h = batch_head(ct.bid(1), Q.shape[1])
+    if LONGEST_FIRST:
+        pid_m = ct.num_blocks(1) - 1 - ct.bid(1)
+        b, h = batch_head(ct.bid(0), Q.shape[1])
+    else:
+        pid_m = ct.bid(0)
+        b, h = batch_head(ct.bid(1), Q.shape[1])
     hk = h // (Q.shape[1] // K.shape[1])
     Tq = Q.shape[2]
     Tk = K.shape[2]
@@ -107,11 +115,12 @@ def _fits(c: dict, p: dict) -> bool:
             and (c["occupancy"] <= 2 or c["BM"] == 64))       # 3-4 resident programs only with small tiles
 
 
-SPACE = SearchSpace(_fits, BM=(64, 128, 256), BN=(32, 64, 128), occupancy=(1, 2, 3, 4))
+SPACE = SearchSpace(_fits, BM=(64, 128, 256), BN=(32, 64, 128), LONGEST_FIRST=(0, 1), occupancy=(1, 2, 3, 4))
 
 
 def default_config(p: dict) -> dict:
-    return dict(BM=64, BN=128 if p["Tk"] >= 128 else 64, occupancy=2 if pow2_ceil(p["D"]) <= 64 else 1)
+    return dict(BM=64, BN=128 if p["Tk"] >= 128 else 64, LONGEST_FIRST=int(bool(p["causal"])),
+                occupancy=2 if pow2_ceil(p["D"]) <= 64 else 1)
 
 
 def qkv_views(dtype: str, B: int, H: int, T: int, D: int, offset: int = 0, fused_heads: int | None = None
@@ -136,11 +145,12 @@ def _arrays(p: dict) -> dict:
 
 
 def _grid(p: dict, c: dict) -> tuple:
-    return (ct.cdiv(p["Tq"], c["BM"]), p["B"] * p["H"], 1)
+    tiles, heads = ct.cdiv(p["Tq"], c["BM"]), p["B"] * p["H"]
+    return (heads, tiles, 1) if c["LONGEST_FIRST"] else (tiles, heads, 1)
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (c["BM"], c["BN"], pow2_ceil(p["D"]), bool(p["causal"]))
+    return (c["BM"], c["BN"], pow2_ceil(p["D"]), bool(p["causal"]), bool(c["LONGEST_FIRST"]))
 
 
 def check_qkv(q, k, v, names=("q", "k", "v")) -> None:

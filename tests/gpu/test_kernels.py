@@ -211,6 +211,16 @@ def test_attention_fp32_and_shorter_queries():
     check_attention(2, 1, 33, 40, 64, "bfloat16", False)
 
 
+@pytest.mark.parametrize("longest_first", [0, 1])
+def test_attention_grid_orders(longest_first):
+    """Both grid orders cover every (query tile, batch, head) once: several query tiles, grouped heads,
+    fewer queries than keys, with and without the causal mask."""
+    with ATTENTION.pinned(dict(BM=64, BN=64, LONGEST_FIRST=longest_first, occupancy=2)):
+        check_attention(3, 4, 300, 300, 64, "bfloat16", True, Hkv=2)
+        check_attention(2, 3, 130, 333, 64, "float16", True)
+        check_attention(2, 3, 200, 200, 128, "bfloat16", False)
+
+
 @pytest.mark.parametrize("H,Hkv,T,D,dtype", [(8, 2, 300, 64, "bfloat16"), (32, 8, 129, 128, "bfloat16"),
                                              (4, 1, 65, 64, "float32"), (6, 3, 1, 64, "float16")])
 def test_grouped_query_attention(H, Hkv, T, D, dtype):

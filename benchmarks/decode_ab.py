@@ -4,10 +4,9 @@ sharing its weights, replays interleaved, so that no process-level effect separa
 
     python -m benchmarks.decode_ab --model gpt2 --model gpt2-xl --batch 1 --batch 8 [--out DIR]
 
-Variants: `fixed+fold` (this tree: the fixed-point residual stream, both output projections split over
-K by residual_linear, each LayerNorm folded into the projection after it by norm_linear), `fixed`
-(norm_fold_rows = 0: LayerNorm and linear as two kernels) and `model-dtype` (fixed_point_rows = 0
-too: the residual stream in bf16 and every projection a `linear`).
+Variants: `fixed` (this tree: the fixed-point residual stream, both output projections split over K
+by residual_linear) and `model-dtype` (fixed_point_rows = 0: the residual stream in bf16 and every
+projection a `linear`, the path before the fixed-point residual).
 Each variant's first greedy tokens are compared with the model-dtype variant's.
 """
 
@@ -20,8 +19,7 @@ import sys
 from benchmarks.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_args, replay_ms
 
 
-VARIANTS = {"model-dtype": dict(fixed_point_rows=0, norm_fold_rows=0), "fixed": dict(norm_fold_rows=0),
-            "fixed+fold": {}}                                       # name -> the GPT attributes it sets
+VARIANTS = {"model-dtype": dict(fixed_point_rows=0), "fixed": {}}    # name -> the GPT attributes it sets
 
 
 def run(preset: str, weights, batch: int, copy_gbs: float, rounds: int = 5, reps: int = 200, log=print) -> dict:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU host: decode-step variants of this tree compared inside one process (benchmarks.decode_ab: folded
-# LayerNorms and the fixed-point residual against each other and the model-dtype residual), replays interleaved.
+# On a GPU host: decode-step variants of this tree compared inside one process (benchmarks.decode_ab: the
+# fixed-point residual against the model-dtype residual), replays interleaved.
 # Tune first into the same TILEKIT_CACHE_DIR (scripts/gpu-tune.sh), or the new ops run their default configs.
 #   source .gpu/setup.sh && scripts/gpu-tune.sh gpt2 gpt2-xl && scripts/gpu-decode-ab.sh gpt2 gpt2-xl
 # (A tree against another tree needs two processes, and the dependent-launch step time has moved 10% between

@@ -21,25 +21,24 @@ def test_model_problems_cover_forward_and_generate(preset):
         assert keys(generate_problems(config, "bfloat16", B, 896, 128)) <= tuned      # the longest that fits
     ops = {name for name, _ in tuned}
     assert ops == {"embedding", "layer_norm", "linear", "attention", "kv_write", "decode_attention", "greedy",
-                   "residual_linear", "norm_linear"}
+                   "residual_linear"}
 
 
 def test_decode_steps_add_into_a_fixed_point_residual():
-    """Decode steps (batch 1 and 8): both output projections add into a fixed-point residual and each
-    LayerNorm folds into the projection after it; prefills keep the model dtype's residual, separate
-    LayerNorms and plain linears."""
+    """Decode steps (batch 1 and 8): both output projections add into a fixed-point residual; prefills
+    keep the model dtype's residual and plain linears."""
     config = GPTConfig.preset("gpt2").replace(n_layer=2)
     for B in (1, 8):
         decode = GPT(config, meta=True).kernel_problems(B, 128, 128)
         prefill = GPT(config, meta=True).kernel_problems(B, 128)
         step_start = max(i for i, (op, _) in enumerate(decode) if op.name == "embedding")
         step, prompt = decode[step_start:], decode[:step_start] + prefill
-        block = ["norm_linear", "decode_attention", "residual_linear", "norm_linear", "residual_linear"]
+        block = ["layer_norm", "linear", "decode_attention", "residual_linear", "layer_norm", "linear",
+                 "residual_linear"]
         assert [op.name for op, _ in step] == ["embedding"] + 2 * block + ["layer_norm", "linear", "greedy"]
-        assert all(p["fixed"] == 1 for op, p in step if op.name in ("embedding", "layer_norm", "norm_linear"))
-        assert [p["act"] for op, p in step if op.name == "norm_linear"] == 2 * ["none", "gelu"]
+        assert all(p["fixed"] == 1 for op, p in step if op.name in ("embedding", "layer_norm"))
         assert all(p["fixed"] == 0 for op, p in prompt if op.name in ("embedding", "layer_norm"))
-        assert not {"residual_linear", "norm_linear"} & {op.name for op, _ in prompt}
+        assert "residual_linear" not in {op.name for op, _ in prompt}
 
 
 def test_generate_sizes_its_cache_like_generate():

@@ -303,8 +303,7 @@ def test_decode_attention_length_offset():
 
 
 @pytest.mark.parametrize("module", ["layernorm", "gelu", "linear", "attention", "decode_attention", "kv_cache",
-                                    "embedding", "sampling", "rmsnorm", "rope", "swiglu", "residual_linear",
-                                    "norm_linear"])
+                                    "embedding", "sampling", "rmsnorm", "rope", "swiglu", "residual_linear"])
 def test_each_op_module_checks_itself(module):
     """`python -m tilekit.kernels.<op>`: the op's own check against its reference (kv_cache's is the
     KV-cache write test, clipping included)."""

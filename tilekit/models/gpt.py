@@ -6,10 +6,9 @@ Face checkpoint (wte, wpe, h.i.ln_1, attn.c_attn, ...), weights stay [in, out] a
 LM head reads wte in place.
 
 With few rows (a decode step) the residual stream is fixed point (kernels/fixed_point.py): the
-attention and MLP output projections add into it in place, their K split over many programs, and
-each LayerNorm is the prologue of the projection after it (kernels/norm_linear.py). With many rows
-the stream is an array of the model's dtype, each output projection writes the sum into the other
-of two buffers, and each LayerNorm writes its own output for the projection to read.
+attention and MLP output projections add into it in place, their K split over many programs. With
+many rows it is an array of the model's dtype and each of them writes the sum into the other of two
+buffers.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tilekit.autotune.arrays import MetaArray, numpy_dtype
-from tilekit.kernels import embedding, layer_norm, linear, norm_linear, residual_linear
+from tilekit.kernels import embedding, layer_norm, linear, residual_linear
 from tilekit.kernels.fixed_point import FIXED_DTYPE
 from tilekit.models.checkpoint import (check_state_dict, load_state_dict, random_state_dict,
                                        resolve_checkpoint, save_state_dict, state_dict_shapes)
@@ -57,14 +56,11 @@ class Activations:
     """The blocks' working buffers for B sequences of T tokens as (B*T, width) rows, allocated once so
     that a pass over the blocks allocates nothing and can be captured as a CUDA graph; q, k, v and
     heads are the (B, H, T, D) views attention reads and writes. x is the residual stream: fixed point
-    for up to `fixed_rows` rows, else the model's dtype with `other` as the second buffer; up to
-    `fold_rows` rows, LayerNorms fold into the projections after them."""
+    for up to `fixed_rows` rows, else the model's dtype with `other` as the second buffer."""
 
-    def __init__(self, config: GPTConfig, batch: int, tokens: int, dtype: str, arrays: Arrays, fixed_rows: int,
-                 fold_rows: int):
+    def __init__(self, config: GPTConfig, batch: int, tokens: int, dtype: str, arrays: Arrays, fixed_rows: int):
         M, C, H, D = batch * tokens, config.n_embd, config.n_head, config.head_dim
         self.fixed = M <= fixed_rows
-        self.fold_norm = M <= fold_rows
         self.x = arrays.empty((M, C), FIXED_DTYPE if self.fixed else dtype)
         self.other = None if self.fixed else arrays.empty((M, C), dtype)
         self.h, self.y = (arrays.empty((M, C), dtype) for _ in range(2))
@@ -79,7 +75,6 @@ class GPT(CausalLM):
     """A GPT-2 family model whose forward pass runs entirely on tilekit kernels."""
 
     fixed_point_rows = 16   # passes of up to this many rows keep a fixed-point residual stream
-    norm_fold_rows = 16     # ... and fold each LayerNorm into the projection after it
 
     def __init__(self, config: GPTConfig, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, allow_tf32: bool = False, meta: bool = False):
@@ -113,8 +108,7 @@ class GPT(CausalLM):
         return GPT(self.config, dtype=self.dtype, allow_tf32=self.allow_tf32, meta=True)
 
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
-        return Activations(self.config, batch, tokens, self.dtype, arrays, self.fixed_point_rows,
-                           self.norm_fold_rows)
+        return Activations(self.config, batch, tokens, self.dtype, arrays, self.fixed_point_rows)
 
     def cache_dims(self) -> tuple[int, int, int]:
         """(layers, key/value heads, head_dim) of the KV cache."""
@@ -125,12 +119,15 @@ class GPT(CausalLM):
 
         attend(layer, q, k, v, out) writes one layer's attention into out (B, H, T, D) and fills the
         KV cache where there is one."""
+        eps = self.config.layer_norm_epsilon
         embedding(ids, self.wte, self.wpe, positions, out=acts.x)
         for i, blk in enumerate(self.blocks):
-            self._norm_linear(acts, blk.ln_1_w, blk.ln_1_b, blk.attn_w, blk.attn_b, out=acts.qkv)
+            layer_norm(acts.x, blk.ln_1_w, blk.ln_1_b, eps, out=acts.h)
+            self._linear(acts.h, blk.attn_w, blk.attn_b, out=acts.qkv)
             attend(i, acts.q, acts.k, acts.v, acts.heads)
             self._add_linear(acts, acts.y, blk.proj_w, blk.proj_b)
-            self._norm_linear(acts, blk.ln_2_w, blk.ln_2_b, blk.fc_w, blk.fc_b, activation="gelu", out=acts.f)
+            layer_norm(acts.x, blk.ln_2_w, blk.ln_2_b, eps, out=acts.h)
+            self._linear(acts.h, blk.fc_w, blk.fc_b, activation="gelu", out=acts.f)
             self._add_linear(acts, acts.f, blk.mlp_proj_w, blk.mlp_proj_b)
         return acts.x
 
@@ -144,16 +141,6 @@ class GPT(CausalLM):
 
     def _linear(self, x, w, b=None, **kw):
         return linear(x, w, b, allow_tf32=self.allow_tf32, **kw)
-
-    def _norm_linear(self, acts: Activations, ln_w, ln_b, w, b, **kw) -> None:
-        """LayerNorm of the residual stream, then the projection w, b: one kernel when acts.fold_norm,
-        else the LayerNorm into acts.h and a linear reading it."""
-        eps = self.config.layer_norm_epsilon
-        if acts.fold_norm:
-            norm_linear(acts.x, ln_w, ln_b, w, b, eps, **kw)
-        else:
-            layer_norm(acts.x, ln_w, ln_b, eps, out=acts.h)
-            self._linear(acts.h, w, b, **kw)
 
     def _add_linear(self, acts: Activations, a, w, b) -> None:
         """The residual stream acts.x += a @ w + b: in place when fixed point, else into acts.other,

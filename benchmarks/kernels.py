@@ -15,6 +15,7 @@ from typing import Callable
 
 from benchmarks import checks, timing
 from benchmarks.report import Row, fill_times, mark_error, short_error
+from tilekit.autotune.op import autotune_mode, recording
 
 M_TOKENS = 8192
 HEAD_DIM = 64
@@ -200,6 +201,19 @@ def _row(case: Case, anchor: str, calib: dict) -> Row:
                tolerance=checks.TOLERANCE["bfloat16"], params={"kind": case.kind, "params": list(case.params)})
 
 
+def config_sources(calls: list, device=None) -> str:
+    """Where the config of each kernel call in `calls` (tilekit.autotune.op.recording) came from on
+    `device` (default: the current GPU), e.g. 'linear: shipped db, exact-gpu, exact bucket'; a row on
+    a 'heuristic default' ran an untuned tilekit. (In auto mode the calls have tuned what they lacked.)"""
+    from tilekit.device import device_info
+    if not calls:
+        return ""
+    device = device or device_info()
+    mode = "cached" if autotune_mode() == "auto" else None
+    return "; ".join(dict.fromkeys(f"{op.name}: {op.resolve(problem, device, mode).describe()}"
+                                   for op, problem in calls))
+
+
 def run_case(case: Case, calib: dict, *, reps: int, warmup: int = 5, log=print,
              compile_mode: str = "default", budget: timing.CompileBudget | None = None) -> list[Row]:
     """One row per anchor: check tilekit's output against the anchor's, then time both as graph replays.
@@ -213,9 +227,15 @@ def run_case(case: Case, calib: dict, *, reps: int, warmup: int = 5, log=print,
         return mark_error([_row(case, "-", calib)], e, log, "inputs")
     rows = [_row(case, name, calib) for name, _ in b.anchors]
     try:
-        out = b.tilekit()                                    # also compiles the kernel
+        with recording() as calls:
+            out = b.tilekit()                                # also compiles the kernel
+        configs = config_sources(calls)
     except Exception as e:  # noqa: BLE001
         return mark_error(rows, e, log, "tilekit")
+    for r in rows:
+        r.params["tilekit_config"] = configs
+        if "heuristic default" in configs:
+            r.note = "tilekit untuned (heuristic default config)"
     tk_time = None
     for r, (name, fn) in zip(rows, b.anchors):
         try:
@@ -225,7 +245,7 @@ def run_case(case: Case, calib: dict, *, reps: int, warmup: int = 5, log=print,
                     continue
                 ref, seconds = budget.first_call(fn)
                 r.params.update(compile_s=round(seconds, 1), compile_mode=compile_mode)
-                r.note = f"{compile_mode} mode, first call (compile) {seconds:.1f} s"
+                r.note = "; ".join(filter(None, [r.note, f"{compile_mode} mode, first call (compile) {seconds:.1f} s"]))
             else:
                 ref = fn()
             r.error = checks.rel_error(out, ref)

@@ -265,6 +265,26 @@ def test_leading_agreement():
 
 # -- plans --------------------------------------------------------------------------------------
 
+def test_kernel_rows_say_where_tilekit_configs_came_from(monkeypatch):
+    """A suite row records whether tilekit ran a tuned config: the shipped entry of a GPT-2 shape, the
+    heuristic default for the same matmul without its bias (a key no model tunes)."""
+    from tilekit.autotune import store
+    from tilekit.autotune.arrays import MetaArray
+    from tilekit.autotune.op import recording
+    from tilekit.device import DeviceInfo
+    from tilekit.kernels import linear
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(ROOT / "tuning_db"))
+    store.reset()
+    h100 = DeviceInfo("NVIDIA H100 80GB HBM3", "sm_90", 132)
+    x, w, b = MetaArray((8192, 768), "bfloat16"), MetaArray((768, 2304), "bfloat16"), MetaArray((2304,), "bfloat16")
+    with recording() as calls:
+        linear(x, w, b)
+        linear(x, w)
+    assert kernels.config_sources(calls[:1], h100) == "linear: shipped db, exact-gpu, exact bucket"
+    assert kernels.config_sources(calls[1:], h100) == "linear: heuristic default"
+    store.reset()
+
+
 def test_kernel_plans():
     quick, full = kernels.plan("quick"), kernels.plan("full")
     assert set(quick) <= set(full) and len(quick) < len(full)

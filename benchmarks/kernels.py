@@ -20,6 +20,10 @@ from tilekit.autotune.op import autotune_mode, recording
 M_TOKENS = 8192
 HEAD_DIM = 64
 PRESET_WIDTH = {"gpt2": 768, "gpt2-xl": 1600}
+FULL_WIDTH = {"gpt2": 768, "gpt2-medium": 1024, "gpt2-large": 1280, "gpt2-xl": 1600}
+FULL_ROWS = (128, 1024, M_TOKENS)       # prefill rows: B1 T128, B8 T128 / B1 T1024, B8 T1024
+VOCAB = 50257
+LABEL_WIDTH = 36                        # the summary table's case column
 DECODE_HEADS = 12                       # gpt2
 COMPILE_BUDGET_S = 120.0                # for the torch.compile epilogue anchors of one run
 COMPILE_MODE = {"quick": "default", "full": "max-autotune-no-cudagraphs"}
@@ -36,14 +40,20 @@ def linear_layers(C: int) -> list[tuple[str, int, int]]:
     return [("attn.c_attn", C, 3 * C), ("attn.c_proj", C, C), ("mlp.c_fc", C, 4 * C), ("mlp.c_proj", 4 * C, C)]
 
 
+def lm_head(C: int) -> tuple[str, int, int]:
+    """(layer, K, N) of the tied LM head, x @ wte^T: its weight is wte as stored, [N, K] = [out, in]."""
+    return ("lm_head", C, VOCAB)
+
+
 def plan(mode: str) -> list[Case]:
     """The cases of a run; quick is a subset of full."""
     if mode not in ("quick", "full"):
         raise ValueError(f"mode must be 'quick' or 'full', got {mode!r}")
     full = mode == "full"
     cases = []
-    for preset, C in PRESET_WIDTH.items():
-        cases += [Case("linear", (preset, layer, M_TOKENS, K, N)) for layer, K, N in linear_layers(C)]
+    for preset, C in (FULL_WIDTH if full else PRESET_WIDTH).items():
+        for M in (FULL_ROWS if full else (M_TOKENS,)):
+            cases += [Case("linear", (preset, layer, M, K, N)) for layer, K, N in linear_layers(C) + [lm_head(C)]]
     for preset, C in PRESET_WIDTH.items():
         cases.append(Case("epilogue", (preset, "mlp.c_fc", M_TOKENS, C, 4 * C)))
     attn = [(8, 12, 1024, HEAD_DIM), (1, 25, 1024, HEAD_DIM), (4, 16, 4096, HEAD_DIM), (4, 16, 2048, 128)]
@@ -68,7 +78,10 @@ def describe(case: Case) -> tuple[str, str]:
     p = case.params
     if case.kind == "linear":
         preset, layer, M, K, N = p
-        return f"linear {preset} {layer} {K}x{N}", f"M={M} K={K} N={N}"
+        label = f"linear {preset} {layer} {K}x{N}"
+        if M != M_TOKENS or len(label) > LABEL_WIDTH:            # the full suite's extra rows: short names
+            label = f"lin {preset.replace('gpt2-', '')} {layer} M{M}"
+        return label, f"M={M} K={K} N={N}"
     if case.kind == "epilogue":
         preset, layer, M, K, N = p
         return f"lin+gelu+res {preset} {K}x{N}", f"{layer} M={M} K={K} N={N}: gelu(x W + b) + r"
@@ -159,6 +172,10 @@ def build(case: Case, compile_mode: str = "default") -> Built:
     if case.kind in ("linear", "epilogue"):
         _, _, M, K, N = p
         x, w = randn(M, K), randn(K, N, scale=1 / math.sqrt(K))
+        if case.kind == "linear" and p[1] == "lm_head":
+            wte = w.T.contiguous()                                       # [N, K], as the embedding stores it
+            return Built(lambda: tk.linear(x, wte, weight_layout="out_in"),
+                         [("torch.matmul", lambda: torch.matmul(x, wte.T)), ("cupy.matmul", _cupy_matmul(x, wte.T))])
         if case.kind == "linear":
             return Built(lambda: tk.linear(x, w),
                          [("torch.matmul", lambda: torch.matmul(x, w)), ("cupy.matmul", _cupy_matmul(x, w))])

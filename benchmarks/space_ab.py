@@ -22,7 +22,7 @@ def op_problem(case: Case) -> tuple[str, dict] | None:
     if case.kind in ("linear", "epilogue"):
         _, _, M, K, N = p
         fused = case.kind == "epilogue"
-        return "linear", dict(dtype="bfloat16", M=M, N=N, K=K, wt="kn", bias=int(fused),
+        return "linear", dict(dtype="bfloat16", M=M, N=N, K=K, wt="nk" if p[1] == "lm_head" else "kn", bias=int(fused),
                               act="gelu" if fused else "none", res=int(fused), tf32=0)
     if case.kind == "attention":
         B, H, T, D = p

@@ -291,7 +291,10 @@ def test_kernel_plans():
     kinds = {c.kind for c in quick}
     assert kinds == {"linear", "epilogue", "attention", "layer_norm", "gelu", "decode_attention"}
     linear = [c.params for c in full if c.kind == "linear"]
-    assert ("gpt2-xl", "mlp.c_proj", 8192, 6400, 1600) in linear and len(linear) == 8
+    assert ("gpt2-xl", "mlp.c_proj", 8192, 6400, 1600) in linear and len(linear) == 4 * 3 * 5
+    assert {(p[0], p[2]) for p in linear if p[1] == "lm_head"} == {(m, M) for m in kernels.FULL_WIDTH
+                                                                   for M in (128, 1024, 8192)}
+    assert [c.params[1] for c in quick if c.kind == "linear"].count("lm_head") == 2
     assert {c.params for c in full if c.kind == "attention"} == {(8, 12, 1024, 64), (1, 25, 1024, 64), (4, 16, 4096, 64),
                                                                  (4, 16, 2048, 128)}
     assert len([c for c in full if c.kind == "decode_attention"]) == 6

@@ -41,24 +41,42 @@ def best_by_value(timings: dict, axis: str) -> dict:
     return best
 
 
+def parse_axes(values, ops: dict) -> dict:
+    """{op name: axis} from 'op:AXIS' strings; ValueError naming --axis for an unknown op or axis (only
+    ops the kernel suite runs: linear, attention)."""
+    axes = {}
+    for value in values:
+        name, sep, axis = value.partition(":")
+        if not sep or name not in ("linear", "attention"):
+            raise ValueError(f"--axis must be linear:AXIS or attention:AXIS, got {value!r}")
+        if axis not in ops[name].space.params:
+            raise ValueError(f"--axis {value!r}: {name}'s search space has no axis {axis!r} "
+                             f"(it has {', '.join(ops[name].space.params)})")
+        axes[name] = axis
+    return axes
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--axis", action="append", help="op:AXIS (default: %s)" % " ".join(DEFAULT_AXES))
     parser.add_argument("--full", action="store_true", help="the full kernel suite's cases")
     args = parser.parse_args(argv)
-    axes = dict(a.split(":", 1) for a in (args.axis or DEFAULT_AXES))
 
     import tilekit.kernels  # noqa: F401  (declares the ops)
     from tilekit.autotune.registry import registered_ops
     from tilekit.autotune.tuner import tune_many
     ops = registered_ops()
+    try:
+        axes = parse_axes(args.axis or DEFAULT_AXES, ops)
+    except ValueError as e:
+        parser.error(str(e))
     cases = [(c, found) for c in plan("full" if args.full else "quick") if (found := op_problem(c))]
     cases = [(c, (name, p)) for c, (name, p) in cases if name in axes]
     results = tune_many([(ops[name], p) for _, (name, p) in cases],
                         progress=lambda event, **k: print(event, k.get("key", ""), file=sys.stderr)
                         if event in ("measure", "skipped") else None)
     by_key = {r.key: r for r in results}
-    print(f"{'case':<38} {'axis':<14} {'best us per value':<34} ratio  winner")
+    print(f"{'case':<38} {'axis':<14} {'best us per value':<34} ratio (best at 0 / best at 1)  winner")
     for case, (name, p) in cases:
         r = by_key.get(ops[name].problem_key(p)[1])
         if r is None:

@@ -285,6 +285,28 @@ def test_kernel_rows_say_where_tilekit_configs_came_from(monkeypatch):
     store.reset()
 
 
+def test_space_ab_cases_and_axes():
+    """space_ab tunes the suite's matmul and attention cases under the keys tilekit runs, groups the
+    tuner's timings by an axis value, and refuses an --axis that names no op or no axis of it."""
+    from benchmarks import space_ab
+    from tilekit.autotune.registry import registered_ops
+    ops = registered_ops()
+    head = space_ab.op_problem(kernels.Case("linear", ("gpt2", "lm_head", 8192, 768, 50257)))
+    assert head == ("linear", dict(dtype="bfloat16", M=8192, N=50257, K=768, wt="nk", bias=0, act="none", res=0,
+                                   tf32=0))
+    assert space_ab.op_problem(kernels.Case("epilogue", ("gpt2", "mlp.c_fc", 8192, 768, 3072)))[1]["act"] == "gelu"
+    assert space_ab.op_problem(kernels.Case("layer_norm", (8192, 768))) is None
+    timings = {(("LONGEST_FIRST", 0), ("BM", 64)): 5.0, (("LONGEST_FIRST", 1), ("BM", 64)): 4.0,
+               (("LONGEST_FIRST", 1), ("BM", 128)): 3.0}
+    assert {v: us for v, (us, _) in space_ab.best_by_value(timings, "LONGEST_FIRST").items()} == {0: 5.0, 1: 3.0}
+    assert space_ab.parse_axes(["attention:LONGEST_FIRST", "linear:PERSISTENT"], ops) == {
+        "attention": "LONGEST_FIRST", "linear": "PERSISTENT"}
+    for bad, message in (["linear", "must be linear:AXIS"], ["gelu:BLOCK", "must be linear:AXIS"],
+                         ["linear:NOPE", "has no axis 'NOPE'"]):
+        with pytest.raises(ValueError, match=message):
+            space_ab.parse_axes([bad], ops)
+
+
 def test_kernel_plans():
     quick, full = kernels.plan("quick"), kernels.plan("full")
     assert set(quick) <= set(full) and len(quick) < len(full)

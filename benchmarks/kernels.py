@@ -171,11 +171,11 @@ def build(case: Case, compile_mode: str = "default") -> Built:
 
     if case.kind in ("linear", "epilogue"):
         _, _, M, K, N = p
-        x, w = randn(M, K), randn(K, N, scale=1 / math.sqrt(K))
         if case.kind == "linear" and p[1] == "lm_head":
-            wte = w.T.contiguous()                                       # [N, K], as the embedding stores it
+            x, wte = randn(M, K), randn(N, K, scale=1 / math.sqrt(K))   # wte [N, K], as the embedding stores it
             return Built(lambda: tk.linear(x, wte, weight_layout="out_in"),
                          [("torch.matmul", lambda: torch.matmul(x, wte.T)), ("cupy.matmul", _cupy_matmul(x, wte.T))])
+        x, w = randn(M, K), randn(K, N, scale=1 / math.sqrt(K))
         if case.kind == "linear":
             return Built(lambda: tk.linear(x, w),
                          [("torch.matmul", lambda: torch.matmul(x, w)), ("cupy.matmul", _cupy_matmul(x, w))])

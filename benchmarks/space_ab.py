@@ -76,7 +76,8 @@ def main(argv=None) -> int:
                         progress=lambda event, **k: print(event, k.get("key", ""), file=sys.stderr)
                         if event in ("measure", "skipped") else None)
     by_key = {r.key: r for r in results}
-    print(f"{'case':<38} {'axis':<14} {'best us per value':<34} ratio (best at 0 / best at 1)  winner")
+    print(f"{'case':<38} {'axis':<14} {'best us per value':<34} ratio (best at the first value / best at any "
+          "other)  winner")
     for case, (name, p) in cases:
         r = by_key.get(ops[name].problem_key(p)[1])
         if r is None:
@@ -84,7 +85,8 @@ def main(argv=None) -> int:
             continue
         best = best_by_value(r.timings, axes[name])
         values = "  ".join(f"{v}: {us:8.2f}" for v, (us, _) in sorted(best.items()))
-        ratio = best[0][0] / best[1][0] if 0 in best and 1 in best else float("nan")
+        first, *others = sorted(best)
+        ratio = best[first][0] / min(best[v][0] for v in others) if others else float("nan")
         print(f"{describe(case)[0]:<38} {axes[name]:<14} {values:<34} {ratio:5.3f}  {r.config}")
     return 0
 

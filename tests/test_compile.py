@@ -62,13 +62,10 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
             assert op.space.contains(op.default(bucketed)), f"{name}: default outside its space"
             sample = random.Random(arch).sample(candidates, min(2, len(candidates)))
             tasks += [(op, bucketed, c) for c in [op.default(bucketed)] + sample]
-    linear = ops["linear"]
-    tasks += [(linear, dict(PROBLEMS["linear"][0], M=8, act="gelu", res=1),   # few rows: split-K's own path
-               dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=4, PERSISTENT=0, TAIL_SPLIT=1, occupancy=1,
-                    num_ctas=1, num_worker_warps=0)),
-              (linear, dict(PROBLEMS["linear"][0], res=1),                    # persistent, tail cut along K
-               dict(TM=128, TN=256, TK=32, GROUP_M=8, SPLIT_K=1, PERSISTENT=1, TAIL_SPLIT=4, occupancy=1,
-                    num_ctas=1, num_worker_warps=8))]
+    split_k = ops["linear"]
+    tasks += [(split_k, dict(PROBLEMS["linear"][0], M=8, act="gelu", res=1),   # few rows: split-K's own path
+               dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=4, PERSISTENT=0, occupancy=1, num_ctas=1,
+                    num_worker_warps=0))]
     ok, errors = precompile(tasks, arch, workers=2)
     assert not errors, "\n".join(f"{tasks[i][0].name} {tasks[i][2]}: {e}" for i, e in errors.items())
     assert len(ok) == len(tasks)

@@ -35,17 +35,8 @@ def device_info(index: int | None = None) -> DeviceInfo:
                       sm_count=int(props["multiProcessorCount"]))
 
 
-AOT_SM_COUNT = 132   # an H100's and an H200's
-
-
 def sm_count() -> int:
-    """Streaming multiprocessors of CuPy's current GPU (sizes persistent grids and their scratch).
-
-    Without a usable GPU (ahead-of-time compiles on a CPU-only machine, where nothing launches and only
-    the divisibility of array sizes reaches the compiler) it is AOT_SM_COUNT.
-    """
-    if gpu_unavailable_reason() is not None:
-        return AOT_SM_COUNT
+    """Streaming multiprocessors of CuPy's current GPU (sizes persistent grids)."""
     return device_info().sm_count
 
 

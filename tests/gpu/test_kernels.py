@@ -415,7 +415,7 @@ def test_layer_norm_selected_rows():
 def test_split_k_partials_are_summed_by_the_last_arrival(split_k):
     """Split-K programs publish partial sums through an arrival counter the last one resets: repeated
     calls on fresh data stay right in every row (a lost ordering would show as a wrong tile)."""
-    config = dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=split_k, PERSISTENT=0, TAIL_SPLIT=1, occupancy=1, num_ctas=1,
+    config = dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=split_k, PERSISTENT=0, occupancy=1, num_ctas=1,
                   num_worker_warps=0)
     with LINEAR.pinned(config):
         for M, K in [(1, 6400), (8, 1600), (3, 1024), (1, 1600), (8, 6400)]:
@@ -427,27 +427,13 @@ def test_split_k_partials_are_summed_by_the_last_arrival(split_k):
 def test_persistent_programs_cover_every_tile(TK):
     """A persistent grid (one program per SM) walks more tiles than it has programs, partial edge tiles
     and every epilogue included, in both weight layouts."""
-    config = dict(TM=128, TN=256, TK=TK, GROUP_M=8, SPLIT_K=1, PERSISTENT=1, TAIL_SPLIT=1, occupancy=1,
-                  num_ctas=1, num_worker_warps=8)
+    config = dict(TM=128, TN=256, TK=TK, GROUP_M=8, SPLIT_K=1, PERSISTENT=1, occupancy=1, num_ctas=1,
+                  num_worker_warps=8)
     assert math.ceil(3000 / 128) * math.ceil(2500 / 256) > device_info().sm_count
     with LINEAR.pinned(config):
         for layout in ("in_out", "out_in"):
             check_linear(3000, 2500, 777, "bfloat16", layout, bias=True, act="gelu", res=True)
             check_linear(2049, 1031, 1600, "float16", layout, bias=False)
-
-
-@pytest.mark.parametrize("tail_split", [1, 2, 4])
-def test_linear_persistent_tail_split(tail_split):
-    """The persistent grid with its last partial round cut along K: tails of 28 and 24 tiles (split up
-    to 4 ways), no tail (fewer tiles than SMs on an H100/H200), ragged M, N and K, both weight layouts,
-    each shape twice so the second call finds its arrival counters back at zero."""
-    config = dict(TM=128, TN=128, TK=64, GROUP_M=8, SPLIT_K=1, PERSISTENT=1, TAIL_SPLIT=tail_split,
-                  occupancy=1, num_ctas=1, num_worker_warps=8)
-    with LINEAR.pinned(config):
-        for M, N, K, layout in [(2000, 1250, 200, "in_out"), (4000, 1100, 96, "out_in"), (1100, 1700, 600, "in_out")]:
-            for _ in range(2):
-                check_linear(M, N, K, "bfloat16", layout, act="gelu", res=True)
-        check_linear(2000, 1250, 200, "float16", bias=False)
 
 
 # -- the launch path ---------------------------------------------------------------------------

@@ -35,10 +35,19 @@ def grouped_tile(tile, tiles_m, tiles_n, GROUP_M):
 
 
 @ct.function
-def product(X, W, pid_m, pid_n, k_first, k_stop, TM, TN, TK, W_NK, TF32):
-    """fp32 sum over K tiles k_first..k_stop-1 of X[pid_m, k] @ W[k, pid_n]: the main loop."""
+def output_tile(X, W, Bias, Res, Y, Partial, Counter, tile, split, TM, TN, TK, GROUP_M, SPLIT_K, W_NK,
+                HAS_BIAS, GELU, HAS_RES, TF32):
+    """Output tile `tile` (split `split` of its K range when SPLIT_K > 1): the main loop and the epilogue."""
+    M = X.shape[0]
+    K = X.shape[1]
+    N = Y.shape[1]
+    tiles_m = ct.cdiv(M, TM)
+    tiles_n = ct.cdiv(N, TN)
+    pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+    k_tiles = ct.cdiv(K, TK)
+    per_split = ct.cdiv(k_tiles, SPLIT_K)
     acc = ct.zeros((TM, TN), dtype=ct.float32)
-    for k in range(k_first, k_stop):
+    for k in range(split * per_split, ct.minimum(k_tiles, (split + 1) * per_split)):
         a = ct.load(X, (pid_m, k), (TM, TK), padding_mode=ZERO)
         if W_NK:
             b = ct.load(W, (k, pid_n), (TK, TN), order=(1, 0), padding_mode=ZERO)
@@ -48,36 +57,10 @@ def product(X, W, pid_m, pid_n, k_first, k_stop, TM, TN, TK, W_NK, TF32):
             a = a.astype(ct.tfloat32)
             b = b.astype(ct.tfloat32)
         acc = ct.mma(a, b, acc)
-    return acc
 
-
-@ct.function
-def epilogue(acc, Bias, Res, pid_m, pid_n, TM, TN, HAS_BIAS, GELU, HAS_RES):
-    """acc + bias, then GELU, then + residual, in fp32."""
-    if HAS_BIAS:
-        acc = acc + ct.load(Bias, (pid_n,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
-    if GELU:
-        acc = gelu_tanh(acc)
-    if HAS_RES:
-        acc = acc + ct.load(Res, (pid_m, pid_n), (TM, TN), padding_mode=ZERO).astype(ct.float32)
-    return acc
-
-
-@ct.function
-def output_tile(X, W, Bias, Res, Y, Partial, Counter, tile, split, TM, TN, TK, GROUP_M, SPLIT_K, W_NK,
-                HAS_BIAS, GELU, HAS_RES, TF32):
-    """Output tile `tile` (split `split` of its K range when SPLIT_K > 1): the main loop and the epilogue."""
-    M = X.shape[0]
-    tiles_m = ct.cdiv(M, TM)
-    tiles_n = ct.cdiv(Y.shape[1], TN)
-    pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
-    k_tiles = ct.cdiv(X.shape[1], TK)
-    per_split = ct.cdiv(k_tiles, SPLIT_K)
-    acc = product(X, W, pid_m, pid_n, split * per_split, ct.minimum(k_tiles, (split + 1) * per_split),
-                  TM, TN, TK, W_NK, TF32)
+    rows = (ct.arange(TM, dtype=ct.int32) + pid_m * TM).reshape((TM, 1))
+    cols = (ct.arange(TN, dtype=ct.int32) + pid_n * TN).reshape((1, TN))
     if SPLIT_K > 1:
-        rows = (ct.arange(TM, dtype=ct.int32) + pid_m * TM).reshape((TM, 1))
-        cols = (ct.arange(TN, dtype=ct.int32) + pid_n * TN).reshape((1, TN))
         ct.store(Partial, (split, pid_m, pid_n), acc.reshape((1, TM, TN)))
         arrived = ct.atomic_add(Counter, tile, 1)       # acq_rel: our partial before it, theirs after
         last = arrived == SPLIT_K - 1
@@ -86,74 +69,39 @@ def output_tile(X, W, Bias, Res, Y, Partial, Counter, tile, split, TM, TN, TK, G
         for s in range(SPLIT_K):
             acc = acc + ct.gather(Partial, (s, rows, cols))
         ct.atomic_xchg(Counter, ct.where(last, tile, tiles_m * tiles_n), 0, memory_order=ct.MemoryOrder.RELAXED)
-        acc = epilogue(acc, Bias, Res, pid_m, pid_n, TM, TN, HAS_BIAS, GELU, HAS_RES)
+
+    if HAS_BIAS:
+        acc = acc + ct.load(Bias, (pid_n,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
+    if GELU:
+        acc = gelu_tanh(acc)
+    if HAS_RES:
+        acc = acc + ct.load(Res, (pid_m, pid_n), (TM, TN), padding_mode=ZERO).astype(ct.float32)
+    if SPLIT_K > 1:
         ct.scatter(Y, (rows, cols), acc.astype(Y.dtype))
     else:
-        acc = epilogue(acc, Bias, Res, pid_m, pid_n, TM, TN, HAS_BIAS, GELU, HAS_RES)
         ct.store(Y, (pid_m, pid_n), acc.astype(Y.dtype))
-
-
-@ct.function
-def persistent_tiles(X, W, Bias, Res, Y, Partial, Counter, TM, TN, TK, GROUP_M, TAIL_SPLIT, W_NK,
-                     HAS_BIAS, GELU, HAS_RES, TF32):
-    """A grid of one program per resident slot walks the output tiles in strides of the grid.
-
-    With TAIL_SPLIT > 1 the last, partial round of tiles is cut along K into up to TAIL_SPLIT slices
-    for the programs that would otherwise idle (8192x768 in 128x256 tiles: 192 tiles on 132 SMs):
-    slice t of the tail sums its K range into Partial[t], the last slice of a tile to arrive (counted
-    in Counter, left at zero) adds them and runs the epilogue. One main loop serves both kinds.
-    """
-    tiles_m = ct.cdiv(X.shape[0], TM)
-    tiles_n = ct.cdiv(Y.shape[1], TN)
-    tiles = tiles_m * tiles_n
-    programs = ct.num_blocks(0)
-    k_tiles = ct.cdiv(X.shape[1], TK)
-    tail = tiles % programs if TAIL_SPLIT > 1 else 0
-    splits = ct.minimum(TAIL_SPLIT, programs // ct.maximum(tail, 1))
-    whole = tiles - tail                       # tiles computed whole, in full rounds of the grid
-    for item in range(ct.bid(0), whole + tail * splits, programs):
-        t = ct.maximum(item - whole, 0)        # slice number within the tail (0 for whole tiles)
-        in_tail = item >= whole
-        parts = ct.where(in_tail, splits, 1)
-        tile = ct.where(in_tail, whole + t // splits, item)
-        pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
-        per_part = ct.cdiv(k_tiles, parts)
-        part = t % splits
-        acc = product(X, W, pid_m, pid_n, part * per_part, ct.minimum(k_tiles, (part + 1) * per_part),
-                      TM, TN, TK, W_NK, TF32)
-        if parts > 1:
-            first = t - part
-            ct.store(Partial, (t, 0, 0), acc.reshape((1, TM, TN)))
-            arrived = ct.atomic_add(Counter, first // splits, 1)    # acq_rel, as in the split-K path
-            if arrived == parts - 1:
-                acc = ct.zeros((TM, TN), dtype=ct.float32)
-                for s in range(parts):
-                    acc = acc + ct.load(Partial, (first + s, 0, 0), (1, TM, TN)).reshape((TM, TN))
-                ct.atomic_xchg(Counter, first // splits, 0, memory_order=ct.MemoryOrder.RELAXED)
-                acc = epilogue(acc, Bias, Res, pid_m, pid_n, TM, TN, HAS_BIAS, GELU, HAS_RES)
-                ct.store(Y, (pid_m, pid_n), acc.astype(Y.dtype))
-        else:
-            acc = epilogue(acc, Bias, Res, pid_m, pid_n, TM, TN, HAS_BIAS, GELU, HAS_RES)
-            ct.store(Y, (pid_m, pid_n), acc.astype(Y.dtype))
 
 
 @ct.kernel
 def linear_kernel(X, W, Bias, Res, Y, Partial, Counter,
                   TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
                   GROUP_M: ct.Constant[int], SPLIT_K: ct.Constant[int], PERSISTENT: ct.Constant[bool],
-                  TAIL_SPLIT: ct.Constant[int], W_NK: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
-                  GELU: ct.Constant[bool], HAS_RES: ct.Constant[bool], TF32: ct.Constant[bool]):
+                  W_NK: ct.Constant[bool], HAS_BIAS: ct.Constant[bool], GELU: ct.Constant[bool],
+                  HAS_RES: ct.Constant[bool], TF32: ct.Constant[bool]):
     """Y[M, N] = act(X[M, K] @ W + Bias) + Res; W is [K, N], or [N, K] when W_NK.
 
-    PERSISTENT: see persistent_tiles. With SPLIT_K > 1 (few rows, as in decoding) SPLIT_K programs
-    share each output tile, each summing a slice of K into its own fp32 Partial[split]; the last to
-    arrive, counted in Counter[tile] (left at zero for the next call), adds the partial sums and runs
-    the epilogue.
+    PERSISTENT: a grid of about one program per resident slot walks the output tiles in strides of
+    the grid, so one tile's epilogue overlaps the next one's loads. With SPLIT_K > 1 (few rows, as
+    in decoding) SPLIT_K programs share each output tile, each summing a slice of K into its own
+    fp32 Partial[split]; the last to arrive, counted in Counter[tile] (left at zero for the next
+    call), adds the partial sums and runs the epilogue.
     """
     sync_with_previous_kernel()
     if PERSISTENT:
-        persistent_tiles(X, W, Bias, Res, Y, Partial, Counter, TM, TN, TK, GROUP_M, TAIL_SPLIT, W_NK,
-                         HAS_BIAS, GELU, HAS_RES, TF32)
+        tiles = ct.cdiv(X.shape[0], TM) * ct.cdiv(Y.shape[1], TN)
+        for tile in range(ct.bid(0), tiles, ct.num_blocks(0)):
+            output_tile(X, W, Bias, Res, Y, Partial, Counter, tile, 0, TM, TN, TK, GROUP_M, 1, W_NK,
+                        HAS_BIAS, GELU, HAS_RES, TF32)
     else:
         output_tile(X, W, Bias, Res, Y, Partial, Counter, ct.bid(0) // SPLIT_K, ct.bid(0) % SPLIT_K, TM, TN, TK,
                     GROUP_M, SPLIT_K, W_NK, HAS_BIAS, GELU, HAS_RES, TF32)
@@ -185,27 +133,25 @@ def _fits(c: dict, p: dict) -> bool:
             and (not eight_warps or tile >= 128 * 128)
             and (tile < 128 * 256 or eight_warps or c["num_ctas"] == 2)
             # persistent grids measured well only with two warpgroups and one program per SM
-            and (not c["PERSISTENT"] or (eight_warps and c["occupancy"] == 1 and c["num_ctas"] == 1))
-            and (c["TAIL_SPLIT"] == 1 or c["PERSISTENT"]))
+            and (not c["PERSISTENT"] or (eight_warps and c["occupancy"] == 1 and c["num_ctas"] == 1)))
 
 
 SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128, 256), TN=(16, 32, 64, 128, 256), TK=(32, 64, 128, 256, 512),
-                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8), PERSISTENT=(0, 1), TAIL_SPLIT=(1, 2, 4), occupancy=(1, 2),
-                    num_ctas=(1, 2),
+                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8), PERSISTENT=(0, 1), occupancy=(1, 2), num_ctas=(1, 2),
                     num_worker_warps=(0, 8))
 
 
 def default_config(p: dict) -> dict:
     m = pow2_ceil(p["M"])
     if m >= 1024 and p["dtype"] != "float32":
-        return dict(TM=128, TN=256, TK=32, GROUP_M=8, SPLIT_K=1, PERSISTENT=1, TAIL_SPLIT=1, occupancy=1,
-                    num_ctas=1, num_worker_warps=8)
+        return dict(TM=128, TN=256, TK=32, GROUP_M=8, SPLIT_K=1, PERSISTENT=1, occupancy=1, num_ctas=1,
+                    num_worker_warps=8)
     if m >= 128:
-        return dict(TM=128, TN=128, TK=64, GROUP_M=8, SPLIT_K=1, PERSISTENT=0, TAIL_SPLIT=1, occupancy=1,
-                    num_ctas=1, num_worker_warps=0)
+        return dict(TM=128, TN=128, TK=64, GROUP_M=8, SPLIT_K=1, PERSISTENT=0, occupancy=1, num_ctas=1,
+                    num_worker_warps=0)
     # Few rows: a GEMV in disguise, bound by how fast W streams in; narrow tiles give more programs.
-    return dict(TM=max(16, m), TN=32, TK=128, GROUP_M=8, SPLIT_K=1, PERSISTENT=0, TAIL_SPLIT=1, occupancy=1,
-                num_ctas=1, num_worker_warps=0)
+    return dict(TM=max(16, m), TN=32, TK=128, GROUP_M=8, SPLIT_K=1, PERSISTENT=0, occupancy=1, num_ctas=1,
+                num_worker_warps=0)
 
 
 def _arrays(p: dict) -> dict:
@@ -221,12 +167,7 @@ def _tiles(p: dict, c: dict) -> int:
 
 
 def _scratch(p: dict, c: dict) -> dict:
-    """Split-K partial sums, and arrival counters zeroed once and left zeroed by every launch. A split
-    tail has at most one slice per program of the grid, so its scratch depends on the config alone."""
-    if c["TAIL_SPLIT"] > 1:
-        slots = sm_count() * c["occupancy"]
-        return {"partial": ArraySpec("float32", (slots, c["TM"], c["TN"]), role="scratch"),
-                "counter": ArraySpec("int32", (slots,), role="zeros")}
+    """Split-K partial sums, and arrival counters zeroed once and left zeroed by every launch."""
     if c["SPLIT_K"] == 1:
         return {"partial": absent("float32", 3), "counter": absent("int32", 1)}
     return {"partial": ArraySpec("float32", (c["SPLIT_K"], p["M"], p["N"]), role="scratch"),
@@ -240,8 +181,8 @@ def _grid(p: dict, c: dict) -> tuple:
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"], bool(c["PERSISTENT"]), c["TAIL_SPLIT"],
-            p["wt"] == "nk", bool(p["bias"]), p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
+    return (c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"], bool(c["PERSISTENT"]), p["wt"] == "nk",
+            bool(p["bias"]), p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
 
 
 def _bind(a: list, flags: tuple) -> Binding:

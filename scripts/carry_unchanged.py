@@ -1,0 +1,107 @@
+"""Carry shipped tuning entries across a kernel change that leaves their compiled kernels unchanged.
+
+An entry goes stale whenever its op's kernel source changes, even where the change cannot reach the
+entry's problem (code under a compile-time constant it never sets, such as the GELU epilogue for a
+linear without activation). For each entry of the shipped files that is stale only for its kernel
+source, this compiles its (problem, config) for its arch under the tilekit of OLD (the git commit whose
+kernels it was tuned for: its kernel hash must match OLD's) and under this checkout, and gives it this
+checkout's kernel hash only where every launch compiles to byte-identical cubins, so its measurement
+is a measurement of the very code that runs now. The rest stays stale, for `tilekit tune --stale`.
+
+    python scripts/carry_unchanged.py OLD_COMMIT
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Run under one tree's tilekit: JSON tasks [op, problem, config, arch] on stdin -> JSON on stdout:
+# each op's kernel hash, and per task the sha256 of every launch's cubin (or the compile error).
+COMPILE = r"""
+import hashlib, io, json, sys
+import tilekit.kernels
+from cuda.tile.compilation import export_kernel
+from tilekit.autotune.compile import signature
+from tilekit.autotune.registry import registered_ops
+ops, tasks, out = registered_ops(), json.load(sys.stdin), []
+for name, problem, config, arch in tasks:
+    try:
+        digests = []
+        for kernel, args in ops[name].compile_args(problem, config):
+            buf = io.BytesIO()
+            export_kernel(kernel, [signature(kernel, args)], buf, gpu_code=arch, output_format="cubin")
+            digests.append(hashlib.sha256(buf.getvalue()).hexdigest())
+        out.append(digests)
+    except Exception as e:
+        out.append(f"{type(e).__name__}: {e}")
+json.dump({"hashes": {n: op.kernel_hash() for n, op in ops.items()}, "cubins": out}, sys.stdout)
+"""
+
+
+def compile_under(tree: Path, tasks: list, cache: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "CUDA_TILE_CACHE_DIR": cache}
+    done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(tasks), env=env, cwd=tree,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"compiling under {tree} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+def main(old: str) -> int:
+    import tilekit.kernels  # noqa: F401  (declares the ops)
+    from tilekit.autotune.db import TuningDB, device_from_record, read_json
+    from tilekit.autotune.entries import entry_reason
+    from tilekit.autotune.keys import parse_key
+    from tilekit.autotune.registry import registered_ops
+    ops = registered_ops()
+    source_stale = "stale: tuned for another version of the kernel source or its launch"
+    files = sorted((ROOT / "tuning_db").glob("sm_*/*.json"))
+    candidates = []            # (file, key, entry, task)
+    for path in files:
+        for key, entry in read_json(path)["entries"].items():
+            name, problem = parse_key(key)
+            if (entry_reason(key, entry, "shipped") == source_stale
+                    and entry["space_hash"] == ops[name].space_hash()):
+                full = ops[name].tuning_problem(problem)
+                candidates.append((path, key, entry, [name, full, entry["config"], entry["device"]["arch"]]))
+    print(f"{len(candidates)} entries stale for their kernel source alone; compiling each under {old} and here")
+    tasks = [task for *_, task in candidates]
+    with tempfile.TemporaryDirectory() as tmp:
+        # Both versions compile from the same path: cubins carry source locations.
+        tree = Path(tmp) / "src"
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", old, "tilekit"], capture_output=True, check=True)
+        tree.mkdir()
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        before = compile_under(tree, tasks, str(Path(tmp) / "cache-old"))
+        shutil.rmtree(tree / "tilekit")
+        shutil.copytree(ROOT / "tilekit", tree / "tilekit", ignore=shutil.ignore_patterns("__pycache__"))
+        now = compile_under(tree, tasks, str(Path(tmp) / "cache-now"))   # compiled again, not looked up
+    carried: dict = {}
+    kept = 0
+    for (path, key, entry, task), a, b in zip(candidates, before["cubins"], now["cubins"]):
+        name = task[0]
+        if entry["kernel_hash"] == before["hashes"].get(name) and isinstance(a, list) and a == b:
+            carried.setdefault(path, {})[key] = {**entry, "kernel_hash": now["hashes"][name]}
+        else:
+            kept += 1
+    shipped = TuningDB(ROOT / "tuning_db", "maintainer", writable=True)
+    for path, entries in carried.items():
+        shipped.store(device_from_record(read_json(path)["device"]), entries)
+        path.with_name(path.name + ".lock").unlink(missing_ok=True)     # not part of the repository
+        print(f"{path.relative_to(ROOT)}: carried {len(entries)} entries with unchanged cubins")
+    print(f"left stale (code changed, or tuned for a source other than {old}'s): {kept}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    sys.exit(main(sys.argv[1]))

@@ -31,11 +31,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"output directory (default: {DEFAULT_OUT}/)")
     ap.add_argument("--only", choices=report.SUITES, help="run one suite only")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
+    ap.add_argument("--model", action="append", metavar="PRESET",
+                    help="the model suite runs this model only (repeatable; default: all of the plan's)")
     return ap
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model:
+        from benchmarks.model import plan
+        known = sorted({p.preset for p in plan(args.mode)})
+        unknown = sorted(set(args.model) - set(known))
+        if unknown:
+            parser.error(f"--model {', '.join(unknown)}: the {args.mode} model suite runs {', '.join(known)}")
+    return args
 
 
 class Log:
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.only in (None, "kernels"):
                 rows += kernels.run(args.mode, meta["calibration"], log)
             if args.only in (None, "model"):
-                rows += model.run(args.mode, meta["calibration"], log)
+                rows += model.run(args.mode, meta["calibration"], log, args.model)
             if args.only in (None, "tuning"):
                 rows += tuning.run(args.mode, log)
             if args.only in (None, "overhead"):

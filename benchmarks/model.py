@@ -396,7 +396,8 @@ def run_preset(p: ModelPlan, calib: dict, log, seed: int = 0) -> list[Row]:
         timing.free_memory()
 
 
-def run(mode: str, calib: dict, log=print) -> list[Row]:
+def run(mode: str, calib: dict, log=print, presets: list[str] | None = None) -> list[Row]:
+    """The model rows of `mode`'s plan, of the models in `presets` only when given."""
     try:
         import torch._dynamo
         import transformers
@@ -408,7 +409,7 @@ def run(mode: str, calib: dict, log=print) -> list[Row]:
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
     rows = []
-    for p in plan(mode):
+    for p in [p for p in plan(mode) if presets is None or p.preset in presets]:
         try:
             rows += run_preset(p, calib, log)
         except Exception as e:  # noqa: BLE001

@@ -36,6 +36,17 @@ def test_mode_only_out_and_plots():
     assert cli.parse_args(["--only", "overhead"]).only == "overhead"
 
 
+def test_model_filter():
+    assert cli.parse_args([]).model is None
+    assert cli.parse_args(["--only", "model", "--model", "gpt2-xl", "--model", "gpt2"]).model == ["gpt2-xl", "gpt2"]
+
+
+def test_unknown_model_is_refused_naming_the_suites_models(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--model", "gpt3"])
+    assert e.value.code == 2 and "--model gpt3: the quick model suite runs gpt2, gpt2-xl" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["--quick", "--full"], ["--only", "layers"], ["--bogus"]])
 def test_bad_arguments_exit(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -549,7 +560,7 @@ def test_main_orchestration(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(system, "nvidia_smi", lambda bus=None: {})
     monkeypatch.setattr(timing, "shared_stream", contextlib.nullcontext)
     monkeypatch.setattr(kernels, "run", lambda mode, cal, log: calls.append(("kernels", mode)) or _two_anchors())
-    monkeypatch.setattr(model, "run", lambda mode, cal, log: calls.append(("model", mode)) or fake_rows()[5:])
+    monkeypatch.setattr(model, "run", lambda mode, cal, log, presets: calls.append(("model", mode)) or fake_rows()[5:])
     monkeypatch.setattr(tuning, "run", lambda mode, log: calls.append(("tuning", mode)) or [])
     monkeypatch.setattr(overhead, "run", lambda mode, log: calls.append(("overhead", mode)) or [])
     out = tmp_path / "res"

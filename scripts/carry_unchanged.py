@@ -57,21 +57,23 @@ def compile_under(tree: Path, tasks: list, cache: str) -> dict:
 
 def main(old: str) -> int:
     import tilekit.kernels  # noqa: F401  (declares the ops)
-    from tilekit.autotune.db import TuningDB, device_from_record, read_json
+    from tilekit.autotune.db import TuningDB
     from tilekit.autotune.entries import entry_reason
     from tilekit.autotune.keys import parse_key
     from tilekit.autotune.registry import registered_ops
     ops = registered_ops()
     source_stale = "stale: tuned for another version of the kernel source or its launch"
-    files = sorted((ROOT / "tuning_db").glob("sm_*/*.json"))
-    candidates = []            # (file, key, entry, task)
-    for path in files:
-        for key, entry in read_json(path)["entries"].items():
+    shipped = TuningDB(ROOT / "tuning_db", "maintainer", writable=True)
+    candidates = []            # (device file, key, entry, task); files read and checked as lookup reads them
+    for file in shipped.device_files():
+        device = file.device()
+        for key, entry in file.read().items():
+            if entry_reason(key, entry, "shipped") != source_stale:    # sound, and stale for its source alone?
+                continue
             name, problem = parse_key(key)
-            if (entry_reason(key, entry, "shipped") == source_stale
-                    and entry["space_hash"] == ops[name].space_hash()):
-                full = ops[name].tuning_problem(problem)
-                candidates.append((path, key, entry, [name, full, entry["config"], entry["device"]["arch"]]))
+            if entry["space_hash"] == ops[name].space_hash():
+                task = [name, ops[name].tuning_problem(problem), entry["config"], device.arch]
+                candidates.append((file, key, entry, task))
     print(f"{len(candidates)} entries stale for their kernel source alone; compiling each under {old} and here")
     tasks = [task for *_, task in candidates]
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,17 +88,16 @@ def main(old: str) -> int:
         now = compile_under(tree, tasks, str(Path(tmp) / "cache-now"))   # compiled again, not looked up
     carried: dict = {}
     kept = 0
-    for (path, key, entry, task), a, b in zip(candidates, before["cubins"], now["cubins"]):
+    for (file, key, entry, task), a, b in zip(candidates, before["cubins"], now["cubins"]):
         name = task[0]
         if entry["kernel_hash"] == before["hashes"].get(name) and isinstance(a, list) and a == b:
-            carried.setdefault(path, {})[key] = {**entry, "kernel_hash": now["hashes"][name]}
+            carried.setdefault(file, {})[key] = {**entry, "kernel_hash": now["hashes"][name]}
         else:
             kept += 1
-    shipped = TuningDB(ROOT / "tuning_db", "maintainer", writable=True)
-    for path, entries in carried.items():
-        shipped.store(device_from_record(read_json(path)["device"]), entries)
-        path.with_name(path.name + ".lock").unlink(missing_ok=True)     # not part of the repository
-        print(f"{path.relative_to(ROOT)}: carried {len(entries)} entries with unchanged cubins")
+    for file, entries in carried.items():
+        shipped.store(file.device(), entries)
+        file.path.with_name(file.path.name + ".lock").unlink(missing_ok=True)     # not part of the repository
+        print(f"{file.path.relative_to(ROOT)}: carried {len(entries)} entries with unchanged cubins")
     print(f"left stale (code changed, or tuned for a source other than {old}'s): {kept}")
     return 0
 

@@ -223,7 +223,7 @@ def _row(case: Case, anchor: str, calib: dict) -> Row:
                tolerance=checks.TOLERANCE["bfloat16"], params={"kind": case.kind, "params": list(case.params)})
 
 
-def config_sources(calls: list, device=None) -> str:
+def call_config_sources(calls: list, device=None) -> str:
     """Where the config of each kernel call in `calls` (tilekit.autotune.op.recording) came from on
     `device` (default: the current GPU), e.g. 'linear: shipped db, exact-gpu, exact bucket'; a row on
     a 'heuristic default' ran an untuned tilekit. (In auto mode the calls have tuned what they lacked.)"""
@@ -251,7 +251,7 @@ def run_case(case: Case, calib: dict, *, reps: int, warmup: int = 5, log=print,
     try:
         with recording() as calls:
             out = b.tilekit()                                # also compiles the kernel
-        configs = config_sources(calls)
+        configs = call_config_sources(calls)
     except Exception as e:  # noqa: BLE001
         return mark_error(rows, e, log, "tilekit")
     for r in rows:

@@ -291,8 +291,8 @@ def test_kernel_rows_say_where_tilekit_configs_came_from(monkeypatch):
     with recording() as calls:
         linear(x, w, b)
         linear(x, w)
-    assert kernels.config_sources(calls[:1], h100) == "linear: shipped db, exact-gpu, exact bucket"
-    assert kernels.config_sources(calls[1:], h100) == "linear: heuristic default"
+    assert kernels.call_config_sources(calls[:1], h100) == "linear: shipped db, exact-gpu, exact bucket"
+    assert kernels.call_config_sources(calls[1:], h100) == "linear: heuristic default"
     store.reset()
 
 

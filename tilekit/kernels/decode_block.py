@@ -10,8 +10,8 @@ one program per SM runs the block's seven stages in turn:
 with a kernel-wide barrier between stages: an arrival counter in global memory that every program
 increments (release) and then reads until all programs have arrived (acquire). What one stage
 writes and a later one reads moves by plain (non-TMA) loads and stores, which those atomics order. cuTile has no grid
-barrier or cooperative launch, so the grid never exceeds the SMs (one resident program each) and a
-wait gives up after SPIN_LIMIT reads rather than hang. With PREFETCH a program that has finished a
+barrier or cooperative launch, so the grid is `occupancy` programs per SM, all resident at once, and
+a wait gives up after SPIN_LIMIT reads rather than hang. With PREFETCH a program that has finished a
 stage loads the first weight tile of its next one before it waits, so the wait overlaps a DRAM trip.
 
 The QKV and fc projections split K over SPLIT_QKV / SPLIT_FC programs per column tile, each storing
@@ -42,8 +42,10 @@ from tilekit.kernels.layernorm import layer_norm_reference
 
 ZERO = ct.PaddingMode.ZERO
 MAX_ROWS = 16
-SPIN_LIMIT = 1 << 20       # barrier reads before a program stops waiting (a bug then shows as wrong output)
+SPIN_LIMIT = 1 << 14       # barrier reads (~10 ms) before a program stops waiting: a bug shows as wrong output
 BARRIERS = 6               # between the seven stages; the exit counts as a seventh arrival
+STAGE_NAMES = ("ln_1", "qkv", "attention", "proj", "ln_2", "fc", "mlp_proj")
+ALL_STAGES = (1 << len(STAGE_NAMES)) - 1
 
 
 @ct.function
@@ -52,7 +54,7 @@ def grid_barrier(Sync, target):
     seen = ct.atomic_add(Sync, 0, 1) + 1
     spins = 0
     while seen < target and spins < SPIN_LIMIT:
-        seen = ct.atomic_add(Sync, 0, 0)
+        seen = ct.load(Sync, (0,), shape=(), memory_order=ct.MemoryOrder.ACQUIRE, memory_scope=ct.MemoryScope.DEVICE)
         spins += 1
 
 
@@ -88,14 +90,22 @@ def split_slice(item, SPLIT, k_tiles):
 
 
 @ct.function
-def first_weight_tile(W, SPLIT, TN, TK, PREFETCH):
+def weight_tile(W, k, n, TK, TN, LATENCY):
+    """W's (TK, TN) tile (k, n), with a DRAM prefetch-depth hint when LATENCY > 0."""
+    if LATENCY > 0:
+        return ct.load(W, (k, n), (TK, TN), padding_mode=ZERO, latency=LATENCY)
+    return ct.load(W, (k, n), (TK, TN), padding_mode=ZERO)
+
+
+@ct.function
+def first_weight_tile(W, SPLIT, TN, TK, PREFETCH, LATENCY):
     """W's first tile of this program's first work item in a stage over W (zeros without PREFETCH;
     a valid tile, unused, for a program with no work there)."""
     if PREFETCH:
         k_tiles = ct.cdiv(W.shape[0], TK)
         item = ct.minimum(ct.bid(0), ct.cdiv(W.shape[1], TN) * SPLIT - 1)
         n, lo, hi = split_slice(item, SPLIT, k_tiles)
-        return ct.load(W, (ct.minimum(lo, k_tiles - 1), n), (TK, TN), padding_mode=ZERO)
+        return weight_tile(W, ct.minimum(lo, k_tiles - 1), n, TK, TN, LATENCY)
     return ct.zeros((TK, TN), dtype=W.dtype)
 
 
@@ -118,7 +128,7 @@ def summed_chunk(Part, Bias, k, like, TM, TK, SPLIT, GELU):
 
 
 @ct.function
-def slice_product(A, ABias, W, n, lo, hi, w_first, first, TM, TN, TK, SPLIT_A, GELU_A):
+def slice_product(A, ABias, W, n, lo, hi, w_first, first, TM, TN, TK, SPLIT_A, GELU_A, LATENCY):
     """A[:, K tiles lo..hi] @ W[same, column tile n] in fp32; A is plain (SPLIT_A == 0) or SPLIT_A
     partials plus ABias. `first`: w_first already holds W's tile (lo, n)."""
     acc = ct.zeros((TM, TN), dtype=ct.float32)
@@ -135,23 +145,24 @@ def slice_product(A, ABias, W, n, lo, hi, w_first, first, TM, TN, TK, SPLIT_A, G
             a = plain_chunk(A, k, TM, TK)
         else:
             a = summed_chunk(A, ABias, k, W, TM, TK, SPLIT_A, GELU_A)
-        acc = ct.mma(a, ct.load(W, (k, n), (TK, TN), padding_mode=ZERO), acc)
+        acc = ct.mma(a, weight_tile(W, k, n, TK, TN, LATENCY), acc)
     return acc
 
 
 @ct.function
-def project_to_partials(A, W, Part, w_first, TM, TN, TK, SPLIT, PREFETCH):
+def project_to_partials(A, W, Part, w_first, TM, TN, TK, SPLIT, PREFETCH, LATENCY):
     """Part[split] = A @ W over the split's slice of K, for this program's (column tile, split) items."""
     k_tiles = ct.cdiv(W.shape[0], TK)
     for item in range(ct.bid(0), ct.cdiv(W.shape[1], TN) * SPLIT, ct.num_blocks(0)):
         n, lo, hi = split_slice(item, SPLIT, k_tiles)
         first = PREFETCH and item == ct.bid(0) and lo < hi
-        acc = slice_product(A, A, W, n, lo, hi, w_first, first, TM, TN, TK, 0, False)
+        acc = slice_product(A, A, W, n, lo, hi, w_first, first, TM, TN, TK, 0, False, LATENCY)
         ct.store(Part, (item % SPLIT, 0, n), acc.reshape((1, TM, TN)), allow_tma=False)
 
 
 @ct.function
-def project_into_residual(A, ABias, W, Bias, X, w_first, TM, TN, TK, SPLIT, SPLIT_A, GELU_A, PREFETCH):
+def project_into_residual(A, ABias, W, Bias, X, w_first, TM, TN, TK, SPLIT, SPLIT_A, GELU_A, PREFETCH,
+                          LATENCY):
     """X += A @ W + Bias (fixed point, atomically), A plain or partials; split 0 adds the bias."""
     k_tiles = ct.cdiv(W.shape[0], TK)
     cols0 = ct.arange(TN, dtype=ct.int32).reshape((1, TN))
@@ -159,7 +170,7 @@ def project_into_residual(A, ABias, W, Bias, X, w_first, TM, TN, TK, SPLIT, SPLI
     for item in range(ct.bid(0), ct.cdiv(W.shape[1], TN) * SPLIT, ct.num_blocks(0)):
         n, lo, hi = split_slice(item, SPLIT, k_tiles)
         first = PREFETCH and item == ct.bid(0) and lo < hi
-        acc = slice_product(A, ABias, W, n, lo, hi, w_first, first, TM, TN, TK, SPLIT_A, GELU_A)
+        acc = slice_product(A, ABias, W, n, lo, hi, w_first, first, TM, TN, TK, SPLIT_A, GELU_A, LATENCY)
         bias = ct.load(Bias, (n,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
         acc = acc + ct.where(item % SPLIT == 0, 1.0, 0.0) * bias
         add_fixed(X, rows, cols0 + n * TN, acc)
@@ -192,7 +203,7 @@ def attend_heads(QKVpart, Bqkv, Kc, Vc, Lengths, Y, qk_scale, length_offset, TM,
         m_i = ct.full((TM, 1), -math.inf, dtype=ct.float32)
         l_i = ct.zeros((TM, 1), dtype=ct.float32)
         acc = ct.zeros((TM, D), dtype=ct.float32)
-        for j in range(ct.cdiv(position, BN)):
+        for j in range(ct.cdiv(ct.minimum(position, Kc.shape[2]), BN)):
             k = ct.load(Kc, (b, h, 0, j), (1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO).reshape((D, BN))
             v = ct.load(Vc, (b, h, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
             s = ct.mma(q_rows, k, ct.zeros((TM, BN), dtype=ct.float32)) * qk_scale
@@ -215,29 +226,37 @@ def decode_block_kernel(X, Ln1W, Ln1B, Wqkv, Bqkv, Wproj, Bproj, Ln2W, Ln2B, Wfc
                         TM: ct.Constant[int], CP: ct.Constant[int], D: ct.Constant[int], TN: ct.Constant[int],
                         TK: ct.Constant[int], BN: ct.Constant[int], SPLIT_QKV: ct.Constant[int],
                         SPLIT_PROJ: ct.Constant[int], SPLIT_FC: ct.Constant[int], SPLIT_MP: ct.Constant[int],
-                        PREFETCH: ct.Constant[bool]):
+                        PREFETCH: ct.Constant[bool], LATENCY: ct.Constant[int], STAGES: ct.Constant[int]):
     """X (M, C) fixed point += the block's attention and MLP branches for M sequences of one new
     token; Kc, Vc (M, H, capacity, D) gain position Lengths[b] + length_offset - 1. H1, QKVpart, Y,
-    H2, Fpart are the stages' outputs; Sync (1,) int32 is zero before and after the launch."""
+    H2, Fpart are the stages' outputs; Sync (1,) int32 is zero before and after the launch. STAGES:
+    which stages run (bit i: stage i; ALL_STAGES in use, fewer to time the rest, the barriers always)."""
     sync_with_previous_kernel()
     P = ct.num_blocks(0)
-    layer_norm_rows(X, Ln1W, Ln1B, H1, eps, CP)
-    w = first_weight_tile(Wqkv, SPLIT_QKV, TN, TK, PREFETCH)
+    if STAGES & 1:
+        layer_norm_rows(X, Ln1W, Ln1B, H1, eps, CP)
+    w = first_weight_tile(Wqkv, SPLIT_QKV, TN, TK, PREFETCH, LATENCY)
     grid_barrier(Sync, P)
-    project_to_partials(H1, Wqkv, QKVpart, w, TM, TN, TK, SPLIT_QKV, PREFETCH)
+    if STAGES & 2:
+        project_to_partials(H1, Wqkv, QKVpart, w, TM, TN, TK, SPLIT_QKV, PREFETCH, LATENCY)
     grid_barrier(Sync, 2 * P)
-    attend_heads(QKVpart, Bqkv, Kc, Vc, Lengths, Y, qk_scale, length_offset, TM, D, BN, SPLIT_QKV)
-    w = first_weight_tile(Wproj, SPLIT_PROJ, TN, TK, PREFETCH)
+    if STAGES & 4:
+        attend_heads(QKVpart, Bqkv, Kc, Vc, Lengths, Y, qk_scale, length_offset, TM, D, BN, SPLIT_QKV)
+    w = first_weight_tile(Wproj, SPLIT_PROJ, TN, TK, PREFETCH, LATENCY)
     grid_barrier(Sync, 3 * P)
-    project_into_residual(Y, Bproj, Wproj, Bproj, X, w, TM, TN, TK, SPLIT_PROJ, 0, False, PREFETCH)
+    if STAGES & 8:
+        project_into_residual(Y, Bproj, Wproj, Bproj, X, w, TM, TN, TK, SPLIT_PROJ, 0, False, PREFETCH, LATENCY)
     grid_barrier(Sync, 4 * P)
-    layer_norm_rows(X, Ln2W, Ln2B, H2, eps, CP)
-    w = first_weight_tile(Wfc, SPLIT_FC, TN, TK, PREFETCH)
+    if STAGES & 16:
+        layer_norm_rows(X, Ln2W, Ln2B, H2, eps, CP)
+    w = first_weight_tile(Wfc, SPLIT_FC, TN, TK, PREFETCH, LATENCY)
     grid_barrier(Sync, 5 * P)
-    project_to_partials(H2, Wfc, Fpart, w, TM, TN, TK, SPLIT_FC, PREFETCH)
-    w = first_weight_tile(Wmp, SPLIT_MP, TN, TK, PREFETCH)
+    if STAGES & 32:
+        project_to_partials(H2, Wfc, Fpart, w, TM, TN, TK, SPLIT_FC, PREFETCH, LATENCY)
+    w = first_weight_tile(Wmp, SPLIT_MP, TN, TK, PREFETCH, LATENCY)
     grid_barrier(Sync, BARRIERS * P)
-    project_into_residual(Fpart, Bfc, Wmp, Bmp, X, w, TM, TN, TK, SPLIT_MP, SPLIT_FC, True, PREFETCH)
+    if STAGES & 64:
+        project_into_residual(Fpart, Bfc, Wmp, Bmp, X, w, TM, TN, TK, SPLIT_MP, SPLIT_FC, True, PREFETCH, LATENCY)
     leave(Sync, (BARRIERS + 1) * P)
 
 
@@ -256,12 +275,13 @@ def _fits(c: dict, p: dict) -> bool:
                     (("SPLIT_QKV", C), ("SPLIT_PROJ", C), ("SPLIT_FC", C), ("SPLIT_MP", 4 * C))))
 
 
-SPACE = SearchSpace(_fits, TN=(32, 64), TK=(128, 256), BN=(64, 128), SPLIT_QKV=(1, 2), SPLIT_PROJ=(2, 4, 8),
-                    SPLIT_FC=(1, 2), SPLIT_MP=(4, 8, 16), PREFETCH=(0, 1), occupancy=(1,))
+SPACE = SearchSpace(_fits, TN=(32, 64), TK=(128, 256, 512), BN=(64, 128), SPLIT_QKV=(1, 2), SPLIT_PROJ=(2, 4, 8),
+                    SPLIT_FC=(1, 2), SPLIT_MP=(4, 8, 16), PREFETCH=(0, 1), LATENCY=(0, 4, 8), occupancy=(1, 2, 4))
 
 
 def default_config(p: dict) -> dict:
-    return dict(TN=64, TK=128, BN=128, SPLIT_QKV=2, SPLIT_PROJ=4, SPLIT_FC=1, SPLIT_MP=8, PREFETCH=1, occupancy=1)
+    return dict(TN=64, TK=128, BN=128, SPLIT_QKV=2, SPLIT_PROJ=4, SPLIT_FC=1, SPLIT_MP=8, PREFETCH=1, LATENCY=0,
+                occupancy=1)
 
 
 def _dims(p: dict) -> tuple[int, int, int]:
@@ -291,13 +311,13 @@ def _scratch(p: dict, c: dict) -> dict:
 
 
 def _grid(p: dict, c: dict) -> tuple:
-    """One program per SM: every program must be resident for the barriers."""
-    return (sm_count(), 1, 1)
+    """`occupancy` programs per SM: every program must be resident at once for the barriers."""
+    return (sm_count() * c["occupancy"], 1, 1)
 
 
 def _constants(p: dict, c: dict) -> tuple:
     return (MAX_ROWS, pow2_ceil(p["C"]), pow2_ceil(p["C"] // p["H"]), c["TN"], c["TK"], c["BN"], c["SPLIT_QKV"],
-            c["SPLIT_PROJ"], c["SPLIT_FC"], c["SPLIT_MP"], bool(c["PREFETCH"]))
+            c["SPLIT_PROJ"], c["SPLIT_FC"], c["SPLIT_MP"], bool(c["PREFETCH"]), c["LATENCY"], ALL_STAGES)
 
 
 ARGS = ("residual", "ln_1_weight", "ln_1_bias", "attn_weight", "attn_bias", "proj_weight", "proj_bias",

@@ -1,9 +1,10 @@
 """Where a decode_block launch's time goes: the one-launch GPT-2 block kernel timed with only some of
 its seven stages enabled (the six barriers and the exit always run), per GPT-2 width, batch 1,
 context 255 of a 256-position cache, random inputs; each time is per launch, replayed from a CUDA
-graph of 20 launches (median of 5 replays). The kernels compile in parallel processes first.
+graph of 10 launches (median of 3 replays), for the default config with each --config's overrides.
+The kernels compile in parallel processes first.
 
-    python -m benchmarks.decode_block_stages --model gpt2 --model gpt2-xl [--config JSON] [--out DIR]
+    python -m benchmarks.decode_block_stages --model gpt2 --model gpt2-xl [--config JSON ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def compile_stages(problem: dict, config: dict, stages: int, arch: str) -> None:
     export_kernel(kernel, [signature(kernel, args)], io.BytesIO(), gpu_code=arch, output_format="cubin")
 
 
-def time_stages(problem: dict, config: dict, stages: int, launches: int = 20, replays: int = 5) -> float:
+def time_stages(problem: dict, config: dict, stages: int, launches: int = 10, replays: int = 3) -> float:
     """Microseconds per launch of the kernel with `stages` on fresh random inputs."""
     import cupy
     import numpy as np
@@ -72,7 +73,8 @@ def time_stages(problem: dict, config: dict, stages: int, launches: int = 20, re
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_block_stages", description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="append", help="model preset (repeatable; default gpt2 and gpt2-xl)")
-    ap.add_argument("--config", type=json.loads, default={}, help="decode_block config overrides as JSON")
+    ap.add_argument("--config", type=json.loads, action="append",
+                    help="decode_block config overrides as JSON (repeatable; default: the default config)")
     ap.add_argument("--out", type=Path, help="write decode_block_stages.json here")
     args = ap.parse_args(argv)
     from concurrent.futures import ProcessPoolExecutor
@@ -83,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     for preset in args.model or ["gpt2", "gpt2-xl"]:
         problem = _problem(preset, 1)
-        config = {**DECODE_BLOCK.default(problem), **args.config}
-        cases += [(preset, problem, config, name, mask) for name, mask in MASKS.items()]
+        for overrides in args.config or [{}]:
+            config = {**DECODE_BLOCK.default(problem), **overrides}
+            cases += [(preset, problem, config, name, mask) for name, mask in MASKS.items()]
     arch = device_info(0).arch
     with ProcessPoolExecutor(min(15, len(cases)), mp_context=get_context("spawn")) as pool:
         for future in [pool.submit(compile_stages, p, c, m, arch) for _, p, c, _, m in cases]:
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     for preset, problem, config, name, mask in cases:
         us = time_stages(problem, config, mask)
         rows.append(dict(preset=preset, config=config, stages=name, mask=mask, us=us))
-        print(f"{preset:8s} {name:18s} {us:8.1f} us per launch", flush=True)
+        changed = {k: v for k, v in config.items() if DECODE_BLOCK.default(problem)[k] != v}
+        print(f"{preset:8s} {str(changed or 'default'):24s} {name:18s} {us:8.1f} us per launch", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "decode_block_stages.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -276,7 +276,7 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, TN=(32, 64), TK=(128, 256, 512), BN=(64, 128), SPLIT_QKV=(1, 2), SPLIT_PROJ=(2, 4, 8),
-                    SPLIT_FC=(1, 2), SPLIT_MP=(4, 8, 16), PREFETCH=(0, 1), LATENCY=(0, 4, 8), occupancy=(1, 2, 4))
+                    SPLIT_FC=(1, 2), SPLIT_MP=(4, 8, 16), PREFETCH=(0, 1), LATENCY=(0, 4, 8), occupancy=(1, 2))
 
 
 def default_config(p: dict) -> dict:

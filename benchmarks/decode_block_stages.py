@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", action="append", help="model preset (repeatable; default gpt2 and gpt2-xl)")
     ap.add_argument("--config", type=json.loads, action="append",
                     help="decode_block config overrides as JSON (repeatable; default: the default config)")
+    ap.add_argument("--stages", action="append", choices=list(MASKS),
+                    help="which stage sets to time (repeatable; default all of them)")
     ap.add_argument("--out", type=Path, help="write decode_block_stages.json here")
     args = ap.parse_args(argv)
     from concurrent.futures import ProcessPoolExecutor
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         problem = _problem(preset, 1)
         for overrides in args.config or [{}]:
             config = {**DECODE_BLOCK.default(problem), **overrides}
-            cases += [(preset, problem, config, name, mask) for name, mask in MASKS.items()]
+            cases += [(preset, problem, config, name, mask) for name, mask in MASKS.items()
+                      if not args.stages or name in args.stages]
     arch = device_info(0).arch
     with ProcessPoolExecutor(min(15, len(cases)), mp_context=get_context("spawn")) as pool:
         for future in [pool.submit(compile_stages, p, c, m, arch) for _, p, c, _, m in cases]:

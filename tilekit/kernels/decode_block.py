@@ -54,7 +54,7 @@ def grid_barrier(Sync, target):
     seen = ct.atomic_add(Sync, 0, 1) + 1
     spins = 0
     while seen < target and spins < SPIN_LIMIT:
-        seen = ct.load(Sync, (0,), shape=(), memory_order=ct.MemoryOrder.ACQUIRE, memory_scope=ct.MemoryScope.DEVICE)
+        seen = ct.atomic_add(Sync, 0, 0)       # an acquire read (acquire loads here never saw the count move)
         spins += 1
 
 

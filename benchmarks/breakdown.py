@@ -185,15 +185,12 @@ def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
     return result
 
 
-def model_batch_args(module: str, doc: str, argv: list[str] | None, extra=None) -> argparse.Namespace:
-    """--model (repeatable), --batch (repeatable) and --out of a decode benchmark module, and whatever
-    extra(parser) adds."""
+def model_batch_args(module: str, doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """--model (repeatable), --batch (repeatable) and --out of a decode benchmark module."""
     ap = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=doc.splitlines()[0])
     ap.add_argument("--model", action="append", help="model preset (repeatable; default gpt2 and gpt2-xl)")
     ap.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 8)")
     ap.add_argument("--out", type=Path, help=f"write {module}.json here")
-    if extra:
-        extra(ap)
     return ap.parse_args(argv)
 
 

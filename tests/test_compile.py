@@ -27,7 +27,6 @@ PROBLEMS = {
                          dict(dtype="float32", B=3, H=2, Hkv=2, nq=4, capacity=100, D=64, new_kv=0),
                          dict(dtype="bfloat16", B=8, H=32, Hkv=8, nq=1, capacity=1024, D=128, new_kv=1),
                          dict(dtype="bfloat16", B=1, H=12, Hkv=12, nq=1, capacity=256, D=64, new_kv=1)],
-    "decode_block": [dict(dtype="bfloat16", B=1, C=1600, H=25, capacity=256)],
     "embedding": [dict(dtype="bfloat16", ids="int32", M=8192, C=1600, V=50257, P=1024, fixed=0),
                   dict(dtype="float32", ids="int64", M=1, C=64, V=1031, P=64, fixed=1),
                   dict(dtype="bfloat16", ids="int32", M=8, C=2048, V=128256, P=0, fixed=0)],

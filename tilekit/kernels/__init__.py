@@ -2,7 +2,6 @@
 
 from tilekit.kernels.attention import attention
 from tilekit.kernels.decode_attention import decode_attention
-from tilekit.kernels.decode_block import decode_block
 from tilekit.kernels.embedding import embedding
 from tilekit.kernels.gelu import gelu
 from tilekit.kernels.kv_cache import write_kv
@@ -14,5 +13,5 @@ from tilekit.kernels.rope import apply_rope
 from tilekit.kernels.sampling import greedy_step
 from tilekit.kernels.swiglu import swiglu_linear
 
-__all__ = ["apply_rope", "attention", "decode_attention", "decode_block", "embedding", "gelu", "greedy_step", "layer_norm", "linear",
+__all__ = ["apply_rope", "attention", "decode_attention", "embedding", "gelu", "greedy_step", "layer_norm", "linear",
            "residual_linear", "rms_norm", "swiglu_linear", "write_kv"]

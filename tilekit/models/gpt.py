@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from tilekit.autotune.arrays import MetaArray, numpy_dtype
-from tilekit.kernels import decode_block, embedding, layer_norm, linear, residual_linear
+from tilekit.kernels import embedding, layer_norm, linear, residual_linear
 from tilekit.kernels.fixed_point import FIXED_DTYPE
 from tilekit.models.checkpoint import (check_state_dict, load_state_dict, random_state_dict,
                                        resolve_checkpoint, save_state_dict, state_dict_shapes)
 from tilekit.models.config import GPTConfig
-from tilekit.models.runtime import Arrays, CachedAttention, CausalLM
+from tilekit.models.runtime import Arrays, CausalLM
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -75,7 +75,6 @@ class GPT(CausalLM):
     """A GPT-2 family model whose forward pass runs entirely on tilekit kernels."""
 
     fixed_point_rows = 16   # passes of up to this many rows keep a fixed-point residual stream
-    decode_block_launches = False   # a decode step runs each block as one decode_block launch
 
     def __init__(self, config: GPTConfig, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, allow_tf32: bool = False, meta: bool = False):
@@ -122,12 +121,7 @@ class GPT(CausalLM):
         KV cache where there is one."""
         eps = self.config.layer_norm_epsilon
         embedding(ids, self.wte, self.wpe, positions, out=acts.x)
-        one_launch = self.decode_block_launches and acts.fixed and isinstance(attend, CachedAttention)
         for i, blk in enumerate(self.blocks):
-            if one_launch:
-                decode_block(acts.x, *vars(blk).values(), attend.cache.k[i], attend.cache.v[i], attend.positions,
-                             eps)
-                continue
             layer_norm(acts.x, blk.ln_1_w, blk.ln_1_b, eps, out=acts.h)
             self._linear(acts.h, blk.attn_w, blk.attn_b, out=acts.qkv)
             attend(i, acts.q, acts.k, acts.v, acts.heads)

@@ -65,18 +65,6 @@ class KVCache:
         self.capacity = capacity
 
 
-class CachedAttention:
-    """A decode step's attend(layer, q, k, v, out): writes each sequence's new key and value at its
-    position in the KV cache, then attends to positions 0..position."""
-
-    def __init__(self, cache: KVCache, positions):
-        self.cache, self.positions = cache, positions
-
-    def __call__(self, i, q, k, v, out):
-        decode_attention(q, self.cache.k[i], self.cache.v[i], self.positions, new_k=k, new_v=v, length_offset=1,
-                         out=out)
-
-
 class PromptBuffers:
     """Static inputs and activations of one (batch, tokens) prefill: flat ids and positions, the rows
     of each sequence's newest token, KV-cache write offsets (zeros), and the model's activations;
@@ -118,7 +106,11 @@ class DecodeState:
 
     def step(self, greedy: bool, eos: int) -> None:
         """One token for every sequence."""
-        attend = CachedAttention(self.cache, self.positions)
+        cache = self.cache
+
+        def attend(i, q, k, v, out):      # writes k and v at self.positions, then attends
+            decode_attention(q, cache.k[i], cache.v[i], self.positions, new_k=k, new_v=v, length_offset=1, out=out)
+
         self._head(self.model.hidden(self.acts, self.tokens, self.positions, attend), None, greedy, eos)
 
     def _head(self, x, rows, greedy: bool, eos: int) -> None:

@@ -1,8 +1,10 @@
-"""Where a decode step's time goes: every kernel of one graph-replayed greedy decode step, with its
-GPU time (CUPTI, through torch.profiler), the bytes it must move and its share of the measured copy
-bandwidth.
+"""Where a decode step's or a prefill's time goes: every kernel of one graph-replayed greedy decode
+step, with its GPU time (CUPTI, through torch.profiler), the bytes it must move and its share of the
+measured copy bandwidth; or, with --prefill T, every kernel of one full-logits forward() of batch x T
+tokens, grouped by problem, with its matrix FLOPs and share of the measured dense bf16 peak.
 
     python -m benchmarks.breakdown --model gpt2-xl --batch 1 [--out DIR]
+    python -m benchmarks.breakdown --model gpt2-xl --batch 8 --prefill 1024 [--out DIR]
 
 The kernels come from the profiler in launch order; the problem each one ran comes from recording
 the same step's op calls (tilekit.autotune.op.recording), so every row names its op and shape.
@@ -50,6 +52,18 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
     return float("nan")
 
 
+def min_flops(op_name: str, p: dict) -> float:
+    """Matrix-multiply FLOPs of one call (2 per multiply-add); causal attention counts the visible half,
+    as benchmarks.report.prefill_flops does."""
+    if op_name in ("linear", "residual_linear"):
+        return 2.0 * p["M"] * p["N"] * p["K"]
+    if op_name == "swiglu_linear":
+        return 4.0 * p["M"] * p["N"] * p["K"]
+    if op_name == "attention":
+        return 4.0 * p["B"] * p["H"] * p["Tq"] * p["Tk"] * p["D"] / (2 if p["causal"] else 1)
+    return 0.0
+
+
 def kernel_rows(calls: list, kernels: list, context: int, bandwidth_gbs: float, config_of=None) -> list[dict]:
     """One row per kernel: calls (op, problem) expand to their launches, zipped with the profiled
     kernels (name, microseconds, end time in microseconds) in launch order; an op's bytes go to its
@@ -67,22 +81,24 @@ def kernel_rows(calls: list, kernels: list, context: int, bandwidth_gbs: float, 
             raise RuntimeError(f"kernel {name!r} profiled where {launch.kernel._pyfunc.__name__} was launched")
         nbytes = min_bytes(op.name, p, context) if launch.hinted else 0.0
         rows.append({"op": op.name, "kernel": launch.kernel._pyfunc.__name__, "key": op.problem_key(p)[1],
-                     "us": us, "bytes": nbytes, "path_us": end - kernels[j - 1][2] if j else us,
+                     "us": us, "bytes": nbytes, "flops": min_flops(op.name, p) if launch.hinted else 0.0, "path_us": end - kernels[j - 1][2] if j else us,
                      "pct_bandwidth": 100.0 * nbytes / (us * 1e-6) / (bandwidth_gbs * 1e9) if nbytes else None})
     return rows
 
 
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per op: kernels, total and mean microseconds, share of the step, bytes, % of bandwidth."""
+def summarize(rows: list[dict], by: str = "op") -> list[dict]:
+    """Per op (by="op") or per problem key (by="key"): kernels, total and mean microseconds, share of
+    the step, bytes, FLOPs, critical path."""
     total = sum(r["us"] for r in rows)
     groups = defaultdict(list)
     for r in rows:
-        groups[r["op"]].append(r)
+        groups[r[by]].append(r)
     out = []
-    for op, rs in sorted(groups.items(), key=lambda kv: -sum(r["us"] for r in kv[1])):
+    for name, rs in sorted(groups.items(), key=lambda kv: -sum(r["us"] for r in kv[1])):
         us, nbytes = sum(r["us"] for r in rs), sum(r["bytes"] for r in rs)
-        out.append({"op": op, "kernels": len(rs), "us": us, "mean_us": us / len(rs),
-                    "share": us / total, "bytes": nbytes, "path_us": sum(r["path_us"] for r in rs)})
+        out.append({"op": name, "kernels": len(rs), "us": us, "mean_us": us / len(rs),
+                    "share": us / total, "bytes": nbytes, "flops": sum(r.get("flops", 0.0) for r in rs),
+                    "path_us": sum(r["path_us"] for r in rs)})
     return out
 
 
@@ -185,33 +201,125 @@ def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
     return result
 
 
-def model_batch_args(module: str, doc: str, argv: list[str] | None) -> argparse.Namespace:
+def short_key(key: str) -> str:
+    """A problem key without its dtype and its zero or 'none' fields: 'linear M=8192,N=6400,K=1600,act=gelu,bias=1'."""
+    op, _, fields = key.partition("/")
+    kept = [f for f in fields.split(",") if not f.startswith("dtype=") and f.split("=")[-1] not in ("0", "none")]
+    return f"{op} {','.join(kept)}"
+
+
+def format_prefill_table(summary: list[dict], peak_tflops: float, bandwidth_gbs: float, forward_ms: dict) -> str:
+    """Per problem: kernels, total and mean us, share, TFLOP/s and % of the dense peak (matrix work) or
+    % of copy bandwidth (the rest); then the forward's wall times against the kernels' sum."""
+    lines = [f"{'problem':<62}{'kernels':>8}{'total ms':>10}{'mean us':>9}{'share':>7}{'TFLOP/s':>9}{'% peak':>8}"
+             f"{'% of BW':>9}"]
+    for s in summary:
+        secs = s["us"] * 1e-6
+        rate = f"{s['flops'] / secs / 1e12:>9.0f}{100 * s['flops'] / secs / 1e12 / peak_tflops:>7.0f}%" \
+            if s["flops"] else f"{'-':>9}{'-':>8}"
+        bw = f"{100 * s['bytes'] / secs / (bandwidth_gbs * 1e9):>8.0f}%" if s["bytes"] and not s["flops"] else f"{'-':>9}"
+        lines.append(f"{short_key(s['op']):<62}{s['kernels']:>8}{s['us'] / 1e3:>10.3f}{s['mean_us']:>9.1f}"
+                     f"{100 * s['share']:>6.0f}%" + rate + bw)
+    kernel_ms = sum(s["us"] for s in summary) / 1e3
+    flops = sum(s["flops"] for s in summary)
+    lines.append(f"kernels {kernel_ms:.3f} ms ({flops / kernel_ms / 1e9:.0f} TFLOP/s); forward() wall, median: "
+                 + ", ".join(f"{name} {ms:.3f} ms" for name, ms in forward_ms.items())
+                 + f"; dense peak {peak_tflops:.0f} TFLOP/s, copy bandwidth {bandwidth_gbs:.0f} GB/s")
+    return "\n".join(lines)
+
+
+def profile_forward(model, ids, calls: list, bandwidth_gbs: float, reps: int = 3) -> dict:
+    """Profile `reps` graph-replayed forward(ids) calls (blocks as a graph, then the LM head) and
+    return the rows of the median one and the forward's median wall time (timing.measure, L2 warm)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.timing import measure
+    from tilekit.device import device_info
+    model.forget_graphs()
+    for _ in range(2):                       # capture, then one replay
+        model(ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            model(ids)
+        torch.cuda.synchronize()
+    wall_ms = measure(lambda: model(ids), flush_l2=False, warmup=1, reps=10)["median_ms"]
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                     and not e.name.startswith(("Memcpy", "Memset", "[memory]"))), key=lambda e: e.time_range.start)
+    per_call = len(events) // reps
+    runs = [[(e.name, e.time_range.end - e.time_range.start, e.time_range.end)
+             for e in events[i * per_call:(i + 1) * per_call]] for i in range(reps)]
+    median = sorted(runs, key=lambda r: r[-1][2] - r[0][2] + r[0][1])[reps // 2]
+    device = device_info()
+    rows = kernel_rows(calls, median, ids.shape[1], bandwidth_gbs, lambda op, p: op.resolve(p, device).config)
+    return {"wall_ms": wall_ms, "kernels": rows, "summary": summarize(rows, by="key")}
+
+
+def run_prefill(preset: str, batch: int, seq: int, bandwidth_gbs: float, peak_tflops: float, log=print) -> dict:
+    """forward() on batch x seq random ids, profiled without dependent launch (a kernel's span then is
+    its own work); the wall time is also taken with it, when it is on."""
+    import numpy as np
+
+    from tilekit.autotune import op
+    from tilekit.autotune.op import recording
+    model = decode_model(preset)
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, seq))
+    with recording() as calls:               # the problems of one forward, launched eagerly
+        model.forward(ids, use_graph=False)
+    forward_ms = {}
+    if op.DEPENDENT_LAUNCH:
+        forward_ms["dependent launch"] = profile_forward(model, ids, calls, bandwidth_gbs)["wall_ms"]
+    saved, op.DEPENDENT_LAUNCH = op.DEPENDENT_LAUNCH, False
+    try:
+        result = profile_forward(model, ids, calls, bandwidth_gbs)
+    finally:
+        op.DEPENDENT_LAUNCH = saved
+        model.forget_graphs()
+    forward_ms["ordinary launch"] = result["wall_ms"]
+    result.update(preset=preset, batch=batch, seq=seq, forward_ms=forward_ms, peak_tflops=peak_tflops,
+                  bandwidth_gbs=bandwidth_gbs)
+    log(f"[breakdown prefill {preset} B{batch} T{seq}]\n"
+        + format_prefill_table(result["summary"], peak_tflops, bandwidth_gbs, forward_ms))
+    return result
+
+
+def model_batch_parser(module: str, doc: str) -> argparse.ArgumentParser:
     """--model (repeatable), --batch (repeatable) and --out of a decode benchmark module."""
     ap = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=doc.splitlines()[0])
     ap.add_argument("--model", action="append", help="model preset (repeatable; default gpt2 and gpt2-xl)")
     ap.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 8)")
     ap.add_argument("--out", type=Path, help=f"write {module}.json here")
-    return ap.parse_args(argv)
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = model_batch_args("breakdown", __doc__, argv)
+    ap = model_batch_parser("breakdown", __doc__)
+    ap.add_argument("--prefill", type=int, action="append", metavar="T",
+                    help="profile forward() on batch x T tokens instead of a decode step (repeatable)")
+    args = ap.parse_args(argv)
+    if any(v < 1 for v in args.prefill or ()):
+        ap.error(f"--prefill must be at least 1, got {args.prefill}")
     import traceback
 
-    from benchmarks.timing import copy_bandwidth
+    from benchmarks.timing import copy_bandwidth, matmul_peak_tflops
     bandwidth = copy_bandwidth()["gbs"]
+    peak = matmul_peak_tflops() if args.prefill else None
     results, failed = [], 0
     for preset in args.model or ["gpt2", "gpt2-xl"]:
         for batch in args.batch or [1, 8]:
             try:
-                results.append(run(preset, batch, bandwidth))
+                if args.prefill:
+                    results += [run_prefill(preset, batch, seq, bandwidth, peak) for seq in args.prefill]
+                else:
+                    results.append(run(preset, batch, bandwidth))
             except Exception:  # noqa: BLE001 - the other models still run
                 failed += 1
                 traceback.print_exc()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "breakdown.json").write_text(json.dumps(results, indent=1) + "\n")
-    return 1 if failed or not all(math.isfinite(r["step_ms"]) for r in results) else 0
+    return 1 if failed or not all(math.isfinite(r.get("step_ms", r.get("wall_ms"))) for r in results) else 0
 
 
 if __name__ == "__main__":

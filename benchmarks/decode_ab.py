@@ -16,7 +16,7 @@ import copy
 import json
 import sys
 
-from benchmarks.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_args, replay_ms
+from benchmarks.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_parser, replay_ms
 
 
 VARIANTS = {"model-dtype": dict(fixed_point_rows=0), "fixed": {}}    # name -> the GPT attributes it sets
@@ -58,7 +58,7 @@ def run(preset: str, weights, batch: int, copy_gbs: float, rounds: int = 5, reps
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = model_batch_args("decode_ab", __doc__, argv)
+    args = model_batch_parser("decode_ab", __doc__).parse_args(argv)
     from benchmarks.timing import copy_bandwidth
     copy_gbs = copy_bandwidth()["gbs"]
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")

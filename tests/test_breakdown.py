@@ -1,8 +1,10 @@
-"""The decode breakdown's bookkeeping on CPU: calls expand to launches, bytes and shares add up."""
+"""The breakdown's bookkeeping on CPU: calls expand to launches, bytes, FLOPs and shares add up."""
 
 import pytest
 
-from benchmarks.breakdown import format_table, kernel_rows, min_bytes, summarize
+from benchmarks.breakdown import (format_prefill_table, format_table, kernel_rows, min_bytes, min_flops, short_key,
+                                  summarize)
+from tilekit.kernels.attention import ATTENTION
 from tilekit.kernels.decode_attention import DECODE_ATTENTION
 from tilekit.kernels.linear import LINEAR
 from tilekit.kernels.sampling import GREEDY
@@ -48,3 +50,25 @@ def test_a_merge_runs_only_with_several_splits():
     assert [r["kernel"] for r in rows] == ["decode_attention_kernel", "decode_merge_kernel"]
     with pytest.raises(RuntimeError, match="profiled"):
         kernel_rows([(DECODE_ATTENTION, several)], split, 200, 4000.0)
+
+
+PREFILL_ATT = dict(dtype="bfloat16", B=8, H=25, Hkv=25, Tq=1024, Tk=1024, D=64, causal=1)
+
+
+def test_prefill_rows_group_by_problem_with_their_flops():
+    big = dict(LIN, M=8192)
+    calls = [(LINEAR, big), (ATTENTION, PREFILL_ATT), (LINEAR, big)]
+    kernels = [("linear_kernel_a", 200.0, 200.0), ("attention_kernel_b", 100.0, 300.0),
+               ("linear_kernel_c", 220.0, 520.0)]
+    rows = kernel_rows(calls, kernels, 1024, 4000.0, lambda op, p: dict(op.default(p), PERSISTENT=0))  # no GPU to size
+    assert rows[0]["flops"] == min_flops("linear", big) == 2.0 * 8192 * 4800 * 1600
+    assert rows[1]["flops"] == 2.0 * 8 * 25 * 1024 * 1024 * 64          # the causal half of 4 B H T^2 D
+    assert min_flops("attention", dict(PREFILL_ATT, causal=0)) == 2 * rows[1]["flops"]
+    summary = summarize(rows, by="key")
+    assert [s["kernels"] for s in summary] == [2, 1]
+    assert summary[0]["us"] == 420.0 and summary[0]["flops"] == 2 * rows[0]["flops"]
+    assert short_key(summary[0]["op"]) == "linear K=1600,M=8192,N=4800,bias=1,wt=kn"
+    table = format_prefill_table(summary, 800.0, 4000.0, {"ordinary launch": 0.6})
+    tflops = 2 * rows[0]["flops"] / 420e-6 / 1e12
+    assert f"{tflops:.0f}" in table.splitlines()[1] and f"{100 * tflops / 800:.0f}%" in table.splitlines()[1]
+    assert "ordinary launch 0.600 ms" in table.splitlines()[-1]

@@ -79,6 +79,35 @@ def test_linear_torch_in_torch_out():
     assert_close(again.double().cpu().numpy(), ref[0].cpu().numpy(), TOL["bfloat16"], "torch linear 2-D")
 
 
+@pytest.mark.parametrize("M, N, K, layout, dtype", [(300, 1031, 136, "out_in", "bfloat16"),
+                                                   (64, 50257, 64, "out_in", "bfloat16"),
+                                                   (5, 200, 72, "in_out", "float32")])
+def test_linear_into_padded_rows(M, N, K, layout, dtype):
+    """An out whose rows are padded (a [..., :N] slice, as forward()'s logits): the rows are written,
+    the padding is not, and a 3-D view of such rows works the same."""
+    padded = -(-N // 64) * 64 + 64
+    x = rand((2, M, K), dtype)
+    w = rand((K, N) if layout == "in_out" else (N, K), dtype, 1 / math.sqrt(K))
+    buf = poisoned((2, M, padded), dtype)
+    y = linear(x, w, weight_layout=layout, out=buf[:, :, :N])
+    ref = linear_reference(host(x), host(w), weight_layout=layout)
+    assert_close(host(y), ref, TOL[dtype], f"linear into padded rows {(M, N, K, layout, dtype)}")
+    assert np.isnan(host(buf[:, :, N:])).all(), "linear wrote into the rows' padding"
+    row = buf[1, :, :N]                                                     # 2-D padded rows
+    linear(x[1], w, weight_layout=layout, out=row)
+    assert_close(host(row), ref[1], TOL[dtype], "linear into 2-D padded rows")
+
+
+def test_persistent_linear_plan_launches_ordinarily():
+    x, w = rand((512, 256), "bfloat16"), rand((256, 512), "bfloat16", 1 / 16)
+    base = dict(TM=128, TN=128, TK=64, GROUP_M=8, SPLIT_K=1, occupancy=1, num_ctas=1, num_worker_warps=8)
+    for persistent in (1, 0):
+        with LINEAR.pinned(dict(base, PERSISTENT=persistent)):
+            plan, _ = LINEAR.plan_for((x, w, None, None, None), (None, "in_out", False))
+            assert [launch[4] for launch in plan.launches] == [not persistent]
+            assert_close(host(linear(x, w)), host(x) @ host(w), TOL["bfloat16"], f"persistent={persistent}")
+
+
 # -- every sampled config of every space is correct -------------------------------------------
 
 SPACE_CASES = {

@@ -252,6 +252,19 @@ def check_contiguous(a: Info, name: str) -> None:
         step *= n
 
 
+def check_rows(a: Info, name: str) -> None:
+    """Rows of the last dimension that view as one (rows, N) array without a copy, as a padded-row
+    buffer's [..., :N] slice does: contiguous within a row, leading dimensions that merge (each
+    stride the next one's times its size), and rows that do not overlap."""
+    check_last_contiguous(a, name)
+    lead = [(n, s) for n, s in zip(a.shape[:-1], a.strides[:-1]) if n > 1]
+    if 0 in a.shape or not lead:
+        return
+    if any(s != s2 * n2 for (_, s), (n2, s2) in zip(lead, lead[1:])) or lead[-1][1] < a.shape[-1]:
+        raise ValueError(f"{name} must be rows of its last dimension that view as one 2-D array (shape "
+                         f"{a.shape}, strides {a.strides}): contiguous rows, padded or not, in C order")
+
+
 def check_out(o: Info, name: str, like: Info, shape: tuple[int, ...], dtype: str | None = None,
               contiguous: bool = True) -> None:
     """A caller-provided output: same kind and device as `like`, the expected shape and dtype."""

@@ -67,14 +67,15 @@ class Launch:
     scalars) in the kernel's order; `constants(problem, config)` gives the compile-time arguments
     that follow them. The config's hints (occupancy, num_ctas) apply to the `hinted` launch, the
     one the tuner measures. `dependent`: launched with programmatic dependent launch (when
-    DEPENDENT_LAUNCH is on); a launch without it waits for the kernel before it as usual."""
+    DEPENDENT_LAUNCH is on), or a function of (problem, config) saying when; a launch without it
+    waits for the kernel before it as usual."""
 
     kernel: Any
     grid: Callable[[Problem, Config], tuple]
     args: tuple[str, ...]
     constants: Callable[[Problem, Config], tuple]
     hinted: bool = True
-    dependent: bool = True
+    dependent: bool | Callable[[Problem, Config], bool] = True
 
 
 @dataclass(frozen=True)
@@ -355,8 +356,9 @@ class Op:
                 else:
                     raise RuntimeError(f"{self.name}: kernel argument {name!r} is not bound")
             kernel = self.hinted(config) if launch.hinted else launch.kernel
+            dependent = launch.dependent(problem, config) if callable(launch.dependent) else launch.dependent
             plan.launches.append((kernel, grid, tuple(sources), tuple(launch.constants(problem, config)),
-                                  launch.dependent))
+                                  bool(dependent)))
         return plan
 
     # -- choosing the config ----------------------------------------------------------------------

@@ -180,6 +180,13 @@ def _grid(p: dict, c: dict) -> tuple:
     return (_tiles(p, c) * c["SPLIT_K"], 1, 1)
 
 
+def _dependent(p: dict, c: dict) -> bool:
+    """Programmatic dependent launch except for a persistent grid, which gains nothing from starting
+    early and, scheduled while the kernel before it drains, may place its programs unevenly for the
+    whole kernel (gpt2-xl's B8 x T1024 prefill: 1% faster so, H200, docs/results/prefill-lm-pdl-h200.txt)."""
+    return not c["PERSISTENT"]
+
+
 def _constants(p: dict, c: dict) -> tuple:
     return (c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"], bool(c["PERSISTENT"]), p["wt"] == "nk",
             bool(p["bias"]), p["act"] == "gelu", bool(p["res"]), bool(p["tf32"]))
@@ -221,8 +228,9 @@ def _bind(a: list, flags: tuple) -> Binding:
             raise ValueError(f"residual must have shape {out_shape}, got {res.shape}")
         arrays.check_contiguous(res, "residual")
         views["res"] = (3, None if len(out_shape) == 2 else (M, N))
-    if out is not None:
-        arrays.check_out(out, "out", x, out_shape)
+    if out is not None:                  # rows may be padded (aligned stores of an odd N, e.g. logits)
+        arrays.check_out(out, "out", x, out_shape, contiguous=False)
+        arrays.check_rows(out, "out")
     problem = dict(dtype=x.dtype, M=M, N=N, K=K, wt="kn" if weight_layout == "in_out" else "nk",
                    bias=int(bias is not None), act=activation or "none", res=int(res is not None),
                    tf32=int(bool(allow_tf32)))
@@ -234,7 +242,8 @@ LINEAR = Op(
     "linear", args=("x", "weight", "bias", "residual", "out"), optional=("bias", "residual", "out"),
     key=dict(dtype=None, M=pow2_bucket, N=None, K=None, wt=None, bias=None, act=None, res=None, tf32=None),
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
-    launches=(Launch(linear_kernel, _grid, ("x", "w", "bias", "res", "y", "partial", "counter"), _constants),),
+    launches=(Launch(linear_kernel, _grid, ("x", "w", "bias", "res", "y", "partial", "counter"), _constants,
+                     dependent=_dependent),),
     bind=_bind, cli_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0))
 
 
@@ -246,7 +255,9 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
 
     weight is [in, out] (weight_layout='in_out', GPT-2's Conv1D) or [out, in] ('out_in', e.g. the
     tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). fp32 inputs use exact fp32
-    products unless allow_tf32=True. Returns an array of x's kind, or writes into `out`.
+    products unless allow_tf32=True. Returns an array of x's kind, or writes into `out`, whose rows
+    may be padded (a [..., :N] slice of a wider buffer: an odd N's rows then start 16-byte aligned
+    and store faster; configs are tuned on contiguous outputs).
     """
     return LINEAR((x, weight, bias, residual, out), (activation, weight_layout, allow_tf32))
 

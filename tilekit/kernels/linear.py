@@ -228,7 +228,7 @@ def _bind(a: list, flags: tuple) -> Binding:
             raise ValueError(f"residual must have shape {out_shape}, got {res.shape}")
         arrays.check_contiguous(res, "residual")
         views["res"] = (3, None if len(out_shape) == 2 else (M, N))
-    if out is not None:                  # rows may be padded (aligned stores of an odd N, e.g. logits)
+    if out is not None:                  # rows may be padded, the padding scratch (see linear())
         arrays.check_out(out, "out", x, out_shape, contiguous=False)
         arrays.check_rows(out, "out")
     problem = dict(dtype=x.dtype, M=M, N=N, K=K, wt="kn" if weight_layout == "in_out" else "nk",
@@ -256,8 +256,9 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
     weight is [in, out] (weight_layout='in_out', GPT-2's Conv1D) or [out, in] ('out_in', e.g. the
     tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). fp32 inputs use exact fp32
     products unless allow_tf32=True. Returns an array of x's kind, or writes into `out`, whose rows
-    may be padded (a [..., :N] slice of a wider buffer: an odd N's rows then start 16-byte aligned
-    and store faster; configs are tuned on contiguous outputs).
+    may be padded (a [..., :N] slice of a buffer of wider rows: an odd N's rows then start 16-byte
+    aligned and store faster; configs are tuned on contiguous outputs). The padding is scratch: the
+    vector store of a row's last elements may write zeros up to the row's next 16-byte boundary.
     """
     return LINEAR((x, weight, bias, residual, out), (activation, weight_layout, allow_tf32))
 

@@ -317,8 +317,8 @@ class CausalLM:
 
     def logits(self, h, arrays: Arrays):
         """The LM head of the rows h into a fresh (rows, vocab_size) array: a view of a buffer whose rows
-        are padded to a multiple of LOGIT_ROW_ALIGN entries, so that an odd vocabulary's rows (GPT-2's
-        50257) start aligned and store faster (the LM head 1.08-1.10x, H200)."""
+        are padded to a multiple of LOGIT_ROW_ALIGN entries (scratch), so that an odd vocabulary's rows
+        (GPT-2's 50257) start aligned and store faster (the LM head 1.08-1.10x, H200)."""
         vocab = self.config.vocab_size
         padded = arrays.empty((h.shape[0], -(-vocab // LOGIT_ROW_ALIGN) * LOGIT_ROW_ALIGN), self.dtype)
         return self.lm_head(h, out=padded[:, :vocab])

@@ -119,8 +119,10 @@ SPACE = SearchSpace(_fits, BM=(64, 128, 256), BN=(32, 64, 128), LONGEST_FIRST=(0
 
 
 def default_config(p: dict) -> dict:
-    return dict(BM=64, BN=128 if p["Tk"] >= 128 else 64, LONGEST_FIRST=int(bool(p["causal"])),
-                occupancy=2 if pow2_ceil(p["D"]) <= 64 else 1)
+    """64 x 128 tiles, two programs per SM, at head_dim 64 and 128 alike (untuned head_dim 128, B4 H16
+    T2048: 0.58x of cuDNN at one program per SM, 0.85x (H100) and 0.95x (H200) at two;
+    docs/results/linear-default-h100.txt)."""
+    return dict(BM=64, BN=128 if p["Tk"] >= 128 else 64, LONGEST_FIRST=int(bool(p["causal"])), occupancy=2)
 
 
 def qkv_views(dtype: str, B: int, H: int, T: int, D: int, offset: int = 0, fused_heads: int | None = None

@@ -297,10 +297,9 @@ class CausalLM:
         The first call at a given (B, T) on a stream runs the blocks eagerly and captures them as a
         CUDA graph; later calls replay it (the last max_prefill_graphs shapes are kept) and launch
         only the LM head on its own, into a fresh logits array (a view whose rows are padded, see
-        logits()). use_graph=False runs every kernel
-        one by one. Graphs hold the configs chosen when they were captured: after changing the tuning
-        database or TILEKIT_AUTOTUNE in this process, call tilekit.autotune.store.reset() (the ops'
-        launch plans) and forget_graphs().
+        logits()). use_graph=False runs every kernel one by one. Graphs hold the configs chosen
+        when they were captured: after changing the tuning database or TILEKIT_AUTOTUNE in this
+        process, call tilekit.autotune.store.reset() (the ops' launch plans) and forget_graphs().
         """
         import cupy
         ids_host = self._check_ids(ids).astype(np.int32)

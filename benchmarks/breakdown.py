@@ -17,6 +17,7 @@ for the step without and with dependent launch, whose step times are both report
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -81,7 +82,8 @@ def kernel_rows(calls: list, kernels: list, context: int, bandwidth_gbs: float, 
             raise RuntimeError(f"kernel {name!r} profiled where {launch.kernel._pyfunc.__name__} was launched")
         nbytes = min_bytes(op.name, p, context) if launch.hinted else 0.0
         rows.append({"op": op.name, "kernel": launch.kernel._pyfunc.__name__, "key": op.problem_key(p)[1],
-                     "us": us, "bytes": nbytes, "flops": min_flops(op.name, p) if launch.hinted else 0.0, "path_us": end - kernels[j - 1][2] if j else us,
+                     "us": us, "bytes": nbytes, "flops": min_flops(op.name, p) if launch.hinted else 0.0,
+                     "path_us": end - kernels[j - 1][2] if j else us,
                      "pct_bandwidth": 100.0 * nbytes / (us * 1e-6) / (bandwidth_gbs * 1e9) if nbytes else None})
     return rows
 
@@ -97,7 +99,7 @@ def summarize(rows: list[dict], by: str = "op") -> list[dict]:
     for name, rs in sorted(groups.items(), key=lambda kv: -sum(r["us"] for r in kv[1])):
         us, nbytes = sum(r["us"] for r in rs), sum(r["bytes"] for r in rs)
         out.append({"op": name, "kernels": len(rs), "us": us, "mean_us": us / len(rs),
-                    "share": us / total, "bytes": nbytes, "flops": sum(r.get("flops", 0.0) for r in rs),
+                    "share": us / total, "bytes": nbytes, "flops": sum(r["flops"] for r in rs),
                     "path_us": sum(r["path_us"] for r in rs)})
     return out
 
@@ -134,11 +136,9 @@ def profile_step(gen, bandwidth_gbs: float, reps: int = 5, step_reps: int = 200)
     """Profile `reps` replays of gen's decode graph; return rows of the median replay, and the step time as the
     mean of `step_reps` more (on the H100, 5 replays read 1.5-3.4% above 200 replays
     in another process of the same tree; repeated means of 100 agreed within 0.2%)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from tilekit.autotune.op import recording
-    from tilekit.device import device_info
     state, stream = gen.state, gen.stream
     with stream, recording() as calls:           # the problems of one step, launched eagerly
         state.step(gen.greedy, gen.eos)
@@ -149,15 +149,35 @@ def profile_step(gen, bandwidth_gbs: float, reps: int = 5, step_reps: int = 200)
             gen.decode_graph.launch(stream)
         stream.synchronize()
     step_ms = replay_ms(gen, step_reps)
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    per_step = len(events) // reps
-    replays = [[(e.name, e.time_range.end - e.time_range.start, e.time_range.end)
-                for e in events[i * per_step:(i + 1) * per_step]] for i in range(reps)]
-    median = sorted(replays, key=lambda r: r[-1][2] - r[0][2] + r[0][1])[reps // 2]
-    device = device_info()
-    rows = kernel_rows(calls, median, context, bandwidth_gbs, lambda op, p: op.resolve(p, device).config)
+    rows = median_run_rows(prof, reps, calls, context, bandwidth_gbs)
     return {"step_ms": step_ms, "context": context, "kernels": rows, "summary": summarize(rows)}
+
+
+def median_run_rows(prof, reps: int, calls: list, context: int, bandwidth_gbs: float) -> list[dict]:
+    """kernel_rows of the median of the `reps` equal runs a torch profiler recorded (kernels only, no
+    copies or fills), with the configs this GPU's databases give the calls."""
+    import torch
+
+    from tilekit.device import device_info
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                     and not e.name.startswith(("Memcpy", "Memset", "[memory]"))), key=lambda e: e.time_range.start)
+    per_run = len(events) // reps
+    runs = [[(e.name, e.time_range.end - e.time_range.start, e.time_range.end)
+             for e in events[i * per_run:(i + 1) * per_run]] for i in range(reps)]
+    median = sorted(runs, key=lambda r: r[-1][2] - r[0][2] + r[0][1])[reps // 2]
+    device = device_info()
+    return kernel_rows(calls, median, context, bandwidth_gbs, lambda op, p: op.resolve(p, device).config)
+
+
+@contextlib.contextmanager
+def ordinary_launch():
+    """Every kernel launched in the block waits for the one before it (programmatic dependent launch off)."""
+    from tilekit.autotune import op
+    saved, op.DEPENDENT_LAUNCH = op.DEPENDENT_LAUNCH, False
+    try:
+        yield
+    finally:
+        op.DEPENDENT_LAUNCH = saved
 
 
 def _decode_generation(model, batch: int):
@@ -184,11 +204,8 @@ def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
     from tilekit.autotune import op
     model = decode_model(preset)
     dependent = profile_step(_decode_generation(model, batch), bandwidth_gbs) if op.DEPENDENT_LAUNCH else None
-    saved, op.DEPENDENT_LAUNCH = op.DEPENDENT_LAUNCH, False
-    try:
+    with ordinary_launch():
         result = profile_step(_decode_generation(model, batch), bandwidth_gbs)
-    finally:
-        op.DEPENDENT_LAUNCH = saved
     result["step_ms_sequential"] = result["step_ms"]
     if dependent is not None:
         result["step_ms"] = dependent["step_ms"]
@@ -235,7 +252,6 @@ def profile_forward(model, ids, calls: list, bandwidth_gbs: float, reps: int = 3
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.timing import measure
-    from tilekit.device import device_info
     model.forget_graphs()
     for _ in range(2):                       # capture, then one replay
         model(ids)
@@ -245,14 +261,7 @@ def profile_forward(model, ids, calls: list, bandwidth_gbs: float, reps: int = 3
             model(ids)
         torch.cuda.synchronize()
     wall_ms = measure(lambda: model(ids), flush_l2=False, warmup=1, reps=10)["median_ms"]
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                     and not e.name.startswith(("Memcpy", "Memset", "[memory]"))), key=lambda e: e.time_range.start)
-    per_call = len(events) // reps
-    runs = [[(e.name, e.time_range.end - e.time_range.start, e.time_range.end)
-             for e in events[i * per_call:(i + 1) * per_call]] for i in range(reps)]
-    median = sorted(runs, key=lambda r: r[-1][2] - r[0][2] + r[0][1])[reps // 2]
-    device = device_info()
-    rows = kernel_rows(calls, median, ids.shape[1], bandwidth_gbs, lambda op, p: op.resolve(p, device).config)
+    rows = median_run_rows(prof, reps, calls, ids.shape[1], bandwidth_gbs)
     return {"wall_ms": wall_ms, "kernels": rows, "summary": summarize(rows, by="key")}
 
 
@@ -270,11 +279,10 @@ def run_prefill(preset: str, batch: int, seq: int, bandwidth_gbs: float, peak_tf
     forward_ms = {}
     if op.DEPENDENT_LAUNCH:
         forward_ms["dependent launch"] = profile_forward(model, ids, calls, bandwidth_gbs)["wall_ms"]
-    saved, op.DEPENDENT_LAUNCH = op.DEPENDENT_LAUNCH, False
     try:
-        result = profile_forward(model, ids, calls, bandwidth_gbs)
+        with ordinary_launch():
+            result = profile_forward(model, ids, calls, bandwidth_gbs)
     finally:
-        op.DEPENDENT_LAUNCH = saved
         model.forget_graphs()
     forward_ms["ordinary launch"] = result["wall_ms"]
     result.update(preset=preset, batch=batch, seq=seq, forward_ms=forward_ms, peak_tflops=peak_tflops,

@@ -40,6 +40,8 @@ PROBLEMS = {
     "kv_write": [dict(dtype="bfloat16", B=8, H=12, T=1024, capacity=1024, D=64),
                  dict(dtype="float32", B=1, H=2, T=1, capacity=100, D=80)],
     "greedy": [dict(dtype="bfloat16", B=8, V=50257, L=1025), dict(dtype="float32", B=1, V=1031, L=64)],
+    "next_token": [dict(dtype="bfloat16", B=8, V=128256, pen=1, KS=128, check=1, E=2),
+                   dict(dtype="float32", B=1, V=1031, pen=0, KS=0, check=0)],
 }
 
 

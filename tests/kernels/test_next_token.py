@@ -1,0 +1,180 @@
+"""next_token on the GPU against its float64 reference: greedy rows are the argmax, sampled rows never leave
+the kept set and follow the processed softmax (chi-square at a fixed false-alarm rate), penalties and
+the eos ban act exactly where they should, and the draws repeat for a seed, graph or eager."""
+
+import math
+
+import numpy as np
+import pytest
+
+from tilekit.device import gpu_unavailable_reason
+
+pytestmark = pytest.mark.skipif(gpu_unavailable_reason() is not None,
+                                reason=f"GPU test: {gpu_unavailable_reason()}")
+
+Z_1E4 = 3.719        # the standard normal's upper 1e-4 quantile: each chi-square test's false-alarm rate
+
+
+def chi2_limit(df: int) -> float:
+    """The chi-square upper 1e-4 quantile with df degrees of freedom (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + Z_1E4 * math.sqrt(2 / (9 * df))) ** 3
+
+
+def params(rows):
+    """fparams, iparams arrays from (temperature, top_k, top_p, min_p, rep, pres, freq, eos_from, seed) rows."""
+    fp = np.array([[1 / t if t else 1.0, p, math.log(m) if m else -np.inf, r, pr, fr]
+                   for t, k, p, m, r, pr, fr, e, s in rows], np.float32)
+    ip = np.array([[int(t > 0), k, e, s] for t, k, p, m, r, pr, fr, e, s in rows], np.int32)
+    return fp, ip
+
+
+class State:
+    """Device decode state of B rows."""
+
+    def __init__(self, B, L, positions=0):
+        import cupy
+        self.tokens = cupy.full(B, -7, cupy.int32)
+        self.positions = cupy.full(B, positions, cupy.int32)
+        self.finished = cupy.zeros(B, cupy.int32)
+        self.history = cupy.full((B, L), -7, cupy.int32)
+
+
+def run(logits, fp, ip, eos, state, *, seen=None, out_counts=None, pad=0):
+    import cupy
+
+    from tilekit.kernels.next_token import candidate_slots, next_token
+    slots = candidate_slots(ip[:, 1][ip[:, 0] != 0])
+    check = bool(np.any((ip[:, 0] != 0) & (ip[:, 1] == 0) & (fp[:, 1] < 1)))
+    next_token(logits, cupy.asarray(fp), cupy.asarray(ip), cupy.asarray(np.asarray(eos, np.int32)), state.tokens,
+               state.positions, state.history, state.finished, seen=seen, out_counts=out_counts, slots=slots,
+               check=check, pad=pad)
+
+
+@pytest.mark.parametrize("dtype,V", [("bfloat16", 50257), ("float32", 1031), ("float16", 128256)])
+def test_greedy_rows_take_the_first_argmax_of_the_penalised_logits(dtype, V):
+    import cupy
+
+    from tilekit.kernels.checks import host, rand
+    from tilekit.kernels.next_token import next_token_reference
+    B, eos = 6, [V - 1, 3]
+    logits = rand((B, V), dtype, 3.0)
+    rng = np.random.default_rng()
+    seen = cupy.asarray(rng.integers(0, 3, (B, V)).astype(np.int32))
+    out_counts = cupy.asarray(np.minimum(host(seen), rng.integers(0, 2, (B, V))).astype(np.int32))
+    rows = [(0, 0, 1.0, 0, r, pr, fr, e, 0) for r, pr, fr, e in
+            [(1.0, 0, 0, 0), (1.3, 0, 0, 0), (0.7, 0.5, 0.1, 0), (1.0, 0, 0, 5), (1.1, 0.2, 0.3, 5), (1.0, 0, 0, 0)]]
+    fp, ip = params(rows)
+    state = State(B, 8, positions=3)
+    state.finished[5] = 1
+    ref_z, kept = next_token_reference(host(logits), fp, ip, eos, np.full(B, 3), host(seen), host(out_counts))
+    seen0, out0 = host(seen), host(out_counts)
+    run(logits, fp, ip, eos, state, seen=seen, out_counts=out_counts, pad=11)
+    tokens = host(state.tokens)
+    want = np.where(np.arange(B) == 5, 11, kept.argmax(1))
+    assert tokens.tolist() == want.tolist()
+    assert host(state.history)[:, 4].tolist() == want.tolist() and (host(state.history)[:, :4] == -7).all()
+    assert host(state.positions).tolist() == [4] * B
+    assert host(state.finished).tolist() == [int(t in eos) for t in want[:5]] + [1]
+    bumped = np.zeros((B, V), np.int64)
+    bumped[np.arange(5), want[:5]] = 1
+    assert np.array_equal(host(seen), seen0 + bumped) and np.array_equal(host(out_counts), out0 + bumped)
+
+
+COMBOS = [  # temperature, top_k, top_p, min_p, repetition, presence, frequency: every path of the kernels
+    (0.8, 50, 0.95, 0, 1.0, 0, 0),      # candidates, top-k then top-p
+    (1.0, 0, 1.0, 0, 1.0, 0, 0),        # plain sampling
+    (1.0, 0, 0.3, 0, 1.0, 0, 0),        # top-p alone: the check pass, often rejected
+    (0.7, 0, 1.0, 0.5, 1.0, 0, 0),      # min-p alone, often rejected
+    (1.3, 20, 1.0, 0.05, 1.2, 0.3, 0.2),  # top-k and min-p with penalties
+    (1.0, 300, 0.9, 0, 1.0, 0, 0),      # a top-k past the candidate slots: the whole-row path
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_sampled_tokens_stay_in_the_kept_set_and_follow_its_softmax(dtype):
+    import cupy
+
+    from tilekit.kernels.checks import host, rand
+    from tilekit.kernels.next_token import next_token_reference
+    V, reps, draws = 3001, 4, 1500
+    B = len(COMBOS) * reps
+    logits = cupy.repeat(rand((len(COMBOS), V), dtype, 1.5), reps, axis=0)
+    rng = np.random.default_rng()
+    seen_rows = rng.integers(0, 2, (len(COMBOS), V)).astype(np.int32)
+    seen = cupy.asarray(np.repeat(seen_rows, reps, axis=0))
+    out_counts = seen.copy()
+    rows = [(*c, 0, int(rng.integers(1 << 30))) for c in COMBOS for _ in range(reps)]
+    fp, ip = params(rows)
+    _, kept = next_token_reference(host(logits), fp, ip, [-1], np.zeros(B), host(seen), host(out_counts))
+    ref_z, _ = next_token_reference(host(logits), fp, ip, [-1], np.zeros(B), host(seen), host(out_counts))
+    state = State(B, draws + 2)
+    for _ in range(draws):
+        seen_before, out_before = seen.copy(), out_counts.copy()   # the same penalties for every draw
+        run(logits, fp, ip, [-1], state, seen=seen_before, out_counts=out_before)
+    samples = host(state.history)[:, 1:draws + 1]
+    for i, combo in enumerate(COMBOS):
+        got = samples[i * reps:(i + 1) * reps].ravel()
+        keep = kept[i * reps]
+        assert keep[got].all(), f"{combo}: tokens outside the kept set: {sorted(set(got[~keep[got]]))[:10]}"
+        z = ref_z[i * reps]
+        p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
+        p /= p.sum()
+        expected = p * got.size
+        observed = np.bincount(got, minlength=V)
+        order = np.argsort(expected)[::-1]     # merge the smallest expectations into one bin of >= 5
+        big = order[expected[order] >= 5]
+        rest = np.setdiff1d(np.flatnonzero(keep), big)
+        e = np.append(expected[big], expected[rest].sum())
+        o = np.append(observed[big], observed[rest].sum())
+        e, o = (e, o) if e[-1] >= 5 else (e[:-1], o[:-1])
+        stat = float(((o - e) ** 2 / e).sum())
+        df = max(1, len(e) - 1)
+        assert stat < chi2_limit(df), f"{combo} {dtype}: chi-square {stat:.1f} over {df} dof"
+
+
+def test_same_seed_same_tokens_eager_and_graph():
+    import cupy
+
+    from tilekit.kernels.checks import rand
+    B, V, steps = 4, 50257, 6
+    logits = rand((B, V), "bfloat16", 1.0)
+    fp, ip = params([(0.8, 50, 0.95, 0, 1.0, 0, 0, 0, 1234), (1.0, 0, 0.9, 0, 1.0, 0, 0, 0, 99),
+                     (0.7, 0, 1.0, 0.1, 1.0, 0, 0, 0, 5), (0.0, 0, 1.0, 0, 1.0, 0, 0, 0, 0)])
+    runs = []
+    for graphed in (False, False, True):
+        state = State(B, steps + 2)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            if graphed:
+                run(logits, fp, ip, [-1], state)    # compile and plan outside the capture
+                state = State(B, steps + 2)
+                stream.begin_capture()
+                run(logits, fp, ip, [-1], state)
+                graph = stream.end_capture()
+                for _ in range(steps):
+                    graph.launch(stream)
+            else:
+                for _ in range(steps):
+                    run(logits, fp, ip, [-1], state)
+            stream.synchronize()
+        runs.append(cupy.asnumpy(state.history)[:, 1:steps + 1])
+    assert np.array_equal(runs[0], runs[1]), "a seed gave different tokens in two runs"
+    assert np.array_equal(runs[0], runs[2]), "the captured graph drew other tokens than eager calls"
+    assert len(set(runs[0][0].tolist())) > 1, "sampling drew one token six times in a row"
+
+
+def test_banned_eos_is_never_drawn_until_min_new_tokens():
+    import cupy
+
+    from tilekit.kernels.checks import rand
+    B, V = 8, 1031
+    logits = rand((B, V), "float32", 0.5)
+    logits[:, 7] = 50.0                     # eos would win every draw
+    fp, ip = params([(1.0, 0, 1.0, 0, 1.0, 0, 0, 3, s) for s in range(B)])
+    state = State(B, 10)
+    for _ in range(5):
+        run(logits, fp, ip, [7, -1], state)
+    hist = cupy.asnumpy(state.history)
+    assert (hist[:, 1:4] != 7).all(), "eos drawn while banned"
+    assert (hist[:, 4] == 7).all() and cupy.asnumpy(state.finished).all()
+    assert (hist[:, 5] == 0).all(), "a finished row must emit the pad token"

@@ -1,0 +1,557 @@
+"""Next-token choice on the GPU for every row of a batch: greedy or sampled, with the logit processing
+of Hugging Face's generate, and the decode bookkeeping; graph-capturable (nothing goes to the host).
+
+Per row, in this order (Hugging Face's, with presence/frequency penalties as in vLLM and OpenAI):
+repetition penalty over every token seen (prompt and output: a positive logit is divided by it, a
+negative one multiplied), presence and frequency penalties over the output tokens, the end-of-sequence
+ids banned while fewer than min_new_tokens were generated, then for sampled rows temperature, top-k
+(scores >= the k-th largest; ties kept), top-p (tokens whose strictly larger mass, renormalised after
+top-k, is < top_p; ties kept together, where HF's sort would split them) and min-p (p >= min_p *
+p_max). Greedy rows (temperature 0) take the first argmax of the penalised logits.
+
+Sampling is the Gumbel-max trick with counter-based noise, hash(seed of the row, position, round,
+token): the same seed gives the same tokens, run to run and graph or eager. The uniform draws have 23
+bits, so a token more than ~19 nats below the best never wins (its probability is below 6e-9).
+
+Three kernels, no sort. `scan` (batch x vocabulary chunks) processes the logits and keeps per chunk
+the max and sum of exp; for a top-k row it finds the chunk's own k-th largest score by bisection and
+copies the chunk's scores >= it into fixed candidate slots (every token of the global top-k is in
+its chunk's local top-k); for any other row it keeps the chunk's Gumbel-max draw. `check` (only when
+a row has top-p without top-k) sums the mass above that row's draw. `finish` (one program per row)
+resolves a top-k row exactly from its candidates (bisection for the k-th score and the top-p cut,
+min-p, then a Gumbel-max draw among the kept candidates), accepts or rejects a top-p / min-p row's
+draw (rejection: the kept set is an upper set, so the next draw is from the scores above the
+rejected one, which leaves the distribution exact), and writes the token. Rare cases (a chunk's
+candidates overflow their slots; a rejected draw) run exactly over the whole row in that program.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.tile as ct
+import numpy as np
+
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec, absent
+from tilekit.autotune.keys import pow2_bucket
+from tilekit.autotune.op import Binding, Launch, Op
+from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels.dependent_launch import sync_with_previous_kernel
+
+NEG_INF = ct.PaddingMode.NEG_INF
+ZERO = ct.PaddingMode.ZERO
+INT_MIN = -(1 << 31)
+INT_MAX = (1 << 31) - 1
+MAX_ROUNDS = 4096        # rejection rounds of one row (each removes at least one token; never reached)
+FLOAT_PARAMS = 6         # inverse temperature, top_p, log(min_p), repetition, presence, frequency
+INT_PARAMS = 4           # sample (0: greedy), top_k (0: off), eos banned below this position, seed
+MAX_EOS = 8
+MAX_SLOTS = 256          # candidate slots per chunk: top_k up to this stays on the fast path
+
+
+@ct.function
+def _fmix(h):
+    """Murmur3's 32-bit finaliser: a bijection that mixes every bit of uint32 h into every other."""
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@ct.function
+def _stream(seed, pos, rnd):
+    """uint32 key of the noise of one row at one position and rejection round."""
+    s = _fmix(seed.astype(ct.uint32) ^ 0x5BD1E995)
+    return _fmix(s ^ (pos.astype(ct.uint32) * 0x9E3779B1 + rnd.astype(ct.uint32) * 0x7FEB352D))
+
+
+@ct.function
+def _gumbel(idx, stream):
+    """Gumbel(0, 1) noise of the tokens idx (int32 tile) in one stream: -log(-log(u)), u of 23 bits
+    (exact in float32, never 0 or 1)."""
+    h = _fmix(_fmix(idx.astype(ct.uint32) * 0x9E3779B1 + stream) ^ stream)
+    u = ((h >> 9).astype(ct.float32) + 0.5) * (1.0 / 8388608.0)
+    return -ct.log(-ct.log(u))
+
+
+@ct.function
+def _key(z):
+    """int32 keys that order as the float32 scores z do."""
+    bits = ct.bitcast(z, ct.int32)
+    return ct.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@ct.function
+def _scores(Logits, Seen, Out, Eos, b, t, T, rep, pres, freq, inv_t, banned, E, PEN):
+    """Processed scores of tokens t*T .. t*T+T-1 of row b as a (1, T) fp32 tile (-inf past the vocabulary):
+    penalties, banned end-of-sequence ids, temperature."""
+    x = ct.load(Logits, (b, t), (1, T), padding_mode=NEG_INF).astype(ct.float32)
+    if PEN:
+        seen = ct.load(Seen, (b, t), (1, T), padding_mode=ZERO)
+        out = ct.load(Out, (b, t), (1, T), padding_mode=ZERO).astype(ct.float32)
+        x = ct.where(seen > 0, ct.where(x < 0, x * rep, x / rep), x)
+        x = x - pres * ct.where(out > 0, 1.0, 0.0) - freq * out
+    if banned:
+        idx = t * T + ct.arange(T, dtype=ct.int32).reshape((1, T))
+        eos = ct.load(Eos, (0,), (E,), padding_mode=ZERO).reshape((E, 1))
+        hit = ct.max(ct.where(idx == eos, 1, 0), axis=0, keepdims=True)
+        x = ct.where(hit > 0, -math.inf, x)
+    return x * inv_t
+
+
+@ct.function
+def _kth_key(key, valid, k):
+    """Largest t with at least k valid keys >= t (INT_MIN when fewer than k are valid): 32 halvings."""
+    lo = ct.full((), INT_MIN, ct.int64)
+    hi = ct.full((), INT_MAX, ct.int64)
+    for _ in range(32):
+        mid = (lo + hi + 1) >> 1
+        count = ct.sum(ct.where(valid & (key >= mid.astype(ct.int32)), 1, 0))
+        ok = count >= k
+        lo = ct.where(ok, mid, lo)
+        hi = ct.where(ok, hi, mid - 1)
+    return lo.astype(ct.int32)
+
+
+@ct.function
+def _row_params(FP, IP, Positions, b):
+    """The row's parameters (see FLOAT_PARAMS, INT_PARAMS) and its newest position."""
+    return (ct.gather(FP, (b, 0)), ct.gather(FP, (b, 1)), ct.gather(FP, (b, 2)), ct.gather(FP, (b, 3)),
+            ct.gather(FP, (b, 4)), ct.gather(FP, (b, 5)), ct.gather(IP, (b, 0)), ct.gather(IP, (b, 1)),
+            ct.gather(IP, (b, 2)), ct.gather(IP, (b, 3)), ct.gather(Positions, b))
+
+
+@ct.kernel
+def next_token_scan_kernel(Logits, Seen, Out, Eos, FP, IP, Positions, CMax, CSum, CBestY, CBestZ, CBestI,
+                           CCount, CKey, CandZ, CandI, CH: ct.Constant[int], KS: ct.Constant[int],
+                           E: ct.Constant[int], PEN: ct.Constant[bool]):
+    """Chunk ct.bid(1) of row ct.bid(0): max and sum of exp of its scores; for a top-k row its local
+    k-th largest score key and its scores >= it in slots [c*KS, c*KS + KS); else its Gumbel-max draw."""
+    sync_with_previous_kernel()
+    b = ct.bid(0)
+    c = ct.bid(1)
+    inv_t, top_p, log_min_p, rep, pres, freq, sample, top_k, eos_from, seed, pos = _row_params(FP, IP, Positions, b)
+    z = _scores(Logits, Seen, Out, Eos, b, c, CH, rep, pres, freq, inv_t, pos < eos_from, E, PEN)
+    m = ct.max(z)
+    ct.scatter(CMax, (b, c), m)
+    ct.scatter(CSum, (b, c), ct.sum(ct.exp(z - ct.where(m == -math.inf, 0.0, m))))
+    idx = c * CH + ct.arange(CH, dtype=ct.int32).reshape((1, CH))
+    if KS > 0 and (sample != 0) & (top_k > 0):
+        key = _key(z)
+        valid = (idx < Logits.shape[1]) & (z > -math.inf)
+        kth = _kth_key(key, valid, top_k)
+        keep = valid & (key >= kth)
+        kept = ct.where(keep, 1, 0)
+        rank = ct.cumsum(kept, axis=1) - 1
+        slot = c * KS + rank
+        into = keep & (rank < KS)
+        ct.scatter(CandZ, (b, slot), z, mask=into)
+        ct.scatter(CandI, (b, slot), idx, mask=into)
+        ct.scatter(CCount, (b, c), ct.sum(kept))
+        ct.scatter(CKey, (b, c), kth)
+    else:
+        y = z
+        if sample != 0:
+            y = z + _gumbel(idx, _stream(seed, pos, ct.full((), 0, ct.uint32)))
+        best = ct.max(y)
+        j = ct.argmax(y).astype(ct.int32)
+        at = ct.arange(CH, dtype=ct.int32).reshape((1, CH)) == j
+        ct.scatter(CBestY, (b, c), best)
+        ct.scatter(CBestZ, (b, c), ct.max(ct.where(at, z, -math.inf)))
+        ct.scatter(CBestI, (b, c), c * CH + j)
+
+
+@ct.function
+def _row_max(CMax, CSum, b, SP):
+    """The row's max score M and sum of exp(score - M) from its chunks."""
+    cmax = ct.load(CMax, (b, 0), (1, SP), padding_mode=NEG_INF)
+    M = ct.max(cmax)
+    Z = ct.sum(ct.load(CSum, (b, 0), (1, SP), padding_mode=ZERO) * ct.exp(cmax - M))
+    return M, Z
+
+
+@ct.function
+def _best_draw(CBestY, CBestZ, CBestI, b, SP):
+    """(token, its score) of the row's best Gumbel key over its chunks (the first chunk on ties)."""
+    j = ct.argmax(ct.load(CBestY, (b, 0), (1, SP), padding_mode=NEG_INF))
+    return ct.gather(CBestI, (b, j)), ct.gather(CBestZ, (b, j))
+
+
+@ct.kernel
+def next_token_check_kernel(Logits, Seen, Out, Eos, FP, IP, Positions, CMax, CSum, CBestY, CBestZ, CBestI, CMass,
+                            CH: ct.Constant[int], SP: ct.Constant[int], E: ct.Constant[int],
+                            PEN: ct.Constant[bool]):
+    """For a row with top-p and no top-k: chunk ct.bid(1)'s mass of scores above the row's draw."""
+    sync_with_previous_kernel()
+    b = ct.bid(0)
+    c = ct.bid(1)
+    inv_t, top_p, log_min_p, rep, pres, freq, sample, top_k, eos_from, seed, pos = _row_params(FP, IP, Positions, b)
+    if (sample != 0) & (top_k == 0) & (top_p < 1.0):
+        M, Z = _row_max(CMax, CSum, b, SP)
+        token, zx = _best_draw(CBestY, CBestZ, CBestI, b, SP)
+        z = _scores(Logits, Seen, Out, Eos, b, c, CH, rep, pres, freq, inv_t, pos < eos_from, E, PEN)
+        ct.scatter(CMass, (b, c), ct.sum(ct.where(z > zx, ct.exp(z - M), 0.0)))
+
+
+@ct.function
+def _first_max(y, idx):
+    """(max of y, the smallest of idx where y attains it) of two (1, T) tiles."""
+    best = ct.max(y)
+    return best, ct.min(ct.where(y == best, idx, INT_MAX))
+
+
+@ct.function
+def _tile(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, t, lower, rep, pres, freq, inv_t, banned,
+          CH: ct.Constant[int], SP: ct.Constant[int], KS: ct.Constant[int], E: ct.Constant[int],
+          PEN: ct.Constant[bool], FULL: ct.Constant[bool]):
+    """(scores, tokens, valid) of the row's t-th tile: the whole row's tokens in CH-wide tiles (FULL), or
+    its one tile of top-k candidates (slots that hold a candidate and keys >= `lower`)."""
+    if FULL:
+        z = _scores(Logits, Seen, Out, Eos, b, t, CH, rep, pres, freq, inv_t, banned, E, PEN)
+        idx = t * CH + ct.arange(CH, dtype=ct.int32).reshape((1, CH))
+        valid = (idx < Logits.shape[1]) & (z > -math.inf)
+    else:
+        z = ct.load(CandZ, (b, 0), (1, SP * KS), padding_mode=NEG_INF)
+        idx = ct.load(CandI, (b, 0), (1, SP * KS), padding_mode=ZERO)
+        slot = ct.arange(SP * KS, dtype=ct.int32).reshape((1, SP * KS))
+        filled = slot % KS < ct.gather(CCount, (b, slot // KS), padding_value=0)
+        valid = filled & (_key(z) >= lower)
+    return z, idx, valid
+
+
+@ct.function
+def _kept_draw(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, lower, M, top_k, top_p, log_min_p, stream,
+               rep, pres, freq, inv_t, banned, NT, CH: ct.Constant[int], SP: ct.Constant[int],
+               KS: ct.Constant[int], E: ct.Constant[int], PEN: ct.Constant[bool], FULL: ct.Constant[bool]):
+    """Exact top-k / top-p / min-p of a row over its NT tiles (see _tile), then the Gumbel-max draw
+    among the kept tokens: returns the token."""
+    kth = ct.full((), INT_MIN, ct.int32)
+    if top_k > 0:   # the k-th largest key: bisection, counting over every tile
+        lo = ct.full((), INT_MIN, ct.int64)
+        hi = ct.full((), INT_MAX, ct.int64)
+        for _ in range(32):
+            mid = (lo + hi + 1) >> 1
+            count = ct.full((), 0, ct.int32)
+            for t in range(NT):
+                z, idx, valid = _tile(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, t, lower, rep, pres, freq,
+                                      inv_t, banned, CH, SP, KS, E, PEN, FULL)
+                count = count + ct.sum(ct.where(valid & (_key(z) >= mid.astype(ct.int32)), 1, 0))
+            ok = count >= top_k
+            lo = ct.where(ok, mid, lo)
+            hi = ct.where(ok, hi, mid - 1)
+        kth = lo.astype(ct.int32)
+    cut = kth
+    if top_p < 1.0:   # the smallest key whose strictly larger mass within the top-k is < top_p of it
+        mass = ct.full((), 0.0, ct.float32)
+        for t in range(NT):
+            z, idx, valid = _tile(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, t, lower, rep, pres, freq,
+                                  inv_t, banned, CH, SP, KS, E, PEN, FULL)
+            mass = mass + ct.sum(ct.where(valid & (_key(z) >= kth), ct.exp(z - M), 0.0))
+        bound = top_p * mass
+        lo = ct.full((), INT_MIN, ct.int64)
+        hi = ct.full((), INT_MAX, ct.int64)
+        for _ in range(32):
+            mid = (lo + hi) >> 1
+            above = ct.full((), 0.0, ct.float32)
+            for t in range(NT):
+                z, idx, valid = _tile(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, t, lower, rep, pres, freq,
+                                      inv_t, banned, CH, SP, KS, E, PEN, FULL)
+                above = above + ct.sum(ct.where(valid & (_key(z) > mid.astype(ct.int32)) & (_key(z) >= kth),
+                                                    ct.exp(z - M), 0.0))
+            ok = above < bound
+            hi = ct.where(ok, mid, hi)
+            lo = ct.where(ok, lo, mid + 1)
+        cut = ct.maximum(cut, hi.astype(ct.int32))
+    cut = ct.maximum(cut, _key(M + log_min_p))
+    best_y = ct.full((), -math.inf, ct.float32)
+    token = ct.full((), 0, ct.int32)
+    for t in range(NT):
+        z, idx, valid = _tile(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, t, lower, rep, pres, freq,
+                              inv_t, banned, CH, SP, KS, E, PEN, FULL)
+        y = ct.where(valid & (_key(z) >= cut), z + _gumbel(idx, stream), -math.inf)
+        best, first = _first_max(y, idx)
+        better = best > best_y
+        token = ct.where(better, first, token)
+        best_y = ct.where(better, best, best_y)
+    return token
+
+
+@ct.kernel
+def next_token_finish_kernel(Logits, Seen, Out, Eos, FP, IP, Positions, CMax, CSum, CBestY, CBestZ, CBestI,
+                             CCount, CKey, CandZ, CandI, CMass, Tokens, History, Finished, pad: int,
+                             CH: ct.Constant[int], SP: ct.Constant[int], KS: ct.Constant[int],
+                             E: ct.Constant[int], PEN: ct.Constant[bool], CHECK: ct.Constant[bool]):
+    """Row ct.bid(0): choose its token, then Tokens[b] = token (pad once the row had finished),
+    History[b, pos + 1] = token, Positions[b] += 1, Finished[b] |= token is an eos id, and with
+    penalties Seen[b, token] and Out[b, token] += 1."""
+    sync_with_previous_kernel()
+    b = ct.bid(0)
+    inv_t, top_p, log_min_p, rep, pres, freq, sample, top_k, eos_from, seed, pos = _row_params(FP, IP, Positions, b)
+    banned = pos < eos_from
+    NT = ct.cdiv(Logits.shape[1], CH)
+    M, Z = _row_max(CMax, CSum, b, SP)
+    token = ct.full((), 0, ct.int32)
+    if KS > 0 and (sample != 0) & (top_k > 0):
+        counts = ct.load(CCount, (b, 0), (1, SP), padding_mode=ZERO)
+        chunk = ct.arange(SP, dtype=ct.int32).reshape((1, SP))
+        lower = ct.max(ct.where(chunk < NT, ct.load(CKey, (b, 0), (1, SP), padding_mode=ZERO), INT_MIN))
+        if ct.max(counts) <= KS:
+            token = _kept_draw(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, lower, M, top_k, top_p, log_min_p,
+                               _stream(seed, pos, ct.full((), 0, ct.uint32)), rep, pres, freq, inv_t, banned, 1,
+                               CH, SP, KS, E, PEN, False)
+        else:
+            token = _kept_draw(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, lower, M, top_k, top_p, log_min_p,
+                               _stream(seed, pos, ct.full((), 1, ct.uint32)), rep, pres, freq, inv_t, banned, NT,
+                               CH, SP, KS, E, PEN, True)
+    else:
+        token, zx = _best_draw(CBestY, CBestZ, CBestI, b, SP)
+        if sample != 0:
+            ok = zx >= M + log_min_p
+            if CHECK:
+                ok = ok & ((top_p >= 1.0) | (ct.sum(ct.load(CMass, (b, 0), (1, SP), padding_mode=ZERO)) < top_p * Z))
+            rejected = ct.where(ok, 0, 1)
+            rnd = ct.full((), 1, ct.int32)
+            while (rejected != 0) & (rnd < MAX_ROUNDS):
+                # the kept set lies above the rejected draw: draw again from the scores above it
+                stream = _stream(seed, pos, rnd.astype(ct.uint32))
+                best_y = ct.full((), -math.inf, ct.float32)
+                best_z = ct.full((), -math.inf, ct.float32)
+                for t in range(NT):
+                    z = _scores(Logits, Seen, Out, Eos, b, t, CH, rep, pres, freq, inv_t, banned, E, PEN)
+                    idx = t * CH + ct.arange(CH, dtype=ct.int32).reshape((1, CH))
+                    y = ct.where(z > zx, z + _gumbel(idx, stream), -math.inf)
+                    best, first = _first_max(y, idx)
+                    better = best > best_y
+                    token = ct.where(better, first, token)
+                    best_z = ct.where(better, ct.max(ct.where(idx == first, z, -math.inf)), best_z)
+                    best_y = ct.where(better, best, best_y)
+                zx = best_z
+                above = ct.full((), 0.0, ct.float32)
+                for t in range(NT):
+                    z = _scores(Logits, Seen, Out, Eos, b, t, CH, rep, pres, freq, inv_t, banned, E, PEN)
+                    above = above + ct.sum(ct.where(z > zx, ct.exp(z - M), 0.0))
+                rejected = ct.where((zx >= M + log_min_p) & ((top_p >= 1.0) | (above < top_p * Z)), 0, 1)
+                rnd = rnd + 1
+    done = ct.gather(Finished, b)
+    token = ct.where(done != 0, pad, token)
+    ct.scatter(Tokens, b, token)
+    ct.scatter(History, (b, pos + 1), token)
+    ct.scatter(Positions, b, pos + 1)
+    eos = ct.load(Eos, (0,), (E,), padding_mode=ZERO)
+    ct.scatter(Finished, b, ct.where(ct.max(ct.where(eos == token, 1, 0)) > 0, 1, done))
+    if PEN and (done == 0):
+        ct.scatter(Seen, (b, token), ct.gather(Seen, (b, token)) + 1)
+        ct.scatter(Out, (b, token), ct.gather(Out, (b, token)) + 1)
+
+
+# -- the op -------------------------------------------------------------------------------------------
+
+
+def _chunks(p: dict, c: dict) -> int:
+    return -(-p["V"] // c["CH"])
+
+
+def _fits(c: dict, p: dict) -> bool:
+    return c["CH"] <= max(1024, pow2_ceil(p["V"])) and pow2_ceil(_chunks(p, c)) * p["KS"] <= 8192 \
+        and _chunks(p, c) <= 256
+
+
+SPACE = SearchSpace(_fits, CH=(1024, 2048, 4096, 8192), occupancy=(1, 2, 4))
+
+
+def default_config(p: dict) -> dict:
+    for ch in (2048, 4096, 8192, 1024):
+        c = dict(CH=ch, occupancy=2)
+        if _fits(c, p):
+            return c
+    return dict(CH=8192, occupancy=1)
+
+
+def _arrays(p: dict) -> dict:
+    B, V, i32 = p["B"], p["V"], ArraySpec("int32", (p["B"],), role="out")
+    counts = ArraySpec("int32", (B, V), role="out") if p["pen"] else absent("int32", 2)
+    return {"logits": ArraySpec(p["dtype"], (B, V)), "fparams": ArraySpec("float32", (B, FLOAT_PARAMS)),
+            "iparams": ArraySpec("int32", (B, INT_PARAMS), fill=0),
+            "eos": ArraySpec("int32", (p["E"],), high=V), "seen": counts, "out_counts": counts,
+            "tokens": i32, "positions": ArraySpec("int32", (B,), role="out", fill=0), "finished": i32,
+            "history": ArraySpec("int32", (B, p["L"]), role="out")}
+
+
+def _scratch(p: dict, c: dict) -> dict:
+    """Per chunk: max, sum of exp, the Gumbel draw (key, score, token), candidate count and bound, and the
+    mass above the draw; per row, the candidate slots."""
+    shape, f32 = (p["B"], _chunks(p, c)), "float32"
+    slots = (p["B"], max(1, pow2_ceil(_chunks(p, c)) * p["KS"]))
+    return {"cmax": ArraySpec(f32, shape, role="scratch"), "csum": ArraySpec(f32, shape, role="scratch"),
+            "cbest_y": ArraySpec(f32, shape, role="scratch"), "cbest_z": ArraySpec(f32, shape, role="scratch"),
+            "cbest_i": ArraySpec("int32", shape, role="scratch"), "ccount": ArraySpec("int32", shape, role="scratch"),
+            "ckey": ArraySpec("int32", shape, role="scratch"), "cmass": ArraySpec(f32, shape, role="scratch"),
+            "cand_z": ArraySpec(f32, slots, role="scratch"), "cand_i": ArraySpec("int32", slots, role="scratch")}
+
+
+def _chunk_grid(p: dict, c: dict) -> tuple:
+    return (p["B"], _chunks(p, c), 1)
+
+
+def _check_grid(p: dict, c: dict) -> tuple:
+    return (p["B"], _chunks(p, c), 1) if p["check"] else (0, 1, 1)
+
+
+def _row_grid(p: dict, c: dict) -> tuple:
+    return (p["B"], 1, 1)
+
+
+def _scan_constants(p: dict, c: dict) -> tuple:
+    return (c["CH"], p["KS"], p["E"], bool(p["pen"]))
+
+
+def _check_constants(p: dict, c: dict) -> tuple:
+    return (c["CH"], pow2_ceil(_chunks(p, c)), p["E"], bool(p["pen"]))
+
+
+def _finish_constants(p: dict, c: dict) -> tuple:
+    return (c["CH"], pow2_ceil(_chunks(p, c)), p["KS"], p["E"], bool(p["pen"]), bool(p["check"]))
+
+
+_STATE = ("tokens", "positions", "history", "finished")
+
+
+def _bind(a: list, flags: tuple) -> Binding:
+    logits, fparams, iparams, eos, seen, out_counts, tokens, positions, history, finished = a
+    slots, check = flags
+    arrays.check_dtype(logits, "logits", arrays.FLOAT_DTYPES)
+    if len(logits.shape) != 2 or logits.shape[1] < 1:
+        raise ValueError(f"logits must be 2-D (batch, vocab) with a vocabulary, got shape {logits.shape}")
+    arrays.check_last_contiguous(logits, "logits")
+    B, V = logits.shape
+    expected = {"fparams": ("float32", (B, FLOAT_PARAMS)), "iparams": ("int32", (B, INT_PARAMS)),
+                "tokens": ("int32", (B,)), "positions": ("int32", (B,)), "finished": ("int32", (B,))}
+    for name, x in zip(("fparams", "iparams", "eos", "seen", "out_counts", *_STATE),
+                       (fparams, iparams, eos, seen, out_counts, tokens, positions, history, finished)):
+        if x is None:
+            continue
+        dtype, shape = expected.get(name, ("int32", None))
+        arrays.check_dtype(x, name, (dtype,))
+        if shape is not None and x.shape != shape:
+            raise ValueError(f"{name} has shape {x.shape}, expected {shape}")
+        if x.device != logits.device:
+            raise ValueError(f"{name} is on GPU {x.device}, logits on GPU {logits.device}")
+        arrays.check_contiguous(x, name)
+    if not 1 <= len(eos.shape) == 1 <= eos.shape[0] <= MAX_EOS:
+        raise ValueError(f"eos must hold 1..{MAX_EOS} int32 token ids (-1 for none), got shape {eos.shape}")
+    if len(history.shape) != 2 or history.shape[0] != B:
+        raise ValueError(f"history has shape {history.shape}, expected ({B}, L)")
+    if (seen is None) != (out_counts is None):
+        raise ValueError("pass both seen and out_counts (penalties), or neither")
+    if seen is not None and (seen.shape != (B, V) or out_counts.shape != (B, V)):
+        raise ValueError(f"seen and out_counts must have shape {(B, V)}, got {seen.shape} and {out_counts.shape}")
+    if not isinstance(slots, int) or not (slots == 0 or (16 <= slots <= MAX_SLOTS and slots & (slots - 1) == 0)):
+        raise ValueError(f"slots must be 0 or a power of two in 16..{MAX_SLOTS}, got {slots!r}")
+    names = ("logits", "fparams", "iparams", "eos", "seen", "out_counts", *_STATE)
+    views = {n: (i, None) for i, n in enumerate(names) if a[i] is not None}
+    return Binding(problem=dict(dtype=logits.dtype, B=B, V=V, pen=int(seen is not None), KS=slots,
+                                check=int(bool(check)), E=pow2_ceil(eos.shape[0]), L=history.shape[1]),
+                   arrays=views, scalars={"pad": (0, 0)})
+
+
+_ARGS = ("logits", "seen", "out_counts", "eos", "fparams", "iparams", "positions", "cmax", "csum", "cbest_y",
+         "cbest_z", "cbest_i")
+
+NEXT_TOKEN = Op(
+    "next_token", args=("logits", "fparams", "iparams", "eos", "seen", "out_counts", *_STATE),
+    optional=("seen", "out_counts"),
+    key=dict(dtype=None, B=pow2_bucket, V=None, pen=None, KS=None, check=None),
+    extras=dict(E=lambda p: 1, L=lambda p: 1025),
+    space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch, scalars=lambda p: {"pad": 0},
+    launches=(Launch(next_token_scan_kernel, _chunk_grid, (*_ARGS, "ccount", "ckey", "cand_z", "cand_i"),
+                     _scan_constants),
+              Launch(next_token_check_kernel, _check_grid, (*_ARGS, "cmass"), _check_constants, hinted=False),
+              Launch(next_token_finish_kernel, _row_grid,
+                     (*_ARGS, "ccount", "ckey", "cand_z", "cand_i", "cmass", "tokens", "history", "finished", "pad"),
+                     _finish_constants, hinted=False)),
+    bind=_bind, cli_defaults=dict(pen=0, KS=0, check=0))
+
+
+def candidate_slots(top_ks) -> int:
+    """The candidate slots per chunk for rows with these top_k values (0 for none): twice the largest k,
+    a power of two in 16..MAX_SLOTS; rows with a larger k take the exact whole-row path."""
+    k = max((int(v) for v in top_ks), default=0)
+    return 0 if k <= 0 else min(MAX_SLOTS, max(16, pow2_ceil(2 * k)))
+
+
+def next_token(logits, fparams, iparams, eos, tokens, positions, history, finished, *, seen=None, out_counts=None,
+               slots: int = 0, check: bool = False, pad: int = 0) -> None:
+    """Choose the next token of every row of logits (B, V) and advance the decode state in place.
+
+    fparams float32 (B, 6): 1 / temperature (1 for greedy rows), top_p (1: off), log(min_p) (-inf: off),
+    repetition, presence and frequency penalties. iparams int32 (B, 4): sample (0: greedy), top_k (0: off),
+    the position below which eos ids are banned (min_new_tokens), the row's seed. eos: int32 (E,), the
+    end-of-sequence ids, -1 padding. tokens, positions, finished: int32 (B,); history int32 (B, L): the
+    token lands at history[b, positions[b] + 1], then positions[b] += 1; a finished row emits `pad`; a row
+    finishes when it emits an eos id. seen, out_counts: int32 (B, V) token counts of prompt + output and
+    of output only (penalties; both or neither), updated in place. slots: candidate_slots() of the rows'
+    top_k; check: some row has top_p < 1 and no top_k. Both choose the kernels (part of the tuning key).
+    """
+    if not isinstance(pad, (int, np.integer)) or isinstance(pad, bool):
+        raise TypeError(f"pad must be an int, got {type(pad).__name__}")
+    NEXT_TOKEN((logits, fparams, iparams, eos, seen, out_counts, tokens, positions, history, finished),
+               (slots, bool(check)), (int(pad),))
+
+
+# -- the float64 reference ----------------------------------------------------------------------------
+
+
+def _mix_np(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def gumbel_reference(idx, seed: int, pos: int, rnd: int = 0) -> np.ndarray:
+    """The kernels' Gumbel noise of tokens idx for one row's seed, position and round (float64)."""
+    with np.errstate(over="ignore"):
+        u32 = np.uint32
+        s = _mix_np(np.array(seed, np.int64).astype(u32) ^ u32(0x5BD1E995))
+        s = _mix_np(s ^ (np.array(pos, np.int64).astype(u32) * u32(0x9E3779B1) + u32(rnd) * u32(0x7FEB352D)))
+        h = _mix_np(_mix_np(np.asarray(idx, np.int64).astype(u32) * u32(0x9E3779B1) + s) ^ s)
+    u = ((h >> u32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 8388608.0)
+    return -np.log(-np.log(u.astype(np.float64)))
+
+
+def next_token_reference(logits, fparams, iparams, eos, positions, seen=None, out_counts=None):
+    """float64 processed scores (B, V) (-inf where removed) and the kept set (B, V) bool of every row, by
+    sorting, as the module doc defines them; a greedy row keeps its first argmax only."""
+    z = np.array(logits, np.float64)
+    fparams, iparams = np.asarray(fparams, np.float64), np.asarray(iparams)
+    eos = [int(e) for e in np.asarray(eos) if e >= 0]
+    kept = np.zeros(z.shape, bool)
+    for b, row in enumerate(z):
+        inv_t, top_p, log_min_p, rep, pres, freq = fparams[b]
+        sample, top_k, eos_from, _ = iparams[b]
+        if seen is not None:
+            s, o = np.asarray(seen)[b], np.asarray(out_counts, np.float64)[b]
+            row[:] = np.where(s > 0, np.where(row < 0, row * rep, row / rep), row) - pres * (o > 0) - freq * o
+        if positions[b] < eos_from:
+            row[eos] = -np.inf
+        if not sample:
+            kept[b, np.argmax(row)] = True
+            continue
+        row *= inv_t
+        keep = row > -np.inf
+        if top_k > 0:
+            keep &= row >= np.sort(row)[-min(top_k, row.size)]
+        p = np.where(keep, np.exp(row - row.max()), 0.0)
+        if top_p < 1:
+            order = np.argsort(-row, kind="stable")
+            above = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])   # mass strictly above, ties aside
+            values = row[order]
+            first = np.searchsorted(-values, -values, side="left")        # ties share their first position
+            keep[order] &= above[first] < top_p * p.sum()
+        keep &= row >= row.max() + log_min_p
+        kept[b] = keep
+        row[~keep] = -np.inf
+    return z, kept

@@ -193,6 +193,8 @@ def test_bad_inputs_are_refused():
         process_logits(np.array([[0, np.nan, 0, 0]] * 2), zeros, zeros, SamplingParams(), 0)
     with pytest.raises(ValueError, match="shape"):
         process_logits(zeros, np.zeros((2, 5)), zeros, SamplingParams(), 0)
+    with pytest.raises(ValueError, match="eos_token_ids must lie in"):
+        process_logits(zeros, zeros, zeros, SamplingParams(), 0, eos_token_ids=(4,), min_new_tokens=1)
     with pytest.raises(ValueError, match=r"rows \[1\] have no token left"):
         process_logits(np.array([[0, 0, 0, 0], [-np.inf, 0, -np.inf, -np.inf]]), zeros, zeros, SamplingParams(), 0,
                        eos_token_ids=(1,), min_new_tokens=1)
@@ -405,6 +407,12 @@ def test_stop_strings_as_hugging_face_matches_them():
     assert run(["a", "b", "c"], ("stop", "x")) is None
     assert run(["héllo 🌍", " w", "orld"], ("🌍 world",)) == 3
     assert run(["ab", "cd"], ("bc", "abcd")) == 2
+
+
+def test_stop_checker_checks_its_inputs():
+    stop = StopChecker(2, GenerationSettings(max_new_tokens=3))
+    with pytest.raises(ValueError, match="shape"):
+        stop.update([1, 2, 3])
 
 
 def test_stop_strings_need_pieces():

@@ -96,6 +96,15 @@ def test_tokenizer_json_loads(tmp_path):
     assert tok.decode(tok.encode(text).ids) == text
 
 
+def test_a_files_truncation_and_padding_are_not_applied(tmp_path):
+    tok = Tokenizer.from_str(byte_level().to_str())
+    tok.enable_truncation(max_length=3)
+    tok.enable_padding(length=64)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = "The quick brown fox jumps over the lazy dog"
+    assert load_tokenizer(tmp_path).encode(text).ids == byte_level().encode(text).ids
+
+
 def test_vocab_and_merges_load_as_gpt2_with_its_special_tokens(tmp_path):
     byte_level().model.save(str(tmp_path))                 # vocab.json + merges.txt
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
@@ -295,7 +304,8 @@ def test_strftime_now_and_special_token_variables():
 @pytest.mark.parametrize("messages,match", [
     ([], "non-empty list"), ("hello", "non-empty list"), ([{"role": "user"}], r"messages\[0\] must be an object"),
     ([{"role": "user", "content": "a"}, "b"], r"messages\[1\] must be an object"),
-    ([{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}], r"messages\[1\] has an unknown role 'wizard'"),
+    ([{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}],
+     r"messages\[1\] has an unknown role 'wizard'"),
     ([{"role": "\x1b[2J", "content": "b"}], r"unknown role '\\x1b\[2J'"),
     ([{"role": "user", "content": None}], r"messages\[0\]\['content'\] must be a string"),
 ])

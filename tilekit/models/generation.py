@@ -149,8 +149,8 @@ class GenerationSettings:
     """A generate call's lengths, stop rules, seed and sampling.
 
     max_new_tokens None leaves the length to the caller; eos_token_ids (an int or a list) and stop_strings (a
-    string or a list) are stored as tuples. Build one from a checkpoint with from_generation_config and apply
-    the caller's arguments with override().
+    string or a list) are stored as tuples. The constructor's defaults sample at temperature 1 with nothing else
+    on; a checkpoint's defaults come from from_generation_config, and the caller's arguments from override().
     """
 
     max_new_tokens: int | None = None
@@ -232,13 +232,15 @@ def process_logits(logits: np.ndarray, counts: np.ndarray, output_counts: np.nda
     output_counts (B, V) in the output only (token_counts); `generated` tokens were generated so far. A
     greedy row keeps only its first argmax, so that the softmax of every row is what it samples from.
     """
-    x = np.array(logits, np.float64)
+    x, counts, output_counts = np.array(logits, np.float64), np.asarray(counts), np.asarray(output_counts)
     if x.ndim != 2 or counts.shape != x.shape or output_counts.shape != x.shape:
         raise ValueError(f"logits, counts and output_counts must share one (B, V) shape, got {x.shape}, "
                          f"{counts.shape} and {output_counts.shape}")
     if np.isnan(x).any() or (x == np.inf).any():
         raise ValueError("logits must be finite or -inf")
     B, V = x.shape
+    if any(not 0 <= e < V for e in eos_token_ids):
+        raise ValueError(f"eos_token_ids must lie in [0, {V}), got {escape(repr(tuple(eos_token_ids)))}")
     p = {k: v[:, None] for k, v in param_arrays(per_row(params, B)).items()}
     x = np.where(counts > 0, np.where(x < 0, x * p["repetition_penalty"], x / p["repetition_penalty"]), x)
     x -= p["frequency_penalty"] * output_counts + p["presence_penalty"] * (output_counts > 0)
@@ -323,6 +325,8 @@ class StopChecker:
     def update(self, tokens: Sequence[int], pieces: Sequence[str] | None = None) -> None:
         """Take one step's (B,) new tokens and, with stop strings, the text each one printed (TextStream.push)."""
         tokens = np.asarray(tokens, np.int64)
+        if tokens.shape != self.done.shape:
+            raise ValueError(f"tokens must have shape {self.done.shape}, got {tokens.shape}")
         if self.settings.stop_strings and (pieces is None or len(pieces) != len(tokens)):
             raise ValueError("stop strings need each row's decoded text piece")
         for b in np.flatnonzero(~self.done):

@@ -94,9 +94,12 @@ def load_tokenizer(checkpoint_dir: str | Path):
     path = checkpoint_file(d, "tokenizer.json", MAX_TOKENIZER_BYTES)
     if path is not None:
         try:
-            return Tokenizer.from_file(str(path))
+            tok = Tokenizer.from_file(str(path))
         except Exception as e:   # tokenizers raises a bare Exception for a malformed file
             raise ValueError(f"cannot read tokenizer file {d / 'tokenizer.json'}: {escape(str(e), 300)}") from None
+        tok.no_truncation()      # as transformers encodes by default: a file's truncation / padding unused
+        tok.no_padding()
+        return tok
     vocab = checkpoint_file(d, "vocab.json", MAX_JSON_BYTES)
     merges = checkpoint_file(d, "merges.txt", MAX_TOKENIZER_BYTES)
     if vocab is None or merges is None:

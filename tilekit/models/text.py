@@ -166,9 +166,7 @@ class TextStream:
         """The text that token_id completes ('' while it is held back)."""
         token_id = int(token_id)
         self.ids.append(token_id)
-        if token_id in self.hidden:
-            return ""
-        if BYTE_TOKEN.fullmatch(self.tokenizer.id_to_token(token_id) or ""):
+        if token_id in self.hidden or BYTE_TOKEN.fullmatch(self.tokenizer.id_to_token(token_id) or ""):
             return ""
         before, now = self._decode(self.prefix, self.read), self._decode(self.prefix)
         if len(now) <= len(before) or now.endswith("\ufffd"):

@@ -21,11 +21,13 @@ def chi2_limit(df: int) -> float:
 
 
 def params(rows):
-    """fparams, iparams arrays from (temperature, top_k, top_p, min_p, rep, pres, freq, eos_from, seed) rows."""
-    fp = np.array([[1 / t if t else 1.0, p, math.log(m) if m else -np.inf, r, pr, fr]
-                   for t, k, p, m, r, pr, fr, e, s in rows], np.float32)
-    ip = np.array([[int(t > 0), k, e, s] for t, k, p, m, r, pr, fr, e, s in rows], np.int32)
-    return fp, ip
+    """(reference params, fparams, iparams) from (temperature, top_k, top_p, min_p, rep, pres, freq, eos_from,
+    seed) rows."""
+    from tilekit.kernels.next_token import PARAM_NAMES, pack_params
+    cols = np.array([r[:7] for r in rows], np.float64).T
+    ref = {name: (col.astype(np.int64) if name == "top_k" else col) for name, col in zip(PARAM_NAMES, cols)}
+    fp, ip = pack_params(ref, [r[7] for r in rows], [r[8] for r in rows])
+    return ref, fp, ip
 
 
 class State:
@@ -63,14 +65,14 @@ def test_greedy_rows_take_the_first_argmax_of_the_penalised_logits(dtype, V):
     out_counts = cupy.asarray(np.minimum(host(seen), rng.integers(0, 2, (B, V))).astype(np.int32))
     rows = [(0, 0, 1.0, 0, r, pr, fr, e, 0) for r, pr, fr, e in
             [(1.0, 0, 0, 0), (1.3, 0, 0, 0), (0.7, 0.5, 0.1, 0), (1.0, 0, 0, 5), (1.1, 0.2, 0.3, 5), (1.0, 0, 0, 0)]]
-    fp, ip = params(rows)
+    ref, fp, ip = params(rows)
     state = State(B, 8, positions=3)
     state.finished[5] = 1
-    ref_z, kept = next_token_reference(host(logits), fp, ip, eos, np.full(B, 3), host(seen), host(out_counts))
     seen0, out0 = host(seen), host(out_counts)
+    z = next_token_reference(host(logits), seen0, out0, ref, ip[:, 2] > 3, eos)
     run(logits, fp, ip, eos, state, seen=seen, out_counts=out_counts, pad=11)
     tokens = host(state.tokens)
-    want = np.where(np.arange(B) == 5, 11, kept.argmax(1))
+    want = np.where(np.arange(B) == 5, 11, z.argmax(1))
     assert tokens.tolist() == want.tolist()
     assert host(state.history)[:, 4].tolist() == want.tolist() and (host(state.history)[:, :4] == -7).all()
     assert host(state.positions).tolist() == [4] * B
@@ -104,9 +106,9 @@ def test_sampled_tokens_stay_in_the_kept_set_and_follow_its_softmax(dtype):
     seen = cupy.asarray(np.repeat(seen_rows, reps, axis=0))
     out_counts = seen.copy()
     rows = [(*c, 0, int(rng.integers(1 << 30))) for c in COMBOS for _ in range(reps)]
-    fp, ip = params(rows)
-    _, kept = next_token_reference(host(logits), fp, ip, [-1], np.zeros(B), host(seen), host(out_counts))
-    ref_z, _ = next_token_reference(host(logits), fp, ip, [-1], np.zeros(B), host(seen), host(out_counts))
+    ref, fp, ip = params(rows)
+    ref_z = next_token_reference(host(logits), host(seen), host(out_counts), ref, np.zeros(B, bool), [-1])
+    kept = ref_z > -np.inf
     state = State(B, draws + 2)
     for _ in range(draws):
         seen_before, out_before = seen.copy(), out_counts.copy()   # the same penalties for every draw
@@ -138,7 +140,7 @@ def test_same_seed_same_tokens_eager_and_graph():
     from tilekit.kernels.checks import rand
     B, V, steps = 4, 50257, 6
     logits = rand((B, V), "bfloat16", 1.0)
-    fp, ip = params([(0.8, 50, 0.95, 0, 1.0, 0, 0, 0, 1234), (1.0, 0, 0.9, 0, 1.0, 0, 0, 0, 99),
+    _, fp, ip = params([(0.8, 50, 0.95, 0, 1.0, 0, 0, 0, 1234), (1.0, 0, 0.9, 0, 1.0, 0, 0, 0, 99),
                      (0.7, 0, 1.0, 0.1, 1.0, 0, 0, 0, 5), (0.0, 0, 1.0, 0, 1.0, 0, 0, 0, 0)])
     runs = []
     for graphed in (False, False, True):
@@ -170,7 +172,7 @@ def test_banned_eos_is_never_drawn_until_min_new_tokens():
     B, V = 8, 1031
     logits = rand((B, V), "float32", 0.5)
     logits[:, 7] = 50.0                     # eos would win every draw
-    fp, ip = params([(1.0, 0, 1.0, 0, 1.0, 0, 0, 3, s) for s in range(B)])
+    _, fp, ip = params([(1.0, 0, 1.0, 0, 1.0, 0, 0, 3, s) for s in range(B)])
     state = State(B, 10)
     for _ in range(5):
         run(logits, fp, ip, [7, -1], state)

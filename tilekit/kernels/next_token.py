@@ -522,36 +522,62 @@ def gumbel_reference(idx, seed: int, pos: int, rnd: int = 0) -> np.ndarray:
     return -np.log(-np.log(u.astype(np.float64)))
 
 
-def next_token_reference(logits, fparams, iparams, eos, positions, seen=None, out_counts=None):
-    """float64 processed scores (B, V) (-inf where removed) and the kept set (B, V) bool of every row, by
-    sorting, as the module doc defines them; a greedy row keeps its first argmax only."""
-    z = np.array(logits, np.float64)
-    fparams, iparams = np.asarray(fparams, np.float64), np.asarray(iparams)
-    eos = [int(e) for e in np.asarray(eos) if e >= 0]
-    kept = np.zeros(z.shape, bool)
-    for b, row in enumerate(z):
-        inv_t, top_p, log_min_p, rep, pres, freq = fparams[b]
-        sample, top_k, eos_from, _ = iparams[b]
-        if seen is not None:
-            s, o = np.asarray(seen)[b], np.asarray(out_counts, np.float64)[b]
-            row[:] = np.where(s > 0, np.where(row < 0, row * rep, row / rep), row) - pres * (o > 0) - freq * o
-        if positions[b] < eos_from:
-            row[eos] = -np.inf
-        if not sample:
-            kept[b, np.argmax(row)] = True
-            continue
-        row *= inv_t
-        keep = row > -np.inf
-        if top_k > 0:
-            keep &= row >= np.sort(row)[-min(top_k, row.size)]
-        p = np.where(keep, np.exp(row - row.max()), 0.0)
-        if top_p < 1:
-            order = np.argsort(-row, kind="stable")
-            above = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])   # mass strictly above, ties aside
-            values = row[order]
-            first = np.searchsorted(-values, -values, side="left")        # ties share their first position
-            keep[order] &= above[first] < top_p * p.sum()
-        keep &= row >= row.max() + log_min_p
-        kept[b] = keep
-        row[~keep] = -np.inf
-    return z, kept
+PARAM_NAMES = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty")
+
+
+def pack_params(params: dict, eos_from, seeds) -> tuple[np.ndarray, np.ndarray]:
+    """(fparams, iparams) for next_token from per-row parameters: `params` maps each of PARAM_NAMES to a (B,)
+    array (temperature 0: greedy; top_k 0, top_p 1, min_p 0, penalties 1, 0, 0: off); eos_from (B,): the
+    position below which the eos ids are banned; seeds (B,): each row's noise seed (any ints)."""
+    t = np.asarray(params["temperature"], np.float64)
+    greedy = t == 0
+    min_p = np.asarray(params["min_p"], np.float64)
+    with np.errstate(divide="ignore"):
+        fparams = np.stack([np.where(greedy, 1.0, 1.0 / np.where(greedy, 1.0, t)),
+                            np.where(greedy, 1.0, params["top_p"]),
+                            np.where(greedy | (min_p <= 0), -np.inf, np.log(np.maximum(min_p, 1e-300))),
+                            params["repetition_penalty"], params["presence_penalty"],
+                            params["frequency_penalty"]], axis=1).astype(np.float32)
+    iparams = np.stack([~greedy, np.where(greedy, 0, params["top_k"]), eos_from,
+                        np.asarray(seeds, np.int64) & 0x7FFFFFFF], axis=1).astype(np.int32)
+    return fparams, iparams
+
+
+def next_token_reference(logits, seen, out_counts, params: dict, banned, eos_ids) -> np.ndarray:
+    """The float64 scores each row samples from, -inf for every token removed (the module doc's order);
+    a greedy row keeps only its first argmax of the penalised logits, so each row's softmax is the
+    distribution it draws from. seen / out_counts (B, V): token counts of prompt + output and of the output;
+    params: PARAM_NAMES -> (B,) arrays; banned (B,) bool: rows whose eos ids are removed."""
+    x = np.array(logits, np.float64)
+    p = {k: np.asarray(params[k])[:, None] for k in PARAM_NAMES}
+    x = np.where(np.asarray(seen) > 0, np.where(x < 0, x * p["repetition_penalty"], x / p["repetition_penalty"]), x)
+    x -= p["frequency_penalty"] * np.asarray(out_counts) + p["presence_penalty"] * (np.asarray(out_counts) > 0)
+    eos = [e for e in eos_ids if e >= 0]
+    for b in np.flatnonzero(banned):
+        x[b, eos] = -np.inf
+    greedy = p["temperature"][:, 0] == 0
+    z = x / np.where(greedy[:, None], 1.0, p["temperature"])
+    for b in np.flatnonzero(~greedy):
+        z[b] = _warp(z[b], int(p["top_k"][b, 0]), float(p["top_p"][b, 0]), float(p["min_p"][b, 0]))
+    for b in np.flatnonzero(greedy):
+        best = np.argmax(x[b])
+        z[b] = -np.inf
+        z[b, best] = x[b, best]
+    return z
+
+
+def _warp(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """top_k, top_p and min_p on one row of temperature-scaled scores."""
+    if 0 < top_k < z.size:
+        z = np.where(z < np.partition(z, -top_k)[-top_k], -np.inf, z)
+    if top_p < 1:
+        e = np.exp(z - z.max())
+        prob = e / e.sum()
+        desc = np.sort(prob)[::-1]
+        above = np.concatenate(([0.0], np.cumsum(desc)))   # above[i]: mass of the i most probable
+        more_probable = above[np.searchsorted(-desc, -prob, side="left")]
+        z = np.where(more_probable < top_p, z, -np.inf)
+    if min_p > 0:
+        z = np.where(np.exp(z - z.max()) >= min_p, z, -np.inf)
+    return z

@@ -32,6 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
+from tilekit.kernels.next_token import next_token_reference
 from tilekit.models.text import checkpoint_json, escape
 
 GENERATION_CONFIG = "generation_config.json"
@@ -241,37 +242,11 @@ def process_logits(logits: np.ndarray, counts: np.ndarray, output_counts: np.nda
     B, V = x.shape
     if any(not 0 <= e < V for e in eos_token_ids):
         raise ValueError(f"eos_token_ids must lie in [0, {V}), got {escape(repr(tuple(eos_token_ids)))}")
-    p = {k: v[:, None] for k, v in param_arrays(per_row(params, B)).items()}
-    x = np.where(counts > 0, np.where(x < 0, x * p["repetition_penalty"], x / p["repetition_penalty"]), x)
-    x -= p["frequency_penalty"] * output_counts + p["presence_penalty"] * (output_counts > 0)
-    if generated < min_new_tokens and len(eos_token_ids):
-        x[:, list(eos_token_ids)] = -np.inf
-    empty = np.flatnonzero((x == -np.inf).all(axis=1))
+    banned = np.full(B, generated < min_new_tokens and len(eos_token_ids) > 0)
+    z = next_token_reference(x, counts, output_counts, param_arrays(per_row(params, B)), banned, eos_token_ids)
+    empty = np.flatnonzero((z == -np.inf).all(axis=1))
     if len(empty):
         raise ValueError(f"rows {empty.tolist()} have no token left to sample")
-    greedy = p["temperature"][:, 0] == 0
-    z = x / np.where(greedy[:, None], 1.0, p["temperature"])
-    for b in np.flatnonzero(~greedy):
-        z[b] = _warp(z[b], int(p["top_k"][b, 0]), float(p["top_p"][b, 0]), float(p["min_p"][b, 0]))
-    for b in np.flatnonzero(greedy):
-        best = np.argmax(x[b])
-        z[b] = -np.inf
-        z[b, best] = x[b, best]
-    return z
-
-
-def _warp(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """top_k, top_p and min_p on one row of temperature-scaled scores."""
-    if 0 < top_k < z.size:
-        z = np.where(z < np.partition(z, -top_k)[-top_k], -np.inf, z)
-    if top_p < 1:
-        prob = probabilities(z[None])[0]
-        desc = np.sort(prob)[::-1]
-        above = np.concatenate(([0.0], np.cumsum(desc)))   # above[i]: mass of the i most probable
-        more_probable = above[np.searchsorted(-desc, -prob, side="left")]
-        z = np.where(more_probable < top_p, z, -np.inf)
-    if min_p > 0:
-        z = np.where(np.exp(z - z.max()) >= min_p, z, -np.inf)
     return z
 
 

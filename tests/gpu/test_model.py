@@ -206,6 +206,7 @@ def test_the_tuning_workload_is_what_forward_and_generate_request(small_fp32):
         model(ids)
         model.generate(ids, 30, temperature=0)
         model.generate(ids, 30, temperature=0)          # replays: nothing new
+        model.generate(ids, 30, temperature=1.0, top_k=50)   # Hugging Face's default sampling
     assert problems(real) == problems(model.kernel_problems(2, 40) + model.kernel_problems(2, 40, 30))
     tuned = {(op.name, op.problem_key(p)[1]) for op, p in model_problems(model.config, "float32", (2,), (40,), 30)}
     assert {(op.name, op.problem_key(p)[1]) for op, p in real} == tuned

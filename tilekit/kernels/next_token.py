@@ -46,7 +46,7 @@ INT_MAX = (1 << 31) - 1
 MAX_ROUNDS = 4096        # rejection rounds of one row (each removes at least one token; never reached)
 FLOAT_PARAMS = 6         # inverse temperature, top_p, log(min_p), repetition, presence, frequency
 INT_PARAMS = 4           # sample (0: greedy), top_k (0: off), eos banned below this position, seed
-MAX_EOS = 8
+MAX_EOS = 32
 MAX_SLOTS = 256          # candidate slots per chunk: top_k up to this stays on the fast path
 
 

@@ -2,9 +2,10 @@
 
 A model class (GPT) holds weights and writes its math as four methods: `activations` (its working
 buffers), `hidden` (embeddings and blocks), `final_norm` and `lm_head`. `CausalLM` turns those into
-`forward` (a CUDA graph per shape), `generate` (KV cache, greedy on the GPU or sampling on the
-host, graphs of the decode step and of prompt prefills, kept between calls) and the workload:
-`kernel_problems` runs the same step code on MetaArrays and records what each kernel is asked.
+`forward` (a CUDA graph per shape), `generate` (KV cache; each next token, greedy or sampled, chosen
+on the GPU inside the captured step by kernels.next_token; graphs of the decode step and of prompt
+prefills, kept between calls; stop rules, streaming) and the workload: `kernel_problems` runs the same
+step code on MetaArrays and records what each kernel is asked.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
 from tilekit.autotune.arrays import MetaArray, numpy_dtype, release_scratch
 from tilekit.autotune.op import recording
-from tilekit.kernels import attention, decode_attention, greedy_step, write_kv
+from tilekit.kernels import attention, decode_attention, next_token, write_kv
+from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candidate_slots, pack_params
+from tilekit.models.generation import (GenerationSettings, SamplingParams, StopChecker, param_arrays, per_row,
+                                       token_counts)
 
 PAD = 64          # prompts pad to, and KV caches grow in, multiples of this many positions
 LOGIT_ROW_ALIGN = 64   # forward()'s logits rows are padded to multiples of this many entries
@@ -81,45 +86,79 @@ class PromptBuffers:
         self.graph, self.runs = None, 0
 
 
+@dataclass(frozen=True)
+class Picker:
+    """What the captured next-token kernels of a generation are built for (its graphs hold them): token
+    counts for penalties, candidate slots for top-k rows, the check pass of top-p rows without top-k, the
+    eos ids and the token a finished row emits."""
+
+    penalties: bool = False
+    slots: int = 0
+    check: bool = False
+    eos: tuple[int, ...] = ()
+    pad: int = 0
+
+    @classmethod
+    def for_rows(cls, rows: Sequence[SamplingParams], eos: Sequence[int]) -> "Picker":
+        sampled = [r for r in rows if not r.greedy]
+        return cls(penalties=any(r.repetition_penalty != 1 or r.presence_penalty or r.frequency_penalty for r in rows),
+                   slots=candidate_slots(r.top_k for r in sampled),
+                   check=any(r.top_k == 0 and r.top_p < 1 for r in sampled),
+                   eos=tuple(eos), pad=eos[0] if eos else 0)
+
+
+GREEDY = Picker()
+# generate()'s picks as the tuning workload records them: greedy, and Hugging Face's default sampling (top_k 50)
+WORKLOAD_PICKERS = (GREEDY, Picker.for_rows([SamplingParams(temperature=1.0, top_k=50)], ()))
+
+
 class DecodeState:
     """generate()'s device buffers for B sequences of up to `capacity` positions, and the kernels of
-    its two steps: a prompt prefill that fills the KV cache, and one decode step."""
+    its two steps: a prompt prefill that fills the KV cache, and one decode step, each ending in the
+    next-token pick that `picker` describes (per-row parameters in fparams / iparams)."""
 
-    def __init__(self, model: "CausalLM", batch: int, capacity: int, arrays: Arrays):
-        self.model, self.batch = model, batch
+    def __init__(self, model: "CausalLM", batch: int, capacity: int, arrays: Arrays, picker: Picker = GREEDY):
+        self.model, self.batch, self.picker = model, batch, picker
+        V = model.config.vocab_size
         self.cache = KVCache(model, batch, capacity, arrays)
         self.tokens = arrays.zeros((batch,), "int32")
         self.positions = arrays.zeros((batch,), "int32")        # each sequence's newest position
         self.finished = arrays.zeros((batch,), "int32")
         self.history = arrays.zeros((batch, capacity + 1), "int32")
+        self.fparams = arrays.zeros((batch, FLOAT_PARAMS), "float32")
+        self.iparams = arrays.zeros((batch, INT_PARAMS), "int32")
+        self.eos = arrays.zeros((max(1, len(picker.eos)),), "int32")
+        self.seen = arrays.zeros((batch, V), "int32") if picker.penalties else None
+        self.out_counts = arrays.zeros((batch, V), "int32") if picker.penalties else None
         self.acts = model.activations(batch, 1, arrays)
-        self.logits = arrays.empty((batch, model.config.vocab_size), model.dtype)
+        self.logits = arrays.empty((batch, V), model.dtype)
 
-    def prefill(self, buf: PromptBuffers, greedy: bool, eos: int) -> None:
-        """Fill the KV cache from padded prompts and compute the logits of each newest token."""
+    def prefill(self, buf: PromptBuffers) -> None:
+        """Fill the KV cache from padded prompts and pick each sequence's first new token."""
         cache = self.cache
 
         def attend(i, q, k, v, out):
             write_kv(k, v, cache.k[i], cache.v[i], buf.zeros)
             attention(q, k, v, causal=True, out=out)
 
-        self._head(self.model.hidden(buf.acts, buf.ids, buf.positions, attend), buf.last, greedy, eos)
+        self._head(self.model.hidden(buf.acts, buf.ids, buf.positions, attend), buf.last)
 
-    def step(self, greedy: bool, eos: int) -> None:
+    def step(self) -> None:
         """One token for every sequence."""
         cache = self.cache
 
         def attend(i, q, k, v, out):      # writes k and v at self.positions, then attends
             decode_attention(q, cache.k[i], cache.v[i], self.positions, new_k=k, new_v=v, length_offset=1, out=out)
 
-        self._head(self.model.hidden(self.acts, self.tokens, self.positions, attend), None, greedy, eos)
+        self._head(self.model.hidden(self.acts, self.tokens, self.positions, attend), None)
 
-    def _head(self, x, rows, greedy: bool, eos: int) -> None:
-        """Final norm (of `rows` only, when given), logits, and the greedy pick."""
+    def _head(self, x, rows) -> None:
+        """Final norm (of `rows` only, when given), logits, and the next-token pick."""
         self.model.final_norm(x, self.acts.h, rows=rows)
         self.model.lm_head(self.acts.h, out=self.logits)
-        if greedy:
-            greedy_step(self.logits, self.tokens, self.positions, self.history, self.finished, eos)
+        p = self.picker
+        next_token(self.logits, self.fparams, self.iparams, self.eos, self.tokens, self.positions, self.history,
+                   self.finished, seen=self.seen, out_counts=self.out_counts, slots=p.slots, check=p.check, pad=p.pad)
 
 
 def forward_hidden(model: "CausalLM", buf: PromptBuffers) -> None:
@@ -151,21 +190,32 @@ class Generation:
 
     max_prompt_shapes = 2
 
-    def __init__(self, model: "CausalLM", batch: int, capacity: int, eos: int, greedy: bool):
+    def __init__(self, model: "CausalLM", batch: int, capacity: int, picker: Picker):
         import cupy
-        self.model, self.batch, self.eos, self.greedy = model, batch, eos, greedy
+        self.model, self.batch = model, batch
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with self.stream:
-            self.state = DecodeState(model, batch, capacity, Arrays())
+            self.state = DecodeState(model, batch, capacity, Arrays(), picker)
         self.prompts: OrderedDict[int, PromptBuffers] = OrderedDict()
         self.decode_graph = None
         weakref.finalize(self, release_scratch, self.stream.ptr)   # also when dropped unreleased
 
-    def start(self, history: np.ndarray, positions: np.ndarray) -> None:
-        """A new call: the prompts in history, each sequence's newest position, nothing finished."""
-        self.state.history.set(history)
-        self.state.positions.set(positions)
-        self.state.finished.fill(0)
+    def start(self, history: np.ndarray, positions: np.ndarray, fparams: np.ndarray, iparams: np.ndarray,
+              seen: np.ndarray | None) -> None:
+        """A new call: the prompts in history, each sequence's newest position, nothing finished, the rows'
+        sampling parameters, and with penalties each prompt's token counts."""
+        state = self.state
+        state.history.set(history)
+        state.positions.set(positions)
+        state.finished.fill(0)
+        state.fparams.set(fparams)
+        state.iparams.set(iparams)
+        eos = np.full(state.eos.shape, -1, np.int32)
+        eos[:len(state.picker.eos)] = state.picker.eos
+        state.eos.set(eos)
+        if seen is not None:
+            state.seen.set(seen)
+            state.out_counts.fill(0)
 
     def prefill(self, ids: np.ndarray, last: np.ndarray, use_graph: bool) -> None:
         """Run the prompt prefill of padded prompts ids (B, T); `last` are the rows (of the flattened
@@ -183,19 +233,19 @@ class Generation:
         if use_graph and buf.graph is not None:
             buf.graph.launch(self.stream)
             return
-        self.state.prefill(buf, self.greedy, self.eos)
+        self.state.prefill(buf)
         buf.runs += 1
         if use_graph and buf.runs >= 2:        # a prompt shape seen twice: replay it from now on
-            buf.graph = _capture(self.stream, lambda: self.state.prefill(buf, self.greedy, self.eos))
+            buf.graph = _capture(self.stream, lambda: self.state.prefill(buf))
 
     def decode(self, use_graph: bool) -> None:
         """One token for every sequence; the first call runs eagerly and captures the step."""
         if use_graph and self.decode_graph is not None:
             self.decode_graph.launch(self.stream)
             return
-        self.state.step(self.greedy, self.eos)
+        self.state.step()
         if use_graph:
-            self.decode_graph = _capture(self.stream, lambda: self.state.step(self.greedy, self.eos))
+            self.decode_graph = _capture(self.stream, self.state.step)
 
     def release(self) -> None:
         """Wait for this generation's work, then drop its graphs and its stream's work arrays."""
@@ -334,14 +384,14 @@ class CausalLM:
             return graph
 
     @contextlib.contextmanager
-    def _generation(self, batch: int, capacity: int, eos: int, greedy: bool):
+    def _generation(self, batch: int, capacity: int, picker: Picker):
         """A Generation for this call: the kept one for the key if no other call holds it, else a new one.
         It is kept again when the call ends normally and dropped when the call fails."""
-        key = (batch, capacity, eos, greedy)
+        key = (batch, capacity, picker)
         with self._graphs_lock:
             gen = self._generations.pop(key, None)
         if gen is None:
-            gen = Generation(self, batch, capacity, eos, greedy)
+            gen = Generation(self, batch, capacity, picker)
         try:
             yield gen
         except BaseException:
@@ -365,115 +415,189 @@ class CausalLM:
             self._generations.clear()
 
     # -- generation -----------------------------------------------------------------------------
-    def generate(self, ids, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, eos_token_id: int | None = None, seed: int | None = None,
-                 use_graph: bool = True, on_token: Callable[[np.ndarray], None] | None = None):
+    def generation_defaults(self) -> GenerationSettings:
+        """What generate() does unless told otherwise: the checkpoint's generation_config.json read as Hugging
+        Face reads it (greedy unless it says do_sample), with config.json's eos ids; greedy for a model
+        without a checkpoint directory."""
+        eos = getattr(self.config, "eos_token_id", None)
+        if getattr(self, "checkpoint_dir", None) is not None:
+            return GenerationSettings.from_generation_config(self.checkpoint_dir, config_eos=eos)
+        return GenerationSettings(eos_token_ids=() if eos is None else eos, sampling=SamplingParams(temperature=0.0))
+
+    def generate(self, ids, max_new_tokens: int | None = None, *, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None, sampling: Sequence[SamplingParams] | None = None,
+                 min_new_tokens: int | None = None, eos_token_id: int | Sequence[int] | None = None,
+                 stop_strings: str | Sequence[str] | None = None, seed: int | None = None, use_graph: bool = True,
+                 on_token: Callable[[np.ndarray], None] | None = None) -> list[np.ndarray]:
         """Continue each prompt by up to `max_new_tokens` tokens with a KV cache.
 
-        ids: a 2-D integer array (B, T) of equal-length prompts, or a list of token lists of
-        different lengths. temperature 0 is greedy (argmax on the GPU); otherwise tokens are sampled
-        (with optional top_k / top_p) from the softmax at that temperature on the host. A sequence
-        stops after emitting eos_token_id. on_token(tokens) is called with the (B,) new tokens of
-        each step. Returns a list of 1-D int arrays (prompt + continuation).
+        ids: a 2-D integer array (B, T) of equal-length prompts, or a list of token lists of different
+        lengths. Every argument left None takes the checkpoint's generation_config.json value (see
+        generation_defaults(); Hugging Face's precedence: explicit > file > config.json > defaults).
+        temperature 0 is greedy; otherwise tokens are sampled from the processed softmax (repetition,
+        presence and frequency penalties, temperature, top_k, top_p, min_p, in Hugging Face's order: see
+        tilekit.kernels.next_token). `sampling` gives each row its own SamplingParams instead (a list of
+        B; not together with the scalar arguments). Each next token is chosen on the GPU inside the
+        decode step. A row stops after an eos id (any of eos_token_id / the checkpoint's), once its
+        continuation's text contains one of stop_strings (needs the checkpoint's tokenizer), or at
+        max_new_tokens; eos ids are banned until min_new_tokens were generated. Rows stop
+        independently; the call ends when all have. seed makes sampling repeatable (the same tokens run
+        to run, graph or eager). on_token(tokens) is called with the (B,) new tokens of each step
+        (finished rows repeat the first eos id). Returns a list of 1-D int arrays (prompt + continuation,
+        ending with the token that stopped it).
 
-        The KV cache and buffers for (batch, capacity) are kept for the next call (the last
-        max_generations of them; forget_graphs() frees them). After its first run the decode step
-        is one CUDA graph replay, and so is the prompt prefill once a padded prompt length (a
+        The KV cache, buffers and graphs for (batch, capacity, the kind of pick) are kept for the next
+        call (the last max_generations of them; forget_graphs() frees them). After its first run the
+        decode step is one CUDA graph replay, and so is the prompt prefill once a padded prompt length (a
         multiple of 64) repeats; use_graph=False runs every kernel one by one.
         """
         prompts = self._check_prompts(ids)
-        if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
-                or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-        if top_k is not None and (not isinstance(top_k, (int, np.integer)) or top_k < 1):
-            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-        V = self.config.vocab_size
-        if eos_token_id is not None and not (isinstance(eos_token_id, (int, np.integer)) and 0 <= eos_token_id < V):
-            raise ValueError(f"eos_token_id must be an int in [0, {V}), got {eos_token_id!r}")
+        B, V = len(prompts), self.config.vocab_size
+        scalars = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                       frequency_penalty=frequency_penalty)
+        if sampling is not None and any(v is not None for v in scalars.values()):
+            raise ValueError("pass sampling= (one SamplingParams per row) or the scalar sampling arguments, not both")
+        settings = self.generation_defaults().override(
+            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, stop_strings=stop_strings, seed=seed,
+            eos_token_ids=eos_token_id, **scalars)
+        rows = per_row(settings.sampling if sampling is None else list(sampling), B)
+        new = settings.max_new_tokens
+        if new is None:
+            raise ValueError("max_new_tokens must be given (the checkpoint's generation_config.json sets none)")
+        eos = settings.eos_token_ids
+        if any(e >= V for e in eos) or len(eos) > MAX_EOS:
+            raise ValueError(f"eos_token_id must be at most {MAX_EOS} ids in [0, {V}), got {list(eos)}")
         lengths = np.array([len(p) for p in prompts], np.int32)
-        need = int(lengths.max()) + max_new_tokens
-        if need > self.config.block_size:
-            raise ValueError(f"prompt length {int(lengths.max())} + max_new_tokens {max_new_tokens} "
+        if int(lengths.max()) + new > self.config.block_size:
+            raise ValueError(f"prompt length {int(lengths.max())} + max_new_tokens {new} "
                              f"exceeds block_size {self.config.block_size}")
-        if max_new_tokens == 0:
+        streams = None
+        if settings.stop_strings:
+            from tilekit.models.text import TextStream
+            tokenizer = self.tokenizer()
+            streams = [TextStream(tokenizer, context=p.tolist()) for p in prompts]
+        if new == 0:
             return [np.asarray(p, np.int64) for p in prompts]
-        B = len(prompts)
-        capacity, T = capacity_for(self, int(lengths.max()), max_new_tokens)
-        greedy = temperature == 0
-        eos = -1 if eos_token_id is None else int(eos_token_id)
-        rng = np.random.default_rng(seed)
+        capacity, T = capacity_for(self, int(lengths.max()), new)
+        picker = Picker.for_rows(rows, eos)
+        seeds = np.random.SeedSequence(settings.seed).generate_state(B)
+        fparams, iparams = pack_params(param_arrays(rows), lengths + settings.min_new_tokens - 1, seeds)
         padded = np.zeros((B, T), np.int32)
         for b, p in enumerate(prompts):
             padded[b, :len(p)] = p
-        pos = lengths - 1                      # position of each sequence's newest token
         history = np.zeros((B, capacity + 1), np.int32)
         history[:, :T] = padded
-        finished = np.zeros(B, bool)
+        seen = token_counts(prompts, V).astype(np.int32) if picker.penalties else None
+        stops = StopChecker(B, settings)
+        watch = on_token is not None or streams is not None
 
-        def pick_on_host():
-            nonlocal pos
-            new = sample(state.logits.get().astype(np.float64), temperature, top_k, top_p, rng)
-            new = np.where(finished, eos, new).astype(np.int32)
-            pos = pos + 1
-            history[np.arange(B), pos] = new
-            state.tokens.set(new)
-            state.positions.set(pos.astype(np.int32))
-            return new
-
-        with self._generation(B, capacity, eos, greedy) as gen, gen.stream:
+        with self._generation(B, capacity, picker) as gen, gen.stream:
             state = gen.state
-            gen.start(history, pos)
-            gen.prefill(padded, np.arange(B, dtype=np.int32) * T + pos, use_graph)
-            produced = 0
-            while True:
-                new = None if greedy else pick_on_host()
-                produced += 1
-                if on_token is not None or produced % 8 == 0 or produced == max_new_tokens:
-                    if greedy:
-                        new = state.tokens.get()
-                        finished |= state.finished.get().astype(bool)
+            gen.start(history, lengths - 1, fparams, iparams, seen)
+            gen.prefill(padded, np.arange(B, dtype=np.int32) * T + lengths - 1, use_graph)
+            for produced in range(1, new + 1):
+                if watch:
+                    tokens = state.tokens.get()
+                    running = ~stops.done
+                    stops.update(tokens, None if streams is None else [s.push(t) for s, t in zip(streams, tokens)])
+                    stopped = np.flatnonzero(running & stops.done)
+                    if len(stopped) and streams is not None:   # a stop string ends a row that emits no eos
+                        finished = state.finished.get()
+                        finished[stopped] = 1
+                        state.finished.set(finished)
                     if on_token is not None:
-                        on_token(new)
-                if not greedy and eos_token_id is not None:
-                    finished |= new == eos
-                if produced == max_new_tokens or finished.all():
+                        on_token(tokens)
+                    if stops.all_done:
+                        break
+                elif produced % 8 == 0 and state.finished.get().all():
                     break
-                gen.decode(use_graph)
-            gen.stream.synchronize()
-            if greedy:
-                history = state.history.get()
-        out = []
-        for b in range(B):
-            seq = history[b, :lengths[b] + produced].astype(np.int64)
-            hits = np.flatnonzero(seq[lengths[b]:] == eos) if eos_token_id is not None else []
-            out.append(seq[:lengths[b] + hits[0] + 1] if len(hits) else seq)
-        return out
+                if produced < new:
+                    gen.decode(use_graph)
+            history = state.history.get()
+        if not watch:       # the stop rules over the tokens made (no stop strings here)
+            for i in range(new):
+                if stops.all_done:
+                    break
+                stops.update(history[np.arange(B), lengths + i])
+        return [history[b, :lengths[b] + stops.lengths[b]].astype(np.int64) for b in range(B)]
 
-    def generate_text(self, prompt: str, max_new_tokens: int = 50, *,
-                      stream_to: Callable[[str], None] | None = None, **kwargs) -> str:
-        """Tokenize `prompt` with the checkpoint's own tokenizer, generate, and decode."""
-        tokenizer = self.tokenizer()
-        ids = tokenizer.encode(prompt).ids
-        if not ids:
+    def tokenizer(self):
+        """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt), read as untrusted."""
+        from tilekit.models.text import load_tokenizer
+        if getattr(self, "checkpoint_dir", None) is None:
+            raise ValueError("this model has no checkpoint directory to read a tokenizer from (load it with "
+                             "from_pretrained)")
+        return load_tokenizer(self.checkpoint_dir)
+
+    def generate_text(self, prompt: str | Sequence[str], max_new_tokens: int | None = None, *,
+                      stream_to: Callable[[str], None] | None = None, chat: bool = False,
+                      **kwargs) -> str | list[str]:
+        """Tokenize `prompt` (or a list of prompts, one batch) with the checkpoint's tokenizer, generate
+        (kwargs as for generate()), and return the continuation's text; stream_to(piece) receives it
+        piece by piece as it is made (one prompt only): the pieces concatenate to exactly the returned
+        text, characters that span tokens included. chat=True sends each prompt as one user message
+        through the checkpoint's chat template (see chat())."""
+        single = isinstance(prompt, str)
+        texts = [prompt] if single else list(prompt)
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise ValueError("prompt must be a string or a non-empty list of strings")
+        if stream_to is not None and not single:
+            raise ValueError("stream_to streams one prompt; pass a string, or no stream_to for a batch")
+        if chat:
+            ids = [self._chat_ids([{"role": "user", "content": t}]) for t in texts]
+        else:
+            ids = [self.tokenizer().encode(t).ids for t in texts]
+        out = self._continue_text(ids, max_new_tokens, stream_to, kwargs)
+        return out[0] if single else out
+
+    def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, *,
+             stream_to: Callable[[str], None] | None = None, **kwargs) -> str:
+        """The assistant's reply to `messages` ([{"role": "system" | "user" | "assistant" | "tool",
+        "content": ...}, ...]), the conversation rendered with the checkpoint's chat template as Hugging
+        Face's apply_chat_template renders it; kwargs as for generate()."""
+        return self._continue_text([self._chat_ids(messages)], max_new_tokens, stream_to, kwargs)[0]
+
+    def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of `messages` rendered with the chat template (which writes its own special tokens)."""
+        from tilekit.models.text import chat_template
+        template = None if getattr(self, "checkpoint_dir", None) is None else chat_template(self.checkpoint_dir)
+        if template is None:
+            raise ValueError("this checkpoint has no chat template (tokenizer_config.json's chat_template or "
+                             "chat_template.jinja)")
+        return self.tokenizer().encode(template.render(messages), add_special_tokens=False).ids
+
+    def _continue_text(self, ids: list[list[int]], max_new_tokens: int | None, stream_to, kwargs) -> list[str]:
+        """The decoded continuations of prompts `ids`, row 0's streamed to stream_to as it is made."""
+        from tilekit.models.text import TextStream
+        if not all(ids):
             raise ValueError("prompt encodes to no tokens")
-        eos = kwargs.pop("eos_token_id", self.eos_token_id(tokenizer))
-
-        def on_token(tokens):
-            stream_to(tokenizer.decode([int(tokens[0])]))
-
-        seq = self.generate([ids], max_new_tokens, eos_token_id=eos,
-                            on_token=on_token if stream_to is not None else None, **kwargs)[0]
-        return tokenizer.decode(seq[len(ids):].tolist())
+        tokenizer = self.tokenizer()
+        streams = [TextStream(tokenizer, context=i) for i in ids]
+        on_token = None
+        if stream_to is not None:
+            def on_token(tokens):
+                piece = streams[0].push(tokens[0])
+                if piece:
+                    stream_to(piece)
+        seqs = self.generate(ids, max_new_tokens, on_token=on_token, **kwargs)
+        for b, (stream, seq) in enumerate(zip(streams, seqs)):
+            if stream_to is None or b > 0:
+                for t in seq[len(ids[b]):]:
+                    stream.push(t)
+            rest = stream.flush()
+            if stream_to is not None and b == 0 and rest:
+                stream_to(rest)
+        return [s.printed for s in streams]
 
     # -- the workload ---------------------------------------------------------------------------
     def kernel_problems(self, batch: int, seq_len: int, new_tokens: int | None = None) -> list[tuple]:
         """(op, problem) of every kernel call of forward() on (batch, seq_len) ids, or, with
-        new_tokens, of generate() continuing batch prompts of seq_len tokens by new_tokens greedily
-        (its prompt prefill and a decode step): the very step code, run on MetaArrays."""
+        new_tokens, of generate() continuing batch prompts of seq_len tokens by new_tokens (its prompt
+        prefill and a decode step, greedy and with Hugging Face's default sampling: WORKLOAD_PICKERS): the
+        very step code, run on MetaArrays."""
         if not self.meta:
             return self.meta_twin().kernel_problems(batch, seq_len, new_tokens)
         with recording() as calls:
@@ -483,9 +607,10 @@ class CausalLM:
                 self.logits(buf.acts.h, META)
             else:
                 capacity, padded = capacity_for(self, seq_len, new_tokens)
-                state = DecodeState(self, batch, capacity, META)
-                state.prefill(PromptBuffers(self, batch, padded, META), True, -1)
-                state.step(True, -1)
+                for picker in WORKLOAD_PICKERS:
+                    state = DecodeState(self, batch, capacity, META, picker)
+                    state.prefill(PromptBuffers(self, batch, padded, META))
+                    state.step()
         return calls
 
     # -- validation -----------------------------------------------------------------------------
@@ -517,23 +642,3 @@ class CausalLM:
                              f"[{ids.min()}, {ids.max()}]")
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: int | None, top_p: float | None,
-           rng: np.random.Generator) -> np.ndarray:
-    """One token per row from softmax(logits / temperature), restricted to top_k / nucleus top_p."""
-    out = np.empty(logits.shape[0], np.int64)
-    for b, row in enumerate(logits):
-        z = row / temperature
-        if top_k is not None and top_k < z.size:
-            kth = np.partition(z, -top_k)[-top_k]
-            z = np.where(z < kth, -np.inf, z)
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        if top_p is not None and top_p < 1:
-            order = np.argsort(-p)
-            keep = np.cumsum(p[order]) - p[order] < top_p
-            mask = np.zeros_like(p, bool)
-            mask[order[keep]] = True
-            p = np.where(mask, p, 0.0)
-            p /= p.sum()
-        out[b] = rng.choice(p.size, p=p)
-    return out

@@ -69,8 +69,8 @@ def plan(mode: str) -> list[ModelPlan]:
 
 def model_config(preset: str):
     """The LlamaConfig of a Llama preset (LLAMA_PRESETS), else the GPTConfig of a GPT-2 one."""
-    from tilekit.models.config import GPTConfig
-    from tilekit.models.llama_config import LLAMA_PRESETS
+    from tilekit.models.gpt2.config import GPTConfig
+    from tilekit.models import LLAMA_PRESETS
     return LLAMA_PRESETS[preset] if preset in LLAMA_PRESETS else GPTConfig.preset(preset)
 
 
@@ -185,10 +185,10 @@ def tilekit_state(model, config) -> dict:
     """HF state dict -> tilekit's: float32 numpy under GPT2Model's names (GPT-2) or the HF names as they are
     (Llama), tied head and buffers dropped."""
     if is_llama(config):
-        from tilekit.models import llama_checkpoint as family
+        from tilekit.models.llama import weights as family
         prefix, tied = "", config.tie_word_embeddings
     else:
-        from tilekit.models import checkpoint as family
+        from tilekit.models.gpt2 import weights as family
         prefix, tied = family.PREFIX, True
     wanted = family.state_dict_shapes(config)
     state, unknown = {}, []

@@ -129,7 +129,7 @@ def pct(value: float | None, roof: float | None) -> float | None:
 
 def is_llama(config) -> bool:
     """Whether `config` is a LlamaConfig (else a GPTConfig)."""
-    from tilekit.models.llama_config import LlamaConfig
+    from tilekit.models.llama.config import LlamaConfig
     return isinstance(config, LlamaConfig)
 
 
@@ -137,9 +137,9 @@ def param_count(config) -> int:
     """Parameters of a GPT-2 config (LM head tied to wte, counted once) or a Llama config (every tensor,
     lm_head unless tied)."""
     if is_llama(config):
-        from tilekit.models.llama_checkpoint import state_dict_shapes
+        from tilekit.models.llama.weights import state_dict_shapes
     else:
-        from tilekit.models.checkpoint import state_dict_shapes
+        from tilekit.models.gpt2.weights import state_dict_shapes
     return sum(math.prod(s) for s in state_dict_shapes(config).values())
 
 

@@ -15,9 +15,10 @@ import pytest
 from benchmarks import checks, cli, kernels, markdown, model, overhead, plots, report, system, timing, tuning
 from benchmarks import tuning_stats
 from benchmarks.report import Row
-from tilekit.models import checkpoint, llama_checkpoint
-from tilekit.models.config import PRESETS, GPTConfig
-from tilekit.models.llama_config import LlamaConfig, RopeScaling
+from tilekit.models.gpt2 import weights as checkpoint
+from tilekit.models.llama import weights as llama_checkpoint
+from tilekit.models.gpt2.config import PRESETS, GPTConfig
+from tilekit.models.llama.config import LlamaConfig, RopeScaling
 
 ROOT = Path(__file__).resolve().parents[1]
 

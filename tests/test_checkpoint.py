@@ -10,9 +10,9 @@ from hypothesis import given, settings, strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from tilekit.models.checkpoint import (check_state_dict, load_state_dict, random_state_dict, resolve_checkpoint,
+from tilekit.models.gpt2.weights import (check_state_dict, load_state_dict, random_state_dict, resolve,
                                        save_state_dict, state_dict_shapes)
-from tilekit.models.config import GPTConfig
+from tilekit.models.gpt2.config import GPTConfig
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=50, block_size=8)
 
@@ -162,8 +162,8 @@ def test_resolve_finds_the_hub_cache_and_prefers_refs_main(hf_home):
     cache_snapshot(hub, "openai-community/gpt2", "bbb222", random_state_dict(CONFIG, seed=8))  # newer, not main
     (hub / "models--openai-community--gpt2" / "refs").mkdir()
     (hub / "models--openai-community--gpt2" / "refs" / "main").write_text("aaa111\n")
-    assert resolve_checkpoint("gpt2") == main
-    assert resolve_checkpoint("openai-community/gpt2") == main
+    assert resolve("gpt2") == main
+    assert resolve("openai-community/gpt2") == main
     _, state = load_state_dict("gpt2")
     assert_same_state(state, random_state_dict(CONFIG, seed=7))
 
@@ -172,21 +172,21 @@ def test_resolve_without_refs_takes_a_complete_snapshot(hf_home, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(hf_home / "elsewhere"))
     snapshot = cache_snapshot(hf_home / "elsewhere", "gpt2", "ccc333", random_state_dict(CONFIG, seed=9))
     (snapshot.parent / "ddd444").mkdir()  # a snapshot that only has some other file
-    assert resolve_checkpoint("gpt2") == snapshot
+    assert resolve("gpt2") == snapshot
 
 
 def test_resolve_reports_what_it_searched(hf_home, tmp_path):
     with pytest.raises(FileNotFoundError) as info:
-        resolve_checkpoint("gpt2")
+        resolve("gpt2")
     assert "models--gpt2" in str(info.value) and "models--openai-community--gpt2" in str(info.value)
     with pytest.raises(FileNotFoundError, match="no-such-dir"):
-        resolve_checkpoint(tmp_path / "no-such-dir")
+        resolve(tmp_path / "no-such-dir")
 
 
 @pytest.mark.parametrize("field,value", [("activation_function", "relu"), ("scale_attn_by_inverse_layer_idx", True),
                                          ("n_inner", 100), ("scale_attn_weights", False)])
 def test_unsupported_gpt2_variants_are_refused(field, value):
-    from tilekit.models.config import GPTConfig
+    from tilekit.models.gpt2.config import GPTConfig
     d = GPTConfig.preset("gpt2").to_hf_dict()
     d[field] = value
     with pytest.raises(ValueError, match=field):
@@ -194,7 +194,7 @@ def test_unsupported_gpt2_variants_are_refused(field, value):
 
 
 def test_written_config_names_the_end_of_text_token():
-    from tilekit.models.config import GPTConfig
+    from tilekit.models.gpt2.config import GPTConfig
     d = GPTConfig.preset("gpt2").to_hf_dict()
     assert d["eos_token_id"] == d["bos_token_id"] == 50256
     assert GPTConfig.from_hf_dict(d) == GPTConfig.preset("gpt2")
@@ -204,7 +204,7 @@ def test_block_params_name_every_block_tensor_in_field_order():
     """GPT builds Block(*tensors in BLOCK_PARAMS order) and writes them back under the same names."""
     import dataclasses
 
-    from tilekit.models.gpt import BLOCK_PARAMS, Block
+    from tilekit.models.gpt2.model import BLOCK_PARAMS, Block
     names = {n.removeprefix("h.0.") for n in state_dict_shapes(GPTConfig.preset("gpt2")) if n.startswith("h.0.")}
     assert sorted(BLOCK_PARAMS) == sorted(names) and len(BLOCK_PARAMS) == len(set(BLOCK_PARAMS))
     fields = [f.name for f in dataclasses.fields(Block)]

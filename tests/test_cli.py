@@ -15,7 +15,7 @@ from tilekit.autotune import store
 from tilekit.device import DeviceInfo, gpu_unavailable_reason
 from tilekit.kernels.layernorm import LAYER_NORM
 from tilekit.kernels.linear import LINEAR
-from tilekit.models.config import GPTConfig
+from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models.workload import model_problems
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from safetensors.numpy import save_file
 
-from tilekit.models.llama_checkpoint import load_state_dict, random_state_dict, save_state_dict, state_dict_shapes
-from tilekit.models.llama_config import LLAMA_PRESETS, LlamaConfig, RopeScaling
+from tilekit.models.llama.weights import load_state_dict, random_state_dict, save_state_dict, state_dict_shapes
+from tilekit.models import LLAMA_PRESETS, LlamaConfig
+from tilekit.models.llama.config import RopeScaling
 
 DATA = Path(__file__).parent / "data"
 CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, intermediate_size=24, vocab_size=50,
@@ -366,8 +367,8 @@ def test_malformed_index_is_named(sharded, text, problem):
 
 
 def test_index_too_large_is_refused_unread(sharded, monkeypatch):
-    from tilekit.models import config
-    monkeypatch.setattr(config, "MAX_JSON_BYTES", 100)
+    from tilekit.models import hf
+    monkeypatch.setattr(hf, "MAX_JSON_BYTES", 100)
     load_fails(sharded[0], "larger than 100 bytes")
 
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from tilekit.kernels.attention import attention_reference
-from tilekit.models.llama_checkpoint import random_state_dict
-from tilekit.models.llama_config import LlamaConfig, RopeScaling
+from tilekit.models.llama.weights import random_state_dict
+from tilekit.models.llama.config import LlamaConfig, RopeScaling
 from tilekit.kernels.rmsnorm import rms_norm_reference
 from tilekit.kernels.rope import rope_reference
 from tilekit.kernels.swiglu import swiglu_reference
-from tilekit.models.llama_reference import ReferenceLlama, rope_inv_freq
+from tilekit.models.llama.reference import ReferenceLlama, rope_inv_freq
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = ["tiny-llama", "tiny-llama-tied"]  # GQA + llama3 rope + untied, sharded; MQA + plain rope + tied

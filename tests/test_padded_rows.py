@@ -7,7 +7,7 @@ import tilekit.kernels  # noqa: F401  (declares the ops)
 from tilekit.autotune.arrays import MetaArray, check_rows, info
 from tilekit.kernels.linear import LINEAR
 from tilekit.models import GPT
-from tilekit.models.config import GPTConfig
+from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models.runtime import LOGIT_ROW_ALIGN, META
 
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tilekit.models.checkpoint import random_state_dict
-from tilekit.models.config import GPTConfig
-from tilekit.models.reference import ReferenceGPT
+from tilekit.models.gpt2.weights import random_state_dict
+from tilekit.models.gpt2.config import GPTConfig
+from tilekit.models.gpt2.reference import ReferenceGPT
 
 TINY = Path(__file__).parent / "data" / "tiny-gpt2"
 

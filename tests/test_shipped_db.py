@@ -13,8 +13,8 @@ from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, _parse, device_file_na
 from tilekit.autotune.keys import bucket_problem, key_string, parse_key
 from tilekit.autotune.registry import registered_ops
 from tilekit.device import DeviceInfo
-from tilekit.models.config import GPTConfig
-from tilekit.models.llama_config import LLAMA_PRESETS
+from tilekit.models.gpt2.config import GPTConfig
+from tilekit.models import LLAMA_PRESETS
 from tilekit.models.workload import model_problems
 
 SHIPPED = Path(__file__).resolve().parents[1] / "tuning_db"

@@ -55,10 +55,8 @@ def _dtype(text: str) -> str:
 
 def _config_for(model: str):
     """A preset name (GPT-2 or Llama) or a checkpoint / config.json -> GPTConfig or LlamaConfig."""
-    from tilekit.models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, resolve_checkpoint
-    from tilekit.models.config import PRESETS, GPTConfig, read_json
-    from tilekit.models.llama_checkpoint import INDEX_NAME
-    from tilekit.models.llama_config import LLAMA_PRESETS, LlamaConfig
+    from tilekit.models import LLAMA_PRESETS, PRESETS, GPTConfig, LlamaConfig
+    from tilekit.models.hf import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, read_json, resolve_checkpoint
     if model in PRESETS:
         return GPTConfig.preset(model)
     if model in LLAMA_PRESETS:

@@ -11,7 +11,7 @@ from tests.gpu.conftest import rel_err
 cupy = pytest.importorskip("cupy")
 
 from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama  # noqa: E402
-from tilekit.models.llama_checkpoint import random_state_dict  # noqa: E402
+from tilekit.models.llama.weights import random_state_dict  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 FIXTURES = ["tiny-llama", "tiny-llama-tied"]       # GQA + llama3 rope + untied + sharded; MQA + tied

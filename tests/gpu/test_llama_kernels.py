@@ -16,8 +16,8 @@ from tilekit.kernels.embedding import embedding_reference  # noqa: E402
 from tilekit.kernels.rmsnorm import rms_norm_reference  # noqa: E402
 from tilekit.kernels.rope import rope_reference, rope_tables  # noqa: E402
 from tilekit.kernels.swiglu import swiglu_linear_reference  # noqa: E402
-from tilekit.models.llama_config import RopeScaling  # noqa: E402
-from tilekit.models.llama_reference import rope_inv_freq  # noqa: E402
+from tilekit.models.llama.config import RopeScaling  # noqa: E402
+from tilekit.models.llama.reference import rope_inv_freq  # noqa: E402
 
 GPU = settings(max_examples=10, deadline=None, derandomize=True)
 DTYPES = st.sampled_from(["bfloat16", "float16", "float32"])

@@ -6,8 +6,8 @@ tuned here is, by construction, a key that forward() or generate() asks for.
 
 from __future__ import annotations
 
-from tilekit.models.config import GPTConfig
-from tilekit.models.llama_config import LlamaConfig
+from tilekit.models.gpt2.config import GPTConfig
+from tilekit.models.llama.config import LlamaConfig
 
 NEW_TOKENS = 128       # generate()'s continuation length in the tuning workload
 
@@ -15,9 +15,9 @@ NEW_TOKENS = 128       # generate()'s continuation length in the tuning workload
 def meta_model(config: GPTConfig | LlamaConfig, dtype: str):
     """A model of `config` (GPT-2 or Llama) with shapes and no memory."""
     if isinstance(config, LlamaConfig):
-        from tilekit.models.llama import Llama
+        from tilekit.models.llama.model import Llama
         return Llama(config, dtype=dtype, meta=True)
-    from tilekit.models.gpt import GPT
+    from tilekit.models.gpt2.model import GPT
     return GPT(config, dtype=dtype, meta=True)
 
 

@@ -21,9 +21,9 @@ import numpy as np
 from tilekit.autotune.arrays import MetaArray, numpy_dtype
 from tilekit.kernels import embedding, layer_norm, linear, residual_linear
 from tilekit.kernels.fixed_point import FIXED_DTYPE
-from tilekit.models.checkpoint import (check_state_dict, load_state_dict, random_state_dict,
-                                       resolve_checkpoint, save_state_dict, state_dict_shapes)
-from tilekit.models.config import GPTConfig
+from tilekit.models.gpt2.config import GPTConfig
+from tilekit.models.gpt2.weights import (check_state_dict, load_state_dict, random_state_dict, resolve, save_state_dict,
+                                         state_dict_shapes)
 from tilekit.models.runtime import Arrays, CausalLM
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -156,7 +156,7 @@ class GPT(CausalLM):
     def from_pretrained(cls, path_or_name: str | Path, *, dtype: str = "bfloat16",
                         allow_tf32: bool = False) -> "GPT":
         """Load a local Hugging Face GPT-2 checkpoint directory or a model in the local HF cache."""
-        directory = resolve_checkpoint(path_or_name)
+        directory = resolve(path_or_name)
         config, state = load_state_dict(directory)
         model = cls(config, dtype=dtype, state=state, allow_tf32=allow_tf32)
         model.checkpoint_dir = directory

@@ -1,72 +1,12 @@
-"""GPT-2 family hyper-parameters (the four Hugging Face presets and custom sizes), and the config helpers
-every model family shares."""
+"""GPT-2 family hyper-parameters: the four Hugging Face presets, custom sizes, Hugging Face config.json."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_JSON_BYTES = 16 << 20  # config.json and safetensors indexes are small; a larger file is refused unread
-
-
-@contextlib.contextmanager
-def hf_config_fields(d: dict, unsupported: dict[str, bool], family: str):
-    """Reading a Hugging Face config.json dict `d`: ValueError naming every key whose value asks for a
-    variant tilekit does not compute (`unsupported`: key -> is it such a value), then, within the block,
-    naming a required key the file lacks."""
-    bad = [f"{k}={d[k]!r}" for k, is_bad in unsupported.items() if is_bad]
-    if bad:
-        raise ValueError(f"config.json asks for a {family} variant tilekit does not compute: {', '.join(bad)}")
-    try:
-        yield
-    except KeyError as e:
-        raise ValueError(f"config.json lacks the {family} key {e.args[0]!r}") from None
-
-
-def read_json(path: str | Path, what: str) -> dict:
-    """The JSON object in `path`, an untrusted file: ValueError naming it if it is unreadable, too large,
-    not strict JSON, not an object or repeats a key (json would silently keep the last)."""
-    path = Path(path)
-
-    def strict(pairs):
-        d = dict(pairs)
-        if len(d) < len(pairs):
-            raise ValueError(f"repeated key {next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)!r}")
-        return d
-
-    def no_constant(name):
-        raise ValueError(f"{name} is not JSON")
-
-    try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise ValueError(f"larger than {MAX_JSON_BYTES} bytes")
-        d = json.loads(path.read_bytes(), object_pairs_hook=strict, parse_constant=no_constant)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"cannot read {what} {path}: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"cannot read {what} {path}: a JSON object expected, got {type(d).__name__}")
-    return d
-
-
-MAX_SIZE = 1 << 24       # no model dimension comes near; a config file claiming more is refused
-MAX_LAYERS = 4096
-
-
-def check_positive_ints(config, names) -> None:
-    """ValueError naming the first of `names` whose value in `config` is not a positive int (bools are
-    not) of plausible size (a hostile config.json must not make the shape checks run for hours)."""
-    for name in names:
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
-        most = MAX_LAYERS if name == "n_layer" else MAX_SIZE
-        if value > most:
-            raise ValueError(f"{type(config).__name__}.{name} = {value} is larger than any model tilekit runs "
-                             f"(at most {most})")
+from tilekit.models.hf import check_positive_ints, hf_config_fields, read_json
 
 
 @dataclass(frozen=True)
@@ -91,6 +31,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """GPT-2's LM head is always its token embedding (by the name LlamaConfig has the flag)."""
+        return True
 
     @classmethod
     def preset(cls, name: str) -> "GPTConfig":
@@ -124,7 +69,7 @@ class GPTConfig:
                 "vocab_size": self.vocab_size, "n_positions": self.block_size, "n_ctx": self.block_size,
                 "layer_norm_epsilon": self.layer_norm_epsilon, "activation_function": "gelu_new",
                 "bos_token_id": self.vocab_size - 1, "eos_token_id": self.vocab_size - 1,
-                "tie_word_embeddings": True}
+                "tie_word_embeddings": self.tie_word_embeddings}
 
     def replace(self, **changes) -> "GPTConfig":
         return dataclasses.replace(self, **changes)

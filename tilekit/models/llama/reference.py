@@ -15,9 +15,9 @@ from tilekit.kernels.linear import linear_reference
 from tilekit.kernels.rmsnorm import rms_norm_reference
 from tilekit.kernels.rope import rope_reference
 from tilekit.kernels.swiglu import swiglu_reference
-from tilekit.models import llama_checkpoint
-from tilekit.models.llama_checkpoint import EMBEDDING
-from tilekit.models.llama_config import LlamaConfig, RopeScaling
+from tilekit.models.llama import weights as llama_weights
+from tilekit.models.llama.config import LlamaConfig, RopeScaling
+from tilekit.models.llama.weights import EMBEDDING
 from tilekit.models.reference import ReferenceLM
 
 
@@ -39,7 +39,7 @@ class ReferenceLlama(ReferenceLM):
     """Llama (pre-RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, tied or untied LM head) over a state dict
     of Hugging Face names."""
 
-    checkpoint = llama_checkpoint
+    weights = llama_weights
     config: LlamaConfig
 
     def __init__(self, config: LlamaConfig, state: dict[str, np.ndarray], dtype=np.float64):

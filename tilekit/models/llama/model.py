@@ -17,11 +17,10 @@ import numpy as np
 from tilekit.autotune.arrays import MetaArray, numpy_dtype
 from tilekit.kernels import apply_rope, embedding, linear, rms_norm, swiglu_linear
 from tilekit.kernels.rope import rope_tables
-from tilekit.models import llama_checkpoint
-from tilekit.models.checkpoint import resolve_checkpoint
-from tilekit.models.llama_checkpoint import EMBEDDING, INDEX_NAME
-from tilekit.models.llama_config import LlamaConfig
-from tilekit.models.llama_reference import rope_inv_freq
+from tilekit.models.llama import weights
+from tilekit.models.llama.config import LlamaConfig
+from tilekit.models.llama.reference import rope_inv_freq
+from tilekit.models.llama.weights import EMBEDDING
 from tilekit.models.runtime import Arrays, CausalLM
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -63,7 +62,7 @@ class Llama(CausalLM):
     def __init__(self, config: LlamaConfig, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, meta: bool = False):
         """Weights from `state` (Hugging Face names, checked against the config), or random ones drawn on the
-        GPU from `seed` (as llama_checkpoint.random_state_dict scales them). meta=True: MetaArray weights
+        GPU from `seed` (as weights.random_state_dict scales them). meta=True: MetaArray weights
         (no GPU, no memory), for tracing the kernels the model runs."""
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
@@ -73,7 +72,7 @@ class Llama(CausalLM):
         self.checkpoint_dir: Path | None = None
         self._init_runtime()
         if state is not None:
-            llama_checkpoint.check_state_dict(config, state)
+            weights.check_state_dict(config, state)
         w = self._device_weights(state, seed)
         self.embed = w[EMBEDDING]
         self.norm = w["model.norm.weight"]
@@ -95,7 +94,7 @@ class Llama(CausalLM):
             self.cos, self.sin = (cupy.asarray(t) for t in rope_tables(positions, inv_freq))
 
     def _device_weights(self, state, seed: int) -> dict:
-        shapes = llama_checkpoint.state_dict_shapes(self.config)
+        shapes = weights.state_dict_shapes(self.config)
         if self.meta:
             return {name: MetaArray(shape, self.dtype) for name, shape in shapes.items()}
         import cupy
@@ -104,7 +103,7 @@ class Llama(CausalLM):
                     for name in shapes}
         rng, out = cupy.random.default_rng(seed), {}
         for name, shape in shapes.items():
-            mean, std = llama_checkpoint.weight_stats(self.config, name)
+            mean, std = weights.weight_stats(self.config, name)
             out[name] = (rng.standard_normal(shape, dtype=cupy.float32) * std + mean).astype(numpy_dtype(self.dtype))
         return out
 
@@ -161,9 +160,8 @@ class Llama(CausalLM):
     def from_pretrained(cls, path_or_name: str | Path, *, dtype: str = "bfloat16") -> "Llama":
         """Load a local Hugging Face Llama checkpoint directory (single-file or sharded safetensors) or a model in
         the local HF cache."""
-        directory = resolve_checkpoint(path_or_name, weights=(llama_checkpoint.WEIGHTS_NAME, INDEX_NAME),
-                                       orgs=("meta-llama",))
-        config, state = llama_checkpoint.load_state_dict(directory)
+        directory = weights.resolve(path_or_name)
+        config, state = weights.load_state_dict(directory)
         model = cls(config, dtype=dtype, state=state)
         model.checkpoint_dir = directory
         return model
@@ -190,7 +188,7 @@ class Llama(CausalLM):
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write config.json and model.safetensors in the Hugging Face Llama format."""
-        llama_checkpoint.save_state_dict(directory, self.config, self.state_dict())
+        weights.save_state_dict(directory, self.config, self.state_dict())
 
     def tokenizer(self):
         """The checkpoint's tokenizer.json via `tokenizers`."""

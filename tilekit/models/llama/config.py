@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from tilekit.models.config import check_positive_ints, hf_config_fields, read_json
-
-
-def _check_number(owner, name: str, low: float = 0.0) -> None:
-    """ValueError unless owner.name is a finite real number greater than `low` (bools are not numbers)."""
-    value = getattr(owner, name)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= low:
-        raise ValueError(f"{type(owner).__name__}.{name} must be a finite number > {low}, got {value!r}")
+from tilekit.models.hf import check_number, check_positive_ints, hf_config_fields, read_json
 
 
 @dataclass(frozen=True)
@@ -29,11 +21,11 @@ class RopeScaling:
     original_max_position_embeddings: int
 
     def __post_init__(self):
-        _check_number(self, "factor")
+        check_number(self, "factor")
         if self.factor < 1:
             raise ValueError(f"RopeScaling.factor must be >= 1, got {self.factor!r}")
-        _check_number(self, "low_freq_factor")
-        _check_number(self, "high_freq_factor", low=self.low_freq_factor)
+        check_number(self, "low_freq_factor")
+        check_number(self, "high_freq_factor", low=self.low_freq_factor)
         check_positive_ints(self, ("original_max_position_embeddings",))
 
 
@@ -74,8 +66,8 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim must be even (rotary embeddings pair its halves), "
                              f"got {self.head_dim}")
-        _check_number(self, "rms_norm_eps")
-        _check_number(self, "rope_theta")
+        check_number(self, "rms_norm_eps")
+        check_number(self, "rope_theta")
         if not isinstance(self.rope_scaling, (RopeScaling, type(None))):
             raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
         if not isinstance(self.tie_word_embeddings, bool):
@@ -98,9 +90,9 @@ class LlamaConfig:
     def preset(cls, name: str) -> "LlamaConfig":
         """One of 'llama-3.2-1b', 'llama-3.2-3b', 'llama-3.1-8b', 'tinyllama-1.1b'."""
         try:
-            return LLAMA_PRESETS[name]
+            return PRESETS[name]
         except KeyError:
-            raise ValueError(f"unknown Llama preset {name!r}; choose from {sorted(LLAMA_PRESETS)}") from None
+            raise ValueError(f"unknown Llama preset {name!r}; choose from {sorted(PRESETS)}") from None
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "LlamaConfig":
@@ -170,7 +162,7 @@ _LLAMA3 = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1
 
 # The published config.json files of meta-llama/Llama-3.2-1B, -3.2-3B, -3.1-8B and
 # TinyLlama/TinyLlama-1.1B-Chat-v1.0 (base models; the instruct ones differ only in their eos ids).
-LLAMA_PRESETS: dict[str, LlamaConfig] = {
+PRESETS: dict[str, LlamaConfig] = {
     "llama-3.2-1b": LlamaConfig(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192,
                                 rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_word_embeddings=True, **_LLAMA3),
     "llama-3.2-3b": LlamaConfig(n_layer=28, n_head=24, n_kv_head=8, n_embd=3072, intermediate_size=8192,

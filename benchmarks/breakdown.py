@@ -191,12 +191,10 @@ def _decode_generation(model, batch: int):
 
 
 def decode_model(preset: str):
-    """tilekit's bf16 GPT or Llama of a preset, random weights from seed 0."""
-    from benchmarks.model import model_config
-    from benchmarks.report import is_llama
-    from tilekit.models import GPT, Llama
-    config = model_config(preset)
-    return (Llama if is_llama(config) else GPT)(config, dtype="bfloat16", seed=0)
+    """tilekit's bf16 model of a preset (of any family), random weights from seed 0."""
+    from tilekit.models.families import family_of_config, preset_config
+    config = preset_config(preset)
+    return family_of_config(config).model_class(config, dtype="bfloat16", seed=0)
 
 
 def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:

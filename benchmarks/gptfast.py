@@ -67,6 +67,8 @@ class StaticDecoder(torch.nn.Module):
 class GPT2Decoder(StaticDecoder):
     """Greedy GPT-2 generation for `batch` sequences of up to `capacity` tokens over an HF GPT2LMHeadModel."""
 
+    model_type = "gpt2"
+
     def __init__(self, hf, batch: int, capacity: int, *, compile: bool = True):
         t, n_head = hf.transformer, hf.config.n_head
         w = t.wte.weight
@@ -99,6 +101,8 @@ class LlamaDecoder(StaticDecoder):
     rotate-half RoPE from tables built once by the model's rotary embedding, SDPA over the key/value heads repeated
     for each query group (as gpt-fast does: SDPA's enable_gqa with a mask may fall back to its math backend),
     SwiGLU."""
+
+    model_type = "llama"
 
     def __init__(self, hf, batch: int, capacity: int, *, compile: bool = True):
         m, c = hf.model, hf.config
@@ -134,3 +138,12 @@ class LlamaDecoder(StaticDecoder):
             h = layer.post_attention_layernorm(x)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         return self.lm_head(self.norm(x[:, -1]))
+
+
+def decoder_for(hf, batch: int, capacity: int, *, compile: bool = True) -> StaticDecoder:
+    """The decoder written for the HF model's model_type, over that model."""
+    decoders = {cls.model_type: cls for cls in StaticDecoder.__subclasses__()}
+    model_type = hf.config.model_type
+    if model_type not in decoders:
+        raise ValueError(f"no gpt-fast decoder for model_type {model_type!r} (written: {', '.join(decoders)})")
+    return decoders[model_type](hf, batch, capacity, compile=compile)

@@ -1,9 +1,9 @@
-"""tilekit's GPT-2 and Llama against PyTorch anchors on the same random weights: prefill and greedy decode.
+"""tilekit's models (GPT-2, Llama) against PyTorch anchors on the same random weights: prefill and greedy decode.
 
-The HF model is built from GPT2Config or LlamaConfig (config.to_hf_dict()) on the GPU, its biases and
-LayerNorm / RMSNorm weights nudged off 0 / 1 so the checks exercise them, and its state dict (float32;
-GPT-2: without the "transformer." prefix, the tied lm_head and the mask buffers; Llama: under its own
-names, lm_head dropped when tied) builds tilekit's GPT or Llama, so both hold identical weights.
+The HF model is the family's transformers class (tilekit.models.families) built from config.to_hf_dict() on
+the GPU, its biases and LayerNorm / RMSNorm weights nudged off 0 / 1 so the checks exercise them, and its
+state dict (float32, under the family's names: without the prefix its HF class adds (GPT-2's "transformer."),
+the buffers and a tied lm_head) builds tilekit's model of the family, so both hold identical weights.
 Anchors, all on those weights: prefill: HF sdpa / eager and torch.compile(mode="reduce-overhead") of
 the HF forward; decode: the gpt-fast-style step (benchmarks.gptfast), HF generate with a static cache
 (compiled) and with the dynamic cache.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks import checks, timing
-from benchmarks.report import Row, decode_floor_ms, fill_times, is_llama, mark_error, prefill_flops
+from benchmarks.report import Row, decode_floor_ms, fill_times, mark_error, prefill_flops
 
 PROMPT, NEW_TOKENS = 128, 128
 FP32_NEW_TOKENS = 16
@@ -34,7 +34,7 @@ class ModelPlan:
     dtype: str = "bfloat16"                   #   "HF eager", "gpt-fast eager"
     new_tokens: int = NEW_TOKENS
     prefill_reps: int = 10
-    config: object = None                     # a GPTConfig or LlamaConfig instead of the preset's (tests)
+    config: object = None                     # a model config instead of the preset's (tests)
 
 
 def fp32_check(batches: tuple = (1,)) -> ModelPlan:
@@ -68,10 +68,9 @@ def plan(mode: str) -> list[ModelPlan]:
 
 
 def model_config(preset: str):
-    """The LlamaConfig of a Llama preset (LLAMA_PRESETS), else the GPTConfig of a GPT-2 one."""
-    from tilekit.models.gpt2.config import GPTConfig
-    from tilekit.models import LLAMA_PRESETS
-    return LLAMA_PRESETS[preset] if preset in LLAMA_PRESETS else GPTConfig.preset(preset)
+    """The config of a preset of any family."""
+    from tilekit.models.families import preset_config
+    return preset_config(preset)
 
 
 def prefill_label(preset: str, B: int, T: int) -> str:
@@ -100,57 +99,35 @@ def _per_token(t: dict, n: int) -> dict:
 
 # -- building the models ------------------------------------------------------------------------
 
-HF_CORE_KEYS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon",
-                "activation_function", "tie_word_embeddings")
-
-
 def hf_config(config, impl: str):
-    """GPT2Config(**config.to_hf_dict()) asking for attention `impl`."""
-    from transformers import GPT2Config
+    """The family's transformers config class (config_class of the class tilekit.patch runs) of
+    config.to_hf_dict(), asking for attention `impl`."""
+    from tilekit.models.families import family_of_config
+    cls = family_of_config(config).hf_model_class().config_class
     d = {k: v for k, v in config.to_hf_dict().items() if k != "model_type"}
     try:
-        return GPT2Config(**d, attn_implementation=impl)
-    except TypeError:       # a config class that refuses keys it does not declare (n_ctx, ...)
-        return GPT2Config(**{k: d[k] for k in HF_CORE_KEYS}, attn_implementation=impl)
-
-
-def hf_llama_config(config, impl: str):
-    """transformers.LlamaConfig(**config.to_hf_dict()) asking for attention `impl`."""
-    import transformers
-    d = {k: v for k, v in config.to_hf_dict().items() if k != "model_type"}
-    try:
-        return transformers.LlamaConfig(**d, attn_implementation=impl)
+        return cls(**d, attn_implementation=impl)
     except TypeError:       # a config class that refuses keys it does not declare: build_hf sets `impl`
-        return transformers.LlamaConfig.from_dict(config.to_hf_dict())
-
-
-def _build_llama(config, impl: str, dtype: str):
-    """LlamaForCausalLM on the GPU, created in `dtype`: its rotary inv_freq stays float32, as from_pretrained
-    leaves it (a model-wide .to(bfloat16) would round it and shift every RoPE angle)."""
-    import torch
-    from transformers import LlamaForCausalLM
-    with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(hf_llama_config(config, impl), attn_implementation=impl,
-                                              dtype=getattr(torch, dtype))
-    inv_freq = model.model.rotary_emb.inv_freq
-    if inv_freq.dtype != torch.float32:
-        raise RuntimeError(f"transformers built the rotary inv_freq in {inv_freq.dtype}, not float32")
-    return model.eval().requires_grad_(False)
+        return cls.from_dict(config.to_hf_dict())
 
 
 def build_hf(config, impl: str, *, dtype: str = "bfloat16", seed: int | None = None, like=None):
-    """GPT2LMHeadModel or LlamaForCausalLM on the GPU, eval mode, attention `impl`, no end-of-text stop;
-    weights random or `like`'s."""
+    """The family's transformers model (GPT2LMHeadModel, LlamaForCausalLM) on the GPU, created in `dtype`,
+    eval mode, attention `impl`, no end-of-text stop; weights random or `like`'s. Rotary inv_freq buffers stay
+    float32, as from_pretrained leaves them (a model-wide .to(bfloat16) would round them and shift every RoPE
+    angle)."""
     import torch
+
+    from tilekit.models.families import family_of_config
     if seed is not None:
         torch.manual_seed(seed)
-    if is_llama(config):
-        model = _build_llama(config, impl, dtype)
-    else:
-        from transformers import GPT2LMHeadModel
-        with torch.device("cuda"):
-            model = GPT2LMHeadModel(hf_config(config, impl))
-        model = model.to(dtype=getattr(torch, dtype)).eval().requires_grad_(False)
+    with torch.device("cuda"):
+        model = family_of_config(config).hf_model_class()._from_config(
+            hf_config(config, impl), attn_implementation=impl, dtype=getattr(torch, dtype))
+    rounded = [name for name, b in model.named_buffers() if name.endswith("inv_freq") and b.dtype != torch.float32]
+    if rounded:
+        raise RuntimeError(f"transformers built the rotary {rounded[0]} in a dtype other than float32")
+    model = model.eval().requires_grad_(False)
     if getattr(model.config, "_attn_implementation", None) != impl and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(impl)
     actual = getattr(model.config, "_attn_implementation", None)
@@ -182,20 +159,16 @@ def _nudge_affine(model, seed: int) -> None:
 
 
 def tilekit_state(model, config) -> dict:
-    """HF state dict -> tilekit's: float32 numpy under GPT2Model's names (GPT-2) or the HF names as they are
-    (Llama), tied head and buffers dropped."""
-    if is_llama(config):
-        from tilekit.models.llama import weights as family
-        prefix, tied = "", config.tie_word_embeddings
-    else:
-        from tilekit.models.gpt2 import weights as family
-        prefix, tied = family.PREFIX, True
-    wanted = family.state_dict_shapes(config)
+    """HF state dict -> tilekit's: float32 numpy under the family's names (the prefix its HF class adds
+    dropped), a tied head and buffers dropped."""
+    from tilekit.models.families import family_of_config
+    weights = family_of_config(config).weights
+    wanted = weights.state_dict_shapes(config)
     state, unknown = {}, []
     for name, t in model.state_dict().items():
-        if (tied and name == "lm_head.weight") or name.endswith(family.BUFFER_SUFFIXES):
+        if (config.tie_word_embeddings and name == "lm_head.weight") or name.endswith(weights.BUFFER_SUFFIXES):
             continue
-        name = name.removeprefix(prefix)
+        name = name.removeprefix(weights.PREFIX)
         if name in wanted:
             state[name] = t.detach().float().cpu().numpy()
         else:
@@ -235,9 +208,8 @@ class Anchors:
     def decode(self, name: str, batch: int, new: int):
         """callable(prompt, check) -> (tokens (B, PROMPT + new), logits (B, V) of the first new token or None)."""
         if name.startswith("gpt-fast"):
-            from benchmarks.gptfast import GPT2Decoder, LlamaDecoder
-            cls = LlamaDecoder if is_llama(self.config) else GPT2Decoder
-            decoder = cls(self.models["sdpa"], batch, PROMPT + new, compile=name == "gpt-fast step")
+            from benchmarks.gptfast import decoder_for
+            decoder = decoder_for(self.models["sdpa"], batch, PROMPT + new, compile=name == "gpt-fast step")
             return lambda prompt, check=False: decoder.generate(prompt, new)
         model = self.hf("sdpa" if name == "HF static" else name.removeprefix("HF "))
         extra = {"cache_implementation": "static"} if name == "HF static" else {}
@@ -374,14 +346,15 @@ def run_decode(p: ModelPlan, config, gpt, anchors: Anchors, budgets: dict, calib
 
 def run_preset(p: ModelPlan, calib: dict, log, seed: int = 0) -> list[Row]:
     import torch
-    from tilekit.models import GPT, Llama
+
+    from tilekit.models.families import family_of_config
     config = p.config if p.config is not None else model_config(p.preset)
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     with torch.no_grad():      # not inference_mode: its tensors would become the parameters
         base = build_hf(config, "sdpa", dtype=p.dtype, seed=seed)
         state = tilekit_state(base, config)
-    gpt = (Llama if is_llama(config) else GPT)(config, dtype=p.dtype, state=state)
+    gpt = family_of_config(config).model_class(config, dtype=p.dtype, state=state)
     del state
     log(f"[model {p.preset}] built HF sdpa and tilekit models ({p.dtype}) in {time.perf_counter() - t0:.1f} s")
     anchors = Anchors(base, config, p.dtype)

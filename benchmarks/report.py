@@ -127,20 +127,10 @@ def pct(value: float | None, roof: float | None) -> float | None:
     return 100.0 * value / roof
 
 
-def is_llama(config) -> bool:
-    """Whether `config` is a LlamaConfig (else a GPTConfig)."""
-    from tilekit.models.llama.config import LlamaConfig
-    return isinstance(config, LlamaConfig)
-
-
 def param_count(config) -> int:
-    """Parameters of a GPT-2 config (LM head tied to wte, counted once) or a Llama config (every tensor,
-    lm_head unless tied)."""
-    if is_llama(config):
-        from tilekit.models.llama.weights import state_dict_shapes
-    else:
-        from tilekit.models.gpt2.weights import state_dict_shapes
-    return sum(math.prod(s) for s in state_dict_shapes(config).values())
+    """Parameters of a model config of any family: every tensor its checkpoint holds (a tied LM head once)."""
+    from tilekit.models.families import family_of_config
+    return sum(math.prod(s) for s in family_of_config(config).weights.state_dict_shapes(config).values())
 
 
 def kv_width(config) -> int:
@@ -149,10 +139,10 @@ def kv_width(config) -> int:
 
 
 def layer_matmul_params(config) -> int:
-    """Weights one layer multiplies each token by: q, k, v and output projections, then the MLP."""
-    C, H, D = config.n_embd, config.n_head, config.head_dim
-    mlp = 3 * C * config.intermediate_size if is_llama(config) else 8 * C * C
-    return 2 * H * D * C + 2 * kv_width(config) * C + mlp
+    """Weights one layer multiplies each token by: its matrices (q, k, v and output projections, the MLP)."""
+    from tilekit.models.families import family_of_config
+    shapes = family_of_config(config).weights.block_shapes(config, 0).values()
+    return sum(math.prod(s) for s in shapes if len(s) == 2)
 
 
 def decode_floor_ms(config, batch: int, prompt: int, new: int, copy_gbs: float, itemsize: int = 2) -> float:

@@ -83,9 +83,9 @@ def _row(name: str, label: str, shape: str, unit: str, work, params: dict) -> Ro
 
 def run_preset(preset: str, prefill: tuple, decode: tuple, log, seed: int = 0, config=None) -> list[Row]:
     """Prefill at each (B, T) and greedy decode at each B, untuned then tuned; `config` overrides the preset's."""
-    from tilekit.models import GPT, GPTConfig
-    config = config if config is not None else GPTConfig.preset(preset)
-    gpt = GPT(config, dtype="bfloat16", seed=seed)
+    from tilekit.models.families import family_of_config, preset_config
+    config = config if config is not None else preset_config(preset)
+    gpt = family_of_config(config).model_class(config, dtype="bfloat16", seed=seed)
     rng = np.random.default_rng(seed)
     rows = []
     for B, T in prefill:

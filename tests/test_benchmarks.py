@@ -17,6 +17,7 @@ from benchmarks import tuning_stats
 from benchmarks.report import Row
 from tilekit.models.gpt2 import weights as checkpoint
 from tilekit.models.llama import weights as llama_checkpoint
+from tilekit.models.families import family_of_config
 from tilekit.models.gpt2.config import PRESETS, GPTConfig
 from tilekit.models.llama.config import LlamaConfig, RopeScaling
 
@@ -399,7 +400,8 @@ def test_model_plans():
 def test_model_config_dispatches_on_the_preset():
     assert model.model_config("llama-3.2-1b") == LlamaConfig.preset("llama-3.2-1b")
     assert model.model_config("gpt2-xl") == GPTConfig.preset("gpt2-xl")
-    assert report.is_llama(model.model_config("llama-3.2-1b")) and not report.is_llama(GPTConfig())
+    assert family_of_config(model.model_config("llama-3.2-1b")).model_type == "llama"
+    assert family_of_config(GPTConfig()).model_type == "gpt2"
     with pytest.raises(ValueError):
         model.model_config("gpt5")
 

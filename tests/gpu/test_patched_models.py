@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import tilekit  # noqa: E402
-from benchmarks.model import build_hf, hf_config, hf_llama_config, nudged  # noqa: E402
+from benchmarks.model import build_hf, hf_config, nudged  # noqa: E402
 from tilekit.models import GPTConfig, LlamaConfig  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -43,7 +43,7 @@ def synthetic(config, dtype: str, **overrides):
     """A random HF model of a tilekit GPTConfig or LlamaConfig (benchmarks.model's HF configs), `overrides` set
     on its HF config, biases and norm weights moved off 0 and 1 (benchmarks.model.nudged)."""
     llama = isinstance(config, LlamaConfig)
-    hf = (hf_llama_config if llama else hf_config)(config, "sdpa")
+    hf = hf_config(config, "sdpa")
     for key, value in overrides.items():
         setattr(hf, key, value)
     cls = transformers.LlamaForCausalLM if llama else transformers.GPT2LMHeadModel

@@ -40,15 +40,15 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
         return (8 if p.get("fixed") else item) * p["M"] * p["N"] + item * (p["M"] * p["N"] + 2 * p["N"])
     if op_name == "rms_norm":
         return item * ((2 + 2 * p["res"]) * p["M"] * p["N"] + p["N"])
-    if op_name == "rope":                       # the rotated heads read and written, a table row per token
+    if op_name == "apply_rope":                       # the rotated heads read and written, a table row per token
         return item * 2 * p["B"] * p["H"] * p["T"] * p["D"] + 4 * p["B"] * p["T"] * p["D"]
     if op_name == "embedding":
         return (item * (2 if p["P"] else 1) + (8 if p.get("fixed") else item)) * p["M"] * p["C"]
-    if op_name == "kv_write":
+    if op_name == "write_kv":
         return item * 4 * p["B"] * p["H"] * p["T"] * p["D"]
     if op_name == "decode_attention":           # the context's keys and values once, and the new ones written
         return item * 2 * p["B"] * p["Hkv"] * (context + p["new_kv"] * p["nq"]) * p["D"]
-    if op_name == "greedy":
+    if op_name == "greedy_step":
         return item * p["B"] * p["V"]
     return float("nan")
 

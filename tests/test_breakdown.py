@@ -7,7 +7,7 @@ from benchmarks.breakdown import (format_prefill_table, format_table, kernel_row
 from tilekit.kernels.attention import ATTENTION
 from tilekit.kernels.decode_attention import DECODE_ATTENTION
 from tilekit.kernels.linear import LINEAR
-from tilekit.kernels.sampling import GREEDY
+from tilekit.kernels.greedy_step import GREEDY_STEP
 
 LIN = dict(dtype="bfloat16", M=1, N=4800, K=1600, wt="kn", bias=1, act="none", res=0, tf32=0)
 ATT = dict(dtype="bfloat16", B=1, H=25, Hkv=25, nq=1, capacity=256, D=64, new_kv=1)
@@ -21,18 +21,18 @@ def test_linear_bytes_are_weights_plus_activations():
 
 
 def test_calls_expand_to_their_launches_in_order():
-    calls = [(LINEAR, LIN), (DECODE_ATTENTION, ATT), (GREEDY, GREEDY_P)]
+    calls = [(LINEAR, LIN), (DECODE_ATTENTION, ATT), (GREEDY_STEP, GREEDY_P)]
     kernels = [("linear_kernel_x", 5.0, 105.0), ("decode_attention_kernel_y", 4.0, 108.0),
                ("argmax_chunk_kernel_z", 2.0, 111.0), ("greedy_finish_kernel_w", 1.0, 112.0)]
     rows = kernel_rows(calls, kernels, 200, 4000.0)    # (name, us, end us): attention overlaps the linear
     assert [r["kernel"] for r in rows] == ["linear_kernel", "decode_attention_kernel", "argmax_chunk_kernel",
                                            "greedy_finish_kernel"]
-    assert rows[3]["bytes"] == 0 and rows[2]["bytes"] == min_bytes("greedy", GREEDY_P, 200)
+    assert rows[3]["bytes"] == 0 and rows[2]["bytes"] == min_bytes("greedy_step", GREEDY_P, 200)
     assert rows[1]["bytes"] == min_bytes("decode_attention", ATT, 200)
     assert rows[0]["pct_bandwidth"] == pytest.approx(100 * rows[0]["bytes"] / 5e-6 / 4e12)
     assert [r["path_us"] for r in rows] == [5.0, 3.0, 3.0, 1.0]
     summary = summarize(rows)
-    assert [s["op"] for s in summary] == ["linear", "decode_attention", "greedy"]
+    assert [s["op"] for s in summary] == ["linear", "decode_attention", "greedy_step"]
     assert [s["path_us"] for s in summary] == [5.0, 3.0, 4.0]
     assert sum(s["share"] for s in summary) == pytest.approx(1.0)
     assert "decode_attention" in format_table(summary, 4000.0, 0.02, 0.03)

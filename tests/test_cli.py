@@ -13,7 +13,7 @@ from tests._autotune_fakes import H100, H200, entry, run_together
 from tilekit import cli
 from tilekit.autotune import store
 from tilekit.device import DeviceInfo, gpu_unavailable_reason
-from tilekit.kernels.layernorm import LAYER_NORM
+from tilekit.kernels.layer_norm import LAYER_NORM
 from tilekit.kernels.linear import LINEAR
 from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models.workload import model_problems

@@ -33,13 +33,13 @@ PROBLEMS = {
     "rms_norm": [dict(dtype="bfloat16", M=8192, N=2048, gather=0, res=1), dict(dtype="float32", M=3, N=20000,
                                                                               gather=0, res=1),
                  dict(dtype="bfloat16", M=8, N=4096, gather=1, res=0)],
-    "rope": [dict(dtype="bfloat16", table="float32", B=8, H=40, T=1024, D=64),
-             dict(dtype="float32", table="float32", B=1, H=3, T=1, D=80)],
+    "apply_rope": [dict(dtype="bfloat16", table="float32", B=8, H=40, T=1024, D=64),
+                   dict(dtype="float32", table="float32", B=1, H=3, T=1, D=80)],
     "swiglu_linear": [dict(dtype="bfloat16", M=8192, N=8192, K=2048), dict(dtype="float32", M=3, N=77, K=72),
                       dict(dtype="bfloat16", M=1, N=14336, K=4096)],
-    "kv_write": [dict(dtype="bfloat16", B=8, H=12, T=1024, capacity=1024, D=64),
+    "write_kv": [dict(dtype="bfloat16", B=8, H=12, T=1024, capacity=1024, D=64),
                  dict(dtype="float32", B=1, H=2, T=1, capacity=100, D=80)],
-    "greedy": [dict(dtype="bfloat16", B=8, V=50257, L=1025), dict(dtype="float32", B=1, V=1031, L=64)],
+    "greedy_step": [dict(dtype="bfloat16", B=8, V=50257, L=1025), dict(dtype="float32", B=1, V=1031, L=64)],
 }
 
 

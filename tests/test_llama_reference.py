@@ -8,9 +8,9 @@ import pytest
 from tilekit.kernels.attention import attention_reference
 from tilekit.models.llama.weights import random_state_dict
 from tilekit.models.llama.config import LlamaConfig, RopeScaling
-from tilekit.kernels.rmsnorm import rms_norm_reference
-from tilekit.kernels.rope import rope_reference
-from tilekit.kernels.swiglu import swiglu_reference
+from tilekit.kernels.rms_norm import rms_norm_reference
+from tilekit.kernels.apply_rope import rope_reference
+from tilekit.kernels.swiglu_linear import swiglu_reference
 from tilekit.models.llama.reference import ReferenceLlama, rope_inv_freq
 
 DATA = Path(__file__).parent / "data"

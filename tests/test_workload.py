@@ -20,7 +20,7 @@ def test_model_problems_cover_forward_and_generate(preset):
         assert keys(generate_problems(config, "bfloat16", B, 128, 128)) <= tuned      # the benchmark's 128 + 128
         assert keys(generate_problems(config, "bfloat16", B, 896, 128)) <= tuned      # the longest that fits
     ops = {name for name, _ in tuned}
-    assert ops == {"embedding", "layer_norm", "linear", "attention", "kv_write", "decode_attention", "greedy",
+    assert ops == {"embedding", "layer_norm", "linear", "attention", "write_kv", "decode_attention", "greedy_step",
                    "residual_linear"}
 
 
@@ -35,7 +35,7 @@ def test_decode_steps_add_into_a_fixed_point_residual():
         step, prompt = decode[step_start:], decode[:step_start] + prefill
         block = ["layer_norm", "linear", "decode_attention", "residual_linear", "layer_norm", "linear",
                  "residual_linear"]
-        assert [op.name for op, _ in step] == ["embedding"] + 2 * block + ["layer_norm", "linear", "greedy"]
+        assert [op.name for op, _ in step] == ["embedding"] + 2 * block + ["layer_norm", "linear", "greedy_step"]
         assert all(p["fixed"] == 1 for op, p in step if op.name in ("embedding", "layer_norm"))
         assert all(p["fixed"] == 0 for op, p in prompt if op.name in ("embedding", "layer_norm"))
         assert "residual_linear" not in {op.name for op, _ in prompt}

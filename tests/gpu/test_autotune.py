@@ -15,7 +15,7 @@ from tilekit.autotune.tuner import tune  # noqa: E402
 from tilekit.device import device_info  # noqa: E402
 from tilekit.kernels import layer_norm  # noqa: E402
 from tilekit.kernels.checks import TOL, assert_close, host, rand  # noqa: E402
-from tilekit.kernels.layernorm import LAYER_NORM, layer_norm_reference  # noqa: E402
+from tilekit.kernels.layer_norm import LAYER_NORM, layer_norm_reference  # noqa: E402
 from tilekit.kernels.linear import LINEAR  # noqa: E402
 
 SMALL = dict(dtype="bfloat16", M=512, N=256, K=256, wt="kn", bias=1, act="none", res=0, tf32=0)
@@ -78,7 +78,7 @@ def test_precompiled_configs_are_cache_hits_for_the_jit(tmp_path):
         cases = [(OPS[n].name, p) for n, p in SPACE_CASES.items()] + [
             ("embedding", dict(dtype="bfloat16", ids="int32", M=100, C=768, V=1031, P=64, fixed=0)),
             ("embedding", dict(dtype="bfloat16", ids="int32", M=8, C=768, V=1031, P=64, fixed=1)),
-            ("kv_write", dict(dtype="bfloat16", B=2, H=3, T=5, capacity=64, D=64))]
+            ("write_kv", dict(dtype="bfloat16", B=2, H=3, T=5, capacity=64, D=64))]
         tasks = []
         for n, p in cases:
             op = ops[n]
@@ -105,7 +105,7 @@ print("top level ran", flush=True)        # a spawned worker that re-ran this sc
 import numpy as np
 from tilekit.kernels import layer_norm
 from tilekit.kernels.checks import rand, host
-from tilekit.kernels.layernorm import layer_norm_reference
+from tilekit.kernels.layer_norm import layer_norm_reference
 x, w, b = rand((3000, 768), "bfloat16"), rand((768,), "bfloat16"), rand((768,), "bfloat16")
 y = layer_norm(x, w, b)
 err = np.linalg.norm(host(y) - layer_norm_reference(host(x), host(w), host(b))) / np.linalg.norm(host(y))

@@ -18,14 +18,14 @@ from tilekit.kernels import (attention, decode_attention, embedding, gelu, greed
 from tilekit.kernels.attention import ATTENTION, attention_reference  # noqa: E402
 from tilekit.kernels.decode_attention import DECODE_ATTENTION, decode_attention_reference  # noqa: E402
 from tilekit.kernels.embedding import embedding_reference  # noqa: E402
-from tilekit.kernels.fixed_point import fixed_to_float  # noqa: E402
+from tilekit.kernels.tiles import fixed_to_float  # noqa: E402
 from tilekit.kernels.gelu import GELU, gelu_reference  # noqa: E402
-from tilekit.kernels.layernorm import LAYER_NORM, layer_norm_reference  # noqa: E402
+from tilekit.kernels.layer_norm import LAYER_NORM, layer_norm_reference  # noqa: E402
 from tilekit.kernels.linear import LINEAR, linear_reference  # noqa: E402
-from tilekit.kernels.rmsnorm import RMS_NORM  # noqa: E402
-from tilekit.kernels.rope import ROPE  # noqa: E402
-from tilekit.kernels.sampling import GREEDY, greedy_reference  # noqa: E402
-from tilekit.kernels.swiglu import SWIGLU_LINEAR  # noqa: E402
+from tilekit.kernels.rms_norm import RMS_NORM  # noqa: E402
+from tilekit.kernels.apply_rope import APPLY_ROPE  # noqa: E402
+from tilekit.kernels.greedy_step import GREEDY_STEP, greedy_reference  # noqa: E402
+from tilekit.kernels.swiglu_linear import SWIGLU_LINEAR  # noqa: E402
 from tests.gpu.test_llama_kernels import check_rms_norm, check_rope, check_swiglu_linear  # noqa: E402
 from tilekit.kernels.residual_linear import RESIDUAL_LINEAR  # noqa: E402
 from tests.gpu.test_residual import check_layer_norm_of_fixed_point, check_residual_linear  # noqa: E402
@@ -133,7 +133,7 @@ SPACE_CASES = {
 }
 OPS = {"linear": LINEAR, "linear_many_rows": LINEAR, "linear_split_k": LINEAR, "layer_norm": LAYER_NORM,
        "gelu": GELU, "attention": ATTENTION, "attention_gqa": ATTENTION, "decode_attention": DECODE_ATTENTION,
-       "decode_attention_gqa": DECODE_ATTENTION, "greedy": GREEDY, "rms_norm": RMS_NORM, "rope": ROPE,
+       "decode_attention_gqa": DECODE_ATTENTION, "greedy": GREEDY_STEP, "rms_norm": RMS_NORM, "rope": APPLY_ROPE,
        "swiglu_linear": SWIGLU_LINEAR, "swiglu_linear_few_rows": SWIGLU_LINEAR, "layer_norm_fixed": LAYER_NORM,
        "residual_linear": RESIDUAL_LINEAR}
 
@@ -334,10 +334,11 @@ def test_decode_attention_length_offset():
         assert np.array_equal(host(kc)[b, :, n], host(k_new)[b, :, 0])
 
 
-@pytest.mark.parametrize("module", ["layernorm", "gelu", "linear", "attention", "decode_attention", "kv_cache",
-                                    "embedding", "sampling", "rmsnorm", "rope", "swiglu", "residual_linear"])
+@pytest.mark.parametrize("module", ["layer_norm", "gelu", "linear", "attention", "decode_attention", "write_kv",
+                                    "embedding", "greedy_step", "rms_norm", "apply_rope", "swiglu_linear",
+                                    "residual_linear"])
 def test_each_op_module_checks_itself(module):
-    """`python -m tilekit.kernels.<op>`: the op's own check against its reference (kv_cache's is the
+    """`python -m tilekit.kernels.<op>`: the op's own check against its reference (write_kv's is the
     KV-cache write test, clipping included)."""
     import runpy
     import warnings

@@ -13,9 +13,9 @@ cupy = pytest.importorskip("cupy")
 
 from tilekit.kernels import apply_rope, embedding, rms_norm, swiglu_linear  # noqa: E402
 from tilekit.kernels.embedding import embedding_reference  # noqa: E402
-from tilekit.kernels.rmsnorm import rms_norm_reference  # noqa: E402
-from tilekit.kernels.rope import rope_reference, rope_tables  # noqa: E402
-from tilekit.kernels.swiglu import swiglu_linear_reference  # noqa: E402
+from tilekit.kernels.rms_norm import rms_norm_reference  # noqa: E402
+from tilekit.kernels.apply_rope import rope_reference, rope_tables  # noqa: E402
+from tilekit.kernels.swiglu_linear import swiglu_linear_reference  # noqa: E402
 from tilekit.models.llama.config import RopeScaling  # noqa: E402
 from tilekit.models.llama.reference import rope_inv_freq  # noqa: E402
 

@@ -12,8 +12,8 @@ from tests.gpu.conftest import TOL, assert_close, host, poisoned, rand
 cupy = pytest.importorskip("cupy")
 
 from tilekit.kernels import layer_norm, residual_linear  # noqa: E402
-from tilekit.kernels.fixed_point import fixed_to_float, float_to_fixed  # noqa: E402
-from tilekit.kernels.layernorm import layer_norm_reference  # noqa: E402
+from tilekit.kernels.tiles import fixed_to_float, float_to_fixed  # noqa: E402
+from tilekit.kernels.layer_norm import layer_norm_reference  # noqa: E402
 from tilekit.kernels.residual_linear import RESIDUAL_LINEAR, residual_linear_reference  # noqa: E402
 
 GPU = settings(max_examples=10, deadline=None, derandomize=True)

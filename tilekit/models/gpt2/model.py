@@ -5,7 +5,7 @@ holds for this GPU and shape; CuPy only allocates memory and moves data. Names f
 Face checkpoint (wte, wpe, h.i.ln_1, attn.c_attn, ...), weights stay [in, out] as stored, and the
 LM head reads wte in place.
 
-With few rows (a decode step) the residual stream is fixed point (kernels/fixed_point.py): the
+With few rows (a decode step) the residual stream is fixed point (kernels/tiles.py): the
 attention and MLP output projections add into it in place, their K split over many programs. With
 many rows it is an array of the model's dtype and each of them writes the sum into the other of two
 buffers.
@@ -20,7 +20,7 @@ import numpy as np
 
 from tilekit.autotune.arrays import MetaArray, numpy_dtype
 from tilekit.kernels import embedding, layer_norm, linear, residual_linear
-from tilekit.kernels.fixed_point import FIXED_DTYPE
+from tilekit.kernels.tiles import FIXED_DTYPE
 from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models.gpt2.weights import (check_state_dict, load_state_dict, random_state_dict, resolve, save_state_dict,
                                          state_dict_shapes)

@@ -6,7 +6,7 @@ import numpy as np
 
 from tilekit.kernels.attention import attention_reference
 from tilekit.kernels.embedding import embedding_reference
-from tilekit.kernels.layernorm import layer_norm_reference
+from tilekit.kernels.layer_norm import layer_norm_reference
 from tilekit.kernels.linear import linear_reference
 from tilekit.models.gpt2 import weights as gpt2_weights
 from tilekit.models.gpt2.config import GPTConfig

@@ -16,7 +16,7 @@ import numpy as np
 
 from tilekit.autotune.arrays import MetaArray, numpy_dtype
 from tilekit.kernels import apply_rope, embedding, linear, rms_norm, swiglu_linear
-from tilekit.kernels.rope import rope_tables
+from tilekit.kernels.apply_rope import rope_tables
 from tilekit.models.llama import weights
 from tilekit.models.llama.config import LlamaConfig
 from tilekit.models.llama.reference import rope_inv_freq

@@ -12,9 +12,9 @@ import numpy as np
 
 from tilekit.kernels.attention import attention_reference
 from tilekit.kernels.linear import linear_reference
-from tilekit.kernels.rmsnorm import rms_norm_reference
-from tilekit.kernels.rope import rope_reference
-from tilekit.kernels.swiglu import swiglu_reference
+from tilekit.kernels.rms_norm import rms_norm_reference
+from tilekit.kernels.apply_rope import rope_reference
+from tilekit.kernels.swiglu_linear import swiglu_reference
 from tilekit.models.llama import weights as llama_weights
 from tilekit.models.llama.config import LlamaConfig, RopeScaling
 from tilekit.models.llama.weights import EMBEDDING

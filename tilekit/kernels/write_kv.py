@@ -10,8 +10,8 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.attention import batch_head, check_qkv, qkv_views
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
+from tilekit.kernels.attention import check_qkv, qkv_views
+from tilekit.kernels.tiles import batch_head, sync_with_previous_kernel
 
 
 @ct.kernel
@@ -72,8 +72,8 @@ def _bind(a: list, flags: tuple) -> Binding:
                    arrays={"k": (0, None), "v": (1, None), "kc": (2, None), "vc": (3, None), "start": (4, None)})
 
 
-KV_WRITE = Op(
-    "kv_write", args=("k", "v", "k_cache", "v_cache", "start"),
+WRITE_KV = Op(
+    "write_kv", args=("k", "v", "k_cache", "v_cache", "start"),
     key=dict(dtype=None, B=None, H=None, T=pow2_bucket, D=None), extras=dict(capacity=lambda p: -(-p["T"] // 64) * 64),
     space=SPACE, default=default_config, arrays=_arrays,
     # Not a dependent launch: one ordinary launch per layer keeps early-launched kernels from queueing
@@ -86,7 +86,7 @@ KV_WRITE = Op(
 
 def write_kv(k, v, k_cache, v_cache, start) -> None:
     """k_cache[b, :, start[b] + t] = k[b, :, t] and likewise for v; k, v: (B, H, T, D), start: int32 (B,)."""
-    KV_WRITE((k, v, k_cache, v_cache, start))
+    WRITE_KV((k, v, k_cache, v_cache, start))
 
 
 def write_kv_reference(k, v, k_cache, v_cache, start) -> tuple[np.ndarray, np.ndarray]:
@@ -100,7 +100,7 @@ def write_kv_reference(k, v, k_cache, v_cache, start) -> tuple[np.ndarray, np.nd
 
 
 if __name__ == "__main__":
-    from tilekit.kernels.kv_cache import write_kv, write_kv_reference  # the package's op, not this script's copy
+    from tilekit.kernels.write_kv import write_kv, write_kv_reference  # the package's op, not this script's copy
     import cupy
 
     from tilekit.kernels.checks import host, rand
@@ -111,5 +111,5 @@ if __name__ == "__main__":
     start = np.array([0, 2, 6], np.int32)      # the last one runs past the capacity: clipped
     ref_k, ref_v = write_kv_reference(host(k), host(v), host(kc), host(vc), start)
     write_kv(k, v, kc, vc, cupy.asarray(start))
-    assert np.array_equal(host(kc), ref_k) and np.array_equal(host(vc), ref_v), "kv_write differs"
-    print("kv_write: ok, exact")
+    assert np.array_equal(host(kc), ref_k) and np.array_equal(host(vc), ref_v), "write_kv differs"
+    print("write_kv: ok, exact")

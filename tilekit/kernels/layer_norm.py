@@ -1,6 +1,6 @@
 """LayerNorm over the last dimension, any leading shape, fp32 statistics.
 
-x may be the fixed-point residual stream of a decode step (int64, see fixed_point.py); the output
+x may be the fixed-point residual stream of a decode step (int64, see tiles.py); the output
 then takes the weights' dtype. Each program normalises TM rows. When a row fits one tile (the usual
 case: hidden sizes up to 8192) it is read once and the variance is computed around the mean
 (two-pass, in registers); longer rows are streamed in TN-wide tiles with per-tile mean/M2 merged by
@@ -19,8 +19,7 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
-from tilekit.kernels.fixed_point import FIXED_DTYPE, from_fixed
+from tilekit.kernels.tiles import FIXED_DTYPE, from_fixed, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 MAX_GATHER_N = 8192
@@ -167,7 +166,7 @@ LAYER_NORM = Op(
 def layer_norm(x, weight, bias, eps: float = 1e-5, *, rows=None, out=None):
     """LayerNorm of x over its last dimension with affine weight and bias (fp32 statistics).
 
-    x is a float array of the weights' dtype, or a fixed-point residual (int64, fixed_point.py);
+    x is a float array of the weights' dtype, or a fixed-point residual (int64, tiles.py);
     the output has the weights' dtype. rows: optional int32 device array of row indices into x
     viewed as (M, N); then only those rows are normalised and the result is (len(rows), N) (e.g. the
     last token of each sequence).
@@ -184,7 +183,7 @@ def layer_norm_reference(x, weight, bias, eps: float = 1e-5) -> np.ndarray:
 
 
 if __name__ == "__main__":
-    from tilekit.kernels.layernorm import layer_norm, layer_norm_reference  # the package's op, not this script's copy
+    from tilekit.kernels.layer_norm import layer_norm, layer_norm_reference  # the package's op, not this script's copy
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
     for shape, dtype in [((8, 128, 768), "bfloat16"), ((3, 1600), "float32"), ((5, 20000), "float16")]:
         x, w, b = rand(shape, dtype, 2.0, 0.5), rand(shape[-1:], dtype), rand(shape[-1:], dtype)

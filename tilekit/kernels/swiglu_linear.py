@@ -18,8 +18,7 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
-from tilekit.kernels.linear import grouped_tile
+from tilekit.kernels.tiles import grouped_tile, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -133,7 +132,7 @@ def swiglu_linear_reference(x, gate_weight, up_weight) -> np.ndarray:
 
 
 if __name__ == "__main__":
-    from tilekit.kernels.swiglu import swiglu_linear, swiglu_linear_reference  # the package's op, not this script's copy
+    from tilekit.kernels.swiglu_linear import swiglu_linear, swiglu_linear_reference  # the package's op, not this script's copy
     from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
     for M, N, K, dtype in [(300, 200, 136, "bfloat16"), (1, 2816, 1024, "bfloat16"), (5, 77, 72, "float32")]:
         x = rand((M, K), dtype)

@@ -10,7 +10,7 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
+from tilekit.kernels.tiles import sync_with_previous_kernel
 
 
 @ct.kernel
@@ -112,8 +112,8 @@ def _bind(a: list, flags: tuple) -> Binding:
                    scalars={"eos": (0, -1)})
 
 
-GREEDY = Op(
-    "greedy", args=("logits", "tokens", "positions", "history", "finished"),
+GREEDY_STEP = Op(
+    "greedy_step", args=("logits", "tokens", "positions", "history", "finished"),
     key=dict(dtype=None, B=pow2_bucket, V=None), extras=dict(L=lambda p: 1025),
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch, scalars=lambda p: {"eos": -1},
     launches=(Launch(argmax_chunk_kernel, _chunk_grid, ("logits", "best_val", "best_idx"), _chunk_constants),
@@ -132,7 +132,7 @@ def greedy_step(logits, tokens, positions, history, finished, eos_id: int = -1) 
     """
     if not isinstance(eos_id, (int, np.integer)) or isinstance(eos_id, bool):
         raise TypeError(f"eos_id must be an int, got {type(eos_id).__name__}")
-    GREEDY((logits, tokens, positions, history, finished), (), (int(eos_id),))
+    GREEDY_STEP((logits, tokens, positions, history, finished), (), (int(eos_id),))
 
 
 def greedy_reference(logits) -> np.ndarray:
@@ -141,7 +141,7 @@ def greedy_reference(logits) -> np.ndarray:
 
 
 if __name__ == "__main__":
-    from tilekit.kernels.sampling import greedy_step, greedy_reference  # the package's op, not this script's copy
+    from tilekit.kernels.greedy_step import greedy_step, greedy_reference  # the package's op, not this script's copy
     import cupy
 
     from tilekit.kernels.checks import host, rand
@@ -151,4 +151,4 @@ if __name__ == "__main__":
         history, finished = cupy.zeros((B, 8), cupy.int32), cupy.zeros(B, cupy.int32)
         greedy_step(logits, tokens, positions, history, finished)
         assert host(tokens).tolist() == greedy_reference(host(logits)).tolist(), "greedy tokens differ"
-        print(f"greedy B{B} V{V}: ok, exact")
+        print(f"greedy_step B{B} V{V}: ok, exact")

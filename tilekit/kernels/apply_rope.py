@@ -20,8 +20,8 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.attention import MAX_HEAD_DIM, batch_head
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
+from tilekit.kernels.attention import MAX_HEAD_DIM
+from tilekit.kernels.tiles import batch_head, sync_with_previous_kernel
 
 
 @ct.kernel
@@ -99,8 +99,8 @@ def _bind(a: list, flags: tuple) -> Binding:
                            "cos": (2, None), "sin": (3, None)})
 
 
-ROPE = Op(
-    "rope", args=("x", "positions", "cos", "sin"),
+APPLY_ROPE = Op(
+    "apply_rope", args=("x", "positions", "cos", "sin"),
     key=dict(dtype=None, table=None, B=pow2_bucket, H=None, T=pow2_bucket, D=None), extras=dict(P=lambda p: 4096),
     space=SPACE, default=default_config, arrays=_arrays,
     launches=(Launch(rope_kernel, _grid, ("x", "pos", "cos", "sin"), _constants),),
@@ -113,7 +113,7 @@ def apply_rope(x, positions, cos, sin) -> None:
     the device). Tables from `rope_tables`, or Hugging Face's cos/sin viewed as (B*T, D) with
     positions 0..B*T-1. A position outside the tables reads cos = sin = 0 (zeroing its features):
     check positions on the host where they come from users."""
-    ROPE((x, positions, cos, sin))
+    APPLY_ROPE((x, positions, cos, sin))
 
 
 def rope_tables(positions: int, inv_freq) -> tuple[np.ndarray, np.ndarray]:
@@ -135,7 +135,7 @@ def rope_reference(x, positions, inv_freq) -> np.ndarray:
 
 
 if __name__ == "__main__":
-    from tilekit.kernels.rope import apply_rope, rope_reference, rope_tables  # the package's op, not this script's copy
+    from tilekit.kernels.apply_rope import apply_rope, rope_reference, rope_tables  # the package's op, not this script's copy
     import cupy
 
     from tilekit.kernels.checks import TOL, assert_close, host, rand
@@ -149,6 +149,6 @@ if __name__ == "__main__":
         apply_rope(qk, cupy.asarray(positions), cos, sin)
         after = host(qkv)
         ref = rope_reference(before[:, :, :H + Hkv].transpose(0, 2, 1, 3), positions[:, None, :], inv_freq)
-        err = assert_close(after[:, :, :H + Hkv].transpose(0, 2, 1, 3), ref, TOL[dtype], f"rope {dtype}")
-        assert np.array_equal(after[:, :, H + Hkv:], before[:, :, H + Hkv:]), "rope wrote outside x"
-        print(f"rope B{B} heads {H}+{Hkv} T{T} D{D} {dtype}: ok, relative error {err:.2e}")
+        err = assert_close(after[:, :, :H + Hkv].transpose(0, 2, 1, 3), ref, TOL[dtype], f"apply_rope {dtype}")
+        assert np.array_equal(after[:, :, H + Hkv:], before[:, :, H + Hkv:]), "apply_rope wrote outside x"
+        print(f"apply_rope B{B} heads {H}+{Hkv} T{T} D{D} {dtype}: ok, relative error {err:.2e}")

@@ -1,6 +1,6 @@
 """tilekit.patch / unpatch without a GPU: importing them imports neither torch nor transformers, anything but a
 transformers GPT-2 or Llama is refused naming its type, and a model on the CPU is refused, unchanged, with every
-problem named (tests/gpu/test_patched_models.py runs patched models)."""
+problem named (tests/test_patched_models.py runs patched models on a GPU)."""
 
 import subprocess
 import sys

@@ -17,7 +17,7 @@ from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models import LLAMA_PRESETS
 from tilekit.models.workload import model_problems
 
-SHIPPED = Path(__file__).resolve().parents[1] / "tuning_db"
+SHIPPED = Path(__file__).resolve().parents[2] / "tuning_db"
 FILES = sorted(p for p in SHIPPED.rglob("*") if p.is_file())
 H100_FILE = SHIPPED / "sm_90" / "NVIDIA_H100_80GB_HBM3.json"
 H200_FILE = SHIPPED / "sm_90" / "NVIDIA_H200.json"

@@ -13,7 +13,7 @@ from tilekit.kernels.apply_rope import rope_reference
 from tilekit.kernels.swiglu_linear import swiglu_reference
 from tilekit.models.llama.reference import ReferenceLlama, rope_inv_freq
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 FIXTURES = ["tiny-llama", "tiny-llama-tied"]  # GQA + llama3 rope + untied, sharded; MQA + plain rope + tied
 
 

@@ -15,7 +15,7 @@ from tilekit.models.llama.weights import load_state_dict, random_state_dict, sav
 from tilekit.models import LLAMA_PRESETS, LlamaConfig
 from tilekit.models.llama.config import RopeScaling
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, intermediate_size=24, vocab_size=50,
                      max_position_embeddings=32, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16),
                      tie_word_embeddings=False)

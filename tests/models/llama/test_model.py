@@ -6,14 +6,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.gpu.conftest import rel_err
+from tilekit.kernels.checks import rel_err
 
 cupy = pytest.importorskip("cupy")
 
 from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama  # noqa: E402
 from tilekit.models.llama.weights import random_state_dict  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+pytestmark = pytest.mark.gpu
+
+DATA = Path(__file__).resolve().parents[2] / "data"
 FIXTURES = ["tiny-llama", "tiny-llama-tied"]       # GQA + llama3 rope + untied + sharded; MQA + tied
 MODEL_TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 

@@ -18,6 +18,7 @@ from tilekit.kernels.checks import TOL, assert_close, host, rand  # noqa: E402
 from tilekit.kernels.layer_norm import LAYER_NORM, layer_norm_reference  # noqa: E402
 from tilekit.kernels.linear import LINEAR  # noqa: E402
 
+pytestmark = pytest.mark.gpu
 SMALL = dict(dtype="bfloat16", M=512, N=256, K=256, wt="kn", bias=1, act="none", res=0, tf32=0)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,7 +72,7 @@ def test_precompiled_configs_are_cache_hits_for_the_jit(tmp_path):
         from tilekit.autotune.compile import precompile
         from tilekit.autotune.registry import registered_ops
         from tilekit.device import device_info
-        from tests.gpu.test_kernels import OPS, SPACE_CASES
+        from tests.kernels.test_search_spaces import OPS, SPACE_CASES
         import os
         cache = os.environ["CUDA_TILE_CACHE_DIR"]
         ops = registered_ops()

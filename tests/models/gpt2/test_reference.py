@@ -9,7 +9,7 @@ from tilekit.models.gpt2.weights import random_state_dict
 from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models.gpt2.reference import ReferenceGPT
 
-TINY = Path(__file__).parent / "data" / "tiny-gpt2"
+TINY = Path(__file__).resolve().parents[2] / "data" / "tiny-gpt2"
 
 
 @pytest.fixture(scope="module")

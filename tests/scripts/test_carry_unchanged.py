@@ -15,7 +15,7 @@ import tilekit.kernels  # noqa: F401  (declares the ops)
 from tilekit.autotune.registry import registered_ops
 from tilekit.device import toolchain
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = {"arch": "sm_90", "name": "NVIDIA H200", "sm_count": 132}
 
 pytest.importorskip("cuda.tile.compilation")

@@ -86,7 +86,7 @@ def test_workers_do_not_rerun_an_unguarded_script(tmp_path):
         'p = dict(dtype="float32", n=1000, exact=0)\n'
         'ok, errors = precompile([(GELU, p, default_config(p))] * 2, "sm_90", workers=2)\n'
         'print("compiled", len(ok), errors)\n')
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "CUDA_TILE_CACHE_DIR": str(tmp_path / "cutile"),
            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)

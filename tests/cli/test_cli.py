@@ -18,7 +18,7 @@ from tilekit.kernels.linear import LINEAR
 from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models.workload import model_problems
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HAS_GPU = gpu_unavailable_reason() is None
 
 

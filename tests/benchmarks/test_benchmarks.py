@@ -21,7 +21,7 @@ from tilekit.models.families import family_of_config
 from tilekit.models.gpt2.config import PRESETS, GPTConfig
 from tilekit.models.llama.config import LlamaConfig, RopeScaling
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- arguments ----------------------------------------------------------------------------------
@@ -895,7 +895,13 @@ def _gpu_reason():
 
 
 GPU_REASON = _gpu_reason()
-gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"GPU smoke test: {GPU_REASON}")
+
+
+def gpu(test):
+    """A GPU smoke test: marked `gpu`, and skipped without a GPU and PyTorch."""
+    return pytest.mark.gpu(pytest.mark.skipif(GPU_REASON is not None, reason=f"GPU smoke test: {GPU_REASON}")(test))
+
+
 CALIB = {"copy_bandwidth_gbs": 3000.0, "matmul_peak_tflops": 800.0}
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=1000, block_size=512)
 TINY_LLAMA = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, intermediate_size=512, vocab_size=1000,

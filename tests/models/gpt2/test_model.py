@@ -5,14 +5,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.gpu.conftest import rel_err
+from tilekit.kernels.checks import rel_err
 
 cupy = pytest.importorskip("cupy")
 
 from tilekit.models import GPT, GPTConfig, ReferenceGPT  # noqa: E402
 from tilekit.models.gpt2.weights import random_state_dict  # noqa: E402
 
-TINY = Path(__file__).resolve().parents[1] / "data" / "tiny-gpt2"
+pytestmark = pytest.mark.gpu
+
+TINY = Path(__file__).resolve().parents[2] / "data" / "tiny-gpt2"
 MODEL_TOL = {"float32": 1e-4, "tf32": 5e-3, "bfloat16": 3e-2}
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.gpu.conftest import assert_close
+from tilekit.kernels.checks import assert_close
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -18,7 +18,9 @@ import tilekit  # noqa: E402
 from benchmarks.model import build_hf, hf_config, nudged  # noqa: E402
 from tilekit.models import GPTConfig, LlamaConfig  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+pytestmark = pytest.mark.gpu
+
+DATA = Path(__file__).resolve().parent / "data"
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 NEW_TOKENS = 16
 GPT2_SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=128, vocab_size=1031, block_size=256)

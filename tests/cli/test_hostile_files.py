@@ -21,7 +21,7 @@ from tilekit.autotune import store
 from tilekit.autotune.db import MAX_FILE_BYTES, TuningDB
 from tilekit.kernels.linear import LINEAR
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = next(iter(LINEAR.space))
 
 

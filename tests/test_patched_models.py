@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import tilekit  # noqa: E402
-from benchmarks.model import build_hf, hf_config, nudged  # noqa: E402
+from benchmarks.suites.model import build_hf, hf_config, nudged  # noqa: E402
 from tilekit.models import GPTConfig, LlamaConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -42,8 +42,8 @@ def fixture(name: str, dtype: str):
 
 
 def synthetic(config, dtype: str, **overrides):
-    """A random HF model of a tilekit GPTConfig or LlamaConfig (benchmarks.model's HF configs), `overrides` set
-    on its HF config, biases and norm weights moved off 0 and 1 (benchmarks.model.nudged)."""
+    """A random HF model of a tilekit GPTConfig or LlamaConfig (benchmarks.suites.model's HF configs), `overrides` set
+    on its HF config, biases and norm weights moved off 0 and 1 (benchmarks.suites.model.nudged)."""
     llama = isinstance(config, LlamaConfig)
     hf = hf_config(config, "sdpa")
     for key, value in overrides.items():

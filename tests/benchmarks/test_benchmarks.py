@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import checks, cli, kernels, markdown, model, overhead, plots, report, system, timing, tuning
-from benchmarks import tuning_stats
-from benchmarks.report import Row
+from benchmarks import cli
+from benchmarks.harness import checks, markdown, plots, report, system, timing
+from benchmarks.suites import kernels, model, overhead, tuning
+from benchmarks.studies import tuning_stats
+from benchmarks.harness.report import Row
 from tilekit.models.gpt2 import weights as checkpoint
 from tilekit.models.llama import weights as llama_checkpoint
 from tilekit.models.families import family_of_config
@@ -60,8 +62,8 @@ def test_help_runs_without_gpu_libraries():
     out = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--quick" in out.stdout and "--only" in out.stdout
-    probe = ("import sys, benchmarks.cli, benchmarks.__main__, benchmarks.markdown, benchmarks.plots, "
-             "benchmarks.tuning_stats; "
+    probe = ("import sys, benchmarks.cli, benchmarks.__main__, benchmarks.harness.markdown, benchmarks.harness.plots, "
+             "benchmarks.studies.tuning_stats; "
              "print(sorted(m for m in ('cupy', 'torch', 'transformers') if m in sys.modules))")
     imported = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
                               timeout=60)
@@ -301,7 +303,7 @@ def test_kernel_rows_say_where_tilekit_configs_came_from(monkeypatch):
 def test_space_ab_cases_and_axes():
     """space_ab tunes the suite's matmul and attention cases under the keys tilekit runs, groups the
     tuner's timings by an axis value, and refuses an --axis that names no op or no axis of it."""
-    from benchmarks import space_ab
+    from benchmarks.studies import space_ab
     from tilekit.autotune.registry import registered_ops
     ops = registered_ops()
     head = space_ab.op_problem(kernels.Case("linear", ("gpt2", "lm_head", 8192, 768, 50257)))
@@ -737,7 +739,7 @@ def test_first_call_time_resets_plans_before_each_call(monkeypatch):
 
 
 def test_overhead_standalone_imports_the_given_checkout(tmp_path, monkeypatch, capsys):
-    """`python -m benchmarks.overhead --tilekit DIR` puts DIR first on sys.path and writes overhead.json."""
+    """`python -m benchmarks.suites.overhead --tilekit DIR` puts DIR first on sys.path and writes overhead.json."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setattr(system, "gpu_identity", lambda: dict(META["gpu"]))
     monkeypatch.setattr(system, "versions", lambda: dict(META["versions"]))
@@ -758,7 +760,7 @@ def test_overhead_standalone_imports_the_given_checkout(tmp_path, monkeypatch, c
     assert doc["rows"][0]["tilekit_ms"] == 0.04
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("1/1 rows measured")
     text = markdown.render(doc)
-    assert "`python -m benchmarks.overhead --tilekit" in text and "at abc123" in text
+    assert "`python -m benchmarks.suites.overhead --tilekit" in text and "at abc123" in text
     assert "| linear torch | 40.0 | 36.0 / 44.0 | torch.addmm | 5.0 |" in text
 
 

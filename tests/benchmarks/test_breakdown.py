@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.breakdown import (format_prefill_table, format_table, kernel_rows, min_bytes, min_flops, short_key,
+from benchmarks.studies.breakdown import (format_prefill_table, format_table, kernel_rows, min_bytes, min_flops, short_key,
                                   summarize)
 from tilekit.kernels.attention import ATTENTION
 from tilekit.kernels.decode_attention import DECODE_ATTENTION

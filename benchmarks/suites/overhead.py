@@ -1,7 +1,7 @@
 """Host cost of eager tilekit calls, GPU work excluded: `python -m benchmarks --only overhead`, or on
 its own against any tilekit checkout with the same public functions (before / after a change):
 
-    python -m benchmarks.overhead [--tilekit CHECKOUT] [--out DIR] [--calls N]
+    python -m benchmarks.suites.overhead [--tilekit CHECKOUT] [--out DIR] [--calls N]
 
 imports tilekit from CHECKOUT (default: whichever is importable) and writes DIR/overhead.json.
 Rows: linear, layer_norm and attention on tiny problems, with torch tensors and with CuPy arrays,
@@ -25,9 +25,9 @@ from typing import Callable
 import cuda.tile as ct
 import numpy as np
 
-from benchmarks import checks, report, system, timing
-from benchmarks.cli import Log
-from benchmarks.report import Row, fill_times, short_error
+from benchmarks.harness import checks, report, system, timing
+from benchmarks.harness.log import Log
+from benchmarks.harness.report import Row, fill_times, short_error
 
 CALLS = 1000
 FIRST_CALL_REPS = 20
@@ -174,7 +174,7 @@ def tilekit_source() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.overhead",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.suites.overhead",
                                  description="host time per eager tilekit call; writes DIR/overhead.json")
     ap.add_argument("--tilekit", type=Path, metavar="CHECKOUT", help="import tilekit from this checkout")
     ap.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR")

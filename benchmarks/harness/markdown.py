@@ -1,4 +1,4 @@
-"""Markdown for the README from a results.json: `python -m benchmarks.markdown RESULTS_JSON [--suite S]`.
+"""Markdown for the README from a results.json: `python -m benchmarks.harness.markdown RESULTS_JSON [--suite S]`.
 
 The run's header line (GPU, date, command, versions, rooflines), then one table per suite, each
 case's rows strongest anchor first.
@@ -11,9 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.report import SUITES, strongest_first
+from benchmarks.harness.report import SUITES, strongest_first
 
-SOURCES_PREFIX = "tuned side's configs: "     # how a tuning row's note starts (benchmarks.tuning)
+SOURCES_PREFIX = "tuned side's configs: "     # how a tuning row's note starts (benchmarks.suites.tuning)
 
 
 def _fmt(value, spec: str) -> str:
@@ -29,7 +29,7 @@ def command(meta: dict) -> str:
             argv[:1] = []
         elif not arg.startswith("--out="):
             kept.append(arg)
-    prog = "python -m benchmarks.overhead" if meta.get("mode") == "overhead" else "python -m benchmarks"
+    prog = "python -m benchmarks.suites.overhead" if meta.get("mode") == "overhead" else "python -m benchmarks"
     return " ".join([prog] + kept)
 
 
@@ -118,7 +118,7 @@ def render(results: dict, suite: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.markdown",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.harness.markdown",
                                  description="a README table from a benchmark results.json")
     ap.add_argument("results", type=Path)
     ap.add_argument("--suite", choices=SUITES, help="only this suite's rows")

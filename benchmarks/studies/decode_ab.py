@@ -2,7 +2,7 @@
 (bf16, a 128-token prompt and 128 new tokens, dependent launch as configured) of copies of the model
 sharing its weights, replays interleaved, so that no process-level effect separates them.
 
-    python -m benchmarks.decode_ab --model gpt2 --model gpt2-xl --batch 1 --batch 8 [--out DIR]
+    python -m benchmarks.studies.decode_ab --model gpt2 --model gpt2-xl --batch 1 --batch 8 [--out DIR]
 
 Variants: `fixed` (this tree: the fixed-point residual stream, both output projections split over K
 by residual_linear) and `model-dtype` (fixed_point_rows = 0: the residual stream in bf16 and every
@@ -16,7 +16,7 @@ import copy
 import json
 import sys
 
-from benchmarks.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_parser, replay_ms
+from benchmarks.studies.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_parser, replay_ms
 
 
 VARIANTS = {"model-dtype": dict(fixed_point_rows=0), "fixed": {}}    # name -> the GPT attributes it sets
@@ -26,8 +26,8 @@ def run(preset: str, weights, batch: int, copy_gbs: float, rounds: int = 5, reps
     """The variants of `weights` (a GPT of `preset`) at `batch`, replays interleaved over `rounds`."""
     import numpy as np
 
-    from benchmarks.model import model_config
-    from benchmarks.report import decode_floor_ms
+    from benchmarks.suites.model import model_config
+    from benchmarks.harness.report import decode_floor_ms
     gens, tokens = {}, {}
     for name, attrs in VARIANTS.items():
         model = copy.copy(weights)          # the same weight arrays, a runtime (graphs, buffers) of its own
@@ -59,7 +59,7 @@ def run(preset: str, weights, batch: int, copy_gbs: float, rounds: int = 5, reps
 
 def main(argv: list[str] | None = None) -> int:
     args = model_batch_parser("decode_ab", __doc__).parse_args(argv)
-    from benchmarks.timing import copy_bandwidth
+    from benchmarks.harness.timing import copy_bandwidth
     copy_gbs = copy_bandwidth()["gbs"]
     print(f"copy bandwidth {copy_gbs:.0f} GB/s")
     results = []

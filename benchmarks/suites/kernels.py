@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from benchmarks import checks, timing
-from benchmarks.report import Row, fill_times, mark_error, short_error
+from benchmarks.harness import checks, timing
+from benchmarks.harness.report import Row, fill_times, mark_error, short_error
 from tilekit.autotune.op import autotune_mode, recording
 
 M_TOKENS = 8192

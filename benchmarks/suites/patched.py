@@ -1,11 +1,11 @@
 """Hugging Face generate on tilekit.patch: the same HF model with random weights, unpatched (sdpa) and patched.
 
-    python -m benchmarks.patched [--model llama-3.2-1b] [--model gpt2] [--out DIR]
+    python -m benchmarks.suites.patched [--model llama-3.2-1b] [--model gpt2] [--out DIR]
 
 Per model (bf16, batch 1, a 128-token random prompt, 128 greedy new tokens, dynamic cache): the first
-generated position's logits of both sides must agree within benchmarks.checks.MODEL_TOLERANCE (else
+generated position's logits of both sides must agree within benchmarks.harness.checks.MODEL_TOLERANCE (else
 the exit status is 1); how many leading greedy tokens agree is reported (random bf16 weights may flip
-near-ties); each side's generate is timed as benchmarks.timing.wall_time does (one warm-up, median of 3).
+near-ties); each side's generate is timed as benchmarks.harness.timing.wall_time does (one warm-up, median of 3).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import checks, timing
-from benchmarks.model import NEW_TOKENS, PROMPT, Anchors, build_hf, model_config
+from benchmarks.harness import checks, timing
+from benchmarks.suites.model import NEW_TOKENS, PROMPT, Anchors, build_hf, model_config
 
 DTYPE = "bfloat16"
 
@@ -64,7 +64,7 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.patched", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.suites.patched", description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="append", help="GPT-2 or Llama preset (repeatable; default llama-3.2-1b "
                                                      "and gpt2)")
     ap.add_argument("--out", type=Path, help="write patched.json here")

@@ -3,8 +3,8 @@ step, with its GPU time (CUPTI, through torch.profiler), the bytes it must move 
 measured copy bandwidth; or, with --prefill T, every kernel of one full-logits forward() of batch x T
 tokens, grouped by problem, with its matrix FLOPs and share of the measured dense bf16 peak.
 
-    python -m benchmarks.breakdown --model gpt2-xl --batch 1 [--out DIR]
-    python -m benchmarks.breakdown --model gpt2-xl --batch 8 --prefill 1024 [--out DIR]
+    python -m benchmarks.studies.breakdown --model gpt2-xl --batch 1 [--out DIR]
+    python -m benchmarks.studies.breakdown --model gpt2-xl --batch 8 --prefill 1024 [--out DIR]
 
 The kernels come from the profiler in launch order; the problem each one ran comes from recording
 the same step's op calls (tilekit.autotune.op.recording), so every row names its op and shape.
@@ -55,7 +55,7 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
 
 def min_flops(op_name: str, p: dict) -> float:
     """Matrix-multiply FLOPs of one call (2 per multiply-add); causal attention counts the visible half,
-    as benchmarks.report.prefill_flops does."""
+    as benchmarks.harness.report.prefill_flops does."""
     if op_name in ("linear", "residual_linear"):
         return 2.0 * p["M"] * p["N"] * p["K"]
     if op_name == "swiglu_linear":
@@ -249,7 +249,7 @@ def profile_forward(model, ids, calls: list, bandwidth_gbs: float, reps: int = 3
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.timing import measure
+    from benchmarks.harness.timing import measure
     model.forget_graphs()
     for _ in range(2):                       # capture, then one replay
         model(ids)
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--prefill must be at least 1, got {args.prefill}")
     import traceback
 
-    from benchmarks.timing import copy_bandwidth, matmul_peak_tflops
+    from benchmarks.harness.timing import copy_bandwidth, matmul_peak_tflops
     bandwidth = copy_bandwidth()["gbs"]
     peak = matmul_peak_tflops() if args.prefill else None
     results, failed = [], 0

@@ -1,7 +1,7 @@
 """Which launches should be dependent: the replayed decode step (batch 1) with programmatic dependent
 launch on for all kernels, off for all, off for one kernel at a time, and on for one at a time.
 
-    python -m benchmarks.launch_variants OUT.json PRESET [PRESET ...]
+    python -m benchmarks.studies.launch_variants OUT.json PRESET [PRESET ...]
 
 Produced docs/results/dependent-launch-variants-h200.txt (its VAR lines); an experiment, not a suite.
 """
@@ -9,7 +9,7 @@ Produced docs/results/dependent-launch-variants-h200.txt (its VAR lines); an exp
 import json
 import sys
 
-from benchmarks.breakdown import _decode_generation, decode_model, replay_ms
+from benchmarks.studies.breakdown import _decode_generation, decode_model, replay_ms
 from tilekit.autotune import op
 
 real = op.ct_launch

@@ -3,7 +3,7 @@ are tuned over their op's whole space (winners go to the user database, so a ker
 this one measures tuned kernels), and for each named axis the best time the tuner measured with each
 of its values is printed side by side (the tuner's timer: L2 flushed, cuTile's exhaustive_search).
 
-    python -m benchmarks.space_ab [--axis attention:LONGEST_FIRST] [--axis linear:PERSISTENT] [--full]
+    python -m benchmarks.studies.space_ab [--axis attention:LONGEST_FIRST] [--axis linear:PERSISTENT] [--full]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.kernels import Case, describe, plan
+from benchmarks.suites.kernels import Case, describe, plan
 
 DEFAULT_AXES = ("attention:LONGEST_FIRST",)
 

@@ -5,7 +5,7 @@ the GPU, its biases and LayerNorm / RMSNorm weights nudged off 0 / 1 so the chec
 state dict (float32, under the family's names: without the prefix its HF class adds (GPT-2's "transformer."),
 the buffers and a tied lm_head) builds tilekit's model of the family, so both hold identical weights.
 Anchors, all on those weights: prefill: HF sdpa / eager and torch.compile(mode="reduce-overhead") of
-the HF forward; decode: the gpt-fast-style step (benchmarks.gptfast), HF generate with a static cache
+the HF forward; decode: the gpt-fast-style step (benchmarks.suites.gptfast), HF generate with a static cache
 (compiled) and with the dynamic cache.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks import checks, timing
-from benchmarks.report import Row, decode_floor_ms, fill_times, mark_error, prefill_flops
+from benchmarks.harness import checks, timing
+from benchmarks.harness.report import Row, decode_floor_ms, fill_times, mark_error, prefill_flops
 
 PROMPT, NEW_TOKENS = 128, 128
 FP32_NEW_TOKENS = 16
@@ -208,7 +208,7 @@ class Anchors:
     def decode(self, name: str, batch: int, new: int):
         """callable(prompt, check) -> (tokens (B, PROMPT + new), logits (B, V) of the first new token or None)."""
         if name.startswith("gpt-fast"):
-            from benchmarks.gptfast import decoder_for
+            from benchmarks.suites.gptfast import decoder_for
             decoder = decoder_for(self.models["sdpa"], batch, PROMPT + new, compile=name == "gpt-fast step")
             return lambda prompt, check=False: decoder.generate(prompt, new)
         model = self.hf("sdpa" if name == "HF static" else name.removeprefix("HF "))

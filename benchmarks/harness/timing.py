@@ -16,7 +16,7 @@ import importlib.util
 import sys
 import time
 
-from benchmarks.report import short_error
+from benchmarks.harness.report import short_error
 
 import numpy as np
 
@@ -62,7 +62,7 @@ def _check_streams(stream) -> None:
         handle = torch.cuda.current_stream().cuda_stream
         if handle != stream.ptr:
             raise RuntimeError(f"torch's current stream ({handle:#x}) is not CuPy's ({stream.ptr:#x}); "
-                               "run inside benchmarks.timing.shared_stream()")
+                               "run inside benchmarks.harness.timing.shared_stream()")
 
 
 def flush_buffer():

@@ -1,6 +1,6 @@
 """Why tuning matters: how much faster each tuned config is than the heuristic default it replaced.
 
-    python -m benchmarks.tuning_stats [TUNING_FILE ...]     (default: every tuning_db/*/*.json)
+    python -m benchmarks.studies.tuning_stats [TUNING_FILE ...]     (default: every tuning_db/*/*.json)
 
 prints a markdown table of default_time_us / time_us (both measured in the same tuning run) over all
 tuned entries of each file, and per op: count, how many changed the config, worst (least), quartiles,
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-SHIPPED = Path(__file__).resolve().parents[1] / "tuning_db"
+SHIPPED = Path(__file__).resolve().parents[2] / "tuning_db"
 
 
 def speedup(entry: dict) -> float | None:
@@ -52,7 +52,7 @@ def table(paths: list[Path]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.tuning_stats",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.studies.tuning_stats",
                                  description="default / tuned kernel time over every entry of tuning files")
     ap.add_argument("files", nargs="*", type=Path, help="tuning files (default: every tuning_db/*/*.json)")
     args = ap.parse_args(argv)

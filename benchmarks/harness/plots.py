@@ -1,6 +1,6 @@
 """PNG charts drawn from a results.json, so a chart always shows the rows of the table beside it.
 
-    python -m benchmarks.plots RESULTS_JSON [--suite S] [--out DIR]
+    python -m benchmarks.harness.plots RESULTS_JSON [--suite S] [--out DIR]
 
 writes DIR/<stem>[-<suite>]-ratio.png (anchor/tilekit per row, line at 1) and -roofline.png (achieved
 TFLOP/s and GB/s, tilekit beside the case's strongest anchor, against the measured rooflines).
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.report import SUITES, strongest_first
+from benchmarks.harness.report import SUITES, strongest_first
 
 
 def available() -> bool:
@@ -105,7 +105,7 @@ def write_all(results_json: Path, out_dir: Path, prefix: str = "", suite: str | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.plots", description="charts from a results.json")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.harness.plots", description="charts from a results.json")
     ap.add_argument("results", type=Path)
     ap.add_argument("--suite", choices=SUITES, help="only this suite's rows")
     ap.add_argument("--out", type=Path, help="output directory (default: the JSON's)")

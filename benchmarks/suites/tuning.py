@@ -14,10 +14,10 @@ from collections import Counter
 
 import numpy as np
 
-from benchmarks import checks, timing
-from benchmarks.markdown import SOURCES_PREFIX
-from benchmarks.model import NEW_TOKENS, PROMPT, _per_token, decode_label, prefill_label
-from benchmarks.report import Row, fill_times, mark_error, prefill_flops
+from benchmarks.harness import checks, timing
+from benchmarks.harness.markdown import SOURCES_PREFIX
+from benchmarks.suites.model import NEW_TOKENS, PROMPT, _per_token, decode_label, prefill_label
+from benchmarks.harness.report import Row, fill_times, mark_error, prefill_flops
 
 UNTUNED = "AUTOTUNE=off"
 

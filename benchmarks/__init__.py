@@ -1,4 +1,6 @@
-"""tilekit benchmarks: kernels and the GPT-2 model against torch, CuPy and Hugging Face.
+"""tilekit benchmarks: kernels and models against torch, CuPy and Hugging Face.
 
-Run ``python -m benchmarks --help``; see benchmarks/README.md for what is measured and how.
+harness/ (timing, system facts, checks, reports, plots), suites/ (what `python -m benchmarks` runs: kernels,
+model, tuning, overhead; and the patched-model benchmark), studies/ (breakdowns and A/B experiments). Run
+``python -m benchmarks --help``; see benchmarks/README.md for what is measured and how.
 """

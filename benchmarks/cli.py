@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import report
+from benchmarks.harness import report
+from benchmarks.harness.log import Log
 
 DEFAULT_OUT = Path("bench-results")
 
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.model:
-        from benchmarks.model import plan
+        from benchmarks.suites.model import plan
         known = sorted({p.preset for p in plan(args.mode)})
         unknown = sorted(set(args.model) - set(known))
         if unknown:
@@ -48,19 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class Log:
-    """Timestamped progress lines on stderr."""
-
-    def __init__(self, stream=None):
-        self.t0 = time.perf_counter()
-        self.stream = stream if stream is not None else sys.stderr
-
-    def __call__(self, msg: str) -> None:
-        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", file=self.stream, flush=True)
-
-
 def calibrate(log) -> dict:
-    from benchmarks import timing
+    from benchmarks.harness import timing
     log("calibrating: device-to-device copy bandwidth")
     copy = timing.copy_bandwidth()
     log(f"    copy {copy['gbs']:.0f} GB/s (memcpy {copy['memcpy_gbs']:.0f}, kernel {copy['kernel_gbs']:.0f})")
@@ -95,7 +85,7 @@ def write_outputs(out: Path, meta: dict, rows: list, plots: bool, log) -> str:
     table = report.format_table(rows, meta)
     (out / "summary.txt").write_text(table + "\n")
     if plots:
-        from benchmarks import plots as charts
+        from benchmarks.harness import plots as charts
         if charts.available():
             try:
                 for path in charts.write_all(out / "results.json", out):
@@ -116,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"benchmarks need a CUDA GPU with PyTorch: {problem}", file=sys.stderr)
         return 2
-    from benchmarks import kernels, model, overhead, system, timing, tuning
+    from benchmarks.harness import system, timing
+    from benchmarks.suites import kernels, model, overhead, tuning
     meta = system.environment(args.mode, argv)
     log(f"{meta['gpu']['name']} ({meta['gpu']['sm_count']} SMs), mode {args.mode}, out {args.out}")
     rows: list = []

@@ -10,9 +10,9 @@ if [ -d .baseline/tilekit ]; then    # run from inside it: `python -m` puts the 
         --out "$out/overhead-baseline" > "$out/overhead-baseline.txt" 2>&1)
 fi
 python3 -m benchmarks --only overhead --no-plots --out "$out/overhead" > "$out/overhead.txt" 2>&1
-python3 -m benchmarks.breakdown --out "$out" > "$out/breakdown.txt" 2>&1
+python3 -m benchmarks.studies.breakdown --out "$out" > "$out/breakdown.txt" 2>&1
 # The kernel suite's cases tuned first (its plain matmuls are keys no model tunes), into the user database it reads.
-python3 -m benchmarks.space_ab --axis linear:PERSISTENT --axis attention:LONGEST_FIRST > "$out/space-ab.txt" 2>&1
+python3 -m benchmarks.studies.space_ab --axis linear:PERSISTENT --axis attention:LONGEST_FIRST > "$out/space-ab.txt" 2>&1
 python3 -m benchmarks --quick --out "$out/bench" 2> "$out/bench.log"
 status=$?
 tail -n 25 "$out/breakdown.txt"; tail -n 30 "$out/overhead.txt"; tail -n 30 "$out/overhead-baseline.txt" 2>/dev/null

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a GPU host: decode-step variants of this tree compared inside one process (benchmarks.decode_ab: the
+# On a GPU host: decode-step variants of this tree compared inside one process (benchmarks.studies.decode_ab: the
 # fixed-point residual against the model-dtype residual), replays interleaved.
 # Tune first into the same TILEKIT_CACHE_DIR (scripts/gpu-tune.sh), or the new ops run their default configs.
 #   source .gpu/setup.sh && scripts/gpu-tune.sh gpt2 gpt2-xl && scripts/gpu-decode-ab.sh gpt2 gpt2-xl
@@ -12,4 +12,4 @@ models=()
 for m in "${@:-gpt2}"; do models+=(--model "$m"); done
 batches=()
 for b in ${BATCHES:-1 8}; do batches+=(--batch "$b"); done
-python3 -m benchmarks.decode_ab "${models[@]}" "${batches[@]}" --out "$out" 2>&1 | grep -v -i warn | tee "$out/decode-ab.txt"
+python3 -m benchmarks.studies.decode_ab "${models[@]}" "${batches[@]}" --out "$out" 2>&1 | grep -v -i warn | tee "$out/decode-ab.txt"

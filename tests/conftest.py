@@ -1,8 +1,21 @@
-"""Shared test setup: every test gets its own empty user tuning cache."""
+"""Shared test setup: every test gets its own empty user tuning cache, and tests marked `gpu` skip with the
+reason where no usable CUDA GPU is present."""
 
 import pytest
 
 from tilekit.autotune import store
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    from tilekit.device import gpu_unavailable_reason
+    reason = gpu_unavailable_reason()
+    if reason:
+        skip = pytest.mark.skip(reason=f"GPU test: {reason}")
+        for item in gpu_items:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """tilekit.patch / unpatch without a GPU: importing them imports neither torch nor transformers, anything but a
 transformers GPT-2 or Llama is refused naming its type, and a model on the CPU is refused, unchanged, with every
-problem named (tests/gpu/test_patched_models.py runs patched models)."""
+problem named (tests/test_patched_models.py runs patched models on a GPU)."""
 
 import subprocess
 import sys
@@ -49,8 +49,8 @@ def test_a_cpu_model_in_training_mode_is_refused_unchanged():
 
 
 def test_benchmark_help_and_table_need_no_gpu():
-    from benchmarks.patched import table
-    out = subprocess.run([sys.executable, "-m", "benchmarks.patched", "--help"], capture_output=True, text=True,
+    from benchmarks.suites.patched import table
+    out = subprocess.run([sys.executable, "-m", "benchmarks.suites.patched", "--help"], capture_output=True, text=True,
                          check=True)
     assert "--model" in out.stdout and "--out" in out.stdout
     row = {"model": "llama-3.2-1b", "hf_ms_per_token": 8.5, "tilekit_ms_per_token": 6.25, "speedup": 1.36,

@@ -54,23 +54,14 @@ def _dtype(text: str) -> str:
 
 
 def _config_for(model: str):
-    """A preset name (GPT-2 or Llama) or a checkpoint / config.json -> GPTConfig or LlamaConfig."""
-    from tilekit.models.checkpoint import CONFIG_NAME, WEIGHTS_NAME, resolve_checkpoint
-    from tilekit.models.config import PRESETS, GPTConfig, read_json
-    from tilekit.models.llama_checkpoint import INDEX_NAME
-    from tilekit.models.llama_config import LLAMA_PRESETS, LlamaConfig
-    if model in PRESETS:
-        return GPTConfig.preset(model)
-    if model in LLAMA_PRESETS:
-        return LlamaConfig.preset(model)
-    path = Path(model)
+    """A preset name (of any family) or a checkpoint / config.json -> the config of its family."""
+    from tilekit.models import families
+    if model in families.preset_names():
+        return families.preset_config(model)
     try:
-        if not (path.is_file() and path.name.endswith(".json")):
-            path = resolve_checkpoint(model, (WEIGHTS_NAME, INDEX_NAME), ("openai-community", "meta-llama")) / CONFIG_NAME
-        data = read_json(path, "model config")
-        return LlamaConfig.from_hf_dict(data) if data.get("model_type") == "llama" else GPTConfig.from_hf_dict(data)
+        return families.config_from_path(model)
     except (FileNotFoundError, ValueError) as e:
-        raise UsageError(f"--model {model!r} is neither a preset ({', '.join([*PRESETS, *LLAMA_PRESETS])}) nor a "
+        raise UsageError(f"--model {model!r} is neither a preset ({', '.join(families.preset_names())}) nor a "
                          f"usable checkpoint or config.json: {e}")
 
 
@@ -564,9 +555,9 @@ def cmd_generate(args) -> int:
     reason = gpu_unavailable_reason()
     if reason:   # before loading any weights
         raise UsageError(f"generate needs a GPU: {reason}")
-    from tilekit.models import GPT
+    from tilekit.models import load_model
     try:
-        model = GPT.from_pretrained(args.model, dtype=args.dtype)
+        model = load_model(args.model, dtype=args.dtype)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e))
     print(args.prompt, end="", flush=True)
@@ -587,7 +578,8 @@ def _arch(text: str) -> str:
 
 def _model_args(p, default_model=None):
     p.add_argument("--model", default=default_model,
-                   help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a checkpoint directory / HF cache name")
+                   help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-3.2-1b, ...), or a checkpoint "
+                        "directory / config.json / HF cache name")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 8], help="comma-separated (default 1,8)")
     p.add_argument("--seq-lens", type=_int_list, default=[128, 1024], help="comma-separated (default 128,1024)")
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")

@@ -1,9 +1,12 @@
-"""tilekit.patch(model) / tilekit.unpatch(model): a Hugging Face GPT-2 or Llama causal LM on tilekit's kernels.
+"""tilekit.patch(model) / tilekit.unpatch(model): a Hugging Face causal LM of a family tilekit runs (GPT-2,
+Llama) on tilekit's kernels.
 
 patch swaps the forward of every norm, projection and MLP for a tilekit op on the same torch tensors
 (no copies) and switches the model to a "tilekit" attention function, so `model(...)` and
 `model.generate(...)` run on tilekit kernels; embeddings, RoPE and the KV cache stay Hugging Face's.
-unpatch restores the model exactly. Nothing here imports torch or transformers until patch is called.
+unpatch restores the model exactly. Which transformers class each family patches, and its rules (what it
+refuses, which forwards it swaps), come from the families table (tilekit.models.families) and the family's
+patch.py. Nothing here imports torch or transformers until patch is called.
 """
 
 from __future__ import annotations
@@ -18,13 +21,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+from tilekit.models.families import FAMILIES, Family
+
 ATTENTION = "tilekit"                 # the name of tilekit's attention function in transformers' registries
 STATE = "_tilekit_patch"              # the model attribute holding what unpatch restores
-GPT2 = "transformers.models.gpt2.modeling_gpt2"
-LLAMA = "transformers.models.llama.modeling_llama"
-FAMILIES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
 DTYPES = ("bfloat16", "float16", "float32")
-GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")     # the GELU linear's epilogue computes
 
 
 @dataclass
@@ -53,11 +54,11 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     anything changed. Outputs carry no gradient. The first call with each new shape (for example
     each new key length of a dynamic cache) builds a launch plan; later calls reuse it.
     """
-    family = _family(model)
+    family, modeling = _family(model)
     if vars(model).get(STATE) is not None:
         raise ValueError(f"this {type(model).__name__} is already patched (tilekit.unpatch(model) undoes it)")
-    forwards = _forwards(family)
-    problems = _problems(model, family, forwards)
+    forwards = _forwards(family, modeling)
+    problems = _problems(model, family, modeling, forwards)
     if problems:
         raise ValueError(f"tilekit.patch cannot patch this {type(model).__name__}: " + "; ".join(problems))
     _register_attention()
@@ -94,19 +95,19 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _family(model) -> types.ModuleType:
-    """The transformers modeling module of a model patch supports (none is imported here: a model of one
-    has imported it already), else TypeError naming what `model` is."""
-    for name, cls in FAMILIES.items():
-        module = sys.modules.get(name)
-        if module is not None and isinstance(model, getattr(module, cls)):
-            return module
+def _family(model) -> tuple[Family, types.ModuleType]:
+    """(family, its transformers modeling module) of a model patch supports (no modeling module is imported
+    here: a model of one has imported it already), else TypeError naming what `model` is."""
+    for family in FAMILIES.values():
+        modeling = sys.modules.get(family.hf_module)
+        if modeling is not None and isinstance(model, getattr(modeling, family.hf_class)):
+            return family, modeling
     kind = type(model)
-    raise TypeError(f"expected a transformers GPT2LMHeadModel or LlamaForCausalLM, got "
+    raise TypeError(f"expected a transformers {' or '.join(f.hf_class for f in FAMILIES.values())}, got "
                     f"{kind.__module__}.{kind.__qualname__}")
 
 
-def _problems(model, family: types.ModuleType, forwards: dict) -> list[str]:
+def _problems(model, family: Family, modeling: types.ModuleType, forwards: dict) -> list[str]:
     """Everything that stops patch, each naming what is unsupported (empty: patch may go ahead)."""
     from tilekit.kernels.attention import MAX_HEAD_DIM
     config, problems = model.config, []
@@ -123,34 +124,20 @@ def _problems(model, family: types.ModuleType, forwards: dict) -> list[str]:
         problems.append(f"its parameters mix dtypes ({first} and {dtypes[odd[0]]}, e.g. {odd[0]})")
     elif first not in DTYPES:
         problems.append(f"dtype {first} (tilekit computes in {', '.join(DTYPES)})")
-    if family.__name__ == GPT2:
-        head_dim = config.n_embd // config.n_head
-        if config.activation_function not in GELU_TANH:
-            problems.append(f"activation_function={config.activation_function!r} (tilekit's linear fuses the tanh "
-                            f"GELU: {' or '.join(GELU_TANH)})")
-        if config.add_cross_attention:
-            problems.append("add_cross_attention=True (cross-attention is not supported)")
-    else:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        if config.hidden_act != "silu":
-            problems.append(f"hidden_act={config.hidden_act!r} (swiglu_linear computes silu)")
-        if config.mlp_bias:
-            problems.append("mlp_bias=True (swiglu_linear has no bias)")
+    problems += family.patch.config_problems(config)
+    head_dim = family.patch.head_dim(config)
     if head_dim > MAX_HEAD_DIM:
         problems.append(f"head_dim {head_dim} (tilekit's attention takes at most {MAX_HEAD_DIM})")
     if not getattr(config, "is_causal", True):
         problems.append("is_causal=False (tilekit's attention is causal)")
-    return problems + _module_problems(model, family, forwards)
+    return problems + _module_problems(model, family, modeling, forwards)
 
 
-def _module_problems(model, family: types.ModuleType, forwards: dict) -> list[str]:
+def _module_problems(model, family: Family, modeling: types.ModuleType, forwards: dict) -> list[str]:
     """Modules patch cannot replace: a forward of their own already (hooks, another patch), a subclass of
     a class it replaces, a LayerNorm without affine parameters, an MLP whose projections are not plain."""
     from torch import nn
-    if family.__name__ == GPT2:
-        plain, mlp, projections = family.Conv1D, family.GPT2MLP, ("c_fc", "c_proj")
-    else:
-        plain, mlp, projections = nn.Linear, family.LlamaMLP, ("gate_proj", "up_proj", "down_proj")
+    mlp, plain, projections = family.patch.mlp(modeling)
     problems = []
     for name, module in model.named_modules():
         name, kind = name or "the model", type(module)
@@ -167,42 +154,13 @@ def _module_problems(model, family: types.ModuleType, forwards: dict) -> list[st
     return problems
 
 
-def _forwards(family: types.ModuleType) -> dict[type, Callable]:
-    """Module class -> the tilekit forward that replaces its own, for GPT-2's or Llama's modeling module."""
+def _forwards(family: Family, modeling: types.ModuleType) -> dict[type, Callable]:
+    """Module class -> the tilekit forward that replaces its own: every nn.Linear's (the LM head's too) on
+    `linear`, and the family's own (its patch.py)."""
     from torch import nn
 
-    from tilekit.kernels import layer_norm, linear, rms_norm, swiglu_linear
-
-    def linear_forward(self, x):                     # nn.Linear: weight [out, in]
-        return linear(_last_contiguous(x), self.weight, self.bias, weight_layout="out_in")
-
-    if family.__name__ == LLAMA:
-        def rms_norm_forward(self, x):
-            return rms_norm(x.contiguous(), self.weight, self.variance_epsilon)
-
-        def swiglu_mlp_forward(self, x):             # silu(x Wg^T) * (x Wu^T) in one kernel, then down_proj
-            h = swiglu_linear(_last_contiguous(x), self.gate_proj.weight, self.up_proj.weight)
-            return linear(h, self.down_proj.weight, weight_layout="out_in")
-
-        return {nn.Linear: linear_forward, family.LlamaRMSNorm: rms_norm_forward, family.LlamaMLP: swiglu_mlp_forward}
-
-    def conv1d_forward(self, x):                     # GPT-2's Conv1D: weight [in, out]
-        return linear(_last_contiguous(x), self.weight, self.bias)
-
-    def layer_norm_forward(self, x):
-        return layer_norm(x.contiguous(), self.weight, self.bias, self.eps)
-
-    def gelu_mlp_forward(self, x):                   # c_fc with the GELU in its epilogue, then c_proj
-        h = linear(_last_contiguous(x), self.c_fc.weight, self.c_fc.bias, activation="gelu")
-        return linear(h, self.c_proj.weight, self.c_proj.bias)
-
-    return {nn.Linear: linear_forward, family.Conv1D: conv1d_forward, nn.LayerNorm: layer_norm_forward,
-            family.GPT2MLP: gelu_mlp_forward}
-
-
-def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """x itself when its last dimension is contiguous (all the matrix ops need), else a contiguous copy."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    from tilekit.models.patching import linear_forward
+    return {nn.Linear: linear_forward, **family.patch.forwards(modeling)}
 
 
 @functools.cache
@@ -214,6 +172,7 @@ def _register_attention() -> None:
     from transformers.masking_utils import sdpa_mask
 
     from tilekit.kernels import attention
+    from tilekit.models.patching import last_contiguous
 
     def tilekit_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         """(B, Tq, H, D) attention of (B, H, Tq, D) queries over (B, Hkv, Tk, D) keys and values, and None."""
@@ -226,7 +185,7 @@ def _register_attention() -> None:
         q_len = query.shape[2]
         if key.shape[2] > q_len > 1:    # an empty static cache's prefill: as sdpa, keep the first q_len keys
             key, value = key[:, :, :q_len], value[:, :, :q_len]
-        out = attention(_last_contiguous(query), _last_contiguous(key), _last_contiguous(value), causal=True,
+        out = attention(last_contiguous(query), last_contiguous(key), last_contiguous(value), causal=True,
                         scale=scaling)
         return out.transpose(1, 2), None
 

@@ -25,8 +25,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 OUT = Path(__file__).resolve().parent / "tiny-gpt2"
 sys.path.insert(0, str(OUT.parents[2]))  # the repository root, so that tilekit imports without installing
 
-from tilekit.models.checkpoint import load_state_dict, random_state_dict  # noqa: E402
-from tilekit.models.config import GPTConfig  # noqa: E402
+from tilekit.models.gpt2.weights import load_state_dict, random_state_dict  # noqa: E402
+from tilekit.models.gpt2.config import GPTConfig  # noqa: E402
 
 # An odd vocabulary, like GPT-2's 50257, so that kernels meet a ragged last tile.
 CONFIG = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=1031, block_size=64)

@@ -35,8 +35,8 @@ from transformers import LlamaForCausalLM
 DATA = Path(__file__).resolve().parent
 sys.path.insert(0, str(DATA.parents[1]))  # the repository root, so that tilekit imports without installing
 
-from tilekit.models.llama_checkpoint import load_state_dict, random_state_dict, save_state_dict  # noqa: E402
-from tilekit.models.llama_config import LlamaConfig, RopeScaling  # noqa: E402
+from tilekit.models.llama.weights import load_state_dict, random_state_dict, save_state_dict  # noqa: E402
+from tilekit.models.llama.config import LlamaConfig, RopeScaling  # noqa: E402
 
 VOCAB = 259  # bytes 0-255, then bos 256 and eos 257, 258
 MODELS = {

@@ -7,10 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tilekit.device import gpu_unavailable_reason
-
-pytestmark = pytest.mark.skipif(gpu_unavailable_reason() is not None,
-                                reason=f"GPU test: {gpu_unavailable_reason()}")
+pytestmark = pytest.mark.gpu
 
 Z_1E4 = 3.719        # the standard normal's upper 1e-4 quantile: each chi-square test's false-alarm rate
 

@@ -36,7 +36,7 @@ from tilekit.device import DeviceInfo, device_info, toolchain
 MODES = ("off", "cached", "auto")
 
 # Kernels launch with programmatic dependent launch (each starts while the previous one finishes; see
-# tilekit.kernels.dependent_launch) unless TILEKIT_DEPENDENT_LAUNCH=0.
+# tilekit.kernels.tiles) unless TILEKIT_DEPENDENT_LAUNCH=0.
 DEPENDENT_LAUNCH = os.environ.get("TILEKIT_DEPENDENT_LAUNCH", "1").strip() != "0"
 
 

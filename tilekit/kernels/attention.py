@@ -19,23 +19,11 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
+from tilekit.kernels.tiles import batch_head, online_softmax_step, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
-
-
-@ct.function
-def online_softmax_step(s, m_i, l_i, acc, v):
-    """Fold one tile of log2-scaled scores s[BM, BN] and values v[BN, D] into (m, l, acc)."""
-    m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
-    m_safe = ct.where(m_new == -math.inf, 0.0, m_new)   # rows with nothing visible yet stay at 0
-    p = ct.exp2(s - m_safe)
-    alpha = ct.exp2(m_i - m_safe)
-    l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
-    acc = ct.mma(p.astype(v.dtype), v, acc * alpha)
-    return m_new, l_i, acc
 
 
 @ct.function
@@ -49,12 +37,6 @@ def prefill_softmax_step(s, m_i, l_i, acc, v, qk_scale):
     l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
     acc = ct.mma(p.astype(v.dtype), v, acc * alpha)
     return m_new, l_i, acc
-
-
-@ct.function
-def batch_head(bh, H):
-    """(batch, head) of a program's flat batch x heads index."""
-    return bh // H, bh % H
 
 
 @ct.kernel

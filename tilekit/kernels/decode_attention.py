@@ -24,9 +24,8 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.attention import (LOG2E, attention_reference, batch_head, check_heads_out, check_qkv,
-                                       heads_out, online_softmax_step, qkv_views)
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
+from tilekit.kernels.attention import LOG2E, attention_reference, check_heads_out, check_qkv, heads_out, qkv_views
+from tilekit.kernels.tiles import batch_head, online_softmax_step, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 MAX_QUERIES = 16

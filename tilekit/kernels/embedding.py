@@ -1,7 +1,7 @@
 """Token (plus position) embedding: out[i] = wte[ids[i]] (+ wpe[positions[i]]), one gather pass.
 
 GPT-2 adds a learned position table; Llama has none (its positions enter through RoPE). out may be
-a fixed-point residual stream (int64, see fixed_point.py), as a GPT-2 decode step keeps it.
+a fixed-point residual stream (int64, see tiles.py), as a GPT-2 decode step keeps it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
-from tilekit.kernels.fixed_point import FIXED_DTYPE, to_fixed
+from tilekit.kernels.tiles import FIXED_DTYPE, sync_with_previous_kernel, to_fixed
 
 
 @ct.kernel
@@ -144,7 +143,7 @@ EMBEDDING = Op(
 def embedding(ids, wte, wpe=None, positions=None, *, out=None):
     """wte[ids] + wpe[positions] -> ids.shape + (C,); positions default to 0..T-1 along the last axis.
     Without a position table (wpe None, as in Llama) just the token rows wte[ids]. `out` has wte's
-    dtype, or is a fixed-point residual (int64, fixed_point.py) that the rows are written to.
+    dtype, or is a fixed-point residual (int64, tiles.py) that the rows are written to.
 
     Ids and positions are device integer arrays; an id outside [0, vocab) yields a zero token row
     (validate on the host before upload where that matters).

@@ -12,23 +12,7 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
-
-SQRT_2_OVER_PI = 0.7978845608028654
-
-
-@ct.function
-def gelu_tanh(x):
-    """0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), on an fp32 tile.
-
-    Written as x / (1 + exp(-2u)), the same function, so that the negative tail keeps its relative
-    accuracy instead of cancelling in 1 + tanh(u). The division is the approximate one (2 ulp): the
-    IEEE one leaves its fast path when exp(-2u) overflows (u < -44, x < -10), and an epilogue with many
-    such values, as the tuner's unscaled random GEMMs make, ran at half speed.
-    """
-    u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
-    return ct.truediv(x, 1.0 + ct.exp(-2.0 * u), flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX)
-
+from tilekit.kernels.tiles import gelu_tanh, sync_with_previous_kernel
 
 @ct.function
 def gelu_erf(x):

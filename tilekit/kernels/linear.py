@@ -18,20 +18,10 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.device import sm_count
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
-from tilekit.kernels.gelu import gelu_reference, gelu_tanh
+from tilekit.kernels.gelu import gelu_reference
+from tilekit.kernels.tiles import gelu_tanh, grouped_tile, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
-
-
-@ct.function
-def grouped_tile(tile, tiles_m, tiles_n, GROUP_M):
-    """(row tile, column tile) of a program in grouped order: GROUP_M row tiles share each column
-    panel of the weights while it sits in L2."""
-    group_width = GROUP_M * tiles_n
-    first_m = (tile // group_width) * GROUP_M
-    group_rows = ct.minimum(tiles_m - first_m, GROUP_M)
-    return first_m + (tile % group_width) % group_rows, (tile % group_width) // group_rows
 
 
 @ct.function

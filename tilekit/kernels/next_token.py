@@ -37,7 +37,7 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
+from tilekit.kernels.tiles import sync_with_previous_kernel
 
 NEG_INF = ct.PaddingMode.NEG_INF
 ZERO = ct.PaddingMode.ZERO
@@ -422,8 +422,10 @@ def _bind(a: list, flags: tuple) -> Binding:
     logits, fparams, iparams, eos, seen, out_counts, tokens, positions, history, finished = a
     slots, check = flags
     arrays.check_dtype(logits, "logits", arrays.FLOAT_DTYPES)
-    if len(logits.shape) != 2 or logits.shape[1] < 1:
-        raise ValueError(f"logits must be 2-D (batch, vocab) with a vocabulary, got shape {logits.shape}")
+    if len(logits.shape) != 2:
+        raise ValueError(f"logits must be 2-D (batch, vocab), got shape {logits.shape}")
+    if logits.shape[1] < 1:
+        raise ValueError(f"logits has no vocabulary to choose from (shape {logits.shape})")
     arrays.check_last_contiguous(logits, "logits")
     B, V = logits.shape
     expected = {"fparams": ("float32", (B, FLOAT_PARAMS)), "iparams": ("int32", (B, INT_PARAMS)),
@@ -581,3 +583,41 @@ def _warp(z: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:
     if min_p > 0:
         z = np.where(np.exp(z - z.max()) >= min_p, z, -np.inf)
     return z
+
+
+def check_next_token(B: int, V: int, dtype: str, draws: int = 20) -> None:
+    """On the GPU: row 0 greedy with penalties and a banned eos must take the reference's argmax; rows 1.. sample
+    (top-k with top-p, top-p alone, min-p) and must stay in their kept sets over `draws` draws."""
+    import cupy
+
+    from tilekit.kernels.checks import host, rand
+    logits, rng = rand((B, V), dtype, 2.0), np.random.default_rng()
+    kinds = [(0.0, 0, 1.0, 0.0), (0.8, 50, 0.95, 0.0), (1.0, 0, 0.5, 0.0), (0.7, 0, 1.0, 0.2)]
+    rows = [kinds[0]] + [kinds[1 + (b - 1) % 3] for b in range(1, B)]
+    params = {"temperature": np.array([r[0] for r in rows]), "top_k": np.array([r[1] for r in rows]),
+              "top_p": np.array([r[2] for r in rows]), "min_p": np.array([r[3] for r in rows]),
+              "repetition_penalty": np.full(B, 1.3), "presence_penalty": np.full(B, 0.2),
+              "frequency_penalty": np.full(B, 0.1)}
+    seen = rng.integers(0, 3, (B, V)).astype(np.int32)
+    out_counts = np.minimum(seen, 1).astype(np.int32)
+    eos = np.array([V // 2, -1], np.int32)
+    fparams, iparams = pack_params(params, np.full(B, draws + 1), rng.integers(0, 1 << 30, B))   # eos always banned
+    kept = next_token_reference(host(logits), seen, out_counts, params, np.ones(B, bool), eos) > -np.inf
+    history = cupy.full((B, draws + 1), -1, cupy.int32)
+    for step in range(draws):
+        tokens, finished = cupy.full(B, -1, cupy.int32), cupy.zeros(B, cupy.int32)
+        positions = cupy.full(B, step, cupy.int32)
+        next_token(logits, cupy.asarray(fparams), cupy.asarray(iparams), cupy.asarray(eos), tokens, positions,
+                   history, finished, seen=cupy.asarray(seen), out_counts=cupy.asarray(out_counts),
+                   slots=candidate_slots(params["top_k"][1:]), check=True)
+    drawn = host(history)[:, 1:]
+    assert (drawn[0] == np.argmax(kept[0])).all(), "the greedy row is not the argmax of its penalised logits"
+    for b in range(1, B):
+        assert kept[b][drawn[b]].all(), f"row {b} ({rows[b]}) drew tokens outside its kept set"
+
+
+if __name__ == "__main__":
+    from tilekit.kernels.next_token import check_next_token  # the package's op, not this script's copy
+    for B, V, dtype in [(4, 50257, "bfloat16"), (7, 1031, "float32"), (3, 128256, "bfloat16")]:
+        check_next_token(B, V, dtype)
+        print(f"next_token B{B} V{V} {dtype}: ok (greedy argmax exact, samples within their kept sets)")

@@ -4,7 +4,7 @@ A decode step's attention output projection and MLP down projection make a few r
 of megabytes, with too few column tiles to keep every SM streaming weights (gpt2-xl's 1600 output
 columns are 25 tiles of 64). Here SPLIT_K programs share each output tile, each multiplying its
 slice of K and adding its partial sum into the residual with an integer atomic add
-(fixed_point.py): no reduction step, no arrival counter, and the same bits in any order.
+(tiles.py): no reduction step, no arrival counter, and the same bits in any order.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.dependent_launch import sync_with_previous_kernel
-from tilekit.kernels.fixed_point import FIXED_DTYPE, add_fixed
+from tilekit.kernels.tiles import FIXED_DTYPE, add_fixed, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -131,7 +130,7 @@ RESIDUAL_LINEAR = Op(
 def residual_linear(residual, x, weight, bias=None):
     """residual += x @ weight + bias in place, over the last dimension of x; returns residual.
 
-    residual is a fixed-point (int64) array of x's leading shape and N columns (fixed_point.py);
+    residual is a fixed-point (int64) array of x's leading shape and N columns (tiles.py);
     weight is [in, out] (GPT-2's Conv1D layout).
     """
     return RESIDUAL_LINEAR((residual, x, weight, bias))
@@ -148,7 +147,7 @@ if __name__ == "__main__":
     import cupy
 
     from tilekit.kernels.checks import TOL, assert_close, host, rand
-    from tilekit.kernels.fixed_point import fixed_to_float, float_to_fixed
+    from tilekit.kernels.tiles import fixed_to_float, float_to_fixed
     for M, N, K, dtype in [(1, 1600, 6400, "bfloat16"), (5, 1031, 72, "float32"), (300, 200, 136, "float16")]:
         start = float_to_fixed(host(rand((M, N), "float32")))
         residual = cupy.asarray(start)

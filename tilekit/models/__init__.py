@@ -1,11 +1,36 @@
-"""Models on tilekit's GPU kernels: GPT-2 and the Llama family, with their NumPy references, configs and
-checkpoint I/O; runtime.py is what they share (CUDA graphs, KV cache, generation)."""
+"""Models on tilekit's GPU kernels, one folder per family (gpt2/, llama/: config, weights, model, reference,
+patch rules) and what they share: families.py (the table of families), runtime.py (CUDA graphs, KV cache,
+generation), hf.py (Hugging Face checkpoint files), workload.py (the kernel problems a model runs).
 
-from tilekit.models.config import PRESETS, GPTConfig
-from tilekit.models.gpt import GPT
-from tilekit.models.llama import Llama
-from tilekit.models.llama_config import LLAMA_PRESETS, LlamaConfig
-from tilekit.models.llama_reference import ReferenceLlama
-from tilekit.models.reference import ReferenceGPT
+The names below are imported on first use, so that importing tilekit.models (or tilekit.models.families)
+imports no GPU library.
+"""
 
-__all__ = ["GPT", "GPTConfig", "LLAMA_PRESETS", "Llama", "LlamaConfig", "PRESETS", "ReferenceGPT", "ReferenceLlama"]
+import importlib
+
+_EXPORTS = {
+    "GPT": ("tilekit.models.gpt2.model", "GPT"),
+    "GPTConfig": ("tilekit.models.gpt2.config", "GPTConfig"),
+    "PRESETS": ("tilekit.models.gpt2.config", "PRESETS"),
+    "ReferenceGPT": ("tilekit.models.gpt2.reference", "ReferenceGPT"),
+    "Llama": ("tilekit.models.llama.model", "Llama"),
+    "LlamaConfig": ("tilekit.models.llama.config", "LlamaConfig"),
+    "LLAMA_PRESETS": ("tilekit.models.llama.config", "PRESETS"),
+    "ReferenceLlama": ("tilekit.models.llama.reference", "ReferenceLlama"),
+    "load_model": ("tilekit.models.families", "load_model"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tilekit.models' has no attribute {name!r}")
+    module, attribute = _EXPORTS[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value          # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from tilekit.models.config import MAX_JSON_BYTES, read_json
+from tilekit.models.hf import MAX_JSON_BYTES, read_json
 
 MAX_TOKENIZER_BYTES = 64 << 20   # tokenizer.json of a 256k vocabulary is ~35 MB
 MAX_TEMPLATE_CHARS = 1 << 20     # real chat templates are a few kB to a few tens of kB

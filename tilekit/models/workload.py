@@ -6,32 +6,27 @@ tuned here is, by construction, a key that forward() or generate() asks for.
 
 from __future__ import annotations
 
-from tilekit.models.config import GPTConfig
-from tilekit.models.llama_config import LlamaConfig
+from tilekit.models.families import family_of_config
 
 NEW_TOKENS = 128       # generate()'s continuation length in the tuning workload
 
 
-def meta_model(config: GPTConfig | LlamaConfig, dtype: str):
-    """A model of `config` (GPT-2 or Llama) with shapes and no memory."""
-    if isinstance(config, LlamaConfig):
-        from tilekit.models.llama import Llama
-        return Llama(config, dtype=dtype, meta=True)
-    from tilekit.models.gpt import GPT
-    return GPT(config, dtype=dtype, meta=True)
+def meta_model(config, dtype: str):
+    """A model of `config` (a config of any family) with shapes and no memory."""
+    return family_of_config(config).model_class(config, dtype=dtype, meta=True)
 
 
-def forward_problems(config: GPTConfig | LlamaConfig, dtype: str, batch: int, seq: int) -> list[tuple]:
+def forward_problems(config, dtype: str, batch: int, seq: int) -> list[tuple]:
     """(op, problem) of forward() on (batch, seq) ids: full logits."""
     return meta_model(config, dtype).kernel_problems(batch, seq)
 
 
-def generate_problems(config: GPTConfig | LlamaConfig, dtype: str, batch: int, prompt_len: int, new_tokens: int) -> list[tuple]:
+def generate_problems(config, dtype: str, batch: int, prompt_len: int, new_tokens: int) -> list[tuple]:
     """(op, problem) of greedy generate() continuing batch prompts of prompt_len tokens by new_tokens."""
     return meta_model(config, dtype).kernel_problems(batch, prompt_len, new_tokens)
 
 
-def model_problems(config: GPTConfig | LlamaConfig, dtype: str = "bfloat16", batch_sizes=(1, 8), seq_lens=(128, 1024),
+def model_problems(config, dtype: str = "bfloat16", batch_sizes=(1, 8), seq_lens=(128, 1024),
                    new_tokens: int = NEW_TOKENS) -> list[tuple]:
     """Distinct (op, problem) keys of forward() on B x T ids and of generate() adding new_tokens to
     B prompts of T tokens (shortened to fit the context), for every B and T."""

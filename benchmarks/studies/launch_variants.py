@@ -1,0 +1,58 @@
+"""Which launches should be dependent: the replayed decode step (batch 1) with programmatic dependent
+launch on for all kernels, off for all, off for one kernel at a time, and on for one at a time.
+
+    python -m benchmarks.studies.launch_variants OUT.json PRESET [PRESET ...]
+
+Produced docs/results/dependent-launch-variants-h200.txt (its VAR lines); an experiment, not a suite.
+"""
+
+import json
+import sys
+
+from benchmarks.studies.breakdown import _decode_generation, decode_model, replay_ms
+from tilekit.autotune import op
+
+real = op.ct_launch
+
+
+def name_of(k):
+    f = getattr(k, "_pyfunc", None)
+    return f.__name__ if f is not None else type(k).__name__
+
+
+def use(off):
+    """Launch through tilekit's plans as usual, but never dependently for kernels named in `off`."""
+    def launch(h, g, k, a, programmatic_dependent_launch=False):
+        return real(h, g, k, a, programmatic_dependent_launch=programmatic_dependent_launch and name_of(k) not in off)
+    op.ct_launch = launch
+
+
+seen = set()
+
+
+def spy(h, g, k, a, programmatic_dependent_launch=False):
+    seen.add(name_of(k))
+    return real(h, g, k, a, programmatic_dependent_launch=programmatic_dependent_launch)
+
+
+if __name__ == "__main__":
+    out = {}
+    for preset in sys.argv[2:]:
+        model = decode_model(preset)
+        op.ct_launch = spy
+        _decode_generation(model, 1)
+        names = sorted(seen)
+        seen.clear()
+        variants = ([("all-on", set()), ("all-off", set(names))] + [(f"off:{n}", {n}) for n in names]
+                    + [(f"only:{n}", set(names) - {n}) for n in names] + [("all-on", set()), ("all-off", set(names))])
+        res = []
+        for label, off in variants:
+            use(off)
+            ms = replay_ms(_decode_generation(model, 1), reps=50)
+            res.append((label, ms))
+            print(f"VAR {preset:14s} {label:34s} {ms:.4f}", flush=True)
+        out[preset] = res
+        del model
+    op.ct_launch = real
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f, indent=1)

@@ -1,0 +1,96 @@
+"""CI's proof that every kernel compiles: each op's default and a sample of its space, for sm_90 and sm_100,
+built ahead of time by tileiras on this CPU-only machine."""
+
+import random
+
+import pytest
+
+import tilekit.kernels  # noqa: F401  (declares the ops)
+from tilekit.autotune.compile import precompile
+from tilekit.autotune.registry import registered_ops
+
+PROBLEMS = {
+    "linear": [dict(dtype="bfloat16", M=8192, N=2304, K=768, wt="kn", bias=1, act="gelu", res=0, tf32=0),
+               dict(dtype="float32", M=3, N=1031, K=72, wt="nk", bias=0, act="none", res=1, tf32=1)],
+    "layer_norm": [dict(dtype="bfloat16", M=8192, N=1600, gather=0, fixed=0),
+                   dict(dtype="float32", M=3, N=20000, gather=0, fixed=0),
+                   dict(dtype="bfloat16", M=8, N=768, gather=1, fixed=0),
+                   dict(dtype="bfloat16", M=1, N=1600, gather=0, fixed=1),
+                   dict(dtype="float32", M=3, N=1600, gather=1, fixed=1)],
+    "residual_linear": [dict(dtype="bfloat16", M=1, N=1600, K=6400, bias=1),
+                        dict(dtype="float32", M=5, N=1031, K=72, bias=0)],
+    "gelu": [dict(dtype="float16", n=1 << 20, exact=1), dict(dtype="float32", n=7, exact=0)],
+    "attention": [dict(dtype="bfloat16", B=8, H=12, Hkv=12, Tq=1024, Tk=1024, D=64, causal=1),
+                  dict(dtype="float16", B=1, H=2, Hkv=2, Tq=7, Tk=9, D=128, causal=0),
+                  dict(dtype="bfloat16", B=1, H=32, Hkv=8, Tq=128, Tk=128, D=64, causal=1)],
+    "decode_attention": [dict(dtype="bfloat16", B=1, H=25, Hkv=25, nq=1, capacity=1024, D=64, new_kv=1),
+                         dict(dtype="float32", B=3, H=2, Hkv=2, nq=4, capacity=100, D=64, new_kv=0),
+                         dict(dtype="bfloat16", B=8, H=32, Hkv=8, nq=1, capacity=1024, D=128, new_kv=1),
+                         dict(dtype="bfloat16", B=1, H=12, Hkv=12, nq=1, capacity=256, D=64, new_kv=1)],
+    "embedding": [dict(dtype="bfloat16", ids="int32", M=8192, C=1600, V=50257, P=1024, fixed=0),
+                  dict(dtype="float32", ids="int64", M=1, C=64, V=1031, P=64, fixed=1),
+                  dict(dtype="bfloat16", ids="int32", M=8, C=2048, V=128256, P=0, fixed=0)],
+    "rms_norm": [dict(dtype="bfloat16", M=8192, N=2048, gather=0, res=1), dict(dtype="float32", M=3, N=20000,
+                                                                              gather=0, res=1),
+                 dict(dtype="bfloat16", M=8, N=4096, gather=1, res=0)],
+    "apply_rope": [dict(dtype="bfloat16", table="float32", B=8, H=40, T=1024, D=64),
+                   dict(dtype="float32", table="float32", B=1, H=3, T=1, D=80)],
+    "swiglu_linear": [dict(dtype="bfloat16", M=8192, N=8192, K=2048), dict(dtype="float32", M=3, N=77, K=72),
+                      dict(dtype="bfloat16", M=1, N=14336, K=4096)],
+    "write_kv": [dict(dtype="bfloat16", B=8, H=12, T=1024, capacity=1024, D=64),
+                 dict(dtype="float32", B=1, H=2, T=1, capacity=100, D=80)],
+    "next_token": [dict(dtype="bfloat16", B=8, V=128256, pen=1, KS=128, check=1, E=2),
+                   dict(dtype="float32", B=1, V=1031, pen=0, KS=0, check=0)],
+}
+
+
+def test_every_op_has_compile_cases():
+    declared = {n for n, op in registered_ops().items() if op.kernel._pyfunc.__module__.startswith("tilekit.kernels")}
+    assert set(PROBLEMS) == declared
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path / "cutile"))   # really run tileiras
+    ops = registered_ops()
+    tasks = []
+    for name, problems in PROBLEMS.items():
+        op = ops[name]
+        for problem in problems:
+            bucketed = op.tuning_problem(problem)
+            candidates = op.space.candidates(bucketed)
+            assert candidates, f"{name}: empty search space for {problem}"
+            assert op.space.contains(op.default(bucketed)), f"{name}: default outside its space"
+            sample = random.Random(arch).sample(candidates, min(2, len(candidates)))
+            tasks += [(op, bucketed, c) for c in [op.default(bucketed)] + sample]
+    split_k = ops["linear"]
+    tasks += [(split_k, dict(PROBLEMS["linear"][0], M=8, act="gelu", res=1),   # few rows: split-K's own path
+               dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=4, PERSISTENT=0, occupancy=1, num_ctas=1,
+                    num_worker_warps=0))]
+    ok, errors = precompile(tasks, arch, workers=2)
+    assert not errors, "\n".join(f"{tasks[i][0].name} {tasks[i][2]}: {e}" for i, e in errors.items())
+    assert len(ok) == len(tasks)
+
+
+def test_workers_do_not_rerun_an_unguarded_script(tmp_path):
+    """A user's script without a __main__ guard that compiles in worker processes (as auto mode
+    does): the workers import tilekit, not the script."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        'print("top level ran", flush=True)\n'
+        "from tilekit.kernels.gelu import GELU, default_config\n"
+        "from tilekit.autotune.compile import precompile\n"
+        'p = dict(dtype="float32", n=1000, exact=0)\n'
+        'ok, errors = precompile([(GELU, p, default_config(p))] * 2, "sm_90", workers=2)\n'
+        'print("compiled", len(ok), errors)\n')
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "CUDA_TILE_CACHE_DIR": str(tmp_path / "cutile"),
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("top level ran") == 1, done.stdout
+    assert "compiled 2 {}" in done.stdout, done.stdout

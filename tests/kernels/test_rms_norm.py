@@ -1,0 +1,46 @@
+"""rms_norm on the GPU against its float64 reference: fused residual add, selected rows."""
+
+import cupy
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tilekit.kernels import rms_norm
+from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand, rounded
+from tilekit.kernels.rms_norm import rms_norm_reference
+
+pytestmark = pytest.mark.gpu
+
+GPU = settings(max_examples=10, deadline=None, derandomize=True)
+DTYPES = st.sampled_from(["bfloat16", "float16", "float32"])
+
+
+def check_rms_norm(shape, dtype, residual=False, eps=1e-5):
+    x, w = rand(shape, dtype, 2.0, mean=0.5), rand(shape[-1:], dtype, 0.1, mean=1.0)
+    r = rand(shape, dtype) if residual else None
+    expected_sum = rounded(host(x) + host(r), dtype) if residual else host(x)
+    out = poisoned(shape, dtype)
+    assert rms_norm(x, w, eps, residual=r, out=out) is out
+    if residual:
+        np.testing.assert_array_equal(host(r), expected_sum, f"rms_norm {shape} {dtype}: residual sum")
+    assert_close(host(out), rms_norm_reference(expected_sum, host(w), eps), TOL[dtype], f"rms_norm {shape} {dtype}")
+
+
+@GPU
+@given(shape=st.sampled_from([(1, 2048), (3, 7, 4096), (8191, 2048), (5, 20000), (2, 1)]), dtype=DTYPES,
+       residual=st.booleans())
+def test_rms_norm_matches_reference(shape, dtype, residual):
+    check_rms_norm(shape, dtype, residual)
+
+
+def test_rms_norm_selected_rows():
+    x, w = rand((6, 2048), "bfloat16"), rand((2048,), "bfloat16")
+    rows = np.array([5, 0, 3], np.int32)
+    out = rms_norm(x, w, 1e-6, rows=cupy.asarray(rows), out=poisoned((3, 2048), "bfloat16"))
+    assert_close(host(out), rms_norm_reference(host(x)[rows], host(w), 1e-6), TOL["bfloat16"], "rms_norm rows")
+
+
+def test_rms_norm_refuses_rows_with_a_residual():
+    x = rand((4, 64), "bfloat16")
+    with pytest.raises(ValueError, match="residual and rows"):
+        rms_norm(x, rand((64,), "bfloat16"), residual=rand((4, 64), "bfloat16"), rows=cupy.zeros(2, cupy.int32))

@@ -1,0 +1,84 @@
+"""The families table: every row points at a complete folder, lookups by model_type, config and preset, and
+checkpoints dispatched by their config.json's model_type (a missing or unknown one refused, naming the file)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tilekit.models import families
+from tilekit.models.families import FAMILIES
+from tilekit.models.runtime import CausalLM
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_importing_the_table_imports_no_gpu_library():
+    probe = ("import sys, tilekit.models.families as f; f.FAMILIES['gpt2'].presets; "
+             "print(sorted(m for m in ('cupy', 'cuda.tile', 'torch', 'tilekit.kernels') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_row_points_at_a_complete_folder(model_type):
+    family = FAMILIES[model_type]
+    assert family.model_type == model_type and family.package == f"tilekit.models.{model_type}"   # the folder
+    config = family.preset(next(iter(family.presets)))
+    assert isinstance(config, family.config_class)
+    hf = config.to_hf_dict()
+    assert hf["model_type"] == model_type and hf["architectures"] == [family.hf_class]
+    assert family.hf_module == f"transformers.models.{model_type}.modeling_{model_type}"
+    assert issubclass(family.model_class, CausalLM)
+    assert family.reference_class.weights is family.weights
+    for name in ("state_dict_shapes", "block_shapes", "check_state_dict", "load_state_dict", "save_state_dict",
+                 "random_state_dict", "resolve", "PREFIX", "BUFFER_SUFFIXES"):
+        assert hasattr(family.weights, name), name
+    assert family.weights_files and family.hub_orgs
+    for name in ("head_dim", "config_problems", "mlp", "forwards"):
+        assert callable(getattr(family.patch, name)), name
+
+
+def test_lookups():
+    from tilekit.models import LLAMA_PRESETS, PRESETS, GPTConfig, LlamaConfig
+    assert families.family_for_model_type("llama") is FAMILIES["llama"]
+    with pytest.raises(ValueError, match="'mistral' is not a family tilekit runs \\(gpt2, llama\\)"):
+        families.family_for_model_type("mistral")
+    assert families.family_of_config(GPTConfig()) is FAMILIES["gpt2"]
+    assert families.family_of_config(LLAMA_PRESETS["llama-3.1-8b"]) is FAMILIES["llama"]
+    with pytest.raises(TypeError, match="GPTConfig or LlamaConfig, got dict"):
+        families.family_of_config({})
+    assert families.preset_names() == [*PRESETS, *LLAMA_PRESETS]
+    assert families.preset_config("gpt2-xl") == GPTConfig.preset("gpt2-xl")
+    assert families.preset_config("tinyllama-1.1b") == LlamaConfig.preset("tinyllama-1.1b")
+    with pytest.raises(ValueError, match="unknown preset 'gpt5'; choose from gpt2, gpt2-medium"):
+        families.preset_config("gpt5")
+
+
+def test_config_from_path_reads_the_model_type(tmp_path):
+    from tilekit.models import GPTConfig, LlamaConfig
+    assert isinstance(families.config_from_path(DATA / "tiny-gpt2"), GPTConfig)
+    assert isinstance(families.config_from_path(DATA / "tiny-llama"), LlamaConfig)       # sharded
+    assert families.config_from_path(DATA / "tiny-llama-tied" / "config.json").tie_word_embeddings
+    d = json.loads((DATA / "tiny-gpt2" / "config.json").read_text())
+    for model_type, problem in ((None, "has no model_type \\(tilekit runs gpt2, llama\\)"),
+                                ("mistral", "model_type 'mistral' is not a family"), (7, "model_type 7 is not")):
+        path = tmp_path / f"{model_type}.json"
+        path.write_text(json.dumps({k: v for k, v in d.items() if k != "model_type"}
+                                   | ({} if model_type is None else {"model_type": model_type})))
+        with pytest.raises(ValueError, match=f"{path.name}.*{problem}"):
+            families.config_from_path(path)
+
+
+def test_load_model_is_the_family_from_pretrained(monkeypatch):
+    from tilekit.models import GPT, Llama
+    calls = []
+    for cls in (GPT, Llama):
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(lambda c, d, dtype: calls.append((c, d, dtype))))
+    families.load_model(DATA / "tiny-llama", dtype="float32")
+    families.load_model(DATA / "tiny-gpt2")
+    assert calls == [(Llama, DATA / "tiny-llama", "float32"), (GPT, DATA / "tiny-gpt2", "bfloat16")]
+    with pytest.raises(FileNotFoundError, match="lacks config.json"):
+        families.load_model(DATA)

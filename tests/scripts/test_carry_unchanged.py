@@ -1,0 +1,72 @@
+"""scripts/carry_unchanged.py on CPU (tileiras compiles without a GPU): in a scratch copy of the tree, an edit
+to the exact GELU's code leaves the approximate GELU's cubins byte-identical, so only that entry is carried to
+the new kernel hash; the exact GELU's entry stays stale."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tilekit.kernels  # noqa: F401  (declares the ops)
+from tilekit.autotune.registry import registered_ops
+from tilekit.device import toolchain
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE = {"arch": "sm_90", "name": "NVIDIA H200", "sm_count": 132}
+
+pytest.importorskip("cuda.tile.compilation")
+if shutil.which("git") is None:
+    pytest.skip("needs git", allow_module_level=True)
+
+
+def _entry(op, exact: int) -> tuple[str, dict]:
+    problem = dict(dtype="bfloat16", n=1 << 20, exact=exact)
+    config = dict(BLOCK=1024, occupancy=2)
+    return op.problem_key(problem)[1], {
+        "config": config, "time_us": 10.0, "default_config": config, "default_time_us": 10.0,
+        "kernel_hash": op.kernel_hash(), "space_hash": op.space_hash(), "toolchain": toolchain(), "device": DEVICE,
+        "candidates": 1, "measured": 1, "tuned_at": "2026-11-25T00:00:00+00:00"}
+
+
+def _git(tree: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_only_entries_whose_cubins_did_not_change_are_carried(tmp_path):
+    gelu = registered_ops()["gelu"]
+    tree = tmp_path / "tree"
+    for part in ("tilekit", "scripts"):
+        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
+    approximate, exact = _entry(gelu, 0), _entry(gelu, 1)
+    db_file = tree / "tuning_db" / "sm_90" / "NVIDIA_H200.json"
+    db_file.parent.mkdir(parents=True)
+    schema = json.loads((ROOT / "tuning_db" / "sm_90" / "NVIDIA_H200.json").read_text())["schema"]
+    db_file.write_text(json.dumps({"schema": schema, "device": DEVICE, "entries": dict([approximate, exact])}))
+    _git(tree, "init", "-q")
+    _git(tree, "-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
+    _git(tree, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tuned")
+    old = _git(tree, "rev-parse", "HEAD")
+
+    source = tree / "tilekit" / "kernels" / "gelu.py"      # the exact form's code: not in the approximate cubin
+    text = source.read_text()
+    assert text.count("1.00002368") == 1
+    source.write_text(text.replace("1.00002368", "1.00012368"))    # another float32 (1.00002369 is the same one)
+
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run([sys.executable, str(tree / "scripts" / "carry_unchanged.py"), old], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 entries stale for their kernel source alone" in done.stdout
+    entries = json.loads(db_file.read_text())["entries"]
+    new_hash = subprocess.run([sys.executable, "-c", "import tilekit.kernels; from tilekit.autotune.registry import "
+                               "registered_ops; print(registered_ops()['gelu'].kernel_hash())"], env=env, cwd=tree,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    assert new_hash != gelu.kernel_hash()
+    assert entries[approximate[0]]["kernel_hash"] == new_hash               # carried: identical cubins
+    assert entries[exact[0]]["kernel_hash"] == gelu.kernel_hash()           # left stale: its code changed
+    assert {k: v for k, v in entries[approximate[0]].items() if k != "kernel_hash"} == \
+        {k: v for k, v in approximate[1].items() if k != "kernel_hash"}

@@ -1,0 +1,201 @@
+"""GPT-2 on tilekit's cuTile kernels: the weights and the math; runtime.CausalLM runs it.
+
+Every op of the forward pass is a tilekit kernel dispatched with the config the tuning database
+holds for this GPU and shape; CuPy only allocates memory and moves data. Names follow the Hugging
+Face checkpoint (wte, wpe, h.i.ln_1, attn.c_attn, ...), weights stay [in, out] as stored, and the
+LM head reads wte in place.
+
+With few rows (a decode step) the residual stream is fixed point (kernels/tiles.py): the
+attention and MLP output projections add into it in place, their K split over many programs. With
+many rows it is an array of the model's dtype and each of them writes the sum into the other of two
+buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tilekit.autotune.arrays import MetaArray, numpy_dtype
+from tilekit.kernels import embedding, layer_norm, linear, residual_linear
+from tilekit.kernels.tiles import FIXED_DTYPE
+from tilekit.models.gpt2.config import GPTConfig
+from tilekit.models.gpt2.weights import (check_state_dict, load_state_dict, random_state_dict, resolve, save_state_dict,
+                                         state_dict_shapes)
+from tilekit.models.runtime import Arrays, CausalLM
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+# A block's tensors under their Hugging Face names, in Block's field order.
+BLOCK_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+                "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+                "mlp.c_proj.weight", "mlp.c_proj.bias")
+
+
+@dataclass
+class Block:
+    """One transformer block's parameters (device arrays), in BLOCK_PARAMS order."""
+
+    ln_1_w: object
+    ln_1_b: object
+    attn_w: object
+    attn_b: object
+    proj_w: object
+    proj_b: object
+    ln_2_w: object
+    ln_2_b: object
+    fc_w: object
+    fc_b: object
+    mlp_proj_w: object
+    mlp_proj_b: object
+
+
+class Activations:
+    """The blocks' working buffers for B sequences of T tokens as (B*T, width) rows, allocated once so
+    that a pass over the blocks allocates nothing and can be captured as a CUDA graph; q, k, v and
+    heads are the (B, H, T, D) views attention reads and writes. x is the residual stream: fixed point
+    for up to `fixed_rows` rows, else the model's dtype with `other` as the second buffer."""
+
+    def __init__(self, config: GPTConfig, batch: int, tokens: int, dtype: str, arrays: Arrays, fixed_rows: int):
+        M, C, H, D = batch * tokens, config.n_embd, config.n_head, config.head_dim
+        self.fixed = M <= fixed_rows
+        self.x = arrays.empty((M, C), FIXED_DTYPE if self.fixed else dtype)
+        self.other = None if self.fixed else arrays.empty((M, C), dtype)
+        self.h, self.y = (arrays.empty((M, C), dtype) for _ in range(2))
+        self.qkv = arrays.empty((M, 3 * C), dtype)
+        self.f = arrays.empty((M, 4 * C), dtype)
+        self.q, self.k, self.v = (self.qkv.reshape(batch, tokens, 3, H, D)[:, :, j].transpose(0, 2, 1, 3)
+                                  for j in range(3))
+        self.heads = self.y.reshape(batch, tokens, H, D).transpose(0, 2, 1, 3)
+
+
+class GPT(CausalLM):
+    """A GPT-2 family model whose forward pass runs entirely on tilekit kernels."""
+
+    fixed_point_rows = 16   # passes of up to this many rows keep a fixed-point residual stream
+
+    def __init__(self, config: GPTConfig, *, dtype: str = "bfloat16", seed: int = 0,
+                 state: dict[str, np.ndarray] | None = None, allow_tf32: bool = False, meta: bool = False):
+        """Random GPT-2 initialisation from `seed`, or the given state dict (canonical HF names).
+        meta=True: MetaArray weights (no GPU, no memory), for tracing the kernels the model runs."""
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        if allow_tf32 and dtype != "float32":
+            raise ValueError("allow_tf32 applies to dtype='float32' only")
+        self.config, self.dtype, self.allow_tf32, self.meta = config, dtype, allow_tf32, meta
+        self.checkpoint_dir: Path | None = None
+        self._init_runtime()
+        if meta:
+            w = {name: MetaArray(shape, dtype) for name, shape in state_dict_shapes(config).items()}
+        else:
+            import cupy
+            if state is None:
+                state = random_state_dict(config, seed)
+            check_state_dict(config, state)
+            w = {name: cupy.asarray(np.ascontiguousarray(a, dtype=np.float32).astype(numpy_dtype(dtype)))
+                 for name, a in state.items()}
+        self.wte, self.wpe = w["wte.weight"], w["wpe.weight"]
+        self.ln_f_w, self.ln_f_b = w["ln_f.weight"], w["ln_f.bias"]
+        self.blocks = [Block(*(w[f"h.{i}.{n}"] for n in BLOCK_PARAMS)) for i in range(config.n_layer)]
+
+    # -- the math ---------------------------------------------------------------------------------
+    def meta_twin(self) -> "GPT":
+        """This model with MetaArray weights: what a dry run of its kernels needs."""
+        return GPT(self.config, dtype=self.dtype, allow_tf32=self.allow_tf32, meta=True)
+
+    def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
+        return Activations(self.config, batch, tokens, self.dtype, arrays, self.fixed_point_rows)
+
+    def cache_dims(self) -> tuple[int, int, int]:
+        """(layers, key/value heads, head_dim) of the KV cache."""
+        return self.config.n_layer, self.config.n_head, self.config.head_dim
+
+    def hidden(self, acts: Activations, ids, positions, attend):
+        """Token plus position embeddings through every block; returns the residual stream (B*T, C).
+
+        attend(layer, q, k, v, out) writes one layer's attention into out (B, H, T, D) and fills the
+        KV cache where there is one."""
+        eps = self.config.layer_norm_epsilon
+        embedding(ids, self.wte, self.wpe, positions, out=acts.x)
+        for i, blk in enumerate(self.blocks):
+            layer_norm(acts.x, blk.ln_1_w, blk.ln_1_b, eps, out=acts.h)
+            self._linear(acts.h, blk.attn_w, blk.attn_b, out=acts.qkv)
+            attend(i, acts.q, acts.k, acts.v, acts.heads)
+            self._add_linear(acts, acts.y, blk.proj_w, blk.proj_b)
+            layer_norm(acts.x, blk.ln_2_w, blk.ln_2_b, eps, out=acts.h)
+            self._linear(acts.h, blk.fc_w, blk.fc_b, activation="gelu", out=acts.f)
+            self._add_linear(acts, acts.f, blk.mlp_proj_w, blk.mlp_proj_b)
+        return acts.x
+
+    def final_norm(self, x, out, rows=None) -> None:
+        """ln_f of x (of the rows `rows` only, when given) into out."""
+        layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon, rows=rows, out=out)
+
+    def lm_head(self, h, out=None):
+        """Logits h @ wte^T through the LM head tied to the token embedding."""
+        return self._linear(h, self.wte, weight_layout="out_in", out=out)
+
+    def _linear(self, x, w, b=None, **kw):
+        return linear(x, w, b, allow_tf32=self.allow_tf32, **kw)
+
+    def _add_linear(self, acts: Activations, a, w, b) -> None:
+        """The residual stream acts.x += a @ w + b: in place when fixed point, else into acts.other,
+        which then becomes acts.x."""
+        if acts.fixed:
+            residual_linear(acts.x, a, w, b)
+        else:
+            self._linear(a, w, b, residual=acts.x, out=acts.other)
+            acts.x, acts.other = acts.other, acts.x
+
+    # -- checkpoints and tokenizer ----------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_name: str | Path, *, dtype: str = "bfloat16",
+                        allow_tf32: bool = False) -> "GPT":
+        """Load a local Hugging Face GPT-2 checkpoint directory or a model in the local HF cache."""
+        directory = resolve(path_or_name)
+        config, state = load_state_dict(directory)
+        model = cls(config, dtype=dtype, state=state, allow_tf32=allow_tf32)
+        model.checkpoint_dir = directory
+        return model
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """float32 host copies of every parameter, under the Hugging Face names."""
+        def host(a):
+            return a.get().astype(np.float32)
+        state = {"wte.weight": host(self.wte), "wpe.weight": host(self.wpe),
+                 "ln_f.weight": host(self.ln_f_w), "ln_f.bias": host(self.ln_f_b)}
+        for i, block in enumerate(self.blocks):
+            for name, array in zip(BLOCK_PARAMS, vars(block).values()):
+                state[f"h.{i}.{name}"] = host(array)
+        return state
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write config.json and model.safetensors in the Hugging Face GPT-2 format."""
+        save_state_dict(directory, self.config, self.state_dict())
+
+    def tokenizer(self):
+        """The checkpoint's tokenizer (tokenizer.json, or vocab.json + merges.txt) via `tokenizers`."""
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import ByteLevel as ByteLevelDecoder
+        from tokenizers.models import BPE
+        from tokenizers.pre_tokenizers import ByteLevel
+        if self.checkpoint_dir is None:
+            raise ValueError("this model has no checkpoint directory to read a tokenizer from "
+                             "(use GPT.from_pretrained)")
+        d = self.checkpoint_dir
+        if (d / "tokenizer.json").is_file():
+            return Tokenizer.from_file(str(d / "tokenizer.json"))
+        if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
+            tok = Tokenizer(BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
+            tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
+            tok.decoder = ByteLevelDecoder()
+            return tok
+        raise FileNotFoundError(f"no tokenizer.json or vocab.json + merges.txt in {d}")
+
+    @staticmethod
+    def eos_token_id(tokenizer) -> int | None:
+        return tokenizer.token_to_id("<|endoftext|>")

@@ -1,0 +1,208 @@
+"""Llama on tilekit's cuTile kernels: the weights and the math; runtime.CausalLM runs it.
+
+A block is RMSNorm -> one fused QKV projection -> RoPE on the query and key heads (in place) ->
+grouped-query attention -> output projection with the residual add in its epilogue -> RMSNorm ->
+the SwiGLU gate/up projection (one kernel) -> down projection with the residual add. Weights
+keep nn.Linear's [out, in] layout; q, k and v projections are concatenated once at load so a
+block reads its input once for all three. Names follow Hugging Face's LlamaForCausalLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tilekit.autotune.arrays import MetaArray, numpy_dtype
+from tilekit.kernels import apply_rope, embedding, linear, rms_norm, swiglu_linear
+from tilekit.kernels.apply_rope import rope_tables
+from tilekit.models.llama import weights
+from tilekit.models.llama.config import LlamaConfig
+from tilekit.models.llama.reference import rope_inv_freq
+from tilekit.models.llama.weights import EMBEDDING
+from tilekit.models.runtime import Arrays, CausalLM
+
+DTYPES = ("bfloat16", "float16", "float32")
+ROPE_TABLE_LIMIT = 1 << 17      # rotary tables cover min(context, this) positions (128K, Llama 3.1's context)
+
+
+@dataclass
+class Block:
+    """One decoder layer's parameters (device arrays)."""
+
+    attn_norm: object       # input_layernorm.weight
+    qkv: object             # [q_proj; k_proj; v_proj] weights, [(H + 2 Hkv) D, C]
+    o_proj: object
+    mlp_norm: object        # post_attention_layernorm.weight
+    gate: object
+    up: object
+    down: object
+
+
+class Activations:
+    """The blocks' working buffers for B sequences of T tokens as (B*T, width) rows, allocated once (a pass
+    allocates nothing and can be captured as a CUDA graph); q, k, v, the query-and-key heads `qk` and the
+    attention output `heads` are (B, heads, T, D) views."""
+
+    def __init__(self, config: LlamaConfig, batch: int, tokens: int, dtype: str, arrays: Arrays):
+        M, C, H, Hkv, D = batch * tokens, config.n_embd, config.n_head, config.n_kv_head, config.head_dim
+        self.x, self.other, self.h = (arrays.empty((M, C), dtype) for _ in range(3))
+        self.qkv = arrays.empty((M, (H + 2 * Hkv) * D), dtype)
+        self.y = arrays.empty((M, H * D), dtype)
+        self.f = arrays.empty((M, config.intermediate_size), dtype)
+        heads = self.qkv.reshape(batch, tokens, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
+        self.q, self.k, self.v, self.qk = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:], heads[:, :H + Hkv]
+        self.heads = self.y.reshape(batch, tokens, H, D).transpose(0, 2, 1, 3)
+
+
+class Llama(CausalLM):
+    """A Llama-family model (Llama 2/3.x, TinyLlama) whose forward pass runs entirely on tilekit kernels."""
+
+    def __init__(self, config: LlamaConfig, *, dtype: str = "bfloat16", seed: int = 0,
+                 state: dict[str, np.ndarray] | None = None, meta: bool = False):
+        """Weights from `state` (Hugging Face names, checked against the config), or random ones drawn on the
+        GPU from `seed` (as weights.random_state_dict scales them). meta=True: MetaArray weights
+        (no GPU, no memory), for tracing the kernels the model runs."""
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        self.config, self.dtype, self.meta = config, dtype, meta
+        self.checkpoint_dir: Path | None = None
+        self._init_runtime()
+        if state is not None:
+            weights.check_state_dict(config, state)
+        w = self._device_weights(state, seed)
+        self.embed = w[EMBEDDING]
+        self.norm = w["model.norm.weight"]
+        self.head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.blocks = []
+        for i in range(config.n_layer):
+            p = f"model.layers.{i}."
+            self.blocks.append(Block(
+                w[p + "input_layernorm.weight"],
+                self._stacked([w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                w[p + "self_attn.o_proj.weight"], w[p + "post_attention_layernorm.weight"],
+                w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"]))
+        positions = min(config.block_size, ROPE_TABLE_LIMIT)
+        if meta:
+            self.cos = self.sin = MetaArray((positions, config.head_dim // 2), "float32")
+        else:
+            import cupy
+            inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+            self.cos, self.sin = (cupy.asarray(t) for t in rope_tables(positions, inv_freq))
+
+    def _device_weights(self, state, seed: int) -> dict:
+        shapes = weights.state_dict_shapes(self.config)
+        if self.meta:
+            return {name: MetaArray(shape, self.dtype) for name, shape in shapes.items()}
+        import cupy
+        if state is not None:
+            return {name: cupy.asarray(np.ascontiguousarray(state[name], np.float32).astype(numpy_dtype(self.dtype)))
+                    for name in shapes}
+        rng, out = cupy.random.default_rng(seed), {}
+        for name, shape in shapes.items():
+            mean, std = weights.weight_stats(self.config, name)
+            out[name] = (rng.standard_normal(shape, dtype=cupy.float32) * std + mean).astype(numpy_dtype(self.dtype))
+        return out
+
+    def _stacked(self, parts: list):
+        """The rows of several weight matrices stacked into one new matrix."""
+        if self.meta:
+            return MetaArray((sum(p.shape[0] for p in parts), parts[0].shape[1]), self.dtype)
+        import cupy
+        return cupy.concatenate(parts, axis=0)
+
+    # -- the math ---------------------------------------------------------------------------------
+    def meta_twin(self) -> "Llama":
+        """This model with MetaArray weights: what a dry run of its kernels needs."""
+        return Llama(self.config, dtype=self.dtype, meta=True)
+
+    def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
+        return Activations(self.config, batch, tokens, self.dtype, arrays)
+
+    def cache_dims(self) -> tuple[int, int, int]:
+        """(layers, key/value heads, head_dim) of the KV cache."""
+        return self.config.n_layer, self.config.n_kv_head, self.config.head_dim
+
+    def hidden(self, acts: Activations, ids, positions, attend):
+        """Token embeddings through every block; returns the residual stream (B*T, C) before the final norm.
+
+        positions: int32 (B*T,) position of each token (RoPE); attend(layer, q, k, v, out) writes one
+        layer's attention into out (B, H, T, D) and fills the KV cache where there is one."""
+        eps = self.config.rms_norm_eps
+        x, other = acts.x, acts.other
+        embedding(ids, self.embed, out=x)
+        for i, blk in enumerate(self.blocks):
+            rms_norm(x, blk.attn_norm, eps, out=acts.h)
+            linear(acts.h, blk.qkv, weight_layout="out_in", out=acts.qkv)
+            apply_rope(acts.qk, positions, self.cos, self.sin)
+            attend(i, acts.q, acts.k, acts.v, acts.heads)
+            linear(acts.y, blk.o_proj, weight_layout="out_in", residual=x, out=other)
+            x, other = other, x
+            rms_norm(x, blk.mlp_norm, eps, out=acts.h)
+            swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
+            linear(acts.f, blk.down, weight_layout="out_in", residual=x, out=other)
+            x, other = other, x
+        return x                  # an even number of swaps: acts.x
+
+    def final_norm(self, x, out, rows=None) -> None:
+        """The final RMSNorm of x (of the rows `rows` only, when given) into out."""
+        rms_norm(x, self.norm, self.config.rms_norm_eps, rows=rows, out=out)
+
+    def lm_head(self, h, out=None):
+        """Logits h @ W^T, W the LM head or, when tied, the token embedding."""
+        return linear(h, self.head, weight_layout="out_in", out=out)
+
+    # -- checkpoints and tokenizer ----------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_name: str | Path, *, dtype: str = "bfloat16") -> "Llama":
+        """Load a local Hugging Face Llama checkpoint directory (single-file or sharded safetensors) or a model in
+        the local HF cache."""
+        directory = weights.resolve(path_or_name)
+        config, state = weights.load_state_dict(directory)
+        model = cls(config, dtype=dtype, state=state)
+        model.checkpoint_dir = directory
+        return model
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """float32 host copies of every parameter, under the Hugging Face names."""
+        def host(a):
+            return a.get().astype(np.float32)
+        cfg = self.config
+        q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+        state = {EMBEDDING: host(self.embed), "model.norm.weight": host(self.norm)}
+        for i, b in enumerate(self.blocks):
+            p = f"model.layers.{i}."
+            qkv = host(b.qkv)
+            state.update({p + "input_layernorm.weight": host(b.attn_norm),
+                          p + "self_attn.q_proj.weight": qkv[:q], p + "self_attn.k_proj.weight": qkv[q:q + kv],
+                          p + "self_attn.v_proj.weight": qkv[q + kv:], p + "self_attn.o_proj.weight": host(b.o_proj),
+                          p + "post_attention_layernorm.weight": host(b.mlp_norm),
+                          p + "mlp.gate_proj.weight": host(b.gate), p + "mlp.up_proj.weight": host(b.up),
+                          p + "mlp.down_proj.weight": host(b.down)})
+        if not cfg.tie_word_embeddings:
+            state["lm_head.weight"] = host(self.head)
+        return state
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write config.json and model.safetensors in the Hugging Face Llama format."""
+        weights.save_state_dict(directory, self.config, self.state_dict())
+
+    def tokenizer(self):
+        """The checkpoint's tokenizer.json via `tokenizers`."""
+        from tokenizers import Tokenizer
+        if self.checkpoint_dir is None:
+            raise ValueError("this model has no checkpoint directory to read a tokenizer from "
+                             "(use Llama.from_pretrained)")
+        path = self.checkpoint_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {self.checkpoint_dir}")
+        return Tokenizer.from_file(str(path))
+
+    def eos_token_id(self, tokenizer) -> int | None:
+        """The config's end-of-sequence id (the first, when it names several)."""
+        eos = self.config.eos_token_id
+        return eos[0] if isinstance(eos, tuple) else eos
+

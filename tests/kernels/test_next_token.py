@@ -38,15 +38,16 @@ class State:
         self.history = cupy.full((B, L), -7, cupy.int32)
 
 
-def run(logits, fp, ip, eos, state, *, seen=None, out_counts=None, pad=0):
+def run(logits, fp, ip, eos, state, *, seen=None, out_counts=None, pad=0, device=None):
+    """One next_token call; `device` (fparams, iparams, eos already on the GPU) for calls under graph capture."""
     import cupy
 
     from tilekit.kernels.next_token import candidate_slots, next_token
     slots = candidate_slots(ip[:, 1][ip[:, 0] != 0])
     check = bool(np.any((ip[:, 0] != 0) & (ip[:, 1] == 0) & (fp[:, 1] < 1)))
-    next_token(logits, cupy.asarray(fp), cupy.asarray(ip), cupy.asarray(np.asarray(eos, np.int32)), state.tokens,
-               state.positions, state.history, state.finished, seen=seen, out_counts=out_counts, slots=slots,
-               check=check, pad=pad)
+    d_fp, d_ip, d_eos = device or (cupy.asarray(fp), cupy.asarray(ip), cupy.asarray(np.asarray(eos, np.int32)))
+    next_token(logits, d_fp, d_ip, d_eos, state.tokens, state.positions, state.history, state.finished, seen=seen,
+               out_counts=out_counts, slots=slots, check=check, pad=pad)
 
 
 @pytest.mark.parametrize("dtype,V", [("bfloat16", 50257), ("float32", 1031), ("float16", 128256)])
@@ -145,10 +146,11 @@ def test_same_seed_same_tokens_eager_and_graph():
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
             if graphed:
-                run(logits, fp, ip, [-1], state)    # compile and plan outside the capture
+                device = (cupy.asarray(fp), cupy.asarray(ip), cupy.asarray(np.array([-1], np.int32)))
+                run(logits, fp, ip, [-1], state, device=device)    # compile and plan outside the capture
                 state = State(B, steps + 2)
                 stream.begin_capture()
-                run(logits, fp, ip, [-1], state)
+                run(logits, fp, ip, [-1], state, device=device)
                 graph = stream.end_capture()
                 for _ in range(steps):
                     graph.launch(stream)

@@ -99,5 +99,6 @@ def test_the_tuning_workload_is_what_forward_and_generate_request(small_llama):
         {(op.name, op.problem_key(p)[1]) for op, p in small_llama.kernel_problems(2, 3)}
     with recording() as calls:
         small_llama.generate([[1, 2, 3, 4, 5]], 3, temperature=0, use_graph=False)
+        small_llama.generate([[1, 2, 3, 4, 5]], 3, temperature=1.0, top_k=50, use_graph=False)   # HF's default sampling
     assert {(op.name, op.problem_key(p)[1]) for op, p in calls} == \
         {(op.name, op.problem_key(p)[1]) for op, p in small_llama.kernel_problems(1, 5, 3)}

@@ -1,4 +1,4 @@
-"""The `tilekit` command: tune kernels, inspect and move tuning databases, generate text.
+"""The `tilekit` command: tune kernels, inspect and move tuning databases, generate text, chat.
 
 The benchmark suite lives in the source checkout: `python -m benchmarks` from its root."""
 
@@ -78,6 +78,9 @@ def _parse_shape(op, text: str, dtype: str) -> dict:
         raise UsageError(f"--shape for {op.name} takes {', '.join(op.fields)}"
                          + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else "")
                          + (f"; missing: {', '.join(missing)}" if missing else ""))
+    errors = op.problem_errors(problem)
+    if errors:
+        raise UsageError(f"--shape for {op.name}: {_shown('; '.join(errors), 400)}")
     return {f: problem[f] for f in op.fields}
 
 
@@ -407,9 +410,12 @@ def _db_explain(args) -> int:
         device = device_info()
     else:
         raise UsageError("no GPU here: name one with --gpu NAME --arch sm_XX")
-    print(f"{device.name} ({device.arch}), TILEKIT_AUTOTUNE={os.environ.get('TILEKIT_AUTOTUNE', 'cached')}")
+    from tilekit.autotune.op import autotune_mode
+    mode = autotune_mode()            # what a model would do here; a bogus value is refused, naming it
+    print(f"{device.name} ({device.arch}), TILEKIT_AUTOTUNE={mode}"
+          + (" (a missing key would be tuned on first use)" if mode == "auto" else ""))
     for op, problem in items:
-        r = op.resolve(problem, device, mode="cached")
+        r = op.resolve(problem, device, mode="off" if mode == "off" else "cached")
         print(f"{op.problem_key(problem)[1]:<90} {r.describe()}")
     return 0
 
@@ -550,21 +556,99 @@ def _db_clear(args) -> int:
 
 # -- generate -------------------------------------------------------------------------
 
-def cmd_generate(args) -> int:
-    from tilekit.device import gpu_unavailable_reason
-    reason = gpu_unavailable_reason()
-    if reason:   # before loading any weights
-        raise UsageError(f"generate needs a GPU: {reason}")
-    from tilekit.models import load_model
+MAX_PROMPTS_BYTES = 16 << 20      # a prompts file of more is refused unread
+
+
+def _generation_options(args) -> dict:
+    """generate()'s options from the command line, each checked (ValueError naming it) before any model loads."""
+    from tilekit.models.generation import GenerationSettings, SamplingParams
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                              "presence_penalty", "frequency_penalty")}
+    options = dict(sampling, min_new_tokens=args.min_new_tokens, stop_strings=args.stop or None, seed=args.seed)
+    checked = {k: v for k, v in options.items() if v is not None}
+    SamplingParams(**{k: checked[k] for k in sampling if k in checked})
+    GenerationSettings(max_new_tokens=args.max_new_tokens, **{k: checked[k] for k in options
+                                                                   if k in checked and k not in sampling})
+    return options
+
+
+def _prompts(args) -> list[str]:
+    """The prompts of `generate`: --prompt, or --prompts-file (one prompt per line, blank lines skipped)."""
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise UsageError("generate needs exactly one of --prompt or --prompts-file")
+    if args.prompt is not None:
+        return [args.prompt]
+    lines = [line for line in _read_text(args.prompts_file, "--prompts-file", MAX_PROMPTS_BYTES).splitlines()
+             if line.strip()]
+    if not lines:
+        raise UsageError(f"--prompts-file {_shown(args.prompts_file)} holds no prompt")
+    return lines
+
+
+def _read_text(name: str, what: str, limit: int) -> str:
+    """The UTF-8 text of a regular file of at most `limit` bytes (a FIFO or device is refused unopened)."""
+    import stat
     try:
-        model = load_model(args.model, dtype=args.dtype)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(str(e))
-    print(args.prompt, end="", flush=True)
-    model.generate_text(args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                        top_p=args.top_p, seed=args.seed, stream_to=lambda s: print(s, end="", flush=True))
-    print()
+        st = os.stat(name)
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{what} {_shown(name)} is not a regular file")
+        if st.st_size > limit:
+            raise UsageError(f"{what} {_shown(name)} is larger than {limit} bytes")
+        with open(name, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {_shown(name)}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{what} {_shown(name)} is not UTF-8 text (byte {e.start})") from None
+
+
+def _load(args):
+    """The model of --model on --device: tilekit's on the GPU, or the family's NumPy reference on the CPU."""
+    from tilekit.models import families
+    if args.device == "cuda":
+        from tilekit.device import gpu_unavailable_reason
+        reason = gpu_unavailable_reason()
+        if reason:   # before loading any weights
+            raise UsageError(f"{args.command} needs a GPU: {reason} (--device cpu runs the NumPy reference, slowly)")
+        return families.load_model(args.model, dtype=args.dtype)
+    return families.load_reference(args.model)
+
+
+def cmd_generate(args) -> int:
+    options = _generation_options(args)
+    prompts = _prompts(args)
+    model = _load(args)
+    if len(prompts) == 1:
+        if not args.chat:
+            print(prompts[0], end="", flush=True)
+        model.generate_text(prompts[0], args.max_new_tokens, chat=args.chat,
+                            stream_to=lambda s: print(s, end="", flush=True), **options)
+        print()
+        return 0
+    for text in model.generate_text(prompts, args.max_new_tokens, chat=args.chat, **options):
+        print(json.dumps(text, ensure_ascii=False))
     return 0
+
+
+def cmd_chat(args) -> int:
+    """An interactive conversation: each line read is a user turn; the reply streams; an empty line or EOF ends."""
+    options = _generation_options(args)
+    model = _load(args)
+    model.chat_template()       # a checkpoint without one is refused before the first turn
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = model.chat(messages, args.max_new_tokens, stream_to=lambda s: print(s, end="", flush=True), **options)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
 
 
 # -- parser ----------------------------------------------------------------------------------
@@ -583,25 +667,80 @@ def _model_args(p, default_model=None):
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 8], help="comma-separated (default 1,8)")
     p.add_argument("--seq-lens", type=_int_list, default=[128, 1024], help="comma-separated (default 128,1024)")
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
-    p.add_argument("--new-tokens", type=int, default=128,
+    p.add_argument("--new-tokens", type=_positive, default=128,
                    help="tokens generate() adds after each prompt in the workload (default 128)")
+
+
+def _generation_args(p) -> None:
+    """The model, device and generation options that `generate` and `chat` share; sampling options left out
+    take the checkpoint's generation_config.json values, as Hugging Face's generate does."""
+    p.add_argument("--model", required=True, help="checkpoint directory or HF cache name (any supported family, "
+                                                  "chosen by config.json's model_type)")
+    p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (default): tilekit's kernels; cpu: the family's NumPy float64 reference, slow, for "
+                        "checking (same options; its own random draws)")
+    p.add_argument("--max-new-tokens", type=_count, help="tokens to generate (default: generation_config.json's)")
+    p.add_argument("--min-new-tokens", type=_count, help="ban the end-of-sequence ids until this many were made")
+    p.add_argument("--temperature", type=float, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-k", type=_count, help="sample from the k most likely tokens only (0: off)")
+    p.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this total probability")
+    p.add_argument("--min-p", type=float, help="keep tokens at least this fraction as likely as the likeliest")
+    p.add_argument("--repetition-penalty", type=float, help="Hugging Face's repetition penalty (1: off)")
+    p.add_argument("--presence-penalty", type=float, help="subtract this from tokens already generated (0: off)")
+    p.add_argument("--frequency-penalty", type=float, help="subtract this per time a token was generated (0: off)")
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop once the text contains TEXT (repeatable)")
+    p.add_argument("--seed", type=_count, help="random seed, for repeatable samples")
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _minutes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of minutes, got {text!r}")
+    return value
+
+
+def _version() -> str:
+    import tilekit
+    return f"tilekit {tilekit.__version__}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tilekit", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do")
 
     tune = sub.add_parser("tune", help="tune the kernels a model (or one kernel shape) uses on this GPU")
     _model_args(tune)
     tune.add_argument("--kernel", help="tune one kernel instead of a model (with --shape)")
     tune.add_argument("--shape", help="problem fields, e.g. M=8192,N=2304,K=768")
-    tune.add_argument("--budget", type=float, help="time budget in minutes")
+    tune.add_argument("--budget", type=_minutes, help="time budget in minutes")
     tune.add_argument("--stale", choices=("user", "shipped"), nargs="?", const="user",
                       help="re-tune the entries of this GPU's file in that layer (default user) that the "
                            "current kernels made stale; the results go to the user database")
     tune.add_argument("--force", action="store_true", help="re-tune shapes that are already tuned")
     tune.add_argument("--devices", help="'all' or GPU indices '0,1': one worker process per GPU")
-    tune.add_argument("--workers", type=int, help="compile processes (default: CPU cores - 1)")
+    tune.add_argument("--workers", type=_positive, help="compile processes (default: CPU cores - 1)")
     tune.add_argument("--shard", help=argparse.SUPPRESS)
     tune.set_defaults(func=cmd_tune)
 
@@ -638,16 +777,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also delete corrupt files that were moved aside (*.bad)")
     db.set_defaults(func=cmd_db)
 
-    gen = sub.add_parser("generate", help="generate text from a checkpoint, streaming tokens (needs a GPU)")
-    gen.add_argument("--model", required=True, help="checkpoint directory or HF cache name")
-    gen.add_argument("--prompt", required=True, help="the text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate (default 50)")
-    gen.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (default 1.0)")
-    gen.add_argument("--top-k", type=int, help="sample from the k most likely tokens only")
-    gen.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with this total probability")
-    gen.add_argument("--seed", type=int, help="random seed, for repeatable samples")
-    gen.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
+    gen = sub.add_parser("generate", help="generate text from a checkpoint of any supported family, streaming it")
+    _generation_args(gen)
+    gen.add_argument("--prompt", help="the text to continue")
+    gen.add_argument("--prompts-file", help="a UTF-8 file of prompts, one per line: one batch, each continuation "
+                                            "printed as a JSON string on its own line")
+    gen.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the checkpoint's chat template")
     gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="talk with a checkpoint through its chat template (multi-turn, from stdin)")
+    _generation_args(chat)
+    chat.add_argument("--system", help="a system message opening the conversation")
+    chat.set_defaults(func=cmd_chat)
 
     return parser
 
@@ -661,8 +803,11 @@ def main(argv: list[str] | None = None) -> int:
         import tilekit.kernels  # noqa: F401  (declares the ops that tuning entries name)
     try:
         return args.func(args)
-    except (UsageError, ValueError, TuningDBError) as e:
+    except (UsageError, ValueError, FileNotFoundError, TuningDBError) as e:
         print(f"tilekit: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:     # a permission or disk error on a file the command writes or reads
+        print(f"tilekit: {_shown(str(e.filename or ''), 400)}: {e.strerror or e}", file=sys.stderr)
         return 2
     except BrokenPipeError:   # output piped into `head` and the like: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -161,7 +161,8 @@ def test_generate_without_gpu_says_so_before_loading(monkeypatch, capsys):
     monkeypatch.setattr(tilekit.models.GPT, "from_pretrained",
                         lambda *a, **k: pytest.fail("loaded weights without a GPU"))
     line = misuse(["generate", "--model", str(ROOT / "tests" / "data" / "tiny-gpt2"), "--prompt", "Hi"], capsys)
-    assert line == f"tilekit: generate needs a GPU: {gpu_unavailable_reason()}"
+    assert line == (f"tilekit: generate needs a GPU: {gpu_unavailable_reason()} (--device cpu runs the NumPy "
+                    "reference, slowly)")
 
 
 def test_the_installed_cli_has_no_bench_and_never_imports_the_benchmarks(capsys):

@@ -205,6 +205,9 @@ class Op:
     scalars(problem): a representative value of each runtime scalar (benchmarks, compile signatures).
     optional: the public function's array arguments that may be None (the others must be arrays).
     bind(infos, flags): validates one call (raising errors that name the argument) -> Binding.
+    choices: key fields that are not sizes -> the values a problem may give them (a tuple, or a range of ints;
+    dtype: the float dtypes unless given); every other key field is a size, a positive int. cli_defaults: values the command line
+    fills in for fields it was not given.
     """
 
     def __init__(self, name: str, *, args: tuple[str, ...], optional: tuple[str, ...] = (),
@@ -214,7 +217,7 @@ class Op:
                  bind: Callable[[list, tuple], Binding], scratch: Callable | None = None,
                  scalars: Callable[[Problem], dict] | None = None,
                  extras: Mapping[str, Callable[[Problem], Any]] | None = None,
-                 cli_defaults: Mapping | None = None):
+                 choices: Mapping[str, tuple] | None = None, cli_defaults: Mapping | None = None):
         self.name, self.args, self.bind = name, tuple(args), bind
         self.required = tuple(a not in optional for a in args)
         self.fields = tuple(key)
@@ -226,6 +229,7 @@ class Op:
         (self.tuned_launch,) = [launch for launch in self.launches if launch.hinted]
         self.kernel = self.tuned_launch.kernel
         self.field_defaults = dict(cli_defaults or {})
+        self.choices = {"dtype": arr.FLOAT_DTYPES, **(choices or {})}
         self._plans: dict[tuple, Plan] = {}
         self._generation = 0                  # bumped by forget(): a plan built before it is not kept
         self._hinted: dict[tuple, Any] = {}
@@ -250,6 +254,20 @@ class Op:
         """(key fields bucketed, the key string)."""
         bucketed = bucket_problem({f: problem[f] for f in self.fields}, self.buckets)
         return bucketed, key_string(self.name, bucketed)
+
+    def problem_errors(self, problem: Problem) -> list[str]:
+        """What is wrong with a problem named by hand (the command line): each key field must be one of its
+        choices, or a positive int."""
+        errors = []
+        for f in self.fields:
+            value, allowed = problem.get(f), self.choices.get(f)
+            if isinstance(allowed, range) and (type(value) is not int or value not in allowed):
+                errors.append(f"{f} must be an integer from {allowed.start}, got {value!r}")
+            elif allowed is not None and not isinstance(allowed, range) and (value not in allowed or type(value) is bool):
+                errors.append(f"{f} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+            elif allowed is None and (type(value) is not int or value < 1):
+                errors.append(f"{f} must be a positive integer, got {value!r}")
+        return errors
 
     def tuning_problem(self, problem: Problem) -> dict:
         """What the tuner measures for `problem`: its key fields bucketed, its launch-only fields kept

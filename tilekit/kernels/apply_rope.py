@@ -104,7 +104,7 @@ APPLY_ROPE = Op(
     key=dict(dtype=None, table=None, B=pow2_bucket, H=None, T=pow2_bucket, D=None), extras=dict(P=lambda p: 4096),
     space=SPACE, default=default_config, arrays=_arrays,
     launches=(Launch(rope_kernel, _grid, ("x", "pos", "cos", "sin"), _constants),),
-    bind=_bind, cli_defaults=dict(table="float32"))
+    bind=_bind, choices=dict(table=("float32",)), cli_defaults=dict(table="float32"))
 
 
 def apply_rope(x, positions, cos, sin) -> None:

@@ -185,7 +185,7 @@ ATTENTION = Op(
     space=SPACE, default=default_config, arrays=_arrays,
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"])},
     launches=(Launch(attention_kernel, _grid, ("q", "k", "v", "o", "qk_scale"), _constants),),
-    bind=_bind, cli_defaults=dict(causal=1))
+    bind=_bind, choices=dict(causal=(0, 1)), cli_defaults=dict(causal=1))
 
 
 def attention(q, k, v, *, causal: bool = True, scale: float | None = None, out=None):

@@ -236,7 +236,7 @@ DECODE_ATTENTION = Op(
                      dependent=False),
               Launch(decode_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
                      hinted=False)),
-    bind=_bind, cli_defaults=dict(nq=1, new_kv=1))
+    bind=_bind, choices=dict(new_kv=(0, 1)), cli_defaults=dict(nq=1, new_kv=1))
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, new_k=None, new_v=None, scale: float | None = None,

@@ -137,7 +137,8 @@ EMBEDDING = Op(
     key=dict(dtype=None, ids=None, M=pow2_bucket, C=None, V=None, P=None, fixed=None), space=SPACE,
     default=default_config, arrays=_arrays,
     launches=(Launch(embedding_kernel, _grid, ("ids", "pos", "wte", "wpe", "out"), _constants),),
-    bind=_bind, cli_defaults=dict(ids="int32", fixed=0))
+    bind=_bind, choices=dict(ids=("int32", "int64"), fixed=(0, 1), P=range(0, 1 << 31)),
+    cli_defaults=dict(ids="int32", fixed=0))
 
 
 def embedding(ids, wte, wpe=None, positions=None, *, out=None):

@@ -81,7 +81,7 @@ def _bind(a: list, flags: tuple) -> Binding:
 GELU = Op("gelu", args=("x", "out"), optional=("out",), key=dict(dtype=None, n=pow2_bucket, exact=None),
           space=SPACE, default=default_config, arrays=_arrays,
           launches=(Launch(gelu_kernel, _grid, ("x", "y"), _constants),), bind=_bind,
-          cli_defaults=dict(exact=0))
+          choices=dict(exact=(0, 1)), cli_defaults=dict(exact=0))
 
 
 def gelu(x, *, approximate: str = "tanh", out=None):

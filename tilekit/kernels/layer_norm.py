@@ -160,7 +160,7 @@ LAYER_NORM = Op(
     key=dict(dtype=None, M=pow2_bucket, N=None, gather=None, fixed=None), extras=dict(rows_in=lambda p: p["M"]),
     space=SPACE, default=default_config, arrays=_arrays, scalars=lambda p: {"eps": 1e-5},
     launches=(Launch(layer_norm_kernel, _grid, ("x", "w", "b", "y", "rows", "eps"), _constants),),
-    bind=_bind, cli_defaults=dict(gather=0, fixed=0))
+    bind=_bind, choices=dict(gather=(0, 1), fixed=(0, 1)), cli_defaults=dict(gather=0, fixed=0))
 
 
 def layer_norm(x, weight, bias, eps: float = 1e-5, *, rows=None, out=None):

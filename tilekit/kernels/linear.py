@@ -246,7 +246,8 @@ LINEAR = Op(
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
     launches=(Launch(linear_kernel, _grid, ("x", "w", "bias", "res", "y", "partial", "counter"), _constants,
                      dependent=_dependent),),
-    bind=_bind, cli_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0))
+    bind=_bind, choices=dict(wt=("kn", "nk"), bias=(0, 1), act=("none", "gelu"), res=(0, 1), tf32=(0, 1)),
+    cli_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0))
 
 
 # -- public function ---------------------------------------------------------------------------

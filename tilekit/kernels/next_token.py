@@ -473,7 +473,8 @@ NEXT_TOKEN = Op(
               Launch(next_token_finish_kernel, _row_grid,
                      (*_ARGS, "ccount", "ckey", "cand_z", "cand_i", "cmass", "tokens", "history", "finished", "pad"),
                      _finish_constants, hinted=False)),
-    bind=_bind, cli_defaults=dict(pen=0, KS=0, check=0))
+    bind=_bind, choices=dict(pen=(0, 1), KS=(0, 16, 32, 64, 128, 256), check=(0, 1)),
+    cli_defaults=dict(pen=0, KS=0, check=0))
 
 
 def candidate_slots(top_ks) -> int:

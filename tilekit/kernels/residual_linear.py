@@ -122,7 +122,7 @@ RESIDUAL_LINEAR = Op(
     "residual_linear", args=("residual", "x", "weight", "bias"), optional=("bias",),
     key=dict(dtype=None, M=pow2_bucket, N=None, K=None, bias=None), space=SPACE, default=default_config,
     arrays=_arrays, launches=(Launch(residual_linear_kernel, _grid, ("x", "w", "bias", "residual"), _constants),),
-    bind=_bind, cli_defaults=dict(bias=1))
+    bind=_bind, choices=dict(bias=(0, 1)), cli_defaults=dict(bias=1))
 
 
 # -- public function ---------------------------------------------------------------------------

@@ -139,7 +139,7 @@ RMS_NORM = Op(
     key=dict(dtype=None, M=pow2_bucket, N=None, gather=None, res=None), extras=dict(rows_in=lambda p: p["M"]),
     space=SPACE, default=default_config, arrays=_arrays, scalars=lambda p: {"eps": 1e-5},
     launches=(Launch(rms_norm_kernel, _grid, ("x", "res", "w", "y", "rows", "eps"), _constants),),
-    bind=_bind, cli_defaults=dict(gather=0, res=0))
+    bind=_bind, choices=dict(gather=(0, 1), res=(0, 1)), cli_defaults=dict(gather=0, res=0))
 
 
 def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, rows=None, out=None):

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
+
 from tilekit.models import hf
 
 
@@ -152,3 +154,11 @@ def load_model(path_or_name: str | Path, dtype: str = "bfloat16"):
     directory = checkpoint_dir(path_or_name)
     family, _ = family_of_checkpoint(directory / hf.CONFIG_NAME)
     return family.model_class.from_pretrained(directory, dtype=dtype)
+
+
+def load_reference(path_or_name: str | Path, dtype=np.float32):
+    """The NumPy reference model (the family's reference class, weights in `dtype`) of a checkpoint directory or
+    a hub model name in the local cache: generation on the CPU, slow, for checking the GPU models."""
+    directory = checkpoint_dir(path_or_name)
+    family, _ = family_of_checkpoint(directory / hf.CONFIG_NAME)
+    return family.reference_class.from_pretrained(directory, dtype=dtype)

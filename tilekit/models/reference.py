@@ -12,12 +12,14 @@ from types import ModuleType
 
 import numpy as np
 
+from tilekit.models.generation import SamplingParams, TextGeneration, generate_by_recomputation
 from tilekit.models.hf import float_dtype
 
 
-class ReferenceLM:
-    """What the NumPy reference models share: validated weights in one dtype, loading, validated ids, `forward`
-    and greedy generation by recomputation. A model names its family's `weights` module (check_state_dict,
+class ReferenceLM(TextGeneration):
+    """What the NumPy reference models share: validated weights in one dtype, loading, validated ids, `forward`,
+    and generation by recomputation (greedy, or sampled with the GPU models' options, text and chat included:
+    slow, for checking). A model names its family's `weights` module (resolve, check_state_dict,
     load_state_dict) and writes `_hidden` (final-norm hidden states) and `_lm_head`."""
 
     weights: ModuleType
@@ -31,8 +33,11 @@ class ReferenceLM:
     @classmethod
     def from_pretrained(cls, path_or_name: str | Path, dtype=np.float64) -> "ReferenceLM":
         """Load a Hugging Face checkpoint directory or cached hub model name."""
-        config, state = cls.weights.load_state_dict(path_or_name, dtype=dtype)
-        return cls(config, state, dtype)
+        directory = cls.weights.resolve(path_or_name)
+        config, state = cls.weights.load_state_dict(directory, dtype=dtype)
+        model = cls(config, state, dtype)
+        model.checkpoint_dir = directory
+        return model
 
     def forward(self, ids) -> np.ndarray:
         """Logits (B, T, vocab_size) for integer token ids (B, T)."""
@@ -50,6 +55,29 @@ class ReferenceLM:
             logits = self._lm_head(self._hidden(ids)[:, -1])
             ids = np.concatenate([ids, logits.argmax(-1)[:, None]], axis=1)
         return ids
+
+    def generate(self, ids, max_new_tokens: int | None = None, *, sampling: list[SamplingParams] | None = None,
+                 on_token=None, **options) -> list[np.ndarray]:
+        """What the GPU model's generate() returns, by recomputing every prefix each step: prompts `ids` (a 2-D
+        array, or a list of token lists of different lengths), options as for generate() (temperature, top_k,
+        ..., eos_token_id, stop_strings, seed), each processed as the GPU does and sampled with NumPy's
+        generator (the same seed gives the same tokens here, not the GPU's)."""
+        if isinstance(ids, (list, tuple)) and ids and all(isinstance(p, (list, tuple, np.ndarray)) for p in ids):
+            prompts = [self._check_ids(np.asarray([p]))[0] for p in ids]
+        else:
+            prompts = list(self._check_ids(ids))
+        if "eos_token_id" in options:
+            options["eos_token_ids"] = options.pop("eos_token_id")
+        settings, rows, streams = self.generation_plan(prompts, max_new_tokens, sampling, **{
+            k: options.pop(k, None) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                              "presence_penalty", "frequency_penalty", "min_new_tokens",
+                                              "eos_token_ids", "stop_strings", "seed")})
+        if options:
+            raise ValueError(f"unknown generation argument(s): {', '.join(sorted(options))}")
+
+        def last_logits(seqs):
+            return np.stack([self._lm_head(self._hidden(np.array([s]))[:, -1])[0] for s in seqs])
+        return generate_by_recomputation(self, prompts, settings, rows, streams, last_logits, on_token)
 
     def _check_ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids)

@@ -23,8 +23,7 @@ from tilekit.autotune.arrays import MetaArray, numpy_dtype, release_scratch
 from tilekit.autotune.op import recording
 from tilekit.kernels import attention, decode_attention, next_token, write_kv
 from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candidate_slots, pack_params
-from tilekit.models.generation import (GenerationSettings, SamplingParams, StopChecker, param_arrays, per_row,
-                                       token_counts)
+from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
 
 PAD = 64          # prompts pad to, and KV caches grow in, multiples of this many positions
 LOGIT_ROW_ALIGN = 64   # forward()'s logits rows are padded to multiples of this many entries
@@ -321,7 +320,7 @@ def host_ids(x, name: str) -> np.ndarray:
         raise TypeError(f"{name} must be an integer array (NumPy, CuPy, torch or nested lists): {e}") from None
 
 
-class CausalLM:
+class CausalLM(TextGeneration):
     """forward, generate and the workload of a model that provides the math (see the module doc).
 
     A subclass sets `config` (with vocab_size and block_size), `dtype` and `meta` (MetaArray weights),
@@ -415,15 +414,6 @@ class CausalLM:
             self._generations.clear()
 
     # -- generation -----------------------------------------------------------------------------
-    def generation_defaults(self) -> GenerationSettings:
-        """What generate() does unless told otherwise: the checkpoint's generation_config.json read as Hugging
-        Face reads it (greedy unless it says do_sample), with config.json's eos ids; greedy for a model
-        without a checkpoint directory."""
-        eos = getattr(self.config, "eos_token_id", None)
-        if getattr(self, "checkpoint_dir", None) is not None:
-            return GenerationSettings.from_generation_config(self.checkpoint_dir, config_eos=eos)
-        return GenerationSettings(eos_token_ids=() if eos is None else eos, sampling=SamplingParams(temperature=0.0))
-
     def generate(self, ids, max_new_tokens: int | None = None, *, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                  repetition_penalty: float | None = None, presence_penalty: float | None = None,
@@ -454,31 +444,15 @@ class CausalLM:
         multiple of 64) repeats; use_graph=False runs every kernel one by one.
         """
         prompts = self._check_prompts(ids)
-        B, V = len(prompts), self.config.vocab_size
-        scalars = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                       frequency_penalty=frequency_penalty)
-        if sampling is not None and any(v is not None for v in scalars.values()):
-            raise ValueError("pass sampling= (one SamplingParams per row) or the scalar sampling arguments, not both")
-        settings = self.generation_defaults().override(
-            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, stop_strings=stop_strings, seed=seed,
-            eos_token_ids=eos_token_id, **scalars)
-        rows = per_row(settings.sampling if sampling is None else list(sampling), B)
-        new = settings.max_new_tokens
-        if new is None:
-            raise ValueError("max_new_tokens must be given (the checkpoint's generation_config.json sets none)")
-        eos = settings.eos_token_ids
-        if any(e >= V for e in eos) or len(eos) > MAX_EOS:
-            raise ValueError(f"eos_token_id must be at most {MAX_EOS} ids in [0, {V}), got {list(eos)}")
+        settings, rows, streams = self.generation_plan(
+            prompts, max_new_tokens, sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, min_new_tokens=min_new_tokens, eos_token_ids=eos_token_id,
+            stop_strings=stop_strings, seed=seed)
+        B, V, new, eos = len(prompts), self.config.vocab_size, settings.max_new_tokens, settings.eos_token_ids
+        if len(eos) > MAX_EOS:
+            raise ValueError(f"eos_token_id must be at most {MAX_EOS} ids, got {len(eos)}")
         lengths = np.array([len(p) for p in prompts], np.int32)
-        if int(lengths.max()) + new > self.config.block_size:
-            raise ValueError(f"prompt length {int(lengths.max())} + max_new_tokens {new} "
-                             f"exceeds block_size {self.config.block_size}")
-        streams = None
-        if settings.stop_strings:
-            from tilekit.models.text import TextStream
-            tokenizer = self.tokenizer()
-            streams = [TextStream(tokenizer, context=p.tolist()) for p in prompts]
         if new == 0:
             return [np.asarray(p, np.int64) for p in prompts]
         capacity, T = capacity_for(self, int(lengths.max()), new)
@@ -523,74 +497,6 @@ class CausalLM:
                     break
                 stops.update(history[np.arange(B), lengths + i])
         return [history[b, :lengths[b] + stops.lengths[b]].astype(np.int64) for b in range(B)]
-
-    def tokenizer(self):
-        """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt), read as untrusted."""
-        from tilekit.models.text import load_tokenizer
-        if getattr(self, "checkpoint_dir", None) is None:
-            raise ValueError("this model has no checkpoint directory to read a tokenizer from (load it with "
-                             "from_pretrained)")
-        return load_tokenizer(self.checkpoint_dir)
-
-    def generate_text(self, prompt: str | Sequence[str], max_new_tokens: int | None = None, *,
-                      stream_to: Callable[[str], None] | None = None, chat: bool = False,
-                      **kwargs) -> str | list[str]:
-        """Tokenize `prompt` (or a list of prompts, one batch) with the checkpoint's tokenizer, generate
-        (kwargs as for generate()), and return the continuation's text; stream_to(piece) receives it
-        piece by piece as it is made (one prompt only): the pieces concatenate to exactly the returned
-        text, characters that span tokens included. chat=True sends each prompt as one user message
-        through the checkpoint's chat template (see chat())."""
-        single = isinstance(prompt, str)
-        texts = [prompt] if single else list(prompt)
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise ValueError("prompt must be a string or a non-empty list of strings")
-        if stream_to is not None and not single:
-            raise ValueError("stream_to streams one prompt; pass a string, or no stream_to for a batch")
-        if chat:
-            ids = [self._chat_ids([{"role": "user", "content": t}]) for t in texts]
-        else:
-            ids = [self.tokenizer().encode(t).ids for t in texts]
-        out = self._continue_text(ids, max_new_tokens, stream_to, kwargs)
-        return out[0] if single else out
-
-    def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, *,
-             stream_to: Callable[[str], None] | None = None, **kwargs) -> str:
-        """The assistant's reply to `messages` ([{"role": "system" | "user" | "assistant" | "tool",
-        "content": ...}, ...]), the conversation rendered with the checkpoint's chat template as Hugging
-        Face's apply_chat_template renders it; kwargs as for generate()."""
-        return self._continue_text([self._chat_ids(messages)], max_new_tokens, stream_to, kwargs)[0]
-
-    def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of `messages` rendered with the chat template (which writes its own special tokens)."""
-        from tilekit.models.text import chat_template
-        template = None if getattr(self, "checkpoint_dir", None) is None else chat_template(self.checkpoint_dir)
-        if template is None:
-            raise ValueError("this checkpoint has no chat template (tokenizer_config.json's chat_template or "
-                             "chat_template.jinja)")
-        return self.tokenizer().encode(template.render(messages), add_special_tokens=False).ids
-
-    def _continue_text(self, ids: list[list[int]], max_new_tokens: int | None, stream_to, kwargs) -> list[str]:
-        """The decoded continuations of prompts `ids`, row 0's streamed to stream_to as it is made."""
-        from tilekit.models.text import TextStream
-        if not all(ids):
-            raise ValueError("prompt encodes to no tokens")
-        tokenizer = self.tokenizer()
-        streams = [TextStream(tokenizer, context=i) for i in ids]
-        on_token = None
-        if stream_to is not None:
-            def on_token(tokens):
-                piece = streams[0].push(tokens[0])
-                if piece:
-                    stream_to(piece)
-        seqs = self.generate(ids, max_new_tokens, on_token=on_token, **kwargs)
-        for b, (stream, seq) in enumerate(zip(streams, seqs)):
-            if stream_to is None or b > 0:
-                for t in seq[len(ids[b]):]:
-                    stream.push(t)
-            rest = stream.flush()
-            if stream_to is not None and b == 0 and rest:
-                stream_to(rest)
-        return [s.printed for s in streams]
 
     # -- the workload ---------------------------------------------------------------------------
     def kernel_problems(self, batch: int, seq_len: int, new_tokens: int | None = None) -> list[tuple]:

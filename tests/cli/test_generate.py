@@ -1,0 +1,129 @@
+"""`tilekit generate` and `tilekit chat` on CPU (--device cpu runs the NumPy reference), `--version`, and the
+command line's argument checks: each misuse is one `tilekit: ...` line naming the argument, exit 2, before any
+model loads."""
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tilekit
+from tests.cli.test_cli import misuse, run
+from tilekit.models import ReferenceGPT
+from tilekit.models.text import load_tokenizer
+
+TINY = Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny-gpt2"
+
+
+def test_version(capsys):
+    rc, out, _ = run(["--version"], capsys)
+    assert rc == 0 and out.strip() == f"tilekit {tilekit.__version__}" and tilekit.__version__
+
+
+def test_generate_on_the_cpu_is_the_references_greedy_continuation(capsys):
+    rc, out, err = run(["generate", "--model", str(TINY), "--prompt", "the quick", "--device", "cpu",
+                        "--max-new-tokens", "6", "--temperature", "0"], capsys)
+    assert (rc, err) == (0, ""), err
+    tokenizer = load_tokenizer(TINY)
+    ids = tokenizer.encode("the quick").ids
+    greedy = ReferenceGPT.from_pretrained(TINY, dtype=np.float32).generate_greedy(np.array([ids]), 6)[0]
+    assert out == "the quick" + tokenizer.decode(greedy[len(ids):].tolist()) + "\n"
+
+
+def test_a_prompts_file_is_one_batch_printed_as_json_lines(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick\n\nbrown fox jumps\n")
+    rc, out, err = run(["generate", "--model", str(TINY), "--prompts-file", str(prompts), "--device", "cpu",
+                        "--max-new-tokens", "4", "--temperature", "0.9", "--top-k", "20", "--seed", "3"], capsys)
+    assert (rc, err) == (0, ""), err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert len(lines) == 2 and all(isinstance(t, str) for t in lines)
+    again = run(["generate", "--model", str(TINY), "--prompts-file", str(prompts), "--device", "cpu",
+                 "--max-new-tokens", "4", "--temperature", "0.9", "--top-k", "20", "--seed", "3"], capsys)[1]
+    assert again == out, "the same seed sampled other tokens"
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--temperature", "nan"], "temperature must be finite"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top-k", "-1"], "argument --top-k"),
+    (["--min-p", "2"], "min_p must be in [0, 1]"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["--presence-penalty", "inf"], "presence_penalty must be finite"),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens"),
+    (["--max-new-tokens", "abc"], "argument --max-new-tokens"),
+    (["--stop", ""], "stop_strings"),
+])
+def test_bad_generation_options_are_refused_before_loading(args, says, capsys, monkeypatch):
+    from tilekit.models import families
+    monkeypatch.setattr(families, "load_reference", lambda *a, **k: pytest.fail("loaded a model"))
+    line = misuse(["generate", "--model", str(TINY), "--prompt", "x", "--device", "cpu", *args], capsys)
+    assert says in line, line
+
+
+def test_prompt_choice_and_files_are_checked(tmp_path, capsys):
+    base = ["generate", "--model", str(TINY), "--device", "cpu"]
+    assert "exactly one of --prompt or --prompts-file" in misuse(base, capsys)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert "holds no prompt" in misuse(base + ["--prompts-file", str(empty)], capsys)
+    assert "not a regular file" in misuse(base + ["--prompts-file", "/dev/zero"], capsys)
+    assert "cannot read --prompts-file" in misuse(base + ["--prompts-file", str(tmp_path / "none")], capsys)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe")
+    assert "not UTF-8" in misuse(base + ["--prompts-file", str(bad)], capsys)
+
+
+TEMPLATE = "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}"
+
+
+def test_chat_needs_a_template_and_runs_turns_from_stdin(tmp_path, capsys, monkeypatch):
+    checkpoint = tmp_path / "tiny-chat"
+    shutil.copytree(TINY, checkpoint)
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nyo\n\n"))
+    rc, out, err = run(["chat", "--model", str(checkpoint), "--device", "cpu", "--max-new-tokens", "3",
+                        "--temperature", "0", "--system", "x"], capsys)
+    assert (rc, err) == (0, ""), err
+    assert len(out.splitlines()) == 2, out          # one reply line per user turn
+
+
+def test_chat_without_a_template_says_so(capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    line = misuse(["chat", "--model", str(TINY), "--device", "cpu", "--max-new-tokens", "2"], capsys)
+    assert "has no chat template" in line
+
+
+@pytest.mark.parametrize("shape,says", [
+    ("M=-1,N=8,K=8", "M must be a positive integer, got -1"),
+    ("M=abc,N=8,K=8", "M must be a positive integer, got 'abc'"),
+    ("M=8,N=8,K=8,act=relu", "act must be one of none, gelu, got 'relu'"),
+    ("M=8,N=8,K=8,dtype=int8", "dtype must be one of bfloat16, float16, float32, got 'int8'"),
+])
+def test_tune_shapes_are_checked(shape, says, capsys):
+    assert says in misuse(["tune", "--kernel", "linear", "--shape", shape], capsys)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--budget", "0"], "argument --budget"), (["--budget", "nan"], "argument --budget"),
+    (["--workers", "0"], "argument --workers"), (["--new-tokens", "-3"], "argument --new-tokens"),
+    (["--seq-lens", "0"], "argument --seq-lens"),
+])
+def test_tune_options_are_checked(args, says, capsys):
+    assert says in misuse(["tune", "--model", "gpt2", *args], capsys)
+
+
+def test_explain_follows_the_autotune_mode(capsys, monkeypatch):
+    base = ["db", "explain", "--gpu", "NVIDIA H100 80GB HBM3", "--batch-sizes", "1", "--seq-lens", "128"]
+    monkeypatch.setenv("TILEKIT_AUTOTUNE", "off")
+    rc, out, _ = run(base, capsys)
+    lines = out.splitlines()
+    assert rc == 0 and "TILEKIT_AUTOTUNE=off" in lines[0]
+    assert all(line.endswith("heuristic default") for line in lines[1:]), lines
+    monkeypatch.setenv("TILEKIT_AUTOTUNE", "sometimes")
+    assert "TILEKIT_AUTOTUNE='sometimes' is not one of" in misuse(base, capsys)

@@ -185,22 +185,22 @@ def _decode_generation(model, batch: int):
     import numpy as np
     model.forget_graphs()
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, PROMPT))
-    model.generate(prompt, NEW_TOKENS, temperature=0)
+    model.generate(prompt, NEW_TOKENS, temperature=0, eos_token_id=[])
     (gen,) = model._generations.values()
     return gen
 
 
-def decode_model(preset: str):
-    """tilekit's bf16 model of a preset (of any family), random weights from seed 0."""
+def decode_model(preset: str, dtype: str = "bfloat16"):
+    """tilekit's model of a preset (of any family) in `dtype`, random weights from seed 0."""
     from tilekit.models.families import family_of_config, preset_config
     config = preset_config(preset)
-    return family_of_config(config).model_class(config, dtype="bfloat16", seed=0)
+    return family_of_config(config).model_class(config, dtype=dtype, seed=0)
 
 
-def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
+def run(preset: str, batch: int, bandwidth_gbs: float, log=print, dtype: str = "bfloat16") -> dict:
     """The decode step profiled as it runs (dependent launch), then captured and profiled without it."""
     from tilekit.autotune import op
-    model = decode_model(preset)
+    model = decode_model(preset, dtype)
     dependent = profile_step(_decode_generation(model, batch), bandwidth_gbs) if op.DEPENDENT_LAUNCH else None
     with ordinary_launch():
         result = profile_step(_decode_generation(model, batch), bandwidth_gbs)
@@ -211,7 +211,7 @@ def run(preset: str, batch: int, bandwidth_gbs: float, log=print) -> dict:
         for s in result["summary"]:
             s["path_us_dependent"] = paths[s["op"]]
     result.update(preset=preset, batch=batch, bandwidth_gbs=bandwidth_gbs, dependent_launch=dependent is not None)
-    log(f"[breakdown {preset} B{batch}]\n" + format_table(result["summary"], bandwidth_gbs, result["step_ms"],
+    log(f"[breakdown {preset} {dtype} B{batch}]\n" + format_table(result["summary"], bandwidth_gbs, result["step_ms"],
                                                           result["step_ms_sequential"]))
     return result
 
@@ -263,14 +263,15 @@ def profile_forward(model, ids, calls: list, bandwidth_gbs: float, reps: int = 3
     return {"wall_ms": wall_ms, "kernels": rows, "summary": summarize(rows, by="key")}
 
 
-def run_prefill(preset: str, batch: int, seq: int, bandwidth_gbs: float, peak_tflops: float, log=print) -> dict:
+def run_prefill(preset: str, batch: int, seq: int, bandwidth_gbs: float, peak_tflops: float, log=print,
+                dtype: str = "bfloat16") -> dict:
     """forward() on batch x seq random ids, profiled without dependent launch (a kernel's span then is
     its own work); the wall time is also taken with it, when it is on."""
     import numpy as np
 
     from tilekit.autotune import op
     from tilekit.autotune.op import recording
-    model = decode_model(preset)
+    model = decode_model(preset, dtype)
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, seq))
     with recording() as calls:               # the problems of one forward, launched eagerly
         model.forward(ids, use_graph=False)
@@ -285,7 +286,7 @@ def run_prefill(preset: str, batch: int, seq: int, bandwidth_gbs: float, peak_tf
     forward_ms["ordinary launch"] = result["wall_ms"]
     result.update(preset=preset, batch=batch, seq=seq, forward_ms=forward_ms, peak_tflops=peak_tflops,
                   bandwidth_gbs=bandwidth_gbs)
-    log(f"[breakdown prefill {preset} B{batch} T{seq}]\n"
+    log(f"[breakdown prefill {preset} {dtype} B{batch} T{seq}]\n"
         + format_prefill_table(result["summary"], peak_tflops, bandwidth_gbs, forward_ms))
     return result
 
@@ -301,6 +302,7 @@ def model_batch_parser(module: str, doc: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ap = model_batch_parser("breakdown", __doc__)
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--prefill", type=int, action="append", metavar="T",
                     help="profile forward() on batch x T tokens instead of a decode step (repeatable)")
     args = ap.parse_args(argv)
@@ -316,9 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batch or [1, 8]:
             try:
                 if args.prefill:
-                    results += [run_prefill(preset, batch, seq, bandwidth, peak) for seq in args.prefill]
+                    results += [run_prefill(preset, batch, seq, bandwidth, peak, dtype=args.dtype)
+                                for seq in args.prefill]
                 else:
-                    results.append(run(preset, batch, bandwidth))
+                    results.append(run(preset, batch, bandwidth, dtype=args.dtype))
             except Exception:  # noqa: BLE001 - the other models still run
                 failed += 1
                 traceback.print_exc()

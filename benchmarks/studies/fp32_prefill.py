@@ -1,5 +1,5 @@
 """fp32 prefill of GPT-2 with the linear layers' untuned config against fixed candidate tiles, and against the
-same model's eager PyTorch forward (Hugging Face GPT2LMHeadModel, fp32, TF32 off), one process:
+same weights' eager PyTorch forward (the Hugging Face model, sdpa, fp32, TF32 off), one process:
 
     python -m benchmarks.studies.fp32_prefill [--batch 1] [--seq 128]
 
@@ -27,19 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.harness.timing import measure, shared_stream
+    from benchmarks.suites.model import build_hf, tilekit_state
     from tilekit.kernels.linear import LINEAR
-    from tilekit.models import GPT, GPTConfig
-    from tilekit.models.gpt2.weights import random_state_dict
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from tilekit.models.families import family_of_config, preset_config
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    config = GPTConfig.preset("gpt2")
-    state = random_state_dict(config, seed=0)
-    model = GPT(config, dtype="float32", state=state)
+    config = preset_config("gpt2")
+    hf = build_hf(config, "sdpa", dtype="float32", seed=0)
+    model = family_of_config(config).model_class(config, dtype="float32", state=tilekit_state(hf, config))
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.seq))
-    hf = GPT2LMHeadModel(GPT2Config(**{k: v for k, v in config.to_hf_dict().items() if k != "model_type"}))
-    hf.transformer.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
-    hf = hf.cuda().eval()
     ids_t = torch.from_numpy(ids).cuda()
     rows = []
     with shared_stream(), torch.no_grad():

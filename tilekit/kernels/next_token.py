@@ -203,28 +203,34 @@ def _first_max(y, idx):
 
 
 @ct.function
-def _tile(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, t, lower, rep, pres, freq, inv_t, banned,
-          CH: ct.Constant[int], SP: ct.Constant[int], KS: ct.Constant[int], E: ct.Constant[int],
-          PEN: ct.Constant[bool], FULL: ct.Constant[bool]):
-    """(scores, tokens, valid) of the row's t-th tile: the whole row's tokens in CH-wide tiles (FULL), or
-    its one tile of top-k candidates (slots that hold a candidate and keys >= `lower`)."""
+def _candidates(CandZ, CandI, CCount, b, lower, M, SP: ct.Constant[int], KS: ct.Constant[int]):
+    """The row's top-k candidates as one tile: (scores, keys, tokens, valid, exp(score - M)); a slot is valid
+    when it holds a candidate whose key is >= `lower`."""
+    z = ct.load(CandZ, (b, 0), (1, SP * KS), padding_mode=NEG_INF)
+    idx = ct.load(CandI, (b, 0), (1, SP * KS), padding_mode=ZERO)
+    slot = ct.arange(SP * KS, dtype=ct.int32).reshape((1, SP * KS))
+    key = _key(z)
+    valid = (slot % KS < ct.gather(CCount, (b, slot // KS), padding_value=0)) & (key >= lower)
+    return z, key, idx, valid, ct.where(valid, ct.exp(z - M), 0.0)
+
+
+@ct.function
+def _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned, CH: ct.Constant[int],
+          E: ct.Constant[int], PEN: ct.Constant[bool], FULL: ct.Constant[bool]):
+    """(scores, keys, tokens, valid, exp(score - M)) of the row's t-th tile: the whole row's tokens in CH-wide
+    tiles (FULL), or `cand`, its one tile of top-k candidates (_candidates), as it is."""
     if FULL:
         z = _scores(Logits, Seen, Out, Eos, b, t, CH, rep, pres, freq, inv_t, banned, E, PEN)
         idx = t * CH + ct.arange(CH, dtype=ct.int32).reshape((1, CH))
         valid = (idx < Logits.shape[1]) & (z > -math.inf)
-    else:
-        z = ct.load(CandZ, (b, 0), (1, SP * KS), padding_mode=NEG_INF)
-        idx = ct.load(CandI, (b, 0), (1, SP * KS), padding_mode=ZERO)
-        slot = ct.arange(SP * KS, dtype=ct.int32).reshape((1, SP * KS))
-        filled = slot % KS < ct.gather(CCount, (b, slot // KS), padding_value=0)
-        valid = filled & (_key(z) >= lower)
-    return z, idx, valid
+        return z, _key(z), idx, valid, ct.where(valid, ct.exp(z - M), 0.0)
+    return cand
 
 
 @ct.function
-def _kept_draw(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, lower, M, top_k, top_p, log_min_p, stream,
-               rep, pres, freq, inv_t, banned, NT, CH: ct.Constant[int], SP: ct.Constant[int],
-               KS: ct.Constant[int], E: ct.Constant[int], PEN: ct.Constant[bool], FULL: ct.Constant[bool]):
+def _kept_draw(Logits, Seen, Out, Eos, cand, b, M, top_k, top_p, log_min_p, stream, rep, pres, freq, inv_t,
+               banned, NT, CH: ct.Constant[int], E: ct.Constant[int], PEN: ct.Constant[bool],
+               FULL: ct.Constant[bool]):
     """Exact top-k / top-p / min-p of a row over its NT tiles (see _tile), then the Gumbel-max draw
     among the kept tokens: returns the token."""
     kth = ct.full((), INT_MIN, ct.int32)
@@ -235,9 +241,9 @@ def _kept_draw(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, lower, M, top_k,
             mid = (lo + hi + 1) >> 1
             count = ct.full((), 0, ct.int32)
             for t in range(NT):
-                z, idx, valid = _tile(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, t, lower, rep, pres, freq,
-                                      inv_t, banned, CH, SP, KS, E, PEN, FULL)
-                count = count + ct.sum(ct.where(valid & (_key(z) >= mid.astype(ct.int32)), 1, 0))
+                z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
+                                              CH, E, PEN, FULL)
+                count = count + ct.sum(ct.where(valid & (key >= mid.astype(ct.int32)), 1, 0))
             ok = count >= top_k
             lo = ct.where(ok, mid, lo)
             hi = ct.where(ok, hi, mid - 1)
@@ -246,9 +252,9 @@ def _kept_draw(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, lower, M, top_k,
     if top_p < 1.0:   # the smallest key whose strictly larger mass within the top-k is < top_p of it
         mass = ct.full((), 0.0, ct.float32)
         for t in range(NT):
-            z, idx, valid = _tile(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, t, lower, rep, pres, freq,
-                                  inv_t, banned, CH, SP, KS, E, PEN, FULL)
-            mass = mass + ct.sum(ct.where(valid & (_key(z) >= kth), ct.exp(z - M), 0.0))
+            z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
+                                          CH, E, PEN, FULL)
+            mass = mass + ct.sum(ct.where(key >= kth, e, 0.0))
         bound = top_p * mass
         lo = ct.full((), INT_MIN, ct.int64)
         hi = ct.full((), INT_MAX, ct.int64)
@@ -256,10 +262,9 @@ def _kept_draw(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, lower, M, top_k,
             mid = (lo + hi) >> 1
             above = ct.full((), 0.0, ct.float32)
             for t in range(NT):
-                z, idx, valid = _tile(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, t, lower, rep, pres, freq,
-                                      inv_t, banned, CH, SP, KS, E, PEN, FULL)
-                above = above + ct.sum(ct.where(valid & (_key(z) > mid.astype(ct.int32)) & (_key(z) >= kth),
-                                                    ct.exp(z - M), 0.0))
+                z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
+                                              CH, E, PEN, FULL)
+                above = above + ct.sum(ct.where((key > mid.astype(ct.int32)) & (key >= kth), e, 0.0))
             ok = above < bound
             hi = ct.where(ok, mid, hi)
             lo = ct.where(ok, lo, mid + 1)
@@ -268,9 +273,9 @@ def _kept_draw(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, lower, M, top_k,
     best_y = ct.full((), -math.inf, ct.float32)
     token = ct.full((), 0, ct.int32)
     for t in range(NT):
-        z, idx, valid = _tile(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, t, lower, rep, pres, freq,
-                              inv_t, banned, CH, SP, KS, E, PEN, FULL)
-        y = ct.where(valid & (_key(z) >= cut), z + _gumbel(idx, stream), -math.inf)
+        z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
+                                      CH, E, PEN, FULL)
+        y = ct.where(valid & (key >= cut), z + _gumbel(idx, stream), -math.inf)
         best, first = _first_max(y, idx)
         better = best > best_y
         token = ct.where(better, first, token)
@@ -297,14 +302,15 @@ def next_token_finish_kernel(Logits, Seen, Out, Eos, FP, IP, Positions, CMax, CS
         counts = ct.load(CCount, (b, 0), (1, SP), padding_mode=ZERO)
         chunk = ct.arange(SP, dtype=ct.int32).reshape((1, SP))
         lower = ct.max(ct.where(chunk < NT, ct.load(CKey, (b, 0), (1, SP), padding_mode=ZERO), INT_MIN))
+        cand = _candidates(CandZ, CandI, CCount, b, lower, M, SP, KS)     # loaded once, reused by every pass
         if ct.max(counts) <= KS:
-            token = _kept_draw(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, lower, M, top_k, top_p, log_min_p,
+            token = _kept_draw(Logits, Seen, Out, Eos, cand, b, M, top_k, top_p, log_min_p,
                                _stream(seed, pos, ct.full((), 0, ct.uint32)), rep, pres, freq, inv_t, banned, 1,
-                               CH, SP, KS, E, PEN, False)
+                               CH, E, PEN, False)
         else:
-            token = _kept_draw(Logits, Seen, Out, Eos, CandZ, CandI, CCount, b, lower, M, top_k, top_p, log_min_p,
+            token = _kept_draw(Logits, Seen, Out, Eos, cand, b, M, top_k, top_p, log_min_p,
                                _stream(seed, pos, ct.full((), 1, ct.uint32)), rep, pres, freq, inv_t, banned, NT,
-                               CH, SP, KS, E, PEN, True)
+                               CH, E, PEN, True)
     else:
         token, zx = _best_draw(CBestY, CBestZ, CBestI, b, SP)
         if sample != 0:

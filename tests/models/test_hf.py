@@ -320,10 +320,11 @@ def test_a_mismatch_lists_every_problem(tmp_path):
 def test_plan_mistakes_are_value_errors_before_anything_is_read(tmp_path):
     ck = checkpoint(tmp_path, fresh(10, {"w": (2, 3)}))
     for target, message in [
-            (Target((2, 3), out=np.empty((3, 2), BF16)), "plan for 'w': out is bfloat16 (3, 2), expected bfloat16 (2, 3)"),
+            (Target((2, 3), out=np.empty((3, 2), BF16)),
+             "plan for 'w': out is bfloat16 (3, 2), expected bfloat16 (2, 3)"),
             (Target((2, 3), "float32", out=np.empty((2, 3), BF16)), "out is bfloat16 (2, 3), expected float32 (2, 3)"),
-            (Target((2, 3), "int8"), "plan for 'w': dtype must be one of ('bfloat16', 'float16', 'float32', 'float64'), "
-                                     "got 'int8'"),
+            (Target((2, 3), "int8"),
+             "plan for 'w': dtype must be one of ('bfloat16', 'float16', 'float32', 'float64'), got 'int8'"),
             (Target((2, 3), accept=("F32", "F8_E4M3")), "accepting FP8 needs a transform (FP8 arrives as uint8 bits)")]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             load(ck, {"w": target})

@@ -248,7 +248,7 @@ class Checkpoint:
         path = self.directory / name
         real = os.path.realpath(path)
         if not any(_inside(real, root) for root in self.roots):
-            raise ModelFileError(path, f"resolves to {shown(real)}, outside the checkpoint directory")
+            raise ModelFileError(path, f"resolves to {shown(real)}, outside {' and '.join(map(shown, self.roots))}")
         return RegularFile(path, real)
 
     def read_json(self, name: str) -> dict:
@@ -533,12 +533,12 @@ class TensorFiles:
             for name, shard in self._weight_map(checkpoint).items():
                 shards.setdefault(shard, set()).add(name)
             seen = {}
-            for shard, names in sorted(shards.items()):
-                f = checkpoint.open(shard)
-                self.files.append(f)
-                if f.id in seen:
-                    raise ModelFileError(self.source, f"names one file twice: {_name(seen[f.id])} and {_name(shard)}")
-                seen[f.id] = shard
+            for shard in sorted(shards):
+                self.files.append(checkpoint.open(shard))
+                first = seen.setdefault(self.files[-1].id, shard)
+                if first != shard:
+                    raise ModelFileError(self.source, f"names one file twice: {_name(first)} and {_name(shard)}")
+            for f, names in zip(self.files, (shards[s] for s in sorted(shards))):
                 header = read_header(f)
                 problems = [f"{what} {', '.join(map(_name, sorted(found)[:5]))}"
                             + (f" and {len(found) - 5} more" if len(found) > 5 else "")

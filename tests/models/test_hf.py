@@ -328,6 +328,8 @@ def test_plan_mistakes_are_value_errors_before_anything_is_read(tmp_path):
             (Target((2, 3), accept=("F32", "F8_E4M3")), "accepting FP8 needs a transform (FP8 arrives as uint8 bits)")]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             load(ck, {"w": target})
+    with pytest.raises(ValueError, match=r"plan for 'w': out is float32 \(2, 3\), expected bfloat16 \(2, 3\)"):
+        load(ck, {"w": Target((2, 3), out=lambda: np.empty((2, 3), np.float32))})
     with pytest.raises(ValueError, match="buffers and buffer_bytes must be positive, got 0 and 65536"):
         load(ck, {"w": Target((2, 3))}, buffers=0, buffer_bytes=1 << 16)
 

@@ -622,13 +622,14 @@ def listing(heading: str, problems: list[str], most: int = 10) -> str:
     return heading + ":\n  " + "\n  ".join(problems[:most]) + more
 
 
-def _check_target(name: str, t: Target) -> None:
-    """ValueError for a plan entry that cannot work (a caller's mistake, not the file's)."""
+def _check_target(name: str, t: Target, out=None) -> None:
+    """ValueError for a plan entry that cannot work (a caller's mistake, not the file's); `out`: the array its
+    allocator made."""
     if t.dtype not in TARGET_DTYPES:
         raise ValueError(f"plan for {_name(name)}: dtype must be one of {TARGET_DTYPES}, got {t.dtype!r}")
     if t.transform is None and any(d.startswith("F8") for d in t.accept):
         raise ValueError(f"plan for {_name(name)}: accepting FP8 needs a transform (FP8 arrives as uint8 bits)")
-    out = t.out
+    out = t.out if out is None else out
     if out is not None and not callable(out) and t.transform is None and (
             tuple(out.shape) != tuple(t.shape) or str(out.dtype) != t.dtype):
         raise ValueError(f"plan for {_name(name)}: out is {out.dtype} {tuple(out.shape)}, expected {t.dtype} "
@@ -692,6 +693,7 @@ class _Stream:
             out = target.out() if callable(target.out) else target.out
             if out is None:
                 out = device.empty(target.shape, target.dtype)
+        _check_target(info.name, target, out)
         if (target.transform is None and DTYPES[info.dtype][1] == str(out.dtype) and out.flags.c_contiguous
                 and out.nbytes == info.nbytes):
             return out, device.raw(out), True

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from tilekit.models import hf
 from tilekit.models.hf import Fields, HostDevice, ModelFileError, Target
@@ -436,3 +436,16 @@ def test_progress_shows_only_on_a_terminal_after_two_seconds():
     bar.update(1, 1)
     bar.close()
     assert pipe.getvalue() == ""
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-llama-tied"])
+def test_files_transformers_wrote_load_as_the_safetensors_library_reads_them(name):
+    """The committed fixtures (save_pretrained's headers, shards and index) pass every check, value for value."""
+    directory = Path(__file__).resolve().parents[1] / "data" / name
+    expected = {}
+    for path in directory.glob("*.safetensors"):
+        expected.update(load_file(path))
+    with hf.find_checkpoint(directory).tensor_files() as files:
+        assert len(files.files) == len(list(directory.glob("*.safetensors")))
+        out = hf.load_tensors(files, {n: Target(a.shape, "float32") for n, a in expected.items()}, device=HostDevice())
+    assert all(np.array_equal(out[n], a.astype(np.float32)) for n, a in expected.items())

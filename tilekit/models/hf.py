@@ -740,7 +740,8 @@ class _Stream:
 
 
 class HostDevice:
-    """The loader's device played by host memory: NumPy outputs (references, tools, CPU tests)."""
+    """The loader's device played by host memory: NumPy outputs (references, tools, CPU tests). Its methods are
+    what load_tensors asks of a device; CupyDevice has the same."""
 
     def staging(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, np.uint8)
@@ -765,7 +766,7 @@ class HostDevice:
         pass
 
 
-class CupyDevice(HostDevice):
+class CupyDevice:
     """The loader's GPU side: pinned staging buffers, and copies and conversions queued on one stream of the
     current device."""
 

@@ -127,7 +127,7 @@ def checkpoint_dir(path_or_name: str | Path) -> Path:
 def family_of_checkpoint(config_json: Path) -> tuple[Family, dict]:
     """(family, contents) of a config.json, chosen by its model_type; ValueError naming the file when the
     model_type is missing or not a family tilekit runs."""
-    d = hf.read_json(config_json, "model config")
+    d = hf.read_json(config_json)
     if "model_type" not in d:
         raise ValueError(f"model config {config_json} has no model_type (tilekit runs {', '.join(FAMILIES)})")
     try:

@@ -65,7 +65,7 @@ def checkpoint_file(directory: str | Path, name: str, limit: int) -> Path | None
 def checkpoint_json(directory: str | Path, name: str) -> dict | None:
     """The JSON object in checkpoint file `name` (strict, bounded: read_json), or None if there is none."""
     path = checkpoint_file(directory, name, MAX_JSON_BYTES)
-    return None if path is None else read_json(path, name)
+    return None if path is None else read_json(path)
 
 
 def _checkpoint_text(directory: Path, name: str, limit: int) -> str | None:

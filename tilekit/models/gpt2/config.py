@@ -61,7 +61,7 @@ class GPTConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "GPTConfig":
-        return cls.from_hf_dict(read_json(path, "model config"))
+        return cls.from_hf_dict(read_json(path))
 
     def to_hf_dict(self) -> dict:
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",

@@ -137,7 +137,7 @@ class LlamaConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "LlamaConfig":
-        return cls.from_hf_dict(read_json(path, "model config"))
+        return cls.from_hf_dict(read_json(path))
 
     def to_hf_dict(self) -> dict:
         """A config.json that transformers' LlamaForCausalLM reads (the transformers 4 layout, as the hub has it)."""

@@ -89,13 +89,14 @@ def test_the_hub_cache_is_found_as_huggingface_hub_finds_it(tmp_path, monkeypatc
     for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert hf.hub_cache_dir() == tmp_path / "home" / ".cache" / "huggingface" / "hub"
+    default = "XDG_CACHE_HOME or ~/.cache"
+    assert hf.hub_cache_dir() == (tmp_path / "home" / ".cache" / "huggingface" / "hub", default)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert hf.hub_cache_dir() == tmp_path / "xdg" / "huggingface" / "hub"
+    assert hf.hub_cache_dir() == (tmp_path / "xdg" / "huggingface" / "hub", default)
     monkeypatch.setenv("HF_HOME", "~/hf")
-    assert hf.hub_cache_dir() == tmp_path / "home" / "hf" / "hub"
+    assert hf.hub_cache_dir() == (tmp_path / "home" / "hf" / "hub", "HF_HOME")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-    assert hf.hub_cache_dir() == tmp_path / "cache"
+    assert hf.hub_cache_dir() == (tmp_path / "cache", "HF_HUB_CACHE")
 
 
 def test_a_hub_name_takes_refs_main_then_the_newest_complete_snapshot(hf_home):

@@ -16,8 +16,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tilekit.models import hf
+from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
+from tilekit.models import GPT, Llama, families, hf
+from tilekit.models.generation import GenerationSettings
 from tilekit.models.hf import Checkpoint, ModelFileError, Target
+from tilekit.models.text import load_tokenizer
 
 PLAN = {"w": Target((2, 3)), "n": Target((3,))}
 DTYPE_LIST = "BF16, BOOL, F16, F32, F64, F8_E4M3, F8_E5M2, I16, I32, I64, I8, U16, U32, U64, U8"
@@ -74,6 +77,7 @@ def good(root: Path, name: str = "ck", shard_bytes=None) -> Path:
 
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+SHARD_2 = "model-00002-of-00003.safetensors"     # of tests/data/tiny-llama
 
 
 def find(path):
@@ -598,3 +602,171 @@ class TestControlCharacters:
                 find(d))
         monkeypatch.chdir(tmp_path)
         refused(tmp_path, FileNotFoundError, f"no checkpoint 'gpt2\\r'; searched: {tmp_path}/gpt2\\r", find("gpt2\r"))
+
+
+# -- every class again, end to end: from_pretrained, load_model, config_from_path, generation config, tokenizer --
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def tiny(root: Path, name: str) -> Path:
+    """A copy of a tests/data fixture (regular files, so that they may be made hostile)."""
+    d = root / name
+    d.mkdir()
+    for f in (DATA / name).iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    return d
+
+
+def load(path, cls=None):
+    return lambda: (families.load_model(path, dtype="float32") if cls is None else
+                    cls.from_pretrained(path, dtype="float32"))
+
+
+@pytest.mark.usefixtures("numpy_cupy")
+class TestThroughTheModels:
+    def test_links_out_of_the_directory(self, tmp_path):
+        d = tiny(tmp_path, "tiny-llama")
+        (d / SHARD_2).rename(tmp_path / SHARD_2)
+        (d / SHARD_2).symlink_to(tmp_path / SHARD_2)
+        refused(tmp_path, ModelFileError, f"{d}/{SHARD_2}: resolves to {tmp_path}/{SHARD_2}, outside {d}", load(d))
+        g = tiny(tmp_path, "tiny-gpt2")
+        (g / "tokenizer.json").rename(tmp_path / "tokenizer.json")
+        (g / "tokenizer.json").symlink_to(tmp_path / "tokenizer.json")
+        refused(tmp_path, ModelFileError, f"{g}/tokenizer.json: resolves to {tmp_path}/tokenizer.json, outside {g}",
+                lambda: load_tokenizer(g))
+
+    def test_hub_refs_main_naming_a_path(self, tmp_path, monkeypatch):
+        repo = hub_repo(tmp_path, monkeypatch, "meta-llama/m")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("../../../etc")
+        refused(tmp_path, ModelFileError, f"{repo}/refs/main: names revision '../../../etc', which is not a commit "
+                                          "hash", load("m"))
+
+    def test_a_dangling_shard(self, tmp_path):
+        d = tiny(tmp_path, "tiny-llama")
+        relink(d / SHARD_2, "gone")
+        refused(tmp_path, FileNotFoundError, f"{d}/{SHARD_2}: is a broken link (to {d}/gone, which does not exist)",
+                load(d, Llama))
+
+    def test_user_and_long_names(self, tmp_path):
+        refused(tmp_path, FileNotFoundError, "checkpoint path '~nosuchuser_tilekit/m': no user 'nosuchuser_tilekit'",
+                load("~nosuchuser_tilekit/m"))
+        refused(tmp_path, FileNotFoundError, "config path '~nosuchuser_tilekit/config.json': no user "
+                                             "'nosuchuser_tilekit'",
+                lambda: families.config_from_path("~nosuchuser_tilekit/config.json"))
+        name = f"{tmp_path}/{'a' * 300}/ck"
+        refused(tmp_path, ValueError, f"checkpoint path {name[:200]!r}... ({len(name)} characters) is too long",
+                load(name, GPT))
+
+    @pytest.mark.parametrize("name", ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json"])
+    def test_a_fifo_is_never_opened(self, tmp_path, name):
+        d = tiny(tmp_path, "tiny-gpt2")
+        (d / name).unlink()
+        os.mkfifo(d / name)
+        action = {"generation_config.json": lambda: GenerationSettings.from_generation_config(d),
+                  "tokenizer.json": lambda: load_tokenizer(d)}.get(name, load(d))
+        refused(tmp_path, ModelFileError, f"{d}/{name}: is not a regular file but a FIFO", action)
+
+    def test_gigabytes_declared_by_a_sparse_file_are_never_read(self, tmp_path):
+        d = tiny(tmp_path, "tiny-llama-tied")
+        w = d / "model.safetensors"
+        header = json.dumps({"model.embed_tokens.weight": {"dtype": "BF16", "shape": [GiB, 2],
+                                                           "data_offsets": [0, 4 * GiB]}}).encode()
+        w.write_bytes(len(header).to_bytes(8, "little") + header)
+        sparse(w, 8 + len(header) + 4 * GiB)
+        with pytest.raises(ModelFileError) as info:
+            load(d)()
+        assert str(info.value).startswith(f"{w}: does not match LlamaConfig(")
+        assert "\n  tensor 'model.embed_tokens.weight' has shape (1073741824, 2), expected (259, 64)\n" in \
+            str(info.value)
+
+    def test_malformed_header_and_fp8(self, tmp_path):
+        d = tiny(tmp_path, "tiny-gpt2")
+        w = d / "model.safetensors"
+        w.write_bytes((10 ** 6).to_bytes(8, "little") + b"{}")
+        refused(tmp_path, ModelFileError, f"{w}: declares a 1000000-byte header but is 10 bytes", load(d))
+        raw = json.dumps({"wte.weight": entry("F8_E4M3", (1031, 64), (0, 1031 * 64))}).encode()
+        w.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(1031 * 64))
+        with pytest.raises(ModelFileError) as info:
+            load(d, GPT)()
+        assert "\n  tensor 'wte.weight' has dtype F8_E4M3, expected BF16 or F16 or F32\n" in str(info.value)
+
+    def test_an_index_naming_a_path(self, tmp_path):
+        d = tiny(tmp_path, "tiny-llama")
+        index = json.loads((d / hf.INDEX_NAME).read_text())
+        index["weight_map"]["model.norm.weight"] = "../../etc/passwd"
+        (d / hf.INDEX_NAME).write_text(json.dumps(index))
+        refused(tmp_path, ModelFileError, f"{d}/{hf.INDEX_NAME}: field 'weight_map' maps 'model.norm.weight' to "
+                                          '"../../etc/passwd", which is not a plain file name', load(d))
+
+    @pytest.mark.parametrize("fixture, changes, problem", [
+        ("tiny-llama", {"rope_theta": 5e-324, "rope_parameters": None},
+         "field 'rope_theta' is 5e-324: it gives rotary frequencies that are not finite and > 0 (with head_dim 16)"),
+        ("tiny-llama", {"rope_scaling": []}, "field 'rope_scaling' is [], expected a JSON object"),
+        ("tiny-llama", {"eos_token_id": []}, "field 'eos_token_id' is [], expected a token id or a non-empty list of "
+                                             "them (integers in [0, 259))"),
+        ("tiny-llama", {"num_hidden_layers": 2.7}, "field 'num_hidden_layers' is 2.7, expected an integer in "
+                                                   "[1, 4096]"),
+        ("tiny-llama", {"num_hidden_layers": True}, "field 'num_hidden_layers' is true, expected an integer in "
+                                                    "[1, 4096]"),
+        ("tiny-gpt2", {"layer_norm_epsilon": 0}, "field 'layer_norm_epsilon' is 0, expected a finite number > 0"),
+        ("tiny-gpt2", {"model_type": "gpt_bigcode"}, 'field \'model_type\' is "gpt_bigcode", expected one of "gpt2", '
+                                                     '"llama"'),
+        ("tiny-gpt2", {"eos_token_id": 1031}, "field 'eos_token_id' is 1031, expected a token id or a non-empty list "
+                                              "of them (integers in [0, 1031))"),
+        ("tiny-gpt2", {"n_head": 3}, "field 'n_embd' is 64, not a multiple of n_head (3)"),
+    ])
+    def test_config_fields(self, tmp_path, fixture, changes, problem):
+        d = tiny(tmp_path, fixture)
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({k: v for k, v in {**config, **changes}.items() if v is not None}))
+        refused(tmp_path, ModelFileError, f"{d}/config.json: {problem}", load(d))
+        refused(tmp_path, ModelFileError, f"{d}/config.json: {problem}", lambda: families.config_from_path(d))
+
+    def test_a_gpt_bigcode_config_is_not_gpt2(self, tmp_path):
+        d = tiny(tmp_path, "tiny-gpt2")
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(dict(config, model_type="gpt_bigcode")))
+        refused(tmp_path, ModelFileError, f'{d}/config.json: field \'model_type\' is "gpt_bigcode", expected one of '
+                                          '"gpt2"', load(d, GPT))
+        refused(tmp_path, ModelFileError, f'{DATA}/tiny-gpt2/config.json: field \'model_type\' is "gpt2", expected '
+                                          'one of "llama"', load(DATA / "tiny-gpt2", Llama))
+
+    @pytest.mark.parametrize("text, problem", [
+        ('{"eos_token_id": []}', "field 'eos_token_id' is [], expected a token id or a non-empty list of them "
+                                 "(integers >= 0)"),
+        ('{"do_sample": 1}', "do_sample must be true or false, got 1"),
+        ('{"temperature": 1e400}', "not strict JSON (1e400 is out of range)"),
+        ('{"top_k": 2.7, "do_sample": true}', "top_k must be an int >= 0, got 2.7"),
+    ])
+    def test_generation_config(self, tmp_path, text, problem):
+        d = tiny(tmp_path, "tiny-llama")
+        (d / "generation_config.json").write_text(text)
+        refused(tmp_path, ModelFileError, f"{d}/generation_config.json: {problem}",
+                lambda: GenerationSettings.from_generation_config(d))
+
+    @pytest.mark.parametrize("content, problem", [
+        (b"\xffgarbage", "is not UTF-8 text (invalid start byte at byte 0)"),
+        (b'{"version": "1.0", "model": {"type": "\x1b[2J"}}', "is not a tokenizer ("),
+        (b"[]", "is not a tokenizer ("),
+    ])
+    def test_a_garbage_tokenizer(self, tmp_path, content, problem):
+        d = tiny(tmp_path, "tiny-gpt2")
+        (d / "tokenizer.json").write_bytes(content)
+        with pytest.raises(ModelFileError) as info:
+            load_tokenizer(d)
+        assert str(info.value).startswith(f"{d}/tokenizer.json: {problem}") and "\x1b" not in str(info.value)
+
+    def test_control_characters(self, tmp_path):
+        d = tiny(tmp_path, "tiny-llama-tied")
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(dict(config, hidden_act="\x1b]0;owned\x07")))
+        refused(tmp_path, ModelFileError, f"{d}/config.json: field 'hidden_act' is \"\\u001b]0;owned\\u0007\", a "
+                                          "variant tilekit does not compute", load(d))
+        (d / "config.json").write_text(json.dumps(config))
+        state = Llama.weights.load_state_dict(d)[1]
+        save_file(dict(state, **{"\x1b[2J\nFAKE": np.ones(1, np.float32)}), d / "model.safetensors")
+        with pytest.raises(ModelFileError) as info:
+            load(d)()
+        assert str(info.value).endswith(":\n  unexpected tensor '\\x1b[2J\\nFAKE'")

@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -58,9 +59,12 @@ def shown(text, limit: int = 4096) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut) + ("..." if len(s) > limit else "")
 
 
-def _name(text: str) -> str:
-    """A name from a file (tensor, shard, revision) quoted and escaped by repr(), cut after 200 characters."""
-    return repr(text[:200]) + ("..." if len(text) > 200 else "")
+def quoted(value, limit: int = 200) -> str:
+    """repr(value) for a message, escaped: a string (a tensor, shard or revision name) cut after `limit`
+    characters inside its quotes, any other value's repr after `limit` characters."""
+    if isinstance(value, str):
+        return repr(value[:limit]) + ("..." if len(value) > limit else "")
+    return shown(repr(value), limit)
 
 
 def _json_shown(value) -> str:
@@ -153,7 +157,7 @@ def parse_json(raw: bytes | bytearray):
         d = dict(pairs)
         if len(d) < len(pairs):
             seen = set()
-            raise ValueError(f"repeated key {_name(next(k for k, _ in pairs if k in seen or seen.add(k)))}")
+            raise ValueError(f"repeated key {quoted(next(k for k, _ in pairs if k in seen or seen.add(k)))}")
         return d
 
     def constant(name):
@@ -176,12 +180,20 @@ def parse_json(raw: bytes | bytearray):
         raise ValueError(f"not strict JSON ({str(e).partition(':')[0]})") from None
 
 
+def _whole(file: RegularFile, limit: int) -> bytearray:
+    """An open file's bytes, read whole; ModelFileError, unread, if it is larger than `limit`."""
+    if file.size > limit:
+        raise ModelFileError(file.path, "is larger than " + (f"{limit >> 20} MiB" if limit % (1 << 20) == 0
+                                                              else f"{limit} bytes"))
+    return file.read(file.size)
+
+
 def _json_object(file: RegularFile) -> dict:
     """The JSON object in an open file, read whole (at most MAX_JSON_BYTES)."""
-    if file.size > MAX_JSON_BYTES:
-        raise ModelFileError(file.path, f"is larger than {MAX_JSON_BYTES >> 20} MiB")
     try:
-        d = parse_json(file.read(file.size))
+        d = parse_json(_whole(file, MAX_JSON_BYTES))
+    except ModelFileError:
+        raise
     except ValueError as e:
         raise ModelFileError(file.path, str(e)) from None
     if not isinstance(d, dict):
@@ -234,6 +246,9 @@ class Checkpoint:
 
     @classmethod
     def at(cls, directory) -> "Checkpoint":
+        """The checkpoint in `directory` (a Checkpoint is returned as it is)."""
+        if isinstance(directory, Checkpoint):
+            return directory
         directory = Path(os.path.abspath(directory))
         return cls(directory, _snapshot_roots(os.path.realpath(directory)))
 
@@ -244,7 +259,7 @@ class Checkpoint:
     def open(self, name: str) -> RegularFile:
         problem = plain_name_problem(name)
         if problem:
-            raise ValueError(f"file name {_name(str(name))} {problem}")
+            raise ValueError(f"file name {quoted(str(name))} {problem}")
         path = self.directory / name
         real = os.path.realpath(path)
         if not any(_inside(real, root) for root in self.roots):
@@ -254,6 +269,15 @@ class Checkpoint:
     def read_json(self, name: str) -> dict:
         with self.open(name) as f:
             return _json_object(f)
+
+    def read_text(self, name: str, limit: int) -> str:
+        """The UTF-8 text of file `name`, at most `limit` bytes."""
+        with self.open(name) as f:
+            raw = _whole(f, limit)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ModelFileError(f.path, f"is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
     def config(self) -> "Fields":
         """config.json, for typed reads of its fields."""
@@ -272,14 +296,13 @@ class Checkpoint:
         self.open(name).close()
 
 
-def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, located as huggingface_hub locates it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(_expand_user(os.environ["HF_HUB_CACHE"], "HF_HUB_CACHE"))
-    if os.environ.get("HF_HOME"):
-        return Path(_expand_user(os.environ["HF_HOME"], "HF_HOME")) / "hub"
+def hub_cache_dir() -> tuple[Path, str]:
+    """The Hugging Face hub cache, located as huggingface_hub locates it, and the variable that placed it."""
+    for var, below in (("HF_HUB_CACHE", ()), ("HF_HOME", ("hub",))):
+        if os.environ.get(var):
+            return Path(_expand_user(os.environ[var], var), *below), var
     cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(_expand_user(cache, "XDG_CACHE_HOME")) / "huggingface" / "hub"
+    return Path(_expand_user(cache, "XDG_CACHE_HOME"), "huggingface", "hub"), "XDG_CACHE_HOME or ~/.cache"
 
 
 def _expand_user(text: str, what: str) -> str:
@@ -287,19 +310,28 @@ def _expand_user(text: str, what: str) -> str:
     expanded = os.path.expanduser(text)
     if text.startswith("~") and expanded == text:
         user = text[1:].partition("/")[0]
-        raise FileNotFoundError(f"{what} {_name(text)}: " + (f"no user {_name(user)}" if user else "no home directory"))
+        raise FileNotFoundError(f"{what} {quoted(text)}: " + (f"no user {quoted(user)}" if user else
+                                                              "no home directory"))
     return expanded
+
+
+def read_config(path) -> "Fields":
+    """The fields of a config.json file a user names (outside any checkpoint)."""
+    path = _expand_user(os.fspath(path), "config path")
+    return Fields(read_json(path), path)
 
 
 def find_checkpoint(path_or_name, orgs: tuple[str, ...] = ()) -> Checkpoint:
     """The checkpoint at `path_or_name`: a directory, else a hub model name in the local Hugging Face cache (a
     bare name also as org/name for each of `orgs`). It must hold config.json and model.safetensors or
-    model.safetensors.index.json. Never touches the network."""
+    model.safetensors.index.json. Never touches the network. A Checkpoint is returned as it is."""
+    if isinstance(path_or_name, Checkpoint):
+        return path_or_name
     if not isinstance(path_or_name, (str, os.PathLike)) or not isinstance(os.fspath(path_or_name), str):
         raise TypeError(f"checkpoint must be a path or a model name, got {type(path_or_name).__name__}")
     text = os.fspath(path_or_name)
     if "\0" in text:
-        raise ValueError(f"checkpoint path {_name(text)} contains a NUL character")
+        raise ValueError(f"checkpoint path {quoted(text)} contains a NUL character")
     path = _expand_user(text, "checkpoint path")
     try:
         is_dir = stat.S_ISDIR(os.stat(path).st_mode)
@@ -307,7 +339,7 @@ def find_checkpoint(path_or_name, orgs: tuple[str, ...] = ()) -> Checkpoint:
         is_dir = None
     except OSError as e:
         if e.errno == errno.ENAMETOOLONG:
-            raise ValueError(f"checkpoint path {_name(text)} ({len(text)} characters) is too long") from None
+            raise ValueError(f"checkpoint path {quoted(text)} ({len(text)} characters) is too long") from None
         raise ModelFileError(path, f"cannot be opened ({e.strerror})") from None
     if is_dir:
         checkpoint = Checkpoint.at(path)
@@ -317,12 +349,15 @@ def find_checkpoint(path_or_name, orgs: tuple[str, ...] = ()) -> Checkpoint:
         raise FileNotFoundError(f"{shown(path)}: is not a checkpoint directory")
     searched = [shown(os.path.abspath(path))]
     if _HUB_NAME.fullmatch(text):
+        cache, var = hub_cache_dir()
         for repo_id in [text] + ([f"{org}/{text}" for org in orgs] if "/" not in text else []):
-            found, tried = _cached_snapshot(hub_cache_dir() / ("models--" + repo_id.replace("/", "--")))
+            found, tried = _cached_snapshot(cache / ("models--" + repo_id.replace("/", "--")))
             if found:
                 return found
             searched += tried
-    raise FileNotFoundError(f"no checkpoint {_name(text)}; searched: " + "; ".join(searched))
+        if not os.path.isdir(cache):
+            searched.append(f"{shown(cache)}: no such directory (the hub cache, from {var})")
+    raise FileNotFoundError(f"no checkpoint {quoted(text)}; searched: " + "; ".join(searched))
 
 
 def _cached_snapshot(repo: Path) -> tuple[Checkpoint | None, list[str]]:
@@ -341,7 +376,7 @@ def _cached_snapshot(repo: Path) -> tuple[Checkpoint | None, list[str]]:
                 raise ModelFileError(f.path, f"is {f.size} bytes, too large for a revision")
             text = f.read(f.size).decode("utf-8", "replace").strip()
         if not _REVISION.fullmatch(text):
-            raise ModelFileError(f.path, f"names revision {_name(text)}, which is not a commit hash")
+            raise ModelFileError(f.path, f"names revision {quoted(text)}, which is not a commit hash")
         revisions = [text] + [r for r in revisions if r != text]
     tried, within = [], os.path.realpath(snapshots)
     for revision in revisions:
@@ -395,7 +430,7 @@ class Fields:
         return key in self.d
 
     def error(self, key: str, problem: str) -> ModelFileError:
-        return ModelFileError(self.path, f"field {_name(self.prefix + key)} {problem}")
+        return ModelFileError(self.path, f"field {quoted(self.prefix + key)} {problem}")
 
     def _get(self, key: str, default, want: str, ok: Callable[[object], bool]):
         value = self.d.get(key, REQUIRED)
@@ -434,10 +469,87 @@ class Fields:
             isinstance(v, list) and len(v) > 0 and all(map(is_id, v))))
         return tuple(value) if isinstance(value, list) else value
 
+    def variant(self, key: str, default, computes: Callable[[object], bool]):
+        """A field that picks a model variant: its value (`default` if absent), unless computes(value) is false."""
+        value = self.d.get(key, default)
+        if not computes(value):
+            raise self.error(key, f"is {_json_shown(value)}, a variant tilekit does not compute")
+        return value
+
+    def build(self, cls, **kwargs):
+        """cls(**kwargs), a ValueError naming this file (a check across fields that the reads did not make)."""
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise ModelFileError(self.path, str(e)) from None
+
     def object(self, key: str, default=REQUIRED) -> "Fields | None":
         """A nested JSON object, for typed reads of its own fields."""
         value = self._get(key, default, "a JSON object", lambda v: isinstance(v, dict))
         return None if value is None else Fields(value, self.path, f"{self.prefix}{key}.")
+
+
+# -- config arguments ---------------------------------------------------------------------------------------
+
+MAX_SIZE = 1 << 24         # no model dimension comes near; a config claiming more is refused
+MAX_LAYERS = 4096
+
+
+def check_positive_ints(config, names) -> None:
+    """ValueError naming the first of `names` whose value in `config` is not a positive int (bools are not) of
+    plausible size (a hostile config must not make the shape checks run for hours)."""
+    for name in names:
+        value = getattr(config, name)
+        if not _is_int(value) or value <= 0:
+            raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
+        most = MAX_LAYERS if name == "n_layer" else MAX_SIZE
+        if value > most:
+            raise ValueError(f"{type(config).__name__}.{name} = {value} is larger than any model tilekit runs "
+                             f"(at most {most})")
+
+
+def check_number(owner, name: str, low: float = 0.0) -> None:
+    """ValueError unless owner.name is a finite real number greater than `low` (bools are not numbers)."""
+    value = getattr(owner, name)
+    if not _finite(value) or value <= low:
+        raise ValueError(f"{type(owner).__name__}.{name} must be a finite number > {low}, got {value!r}")
+
+
+def check_token_ids(config) -> None:
+    """ValueError unless config.bos_token_id (an id or None) and config.eos_token_id (an id, a non-empty tuple of
+    them, or None; a list becomes a tuple) lie in [0, vocab_size)."""
+    if isinstance(config.eos_token_id, list):
+        object.__setattr__(config, "eos_token_id", tuple(config.eos_token_id))
+    eos = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (config.eos_token_id,)
+    if not eos or not all(t is None or (_is_int(t) and 0 <= t < config.vocab_size)
+                          for t in (config.bos_token_id, *eos)) or (len(eos) > 1 and None in eos):
+        raise ValueError(f"{type(config).__name__} token ids must be ints in [0, {config.vocab_size}) (eos: one or "
+                         f"a non-empty tuple), got bos {config.bos_token_id!r}, eos {config.eos_token_id!r}")
+
+
+class HFConfig:
+    """What every family's config class (a frozen dataclass with a from_fields classmethod) shares: reading a
+    config.json dict or file, and replace()."""
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, source=CONFIG_NAME):
+        """from_fields of a config.json dict; messages name `source`."""
+        return cls.from_fields(Fields(d, source))
+
+    @classmethod
+    def from_json(cls, path):
+        return cls.from_fields(read_config(path))
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+def float_dtype(dtype) -> np.dtype:
+    """`dtype` as a NumPy dtype, which must be float32 or float64: what host copies of checkpoints load as."""
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
+    return dtype
 
 
 # -- safetensors headers ------------------------------------------------------------------------------------
@@ -484,9 +596,9 @@ def read_header(file: RegularFile) -> dict[str, TensorInfo]:
     tensors = {}
     for name, entry in header.items():
         def wrong(field: str, expected: str) -> ModelFileError:
-            return bad(f"tensor {_name(name)}: {field} is {_json_shown(entry.get(field))}, expected {expected}")
+            return bad(f"tensor {quoted(name)}: {field} is {_json_shown(entry.get(field))}, expected {expected}")
         if not isinstance(entry, dict) or entry.keys() != {"dtype", "shape", "data_offsets"}:
-            raise bad(f"tensor {_name(name)} is {_json_shown(entry)}, expected an object with exactly dtype, shape "
+            raise bad(f"tensor {quoted(name)} is {_json_shown(entry)}, expected an object with exactly dtype, shape "
                       "and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -498,7 +610,7 @@ def read_header(file: RegularFile) -> dict[str, TensorInfo]:
             raise wrong("data_offsets", f"[begin, end] with 0 <= begin <= end <= {size}, the size of the data")
         nbytes = math.prod(shape) * DTYPES[dtype][0]
         if offsets[1] - offsets[0] != nbytes:
-            raise bad(f"tensor {_name(name)}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but "
+            raise bad(f"tensor {quoted(name)}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but "
                       f"{dtype} {tuple(shape)} takes {nbytes}")
         tensors[name] = TensorInfo(name, dtype, tuple(shape), file, data + offsets[0], data + offsets[1])
     end = data
@@ -506,7 +618,7 @@ def read_header(file: RegularFile) -> dict[str, TensorInfo]:
         if t.start != end:
             where = "overlaps the tensor before it" if t.start < end else f"leaves bytes [{end - data}, " \
                     f"{t.start - data}) of the data unused"
-            raise bad(f"tensor {_name(t.name)}: data_offsets [{t.start - data}, {t.end - data}] {where}")
+            raise bad(f"tensor {quoted(t.name)}: data_offsets [{t.start - data}, {t.end - data}] {where}")
         end = t.end
     if end != file.size:
         raise bad(f"tensors end at byte {end - data} of the data, but the file holds {size} bytes of data")
@@ -537,10 +649,10 @@ class TensorFiles:
                 self.files.append(checkpoint.open(shard))
                 first = seen.setdefault(self.files[-1].id, shard)
                 if first != shard:
-                    raise ModelFileError(self.source, f"names one file twice: {_name(first)} and {_name(shard)}")
+                    raise ModelFileError(self.source, f"names one file twice: {quoted(first)} and {quoted(shard)}")
             for f, names in zip(self.files, (shards[s] for s in sorted(shards))):
                 header = read_header(f)
-                problems = [f"{what} {', '.join(map(_name, sorted(found)[:5]))}"
+                problems = [f"{what} {', '.join(map(quoted, sorted(found)[:5]))}"
                             + (f" and {len(found) - 5} more" if len(found) > 5 else "")
                             for what, found in (("holds tensors the index maps elsewhere or not at all",
                                                  header.keys() - names),
@@ -561,7 +673,7 @@ class TensorFiles:
         for name, shard in weight_map.items():
             problem = plain_name_problem(shard)
             if problem:
-                raise index.error("weight_map", f"maps {_name(name)} to {_json_shown(shard)}, which {problem}")
+                raise index.error("weight_map", f"maps {quoted(name)} to {_json_shown(shard)}, which {problem}")
         return weight_map
 
     def close(self) -> None:
@@ -607,12 +719,12 @@ def tensor_problems(found: Mapping[str, tuple[str, tuple[int, ...]]], plan: Mapp
         target = plan.get(name)
         if target is None:
             if not name.endswith(ignore):
-                problems.append(f"unexpected tensor {_name(name)}")
+                problems.append(f"unexpected tensor {quoted(name)}")
         elif dtype not in target.accept:
-            problems.append(f"tensor {_name(name)} has dtype {dtype}, expected {' or '.join(target.accept)}")
+            problems.append(f"tensor {quoted(name)} has dtype {dtype}, expected {' or '.join(target.accept)}")
         elif shape != tuple(target.shape):
-            problems.append(f"tensor {_name(name)} has shape {shape}, expected {tuple(target.shape)}")
-    return problems + [f"missing tensor {_name(name)} (shape {tuple(t.shape)})" for name, t in plan.items()
+            problems.append(f"tensor {quoted(name)} has shape {shape}, expected {tuple(target.shape)}")
+    return problems + [f"missing tensor {quoted(name)} (shape {tuple(t.shape)})" for name, t in plan.items()
                        if name not in found and not t.optional]
 
 
@@ -626,13 +738,13 @@ def _check_target(name: str, t: Target, out=None) -> None:
     """ValueError for a plan entry that cannot work (a caller's mistake, not the file's); `out`: the array its
     allocator made."""
     if t.dtype not in TARGET_DTYPES:
-        raise ValueError(f"plan for {_name(name)}: dtype must be one of {TARGET_DTYPES}, got {t.dtype!r}")
+        raise ValueError(f"plan for {quoted(name)}: dtype must be one of {TARGET_DTYPES}, got {t.dtype!r}")
     if t.transform is None and any(d.startswith("F8") for d in t.accept):
-        raise ValueError(f"plan for {_name(name)}: accepting FP8 needs a transform (FP8 arrives as uint8 bits)")
+        raise ValueError(f"plan for {quoted(name)}: accepting FP8 needs a transform (FP8 arrives as uint8 bits)")
     out = t.out if out is None else out
     if out is not None and not callable(out) and t.transform is None and (
             tuple(out.shape) != tuple(t.shape) or str(out.dtype) != t.dtype):
-        raise ValueError(f"plan for {_name(name)}: out is {out.dtype} {tuple(out.shape)}, expected {t.dtype} "
+        raise ValueError(f"plan for {quoted(name)}: out is {out.dtype} {tuple(out.shape)}, expected {t.dtype} "
                          f"{tuple(t.shape)}")
 
 
@@ -660,6 +772,107 @@ def load_tensors(files: TensorFiles, plan: Mapping[str, Target], *, device=None,
                   key=lambda job: (order[id(job[0].file)], job[0].start))
     label = f"loading {shown(files.source.parent, 200)}"
     return _Stream(jobs, device or CupyDevice(), buffers, buffer_bytes, Progress(label, progress)).run()
+
+
+LM_HEAD = "lm_head.weight"
+_CODES = {view: code for code, (_, view) in reversed(DTYPES.items())}   # NumPy dtype name -> safetensors dtype
+
+
+def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], *, dtype: str, outs=None,
+                 prefix: str = "", tied: str | None = None, ignore: tuple[str, ...] = (), device=None,
+                 expected: str = "the model") -> dict:
+    """A model's weights from a checkpoint, under the names of `shapes`: load_tensors with a family's rules.
+
+    The file names every tensor with `prefix` before it or none without (GPT2LMHeadModel's names or GPT2Model's).
+    A model whose LM head is tied to its embedding (`tied`: the embedding's name) may find an lm_head.weight in
+    the file, which must equal the embedding bit for bit and is dropped. Names ending in one of `ignore` are
+    buffers, skipped. `outs`: our name -> the array to fill, or a function returning that mapping, called once
+    the headers have been checked (so nothing is allocated for a file that does not match); None: new arrays of
+    `dtype`. Returns our name -> array."""
+    with checkpoint.tensor_files() as files:
+        p = prefix if prefix and any(name.startswith(prefix) for name in files.tensors) else ""
+        plan = {p + name: Target(shape, dtype) for name, shape in shapes.items()}
+        if tied is not None:
+            plan[LM_HEAD] = Target(shapes[tied], dtype, optional=True)
+        problems = tensor_problems({n: (t.dtype, t.shape) for n, t in files.tensors.items()}, plan, ignore)
+        if problems:
+            raise ModelFileError(files.source, listing(f"does not match {expected}", problems))
+        outs = outs() if callable(outs) else outs
+        if outs is not None:
+            plan.update({p + name: Target(shape, dtype, outs[name]) for name, shape in shapes.items()})
+        loaded = load_tensors(files, plan, device=device, ignore=ignore, expected=expected)
+        if tied is not None and LM_HEAD in loaded and not _same_bits(loaded[LM_HEAD], loaded[p + tied]):
+            raise ModelFileError(files.source, f"tensor {quoted(LM_HEAD)} differs from {quoted(p + tied)}, to which "
+                                               "this model ties its LM head")
+    return {name: loaded[p + name] for name in shapes}
+
+
+def _same_bits(a, b) -> bool:
+    """Whether two arrays (NumPy or CuPy) of one dtype and shape hold the same bits."""
+    uint = f"u{a.dtype.itemsize}"
+    return bool((a.view(uint) == b.view(uint)).all())
+
+
+def check_arrays(shapes: Mapping[str, tuple[int, ...]], arrays: Mapping, heading: str) -> None:
+    """ValueError, `heading` first, listing every missing, unexpected, misshapen or non-float array of `arrays`
+    (NumPy or device arrays) against the names and shapes of `shapes`."""
+    def described(a):
+        dtype = str(getattr(a, "dtype", type(a).__name__))
+        return _CODES.get(dtype, dtype), tuple(getattr(a, "shape", ()))
+    plan = {name: Target(shape, accept=FLOATS + ("F64",)) for name, shape in shapes.items()}
+    problems = tensor_problems({name: described(a) for name, a in arrays.items()}, plan)
+    if problems:
+        raise ValueError(listing(heading, problems))
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """How one family's weights sit in Hugging Face checkpoints, and what is done with them. `shapes(config)`:
+    our name -> shape of every tensor (a tied LM head excluded); `stats(config, name)`: (mean, std) of random
+    weights; `prefix`: what the file may put before our names; `embedding`: the tensor a tied LM head is;
+    `buffers`: name suffixes of buffers old checkpoints carry; `hub_orgs`: where a bare hub name is also looked
+    up. A family's weights module exposes these methods as its functions."""
+
+    config_class: type
+    shapes: Callable[..., dict]
+    stats: Callable[..., tuple[float, float]]
+    embedding: str
+    prefix: str = ""
+    buffers: tuple[str, ...] = ()
+    hub_orgs: tuple[str, ...] = ()
+
+    def resolve(self, path_or_name) -> Checkpoint:
+        """A checkpoint: a directory, or a hub model name in the local cache (a bare name also under hub_orgs)."""
+        return find_checkpoint(path_or_name, self.hub_orgs)
+
+    def load(self, checkpoint: Checkpoint, config, *, dtype: str, outs=None, device=None) -> dict:
+        """The checkpoint's weights as arrays of `dtype` under our names (load_weights: `outs`, `device`); a tied
+        model's lm_head.weight, if the file has one, checked and dropped. BF16, FP16 and FP32 tensors load, from one
+        file or from shards."""
+        return load_weights(checkpoint, self.shapes(config), dtype=dtype, outs=outs, device=device,
+                            prefix=self.prefix, tied=self.embedding if config.tie_word_embeddings else None,
+                            ignore=self.buffers, expected=str(config))
+
+    def load_state_dict(self, path_or_name, dtype=np.float32) -> tuple:
+        """(config, host tensors: our names, C-contiguous, float32 or float64) of a checkpoint."""
+        checkpoint = self.resolve(path_or_name)
+        config = self.config_class.from_fields(checkpoint.config())
+        return config, self.load(checkpoint, config, dtype=float_dtype(dtype).name, device=HostDevice())
+
+    def save_state_dict(self, directory, config, state: Mapping, dtype: str = "float32") -> None:
+        """Write config.json and model.safetensors (tensors in `dtype`, from host or device arrays) as the family's
+        transformers class's save_pretrained writes them."""
+        self.check_state_dict(config, state)
+        write_checkpoint(directory, dict(config.to_hf_dict(), torch_dtype=dtype),
+                         {self.prefix + name: array for name, array in state.items()}, dtype=dtype)
+
+    def check_state_dict(self, config, state: Mapping) -> None:
+        """ValueError listing every missing, unexpected, misshapen or non-float array of `state`."""
+        check_arrays(self.shapes(config), state, f"state dict does not match {config}")
+
+    def random_state_dict(self, config, seed: int, dtype=np.float32) -> dict[str, np.ndarray]:
+        """Random host weights as `stats` scales them, deterministic for `seed`."""
+        return random_tensors(self.shapes(config), seed, dtype, lambda name: self.stats(config, name))
 
 
 class _Stream:
@@ -832,7 +1045,8 @@ class Progress:
 
 def write_checkpoint(directory, hf_config: dict, tensors: Mapping[str, np.ndarray], *, dtype: str = "float32",
                      shard_bytes: int | None = None) -> None:
-    """Write config.json and the tensors in `dtype` (float32, bfloat16 or float16) as save_pretrained does:
+    """Write config.json and the tensors (NumPy arrays, or CuPy ones: each converted on the device and copied to
+    the host alone) in `dtype` (float32, bfloat16 or float16) as save_pretrained does:
     model.safetensors, or with `shard_bytes` shards model-0000i-of-0000n.safetensors of at most that size (a
     larger tensor alone) and model.safetensors.index.json. Weights files of the other layout are removed. Each
     file is written under a temporary name and renamed into `directory`: a link there is replaced, never
@@ -876,7 +1090,9 @@ def _safetensors_bytes(tensors: Mapping[str, np.ndarray], dtype: str, sizes: Map
     text += b" " * (-len(text) % 8)
     yield len(text).to_bytes(8, "little") + text
     for array in tensors.values():
-        yield np.ascontiguousarray(np.asarray(array).astype(numpy_dtype(dtype), copy=False)).reshape(-1).view(np.uint8)
+        array = array if hasattr(array, "astype") else np.asarray(array)
+        array = array.astype(numpy_dtype(dtype), copy=False)         # a device array: converted there
+        yield np.ascontiguousarray(array.get() if hasattr(array, "get") else array).reshape(-1).view(np.uint8)
 
 
 def _write_file(directory: Path, name: str, pieces) -> None:
@@ -902,93 +1118,3 @@ def random_tensors(shapes: Mapping[str, tuple[int, ...]], seed: int, dtype, stat
         state[name] = (mean + std * rng.standard_normal(shape)).astype(dtype)
     return state
 
-
-# -- until the families load through the plans above (#31 phase B) -----------------------------------------
-
-MAX_SIZE = 1 << 24         # no model dimension comes near; a config file claiming more is refused
-MAX_LAYERS = 4096
-BFLOAT16 = np.dtype(numpy_dtype("bfloat16"))
-
-
-@contextlib.contextmanager
-def hf_config_fields(d: dict, unsupported: dict[str, bool], family: str):
-    """Reading a Hugging Face config.json dict `d`: ValueError naming every key whose value asks for a
-    variant tilekit does not compute (`unsupported`: key -> is it such a value), then, within the block,
-    naming a required key the file lacks."""
-    bad = [f"{k}={d[k]!r}" for k, is_bad in unsupported.items() if is_bad]
-    if bad:
-        raise ValueError(f"config.json asks for a {family} variant tilekit does not compute: {', '.join(bad)}")
-    try:
-        yield
-    except KeyError as e:
-        raise ValueError(f"config.json lacks the {family} key {e.args[0]!r}") from None
-
-
-def check_positive_ints(config, names) -> None:
-    """ValueError naming the first of `names` whose value in `config` is not a positive int (bools are
-    not) of plausible size (a hostile config.json must not make the shape checks run for hours)."""
-    for name in names:
-        value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
-        most = MAX_LAYERS if name == "n_layer" else MAX_SIZE
-        if value > most:
-            raise ValueError(f"{type(config).__name__}.{name} = {value} is larger than any model tilekit runs "
-                             f"(at most {most})")
-
-
-def check_number(owner, name: str, low: float = 0.0) -> None:
-    """ValueError unless owner.name is a finite real number greater than `low` (bools are not numbers)."""
-    value = getattr(owner, name)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= low:
-        raise ValueError(f"{type(owner).__name__}.{name} must be a finite number > {low}, got {value!r}")
-
-
-def resolve_checkpoint(path_or_name, weights: tuple[str, ...] = (), orgs: tuple[str, ...] = ()) -> Path:
-    """The directory of find_checkpoint(path_or_name, orgs)."""
-    return find_checkpoint(path_or_name, orgs).directory
-
-
-def float_dtype(dtype) -> np.dtype:
-    """`dtype` as a NumPy dtype, which must be float32 or float64: what checkpoints load as."""
-    dtype = np.dtype(dtype)
-    if dtype not in (np.float32, np.float64):
-        raise ValueError(f"dtype must be float32 or float64, got {dtype}")
-    return dtype
-
-
-def read_checkpoint_tensors(directory: Path, skip_suffixes: tuple[str, ...] = ()) -> tuple[Path, dict]:
-    """(source, every tensor of a checkpoint directory but those whose names end in `skip_suffixes`), each in
-    its file's dtype."""
-    with Checkpoint.at(directory).tensor_files() as files:
-        plan = {name: Target(t.shape, DTYPES[t.dtype][1]) for name, t in files.tensors.items()
-                if not name.endswith(skip_suffixes)}
-        for name, t in plan.items():
-            if t.dtype not in TARGET_DTYPES:
-                raise ModelFileError(files.source, f"tensor {_name(name)} has dtype {t.dtype}, expected a float")
-        return files.source, load_tensors(files, plan, device=HostDevice(), ignore=skip_suffixes)
-
-
-def check_tensors(expected: dict[str, tuple[int, ...]], state: dict, heading: str) -> None:
-    """Raise ValueError, `heading` first, listing every missing, unexpected, misshapen or non-float tensor."""
-    problems = []
-    for name, array in state.items():
-        if name not in expected:
-            problems.append(f"unexpected tensor {name!r}")
-        elif not isinstance(array, np.ndarray) or not (np.issubdtype(array.dtype, np.floating)
-                                                       or array.dtype == BFLOAT16):
-            problems.append(f"tensor {name!r} must be a floating-point numpy array, "
-                            f"got {getattr(array, 'dtype', type(array).__name__)}")
-        elif array.shape != expected[name]:
-            problems.append(f"tensor {name!r} has shape {array.shape}, expected {expected[name]}")
-    problems += [f"missing tensor {name!r} (shape {shape})" for name, shape in expected.items() if name not in state]
-    if problems:
-        raise ValueError(listing(heading, problems))
-
-
-def pop_tied_lm_head(state: dict, embedding: str, source: str) -> None:
-    """Drop the lm_head.weight some checkpoints of a tied model carry; ValueError if it differs from `embedding`."""
-    lm_head = state.pop("lm_head.weight", None)
-    if lm_head is not None and embedding in state and not np.array_equal(lm_head, state[embedding]):
-        raise ValueError(f"tensor 'lm_head.weight' in {source} differs from {embedding!r}, "
-                         "to which this model ties its LM head")

@@ -7,7 +7,6 @@ is the exact answer to compare both against.
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -29,8 +28,8 @@ class ReferenceLM:
         self.state = {name: np.ascontiguousarray(array, dtype=self.dtype) for name, array in state.items()}
 
     @classmethod
-    def from_pretrained(cls, path_or_name: str | Path, dtype=np.float64) -> "ReferenceLM":
-        """Load a Hugging Face checkpoint directory or cached hub model name."""
+    def from_pretrained(cls, path_or_name, dtype=np.float64) -> "ReferenceLM":
+        """Load a Hugging Face checkpoint (a directory or cached hub model name) into host arrays of `dtype`."""
         config, state = cls.weights.load_state_dict(path_or_name, dtype=dtype)
         return cls(config, state, dtype)
 

@@ -15,6 +15,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable, Sequence
 
 import numpy as np
@@ -23,6 +24,7 @@ from tilekit.autotune.arrays import MetaArray, numpy_dtype, release_scratch
 from tilekit.autotune.op import recording
 from tilekit.kernels import attention, decode_attention, next_token, write_kv
 from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candidate_slots, pack_params
+from tilekit.models.hf import Checkpoint, convert
 from tilekit.models.generation import (GenerationSettings, SamplingParams, StopChecker, param_arrays, per_row,
                                        token_counts)
 
@@ -322,20 +324,71 @@ def host_ids(x, name: str) -> np.ndarray:
 
 
 class CausalLM:
-    """forward, generate and the workload of a model that provides the math (see the module doc).
+    """forward, generate, the workload and checkpoints of a model that provides the math (see the module doc).
 
-    A subclass sets `config` (with vocab_size and block_size), `dtype` and `meta` (MetaArray weights),
-    and implements cache_dims(), activations(), hidden(), final_norm(), lm_head(), meta_twin(),
-    tokenizer() and eos_token_id().
+    A subclass names its family's `weights` module and `config_class`, sets `config` (with vocab_size,
+    block_size and eos_token_id), `dtype`, `meta` (MetaArray weights) and `params` (every weight under its
+    Hugging Face name, _init_weights), and implements cache_dims(), activations(), hidden(), final_norm(),
+    lm_head() and meta_twin().
     """
 
+    weights: ModuleType
+    config_class: type
     max_prefill_graphs = 4
     max_generations = 2
 
     def _init_runtime(self) -> None:
+        self.checkpoint: Checkpoint | None = None
         self._graphs: OrderedDict[tuple, PrefillGraph] = OrderedDict()
         self._generations: OrderedDict[tuple, Generation] = OrderedDict()
         self._graphs_lock = threading.Lock()
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+    def _init_weights(self, state: dict | None, seed: int, empty: bool) -> None:
+        """Fill self.params (allocated): from `state` (host arrays under the same names, checked; copied to the
+        GPU in their own dtype and converted there), or N(mean, std) drawn on the GPU from `seed` (the family's
+        weight_stats), or not at all (empty: from_pretrained streams a checkpoint into them)."""
+        if state is not None:
+            if empty:
+                raise ValueError("pass state= or empty=True, not both")
+            self.weights.check_state_dict(self.config, state)
+        if self.meta or empty:
+            return
+        import cupy
+        rng = cupy.random.default_rng(seed)
+        for name, out in self.params.items():
+            if state is not None:
+                convert(cupy.asarray(np.ascontiguousarray(state[name])), out)
+            else:
+                mean, std = self.weights.weight_stats(self.config, name)
+                convert(rng.standard_normal(out.shape, dtype=cupy.float32) * std + mean, out)
+
+    @classmethod
+    def from_pretrained(cls, path_or_name, *, dtype: str = "bfloat16", **kwargs) -> "CausalLM":
+        """The model of a Hugging Face checkpoint: a directory (single-file or sharded safetensors), a model name
+        in the local hub cache, or an hf.Checkpoint. Its config.json is read field by field; once the
+        safetensors headers match the config, the model's device arrays are allocated and the tensors streamed
+        into them in `dtype`, never the whole checkpoint on the host. kwargs go to the constructor."""
+        checkpoint = cls.weights.resolve(path_or_name)
+        config = cls.config_class.from_fields(checkpoint.config())
+        made = []
+
+        def allocate() -> dict:
+            made.append(cls(config, dtype=dtype, empty=True, **kwargs))
+            return made[0].params
+        cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate)
+        made[0].checkpoint = checkpoint
+        return made[0]
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """float32 host copies of every weight, under the Hugging Face names."""
+        import cupy
+        return {name: cupy.asnumpy(array).astype(np.float32) for name, array in self.params.items()}
+
+    def save_pretrained(self, directory) -> None:
+        """Write config.json and model.safetensors in the model's dtype, as Hugging Face's save_pretrained does
+        (one tensor at a time through the host)."""
+        self.weights.save_state_dict(directory, self.config, self.params, dtype=self.dtype)
 
     # -- forward --------------------------------------------------------------------------------
     def __call__(self, ids, **kwargs):
@@ -419,9 +472,9 @@ class CausalLM:
         """What generate() does unless told otherwise: the checkpoint's generation_config.json read as Hugging
         Face reads it (greedy unless it says do_sample), with config.json's eos ids; greedy for a model
         without a checkpoint directory."""
-        eos = getattr(self.config, "eos_token_id", None)
-        if getattr(self, "checkpoint_dir", None) is not None:
-            return GenerationSettings.from_generation_config(self.checkpoint_dir, config_eos=eos)
+        eos = self.config.eos_token_id
+        if self.checkpoint is not None:
+            return GenerationSettings.from_generation_config(self.checkpoint, config_eos=eos)
         return GenerationSettings(eos_token_ids=() if eos is None else eos, sampling=SamplingParams(temperature=0.0))
 
     def generate(self, ids, max_new_tokens: int | None = None, *, temperature: float | None = None,
@@ -527,10 +580,10 @@ class CausalLM:
     def tokenizer(self):
         """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt), read as untrusted."""
         from tilekit.models.text import load_tokenizer
-        if getattr(self, "checkpoint_dir", None) is None:
+        if self.checkpoint is None:
             raise ValueError("this model has no checkpoint directory to read a tokenizer from (load it with "
                              "from_pretrained)")
-        return load_tokenizer(self.checkpoint_dir)
+        return load_tokenizer(self.checkpoint)
 
     def generate_text(self, prompt: str | Sequence[str], max_new_tokens: int | None = None, *,
                       stream_to: Callable[[str], None] | None = None, chat: bool = False,
@@ -563,7 +616,7 @@ class CausalLM:
     def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of `messages` rendered with the chat template (which writes its own special tokens)."""
         from tilekit.models.text import chat_template
-        template = None if getattr(self, "checkpoint_dir", None) is None else chat_template(self.checkpoint_dir)
+        template = None if self.checkpoint is None else chat_template(self.checkpoint)
         if template is None:
             raise ValueError("this checkpoint has no chat template (tokenizer_config.json's chat_template or "
                              "chat_template.jinja)")

@@ -85,20 +85,6 @@ def test_a_directory_is_a_checkpoint(tmp_path, monkeypatch):
     assert ck.config().choice("model_type", ("test",)) == "test"
 
 
-def test_the_hub_cache_is_found_as_huggingface_hub_finds_it(tmp_path, monkeypatch):
-    for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    default = "XDG_CACHE_HOME or ~/.cache"
-    assert hf.hub_cache_dir() == (tmp_path / "home" / ".cache" / "huggingface" / "hub", default)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert hf.hub_cache_dir() == (tmp_path / "xdg" / "huggingface" / "hub", default)
-    monkeypatch.setenv("HF_HOME", "~/hf")
-    assert hf.hub_cache_dir() == (tmp_path / "home" / "hf" / "hub", "HF_HOME")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
-    assert hf.hub_cache_dir() == (tmp_path / "cache", "HF_HUB_CACHE")
-
-
 def test_a_hub_name_takes_refs_main_then_the_newest_complete_snapshot(hf_home):
     main = snapshot(hf_home, "org/model", "aaaa1111", fresh(1, {"w": (2,)}))
     newer = snapshot(hf_home, "org/model", "bbbb2222", fresh(2, {"w": (2,)}), shard_bytes=4)
@@ -450,3 +436,15 @@ def test_files_transformers_wrote_load_as_the_safetensors_library_reads_them(nam
         assert len(files.files) == len(list(directory.glob("*.safetensors")))
         out = hf.load_tensors(files, {n: Target(a.shape, "float32") for n, a in expected.items()}, device=HostDevice())
     assert all(np.array_equal(out[n], a.astype(np.float32)) for n, a in expected.items())
+
+
+def test_a_missing_hub_cache_is_named_with_the_variable_that_placed_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-typo"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        hf.find_checkpoint("m", orgs=("org",))
+    cache = tmp_path / "hf-typo" / "hub"
+    assert str(info.value) == (f"no checkpoint 'm'; searched: {tmp_path}/m; {cache}/models--m/snapshots; "
+                               f"{cache}/models--org--m/snapshots; {cache}: no such directory (the hub cache, from "
+                               "HF_HOME)")

@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from tilekit.autotune.arrays import numpy_dtype
+from tilekit.env import expand_user, hub_cache_dir
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -296,28 +297,9 @@ class Checkpoint:
         self.open(name).close()
 
 
-def hub_cache_dir() -> tuple[Path, str]:
-    """The Hugging Face hub cache, located as huggingface_hub locates it, and the variable that placed it."""
-    for var, below in (("HF_HUB_CACHE", ()), ("HF_HOME", ("hub",))):
-        if os.environ.get(var):
-            return Path(_expand_user(os.environ[var], var), *below), var
-    cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(_expand_user(cache, "XDG_CACHE_HOME"), "huggingface", "hub"), "XDG_CACHE_HOME or ~/.cache"
-
-
-def _expand_user(text: str, what: str) -> str:
-    """`text` with a leading ~ or ~user expanded; FileNotFoundError naming `what` if that user does not exist."""
-    expanded = os.path.expanduser(text)
-    if text.startswith("~") and expanded == text:
-        user = text[1:].partition("/")[0]
-        raise FileNotFoundError(f"{what} {quoted(text)}: " + (f"no user {quoted(user)}" if user else
-                                                              "no home directory"))
-    return expanded
-
-
 def read_config(path) -> "Fields":
     """The fields of a config.json file a user names (outside any checkpoint)."""
-    path = _expand_user(os.fspath(path), "config path")
+    path = expand_user(os.fspath(path), "config path")
     return Fields(read_json(path), path)
 
 
@@ -332,7 +314,7 @@ def find_checkpoint(path_or_name, orgs: tuple[str, ...] = ()) -> Checkpoint:
     text = os.fspath(path_or_name)
     if "\0" in text:
         raise ValueError(f"checkpoint path {quoted(text)} contains a NUL character")
-    path = _expand_user(text, "checkpoint path")
+    path = expand_user(text, "checkpoint path")
     try:
         is_dir = stat.S_ISDIR(os.stat(path).st_mode)
     except (FileNotFoundError, NotADirectoryError):

@@ -1,7 +1,8 @@
 """The environment variables tilekit reads, each read here and checked: a bad value is an error naming the
 variable. TILEKIT_AUTOTUNE, TILEKIT_DEPENDENT_LAUNCH, TILEKIT_CACHE_DIR and TILEKIT_SHIPPED_DB for the kernels'
 tuning; HF_HUB_CACHE, HF_HOME and XDG_CACHE_HOME for the Hugging Face hub cache. check() reads them all, for a
-command line to refuse a bad environment before doing anything. Imports nothing of tilekit."""
+command line to refuse a bad environment before doing anything. Also how messages show what a user or a file
+gave (shown, quoted; tilekit.models.hf's too). Imports nothing of tilekit."""
 
 from __future__ import annotations
 
@@ -11,18 +12,29 @@ from pathlib import Path
 AUTOTUNE_MODES = ("off", "cached", "auto")
 
 
+def shown(text, limit: int = 4096) -> str:
+    """A path or text for a message: control characters escaped as repr() does, cut after `limit` characters."""
+    s = os.fspath(text) if isinstance(text, os.PathLike) else str(text)
+    cut = s[:limit]
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut) + ("..." if len(s) > limit else "")
+
+
+def quoted(value, limit: int = 200) -> str:
+    """repr(value) for a message, escaped: a string (a tensor, shard or revision name) cut after `limit`
+    characters inside its quotes, any other value's repr after `limit` characters."""
+    if isinstance(value, str):
+        return repr(value[:limit]) + ("..." if len(value) > limit else "")
+    return shown(repr(value), limit)
+
+
 def expand_user(text: str, what: str) -> str:
     """`text` with a leading ~ or ~user expanded; FileNotFoundError naming `what` if that user does not exist."""
     expanded = os.path.expanduser(text)
     if text.startswith("~") and expanded == text:
         user = text[1:].partition("/")[0]
-        raise FileNotFoundError(f"{what} {_quoted(text)}: " + (f"no user {_quoted(user)}" if user else
+        raise FileNotFoundError(f"{what} {quoted(text)}: " + (f"no user {quoted(user)}" if user else
                                                                "no home directory"))
     return expanded
-
-
-def _quoted(text: str, limit: int = 200) -> str:
-    return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def choice(name: str, choices: tuple[str, ...], default: str) -> str:
@@ -30,7 +42,7 @@ def choice(name: str, choices: tuple[str, ...], default: str) -> str:
     raw = os.environ.get(name, "")
     value = raw.strip().lower() or default
     if value not in choices:
-        raise ValueError(f"{name}={_quoted(raw)} is not one of {', '.join(choices)}")
+        raise ValueError(f"{name}={quoted(raw)} is not one of {', '.join(choices)}")
     return value
 
 
@@ -60,7 +72,7 @@ def shipped_dir() -> Path | None:
     be an existing directory: a typo must not silently leave every kernel untuned."""
     path = directory("TILEKIT_SHIPPED_DB")
     if path is not None and not path.is_dir():
-        raise ValueError(f"TILEKIT_SHIPPED_DB={_quoted(os.environ['TILEKIT_SHIPPED_DB'])}: "
+        raise ValueError(f"TILEKIT_SHIPPED_DB={quoted(os.environ['TILEKIT_SHIPPED_DB'])}: "
                          + ("not a directory" if path.exists() else "no such directory")
                          + " (unset it to use the tuning database packaged with tilekit)")
     return path

@@ -30,7 +30,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from tilekit.autotune.arrays import numpy_dtype
-from tilekit.env import expand_user, hub_cache_dir
+from tilekit.env import expand_user, hub_cache_dir, quoted, shown
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -52,21 +52,6 @@ _WRITE_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 # -- messages -----------------------------------------------------------------------------------------------
-
-def shown(text, limit: int = 4096) -> str:
-    """A path or text for a message: control characters escaped as repr() does, cut after `limit` characters."""
-    s = os.fspath(text) if isinstance(text, os.PathLike) else str(text)
-    cut = s[:limit]
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut) + ("..." if len(s) > limit else "")
-
-
-def quoted(value, limit: int = 200) -> str:
-    """repr(value) for a message, escaped: a string (a tensor, shard or revision name) cut after `limit`
-    characters inside its quotes, any other value's repr after `limit` characters."""
-    if isinstance(value, str):
-        return repr(value[:limit]) + ("..." if len(value) > limit else "")
-    return shown(repr(value), limit)
-
 
 def _json_shown(value) -> str:
     """A JSON value from a file as JSON text (escaped), cut after 100 characters."""

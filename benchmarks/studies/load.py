@@ -1,14 +1,17 @@
-"""Loading a Llama checkpoint (issue #31): tilekit's streaming loader against Hugging Face from_pretrained.
+"""Loading a checkpoint (issue #31): tilekit's from_pretrained against Hugging Face's, same files, same run.
 
-    python -m benchmarks.studies.load --preset llama-3.2-1b [--dir DIR] [--reps 3] [--today]
+    python -m benchmarks.studies.load [--preset llama-3.2-1b] [--preset llama-3.1-8b] [--dir DIR] [--reps 3]
+                                      [--out DIR]
 
-Writes a random-weight bfloat16 checkpoint of the preset with safetensors, sharded as the hub shards it (5 GB
-files), unless DIR already holds it. Then, with the page cache warmed, each load runs in a fresh subprocess,
-the two alternating, `--reps` times: HF AutoModelForCausalLM.from_pretrained(dtype=bfloat16, device_map="cuda"),
-the anchor, and tilekit's hf.load_tensors of every tensor into new bfloat16 CuPy arrays (phase B: the model's
-from_pretrained). Each child times its load after imports and CUDA start-up, and measures peak resident memory
-above that point (VmHWM after resetting it through /proc/self/clear_refs). Rows: the median time and peak of
-each, and whether tilekit meets #31 (time <= 1.2x HF; peak <= the largest tensor + 1 GB).
+For each preset (default: both above), a random-weight bfloat16 checkpoint sharded as the hub shards (5 GB files) is
+written once under DIR/PRESET (default /tmp/tilekit-load). With the page cache warmed (every file read once), each
+load runs in a fresh process, the two alternating, --reps times: Hugging Face's
+AutoModelForCausalLM.from_pretrained(dtype=bfloat16, device_map="cuda"), the anchor, and tilekit's from_pretrained
+(the preset's family: Llama.from_pretrained) in bfloat16. Each process times its load after its imports and CUDA
+start-up and measures peak resident memory above that point (VmHWM after resetting it through
+/proc/self/clear_refs). Progress goes to stderr; the table, one row "load PRESET WHO" per loader with the median time
+and peak and whether tilekit meets #31 (time <= 1.2x HF; peak <= the largest tensor + 1 GiB), is printed last;
+--out DIR gets load.json (every run, the medians, the bounds, the GPU and versions).
 """
 
 from __future__ import annotations
@@ -22,39 +25,40 @@ import sys
 import time
 from pathlib import Path
 
-CHILDREN = ("HF from_pretrained", "tilekit load_tensors")
-TODAY = "tilekit Llama.from_pretrained today"
+from benchmarks.harness import system
+
+HF, TILEKIT = "HF from_pretrained", "tilekit from_pretrained"
+DEFAULT_PRESETS = ("llama-3.2-1b", "llama-3.1-8b")
 SHARD_BYTES = 5 * 10 ** 9
+GiB = 2 ** 30
 
 
-def llama(preset: str):
-    """The preset's config and its tensors' shapes."""
+def model(preset: str):
+    """The preset's family, config and tensor shapes."""
     from tilekit.models import families
     config = families.preset_config(preset)
-    return config, families.family_of_config(config).weights.state_dict_shapes(config)
+    family = families.family_of_config(config)
+    return family, config, family.weights.state_dict_shapes(config)
 
 
 def write(preset: str, directory: Path) -> None:
-    """A random checkpoint: every tensor a view of one N(0, 0.02) bfloat16 pool as large as the largest tensor, so
-    writing it costs that much memory, not the checkpoint's."""
+    """A random checkpoint, unless `directory` holds this preset's already: every tensor a view of one N(0, 0.02)
+    bfloat16 pool as large as the largest tensor, so that writing it costs that much memory, not the checkpoint's."""
     import ml_dtypes
     import numpy as np
-
-    from tilekit.models import hf
     marker = directory / "tilekit-bench-preset"
     if marker.is_file() and marker.read_text() == preset:
         return
-    config, shapes = llama(preset)
-    largest = max(math.prod(s) for s in shapes.values())
-    pool = (np.random.default_rng(0).standard_normal(largest, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-    tensors = {name: pool[:math.prod(shape)].reshape(shape) for name, shape in shapes.items()}
-    hf.write_checkpoint(directory, dict(config.to_hf_dict(), torch_dtype="bfloat16"), tensors, dtype="bfloat16",
-                        shard_bytes=SHARD_BYTES)
+    family, config, shapes = model(preset)
+    pool = (np.random.default_rng(0).standard_normal(max(map(math.prod, shapes.values())), np.float32) * 0.02
+            ).astype(ml_dtypes.bfloat16)
+    family.weights.save_state_dict(directory, config, {n: pool[:math.prod(s)].reshape(s) for n, s in shapes.items()},
+                                   dtype="bfloat16", shard_bytes=SHARD_BYTES)
     marker.write_text(preset)
 
 
 def warm(directory: Path) -> None:
-    """Read every file once so that both loaders find the checkpoint in the page cache."""
+    """Read every file once, so that both loaders find the checkpoint in the page cache."""
     for path in directory.iterdir():
         with open(path, "rb") as f:
             while f.read(64 << 20):
@@ -66,9 +70,9 @@ def _status_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def child(which: str, preset: str, directory: str) -> None:
-    """One load in this fresh process; prints {"seconds", "peak_gb", "baseline_gb"} as JSON."""
-    if which == CHILDREN[0]:
+def child(who: str, directory: str) -> None:
+    """One load in this fresh process; prints {"seconds", "peak_gib", "baseline_gib"} as JSON."""
+    if who == HF:
         import torch
         import transformers
         torch.zeros(1, device="cuda")
@@ -82,72 +86,98 @@ def child(which: str, preset: str, directory: str) -> None:
     else:
         import cupy
 
-        from tilekit.models import hf
+        from tilekit.models import families, hf
+        cls = families.family_of_fields(hf.find_checkpoint(directory).config()).model_class   # imported now
         cupy.zeros(1)
-        hf.CupyDevice().staging(1)
 
         def run():
-            if which == TODAY:
-                from tilekit.models import load_model
-                load_model(directory)
-            else:
-                checkpoint = hf.find_checkpoint(directory)
-                _, shapes = llama(preset)
-                with checkpoint.tensor_files() as files:
-                    hf.load_tensors(files, {n: hf.Target(s, "bfloat16") for n, s in shapes.items()})
+            cls.from_pretrained(directory, dtype="bfloat16")
             cupy.cuda.runtime.deviceSynchronize()
     try:
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")                          # VmHWM := VmRSS, so the peak is the load's
+            f.write("5")                          # VmHWM := VmRSS, so that the peak is the load's
     except OSError:
         pass
     baseline = _status_kb("VmRSS")
     start = time.perf_counter()
     run()
     seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "peak_gb": (_status_kb("VmHWM") - baseline) / 2 ** 20,
-                      "baseline_gb": baseline / 2 ** 20}))
+    print(json.dumps({"seconds": seconds, "peak_gib": (_status_kb("VmHWM") - baseline) / 2 ** 20,
+                      "baseline_gib": baseline / 2 ** 20}))
 
 
-def measure(which: str, preset: str, directory: Path) -> dict:
-    p = subprocess.run([sys.executable, "-m", "benchmarks.studies.load", "--child", which, preset, str(directory)],
+def measure(who: str, directory: Path) -> dict:
+    p = subprocess.run([sys.executable, "-m", "benchmarks.studies.load", "--child", who, str(directory)],
                        capture_output=True, text=True, timeout=1800)
     if p.returncode:
-        raise RuntimeError(f"{which} failed:\n{p.stderr[-4000:]}")
+        raise RuntimeError(f"{who} failed:\n{p.stderr[-4000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def run_preset(preset: str, directory: Path, reps: int, log) -> dict:
+    """Every run of both loaders on the preset's checkpoint, alternating; the medians and #31's verdict."""
+    log(f"[load {preset}] writing / checking {directory}")
+    write(preset, directory)
+    warm(directory)
+    shapes = model(preset)[2]
+    largest = max(map(math.prod, shapes.values())) * 2 / GiB
+    runs = {HF: [], TILEKIT: []}
+    for rep in range(reps):
+        for who in (HF, TILEKIT) if rep % 2 == 0 else (TILEKIT, HF):
+            runs[who].append(measure(who, directory))
+            log(f"[load {preset}] {who}: {runs[who][-1]['seconds']:.2f} s, peak RSS +{runs[who][-1]['peak_gib']:.2f}"
+                " GiB")
+    median = {who: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "peak_gib", "baseline_gib")}
+              for who, rs in runs.items()}
+    bounds = {"seconds": 1.2 * median[HF]["seconds"], "peak_gib": largest + 1}
+    meets = median[TILEKIT]["seconds"] <= bounds["seconds"] and median[TILEKIT]["peak_gib"] <= bounds["peak_gib"]
+    return {"preset": preset, "directory": str(directory), "largest_tensor_gib": largest, "runs": runs,
+            "median": median, "bounds_31": bounds, "meets_31": meets}
+
+
+def table(results: list[dict], reps: int) -> str:
+    lines = []
+    for r in results:
+        hf_s = r["median"][HF]["seconds"]
+        for who, m in r["median"].items():
+            verdict = "" if who == HF else ("  meets #31" if r["meets_31"] else "  misses #31")
+            lines.append(f"load {r['preset']:<14} {who:<24} {m['seconds']:7.2f} s {m['seconds'] / hf_s:6.2f}x HF  "
+                         f"peak RSS +{m['peak_gib']:5.2f} GiB (baseline {m['baseline_gib']:.2f} GiB){verdict}")
+        b = r["bounds_31"]
+        lines.append(f"  #31 bounds: time <= {b['seconds']:.2f} s, peak RSS <= {b['peak_gib']:.2f} GiB (largest tensor "
+                     f"{r['largest_tensor_gib']:.2f} GiB + 1 GiB)")
+    lines.append(f"median of {reps}, alternating order, fresh processes, page cache warm")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="llama-3.2-1b")
-    parser.add_argument("--dir", type=Path, help="where the checkpoint is written (default: /tmp/tilekit-load-PRESET)")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--today", action="store_true", help="also time today's Llama.from_pretrained (slow)")
-    parser.add_argument("--child", nargs=3, metavar=("WHICH", "PRESET", "DIR"), help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.load", description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", action="append",
+                        help=f"a model preset (repeatable; default {', '.join(DEFAULT_PRESETS)})")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/tilekit-load"),
+                        help="where the checkpoints are written, one folder per preset (default /tmp/tilekit-load)")
+    parser.add_argument("--reps", type=int, default=3, help="loads of each loader (default 3)")
+    parser.add_argument("--out", type=Path, help="write load.json here")
+    parser.add_argument("--child", nargs=2, metavar=("WHO", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         child(*args.child)
         return 0
-    directory = args.dir or Path(f"/tmp/tilekit-load-{args.preset}")
-    write(args.preset, directory)
-    warm(directory)
-    _, shapes = llama(args.preset)
-    largest_gb = max(math.prod(s) for s in shapes.values()) * 2 / 2 ** 30
-    names = CHILDREN + ((TODAY,) if args.today else ())
-    runs = {name: [] for name in names}
-    for rep in range(args.reps):
-        for name in names if rep % 2 == 0 else reversed(names):
-            runs[name].append(measure(name, args.preset, directory))
-    hf_s = statistics.median(r["seconds"] for r in runs[CHILDREN[0]])
-    for name in names:
-        s = statistics.median(r["seconds"] for r in runs[name])
-        peak = statistics.median(r["peak_gb"] for r in runs[name])
-        verdict = "" if name == CHILDREN[0] else (
-            "  meets #31" if s <= 1.2 * hf_s and peak <= largest_gb + 1 else "  misses #31")
-        print(f"load {args.preset:<14} {name:<36} {s:7.2f} s {s / hf_s:6.2f}x HF  peak RSS +{peak:5.2f} GB "
-              f"(baseline {statistics.median(r['baseline_gb'] for r in runs[name]):.2f} GB){verdict}")
-    print(f"  #31 bounds: time <= {1.2 * hf_s:.2f} s, peak RSS <= {largest_gb + 1:.2f} GB (largest tensor "
-          f"{largest_gb:.2f} GB + 1 GB); median of {args.reps}, alternating order, page cache warm")
+    presets = args.preset or list(DEFAULT_PRESETS)
+    from tilekit.models import families
+    unknown = [p for p in presets if p not in families.preset_names()]
+    if unknown or args.reps < 1:
+        parser.error(f"--preset {', '.join(unknown)}: not a preset" if unknown else "--reps must be >= 1")
+    meta = system.environment("load", list(sys.argv[1:] if argv is None else argv))
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+    results = [run_preset(p, args.dir / p, args.reps, log) for p in presets]
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "load.json").write_text(json.dumps({**meta, "reps": args.reps, "results": results}, indent=1)
+                                            + "\n")
+    print(table(results, args.reps))
     return 0
 
 

@@ -826,12 +826,14 @@ class CheckpointLayout:
         config = self.config_class.from_fields(checkpoint.config())
         return config, self.load(checkpoint, config, dtype=float_dtype(dtype).name, device=HostDevice())
 
-    def save_state_dict(self, directory, config, state: Mapping, dtype: str = "float32") -> None:
-        """Write config.json and model.safetensors (tensors in `dtype`, from host or device arrays) as the family's
-        transformers class's save_pretrained writes them."""
+    def save_state_dict(self, directory, config, state: Mapping, dtype: str = "float32",
+                        shard_bytes: int | None = None) -> None:
+        """Write config.json and the weights (in `dtype`, from host or device arrays; model.safetensors, or shards
+        of at most `shard_bytes` and their index) as the family's transformers class's save_pretrained does."""
         self.check_state_dict(config, state)
         write_checkpoint(directory, dict(config.to_hf_dict(), torch_dtype=dtype),
-                         {self.prefix + name: array for name, array in state.items()}, dtype=dtype)
+                         {self.prefix + name: array for name, array in state.items()}, dtype=dtype,
+                         shard_bytes=shard_bytes)
 
     def check_state_dict(self, config, state: Mapping) -> None:
         """ValueError listing every missing, unexpected, misshapen or non-float array of `state`."""

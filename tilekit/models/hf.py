@@ -1,6 +1,8 @@
 """Hugging Face model files, for every family: find a checkpoint (a directory or the local hub cache), open its
 files safely, read config.json field by field, check safetensors headers against the tensors a model expects,
-stream the tensors to the GPU in the model's dtype, and write checkpoints.
+stream the tensors to the GPU in the model's dtype, and write checkpoints. A family describes its tensors with a
+CheckpointLayout and reads its config with Fields; its tokenizer and generation config are read through the same
+Checkpoint (tilekit.models.text, tilekit.models.generation).
 
 Every file is untrusted. Reads stay inside the checkpoint directory (in a hub snapshot, also the repository's
 blobs), open regular files only and are bounded; a bad file is a FileNotFoundError or a ModelFileError (a

@@ -1,30 +1,16 @@
 """The environment variables tilekit reads, each read here and checked: a bad value is an error naming the
 variable. TILEKIT_AUTOTUNE, TILEKIT_DEPENDENT_LAUNCH, TILEKIT_CACHE_DIR and TILEKIT_SHIPPED_DB for the kernels'
 tuning; HF_HUB_CACHE, HF_HOME and XDG_CACHE_HOME for the Hugging Face hub cache. check() reads them all, for a
-command line to refuse a bad environment before doing anything. Also how messages show what a user or a file
-gave (shown, quoted; tilekit.models.hf's too). Imports nothing of tilekit."""
+command line to refuse a bad environment before doing anything."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from tilekit.untrusted import quoted
+
 AUTOTUNE_MODES = ("off", "cached", "auto")
-
-
-def shown(text, limit: int = 4096) -> str:
-    """A path or text for a message: control characters escaped as repr() does, cut after `limit` characters."""
-    s = os.fspath(text) if isinstance(text, os.PathLike) else str(text)
-    cut = s[:limit]
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut) + ("..." if len(s) > limit else "")
-
-
-def quoted(value, limit: int = 200) -> str:
-    """repr(value) for a message, escaped: a string (a tensor, shard or revision name) cut after `limit`
-    characters inside its quotes, any other value's repr after `limit` characters."""
-    if isinstance(value, str):
-        return repr(value[:limit]) + ("..." if len(value) > limit else "")
-    return shown(repr(value), limit)
 
 
 def expand_user(text: str, what: str) -> str:

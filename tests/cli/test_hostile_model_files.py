@@ -4,7 +4,6 @@ characters escaped, no hang and no traceback."""
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -14,18 +13,13 @@ from tilekit import cli
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
+pytestmark = pytest.mark.usefixtures("no_hang")
+
+
 @pytest.fixture(autouse=True)
-def no_hang(tmp_path, monkeypatch):
+def empty_shipped(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "no-shipped"))
     (tmp_path / "no-shipped").mkdir()
-
-    def blocked(*_):
-        raise TimeoutError("blocked for 20 s")
-    previous = signal.signal(signal.SIGALRM, blocked)
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def explain(model: str, capsys) -> str:

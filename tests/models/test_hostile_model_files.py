@@ -7,7 +7,6 @@ and that nothing under the test's directory changed. Special files must not bloc
 
 import json
 import os
-import signal
 import socket
 import tracemalloc
 from pathlib import Path
@@ -27,15 +26,7 @@ DTYPE_LIST = "BF16, BOOL, F16, F32, F64, F8_E4M3, F8_E5M2, I16, I32, I64, I8, U1
 GiB = 1 << 30
 
 
-@pytest.fixture(autouse=True)
-def no_hang():
-    def blocked(*_):
-        raise TimeoutError("blocked for 20 s")
-    previous = signal.signal(signal.SIGALRM, blocked)
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+pytestmark = pytest.mark.usefixtures("no_hang")
 
 
 def tree(root: Path) -> dict:

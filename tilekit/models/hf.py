@@ -13,6 +13,7 @@ escaped in messages. Nothing here names a model family, and CuPy is imported onl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import math
@@ -24,7 +25,6 @@ import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -32,7 +32,8 @@ from typing import Callable, Mapping
 import numpy as np
 
 from tilekit.autotune.arrays import numpy_dtype
-from tilekit.env import expand_user, hub_cache_dir, quoted, shown
+from tilekit.env import expand_user, hub_cache_dir
+from tilekit.untrusted import parse_json, quoted, shown
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -136,36 +137,6 @@ def _os_error(path, real: str, e: OSError) -> Exception:
             return FileNotFoundError(f"{shown(path)}: is a broken link (to {shown(real)}, which does not exist)")
         return FileNotFoundError(f"{shown(path)}: no such file")
     return ModelFileError(path, f"cannot be opened ({e.strerror})")
-
-
-def parse_json(raw: bytes | bytearray):
-    """Strict JSON from untrusted bytes: UTF-8, no NaN or Infinity, no number beyond a float's range, no repeated
-    key (json would silently keep the last); ValueError saying what is wrong."""
-    def unique(pairs):
-        d = dict(pairs)
-        if len(d) < len(pairs):
-            seen = set()
-            raise ValueError(f"repeated key {quoted(next(k for k, _ in pairs if k in seen or seen.add(k)))}")
-        return d
-
-    def constant(name):
-        raise ValueError(f"{name} is not a JSON number")
-
-    def finite(text):
-        if not math.isfinite(float(text)):
-            raise ValueError(f"{text[:30]} is out of range")
-        return float(text)
-
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=unique, parse_constant=constant, parse_float=finite)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not valid JSON (not UTF-8: {e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except RecursionError:
-        raise ValueError("not valid JSON (nested too deeply)") from None
-    except ValueError as e:   # ours above, or an integer beyond Python's digit limit
-        raise ValueError(f"not strict JSON ({str(e).partition(':')[0]})") from None
 
 
 def _whole(file: RegularFile, limit: int) -> bytearray:

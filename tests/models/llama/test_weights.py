@@ -2,7 +2,6 @@
 
 import json
 import math
-import re
 from pathlib import Path
 
 import ml_dtypes

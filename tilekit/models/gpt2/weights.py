@@ -28,6 +28,17 @@ def state_dict_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def weight_stats(config: GPTConfig, name: str) -> tuple[float, float]:
+    """(mean, standard deviation) of random weights for tensor `name`: linear and embedding weights ~ N(0, 0.02),
+    the residual projections (c_proj) scaled by 1/sqrt(2 n_layer) as in GPT-2; biases and LayerNorm parameters
+    are random too (LayerNorm weights ~ N(1, 0.1)), not 0 and 1, so that tests exercise them."""
+    if ".ln_" in name or name.startswith("ln_f."):
+        return (1.0 if name.endswith(".weight") else 0.0), 0.1
+    if name.endswith("c_proj.weight"):
+        return 0.0, 0.02 / math.sqrt(2 * config.n_layer)
+    return 0.0, 0.02
+
+
 def block_shapes(config: GPTConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the tensors of block i."""
     C = config.n_embd
@@ -39,17 +50,6 @@ def block_shapes(config: GPTConfig, i: int) -> dict[str, tuple[int, ...]]:
         f"h.{i}.mlp.c_fc.weight": (C, 4 * C), f"h.{i}.mlp.c_fc.bias": (4 * C,),
         f"h.{i}.mlp.c_proj.weight": (4 * C, C), f"h.{i}.mlp.c_proj.bias": (C,),
     }
-
-
-def weight_stats(config: GPTConfig, name: str) -> tuple[float, float]:
-    """(mean, standard deviation) of random weights for tensor `name`: linear and embedding weights ~ N(0, 0.02),
-    the residual projections (c_proj) scaled by 1/sqrt(2 n_layer) as in GPT-2; biases and LayerNorm parameters
-    are random too (LayerNorm weights ~ N(1, 0.1)), not 0 and 1, so that tests exercise them."""
-    if ".ln_" in name or name.startswith("ln_f."):
-        return (1.0 if name.endswith(".weight") else 0.0), 0.1
-    if name.endswith("c_proj.weight"):
-        return 0.0, 0.02 / math.sqrt(2 * config.n_layer)
-    return 0.0, 0.02
 
 
 # The family's resolve / load / load_state_dict / save_state_dict / check_state_dict / random_state_dict

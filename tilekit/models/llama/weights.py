@@ -30,6 +30,17 @@ def state_dict_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def weight_stats(config: LlamaConfig, name: str) -> tuple[float, float]:
+    """(mean, standard deviation) of random weights for tensor `name`: projections and embeddings ~ N(0, 0.02),
+    the residual ones (o_proj, down_proj) scaled by 1/sqrt(2 n_layer); RMSNorm weights ~ N(1, 0.1), not all ones,
+    so that tests exercise them."""
+    if name.endswith("norm.weight"):
+        return 1.0, 0.1
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 0.0, 0.02 / math.sqrt(2 * config.n_layer)
+    return 0.0, 0.02
+
+
 def block_shapes(config: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the tensors of decoder layer i."""
     C, I = config.n_embd, config.intermediate_size
@@ -42,17 +53,6 @@ def block_shapes(config: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
         p + "post_attention_layernorm.weight": (C,),
         p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C), p + "mlp.down_proj.weight": (C, I),
     }
-
-
-def weight_stats(config: LlamaConfig, name: str) -> tuple[float, float]:
-    """(mean, standard deviation) of random weights for tensor `name`: projections and embeddings ~ N(0, 0.02),
-    the residual ones (o_proj, down_proj) scaled by 1/sqrt(2 n_layer); RMSNorm weights ~ N(1, 0.1), not all ones,
-    so that tests exercise them."""
-    if name.endswith("norm.weight"):
-        return 1.0, 0.1
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return 0.0, 0.02 / math.sqrt(2 * config.n_layer)
-    return 0.0, 0.02
 
 
 # The family's resolve / load / load_state_dict / save_state_dict / check_state_dict / random_state_dict

@@ -1,5 +1,7 @@
 """Shared test setup: every test gets its own empty user tuning cache, and tests marked `gpu` skip with the
-reason where no usable CUDA GPU is present."""
+reason where no usable CUDA GPU is present. `no_hang`: a test that blocks for 20 s (a FIFO opened) fails."""
+
+import signal
 
 import pytest
 
@@ -24,3 +26,14 @@ def isolated_cache(tmp_path, monkeypatch):
     store.reset()
     yield tmp_path / "tilekit-cache"
     store.reset()
+
+
+@pytest.fixture
+def no_hang():
+    def blocked(*_):
+        raise TimeoutError("blocked for 20 s")
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

@@ -410,7 +410,7 @@ def _db_explain(args) -> int:
         device = device_info()
     else:
         raise UsageError("no GPU here: name one with --gpu NAME --arch sm_XX")
-    from tilekit.autotune.op import autotune_mode
+    from tilekit.env import autotune_mode
     mode = autotune_mode()            # what a model would do here; a bogus value is refused, naming it
     print(f"{device.name} ({device.arch}), TILEKIT_AUTOTUNE={mode}"
           + (" (a missing key would be tuned on first use)" if mode == "auto" else ""))
@@ -799,9 +799,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    if getattr(args, "command", None) in ("tune", "db"):
-        import tilekit.kernels  # noqa: F401  (declares the ops that tuning entries name)
     try:
+        from tilekit import env
+        env.check()          # every TILEKIT_* / HF_* variable, before anything reads one
+        if getattr(args, "command", None) in ("tune", "db"):
+            import tilekit.kernels  # noqa: F401  (declares the ops that tuning entries name)
         return args.func(args)
     except (UsageError, ValueError, FileNotFoundError, TuningDBError) as e:
         print(f"tilekit: {e}", file=sys.stderr)

@@ -17,6 +17,7 @@ from tilekit.device import DeviceInfo
 def shipped(tmp_path, monkeypatch):
     """An empty shipped layer of our own (never the repository's tuning_db/), writable for setup."""
     root = tmp_path / "shipped"
+    root.mkdir()
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(root))
     monkeypatch.delenv("TILEKIT_AUTOTUNE", raising=False)
     store.reset()
@@ -161,6 +162,7 @@ def test_user_layer_over_shipped_layer(shipped):
 def test_layer_dirs_follow_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "elsewhere"))
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "ship2"))
+    (tmp_path / "ship2").mkdir()
     store.reset()
     user, shipped_db = store.layers()
     assert (user.layer, user.writable, user.root) == ("user", True, tmp_path / "elsewhere" / "tuning")
@@ -527,6 +529,7 @@ def test_a_user_database_inside_the_shipped_one_is_never_written(tmp_path, monke
     from tests._autotune_fakes import make_op
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "both"))
     monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "both"))        # user root: both/tuning
+    (tmp_path / "both").mkdir()
     store.reset()
     op = make_op()
     with pytest.raises(Exception, match="read-only"):

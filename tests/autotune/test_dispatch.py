@@ -18,6 +18,7 @@ TUNED = {"A": 4, "occupancy": 2}
 def fake_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(op_module, "device_info", lambda index=None: H100)
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "shipped"))
+    (tmp_path / "shipped").mkdir()
     monkeypatch.delenv("TILEKIT_AUTOTUNE", raising=False)
     store.reset()
 

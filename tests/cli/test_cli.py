@@ -26,6 +26,7 @@ HAS_GPU = gpu_unavailable_reason() is None
 def empty_shipped(tmp_path, monkeypatch):
     """An empty shipped layer (tests that want the real tuning_db/ point at it themselves)."""
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "no-shipped"))
+    (tmp_path / "no-shipped").mkdir()
     monkeypatch.delenv("TILEKIT_AUTOTUNE", raising=False)
     store.reset()
 
@@ -296,7 +297,6 @@ def test_db_export_to_a_bad_place(tmp_path, capsys):
     seed_user_db()
     before = user_files()
     (tmp_path / "adir").mkdir()
-    Path(os.environ["TILEKIT_SHIPPED_DB"]).mkdir()
     shipped = Path(os.environ["TILEKIT_SHIPPED_DB"])
     for target, says in [(tmp_path / "missing" / "x.json", f"directory {tmp_path / 'missing'} does not exist"),
                          (tmp_path / "adir", "it is a directory"),

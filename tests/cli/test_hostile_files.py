@@ -215,7 +215,7 @@ GOOD_TEXT = json.dumps(export(entries={GOOD_KEY: good_entry(time_us=12.5)}))
     (GOOD_TEXT.replace('"time_us": 12.5', '"time_us": 1e400'), "not strict JSON (1e400 is out of range)"),
     (GOOD_TEXT.replace('"sm_count": 132', '"sm_count": 1' + "0" * 5000), "not strict JSON (Exceeds the limit"),
     ("[" * 100000 + "]" * 100000, "not valid JSON (nested too deeply)"),
-    ("", "not valid JSON (Expecting value at line 1)"),
+    ("", "not valid JSON (Expecting value at line 1 column 1)"),
     (GOOD_TEXT[: len(GOOD_TEXT) // 4], "not valid JSON"),
     (GOOD_TEXT[: len(GOOD_TEXT) // 2], "not valid JSON"),
     (GOOD_TEXT[:-1], "not valid JSON"),

@@ -126,7 +126,8 @@ def main() -> None:
     np.save(OUT / "logits.npy", logits.astype(np.float32))
 
     config, loaded = load_state_dict(OUT)
-    assert config == CONFIG and all(np.array_equal(loaded[name], state[name]) for name in state), \
+    assert config == CONFIG.replace(bos_token_id=eot, eos_token_id=eot) and all(
+        np.array_equal(loaded[name], state[name]) for name in state), \
         "the saved checkpoint must hold exactly random_state_dict(CONFIG, SEED)"
     print(f"wrote {OUT}: input_ids {input_ids.shape}, logits {logits.shape}, "
           f"model.safetensors {(OUT / 'model.safetensors').stat().st_size} bytes")

@@ -9,7 +9,7 @@ from tilekit.kernels import apply_rope
 from tilekit.kernels.apply_rope import rope_reference, rope_tables
 from tilekit.kernels.checks import TOL, assert_close, host, rand
 from tilekit.models.llama.config import RopeScaling
-from tilekit.models.llama.reference import rope_inv_freq
+from tilekit.models.llama.config import rope_inv_freq
 
 pytestmark = pytest.mark.gpu
 

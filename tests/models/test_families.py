@@ -33,10 +33,12 @@ def test_every_row_points_at_a_complete_folder(model_type):
     assert family.hf_module == f"transformers.models.{model_type}.modeling_{model_type}"
     assert issubclass(family.model_class, CausalLM)
     assert family.reference_class.weights is family.weights
-    for name in ("state_dict_shapes", "block_shapes", "check_state_dict", "load_state_dict", "save_state_dict",
-                 "random_state_dict", "resolve", "PREFIX", "BUFFER_SUFFIXES"):
+    for name in ("state_dict_shapes", "block_shapes", "check_state_dict", "load", "load_state_dict",
+                 "save_state_dict", "random_state_dict", "weight_stats", "resolve", "PREFIX", "EMBEDDING",
+                 "BUFFER_SUFFIXES"):
         assert hasattr(family.weights, name), name
-    assert family.weights_files and family.hub_orgs
+    assert family.hub_orgs
+    assert family.model_class.weights is family.weights and family.model_class.config_class is family.config_class
     for name in ("head_dim", "config_problems", "mlp", "forwards"):
         assert callable(getattr(family.patch, name)), name
 
@@ -63,13 +65,20 @@ def test_config_from_path_reads_the_model_type(tmp_path):
     assert isinstance(families.config_from_path(DATA / "tiny-llama"), LlamaConfig)       # sharded
     assert families.config_from_path(DATA / "tiny-llama-tied" / "config.json").tie_word_embeddings
     d = json.loads((DATA / "tiny-gpt2" / "config.json").read_text())
-    for model_type, problem in ((None, "has no model_type \\(tilekit runs gpt2, llama\\)"),
-                                ("mistral", "model_type 'mistral' is not a family"), (7, "model_type 7 is not")):
+    expected = 'expected one of "gpt2", "llama"'
+    for model_type, problem in ((None, f"is missing, {expected}"), ("mistral", f'is "mistral", {expected}'),
+                                (7, f"is 7, {expected}"), ("gpt_bigcode", f'is "gpt_bigcode", {expected}')):
         path = tmp_path / f"{model_type}.json"
         path.write_text(json.dumps({k: v for k, v in d.items() if k != "model_type"}
                                    | ({} if model_type is None else {"model_type": model_type})))
-        with pytest.raises(ValueError, match=f"{path.name}.*{problem}"):
+        with pytest.raises(ValueError) as info:
             families.config_from_path(path)
+        assert str(info.value) == f"{path}: field 'model_type' {problem}"
+    (tmp_path / "ck").mkdir()
+    path.rename(tmp_path / "ck" / "config.json")
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"")   # never read: the config is refused first
+    with pytest.raises(ValueError, match=f"ck/config.json: field 'model_type' is \"gpt_bigcode\""):
+        families.config_from_path(tmp_path / "ck")
 
 
 def test_load_model_is_the_family_from_pretrained(monkeypatch):
@@ -79,6 +88,7 @@ def test_load_model_is_the_family_from_pretrained(monkeypatch):
         monkeypatch.setattr(cls, "from_pretrained", classmethod(lambda c, d, dtype: calls.append((c, d, dtype))))
     families.load_model(DATA / "tiny-llama", dtype="float32")
     families.load_model(DATA / "tiny-gpt2")
-    assert calls == [(Llama, DATA / "tiny-llama", "float32"), (GPT, DATA / "tiny-gpt2", "bfloat16")]
-    with pytest.raises(FileNotFoundError, match="lacks config.json"):
+    assert [(c, d.directory, dtype) for c, d, dtype in calls] == [(Llama, DATA / "tiny-llama", "float32"),
+                                                                  (GPT, DATA / "tiny-gpt2", "bfloat16")]
+    with pytest.raises(FileNotFoundError, match=f"^{DATA}/config.json: no such file$"):
         families.load_model(DATA)

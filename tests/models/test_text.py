@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from tilekit.models.text import (ChatTemplate, TextStream, chat_template, checkpoint_file, load_tokenizer,
-                                 render_chat, special_tokens)
+from tilekit.models.hf import Checkpoint
+from tilekit.models.text import (ChatTemplate, TextStream, chat_template, load_tokenizer, render_chat,
+                                 special_tokens)
 
 CORPUS = ["Héllo wörld, ça va? Ünïcödé façade naïve résumé crème brûlée",
           "東京は日本の首都です。中文字符测试，你好世界",
@@ -158,28 +159,29 @@ def test_hostile_tokenizer_files(tmp_path):
     path.unlink()
     byte_level().save(str(tmp_path / "outside.json"))
     path.symlink_to(tmp_path / "outside.json")
-    with pytest.raises(ValueError, match="outside the checkpoint"):
+    outside = f"tokenizer.json: resolves to {tmp_path}/outside.json, outside {ckpt}"
+    with pytest.raises(ValueError, match=outside):
         load_tokenizer(ckpt)
     path.unlink()
     (ckpt / "sub").mkdir()
     path.symlink_to("sub/../../outside.json")
-    with pytest.raises(ValueError, match="outside the checkpoint"):
+    with pytest.raises(ValueError, match=outside):
         load_tokenizer(ckpt)
     path.unlink()
     path.symlink_to(path)                               # a loop
-    with pytest.raises(ValueError, match="cannot read"):
+    with pytest.raises(ValueError, match="tokenizer.json: cannot be opened"):
         load_tokenizer(ckpt)
     path.unlink()
     os.symlink("/dev/zero", path)
-    with pytest.raises(ValueError, match="outside the checkpoint"):
+    with pytest.raises(ValueError, match=f"tokenizer.json: resolves to /dev/zero, outside {ckpt}"):
         load_tokenizer(ckpt)
 
 
-def test_checkpoint_file_refuses_devices_inside_a_directory(tmp_path):
+def test_checkpoint_files_refuse_devices_inside_a_directory(tmp_path):
     """A device node that resolves inside the bound: refused by stat, never opened."""
-    error = run_briefly(lambda: checkpoint_file("/dev", "zero", 1 << 20))
+    error = run_briefly(lambda: Checkpoint.at("/dev").read_text("zero", 1 << 20))
     assert isinstance(error, ValueError) and "not a regular file" in str(error)
-    assert checkpoint_file(tmp_path, "absent.json", 10) is None
+    assert not Checkpoint.at(tmp_path).has("absent.json")
 
 
 # -- incremental detokenization ----------------------------------------------------------------------
@@ -366,7 +368,7 @@ def test_bad_chat_template_entries(tmp_path, value, match):
 def test_hostile_chat_template_files(tmp_path):
     path = tmp_path / "chat_template.jinja"
     path.write_bytes(b"{{ 1 }}\xff")
-    with pytest.raises(ValueError, match="chat_template.jinja is not UTF-8"):
+    with pytest.raises(ValueError, match="chat_template.jinja: is not UTF-8"):
         chat_template(tmp_path)
     path.unlink()
     with open(path, "wb") as f:

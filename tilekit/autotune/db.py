@@ -30,6 +30,7 @@ from filelock import FileLock
 
 from tilekit.autotune.keys import Buckets, bucket_distance, parse_key
 from tilekit.device import DeviceInfo
+from tilekit.untrusted import parse_json
 
 SCHEMA_VERSION = 1
 ENTRY_FIELDS = {"config": dict, "time_us": (int, float), "kernel_hash": str, "space_hash": str,
@@ -98,7 +99,8 @@ def read_json(path: Path):
     """Parse one JSON file strictly; OSError when it cannot be read, ValueError saying why it is not JSON.
 
     Refused unread: directories, FIFOs and devices (which could block), files over MAX_FILE_BYTES.
-    Refused as malformed: NaN and Infinity literals, numbers that overflow a float.
+    Refused as malformed (tilekit.untrusted.parse_json): NaN and Infinity literals, numbers that overflow a float,
+    repeated keys.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
@@ -111,27 +113,7 @@ def read_json(path: Path):
         os.close(fd)
     if max(st.st_size, len(raw)) > MAX_FILE_BYTES:
         raise ValueError(f"is larger than {MAX_FILE_BYTES >> 20} MiB")
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not valid JSON (not UTF-8: {e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno})") from None
-    except RecursionError:
-        raise ValueError("not valid JSON (nested too deeply)") from None
-    except ValueError as e:   # ours below, or an integer beyond Python's digit limit
-        raise ValueError(f"not strict JSON ({str(e).partition(':')[0]})") from None
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"{text[:30]} is out of range")
-    return value
+    return parse_json(raw)
 
 
 def dumps(data) -> str:

@@ -16,7 +16,6 @@ launch's grid and arguments follow from (problem, config). From that one declara
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -32,19 +31,11 @@ from tilekit.autotune.keys import bucket_problem, key_string
 from tilekit.autotune.registry import register
 from tilekit.autotune.space import Config, Problem, SearchSpace, split_hints
 from tilekit.device import DeviceInfo, device_info, toolchain
-
-MODES = ("off", "cached", "auto")
+from tilekit.env import autotune_mode, dependent_launch
 
 # Kernels launch with programmatic dependent launch (each starts while the previous one finishes; see
 # tilekit.kernels.tiles) unless TILEKIT_DEPENDENT_LAUNCH=0.
-DEPENDENT_LAUNCH = os.environ.get("TILEKIT_DEPENDENT_LAUNCH", "1").strip() != "0"
-
-
-def autotune_mode() -> str:
-    mode = os.environ.get("TILEKIT_AUTOTUNE", "cached").strip().lower() or "cached"
-    if mode not in MODES:
-        raise ValueError(f"TILEKIT_AUTOTUNE={mode!r} is not one of {', '.join(MODES)}")
-    return mode
+DEPENDENT_LAUNCH = dependent_launch()
 
 
 @dataclass(frozen=True)

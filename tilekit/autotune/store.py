@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from tilekit import env
 from tilekit.autotune.db import TuningDB
 
 _layers: list[TuningDB] | None = None
@@ -12,18 +12,19 @@ _layers: list[TuningDB] | None = None
 
 def user_dir() -> Path:
     """TILEKIT_CACHE_DIR, else the platform's user cache dir (e.g. ~/.cache/tilekit)."""
-    env = os.environ.get("TILEKIT_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
+    path = env.cache_dir()
+    if path is not None:
+        return path
     import platformdirs
     return Path(platformdirs.user_cache_dir("tilekit", appauthor=False))
 
 
 def shipped_dir() -> Path:
-    """TILEKIT_SHIPPED_DB, else the tuning_db/ packaged with tilekit (or beside a source checkout)."""
-    env = os.environ.get("TILEKIT_SHIPPED_DB")
-    if env:
-        return Path(env).expanduser()
+    """TILEKIT_SHIPPED_DB (an existing directory), else the tuning_db/ packaged with tilekit (or beside a source
+    checkout)."""
+    path = env.shipped_dir()
+    if path is not None:
+        return path
     packaged = Path(__file__).resolve().parent.parent / "tuning_db"
     if packaged.is_dir():
         return packaged

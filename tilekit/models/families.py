@@ -2,8 +2,8 @@
 chooses a family. The command line, tilekit.patch, the tuning workload and the benchmarks all ask here.
 
 A family is one folder, tilekit/models/<family>/, with the same files in each: config.py (the config class,
-PRESETS, from_hf_dict / to_hf_dict), weights.py (Hugging Face tensor names <-> ours, loading, saving, random
-weights, WEIGHTS_FILES and HUB_ORGS), model.py (the model on tilekit's kernels), reference.py (the NumPy
+PRESETS, from_fields / to_hf_dict), weights.py (Hugging Face tensor names <-> ours, loading, saving, random
+weights, HUB_ORGS), model.py (the model on tilekit's kernels), reference.py (the NumPy
 reference) and patch.py (tilekit.patch's rules for the family's transformers class). A row names the folder,
 its classes and the transformers class tilekit.patch runs; the rest is read from the folder on first use, so
 importing this module imports no GPU library (cupy, cuda.tile, torch).
@@ -12,8 +12,8 @@ importing this module imports no GPU library (cupy, cuda.tile, torch).
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -71,11 +71,6 @@ class Family:
         """Where a bare hub model name is also looked up ("gpt2" -> "openai-community/gpt2")."""
         return self.weights.HUB_ORGS
 
-    @property
-    def weights_files(self) -> tuple[str, ...]:
-        """The weights files a checkpoint of this family may hold (one of them)."""
-        return self.weights.WEIGHTS_FILES
-
     def hf_model_class(self) -> type:
         """The transformers model class tilekit.patch runs (imports transformers)."""
         return getattr(importlib.import_module(self.hf_module), self.hf_class)
@@ -118,47 +113,37 @@ def preset_config(name: str):
     raise ValueError(f"unknown preset {name!r}; choose from {', '.join(preset_names())}")
 
 
-def checkpoint_dir(path_or_name: str | Path) -> Path:
-    """The directory of a checkpoint of any family: a directory, or a hub model name in the local cache, also
-    looked up under every family's hub organisations."""
-    weights = tuple(dict.fromkeys(w for family in FAMILIES.values() for w in family.weights_files))
-    orgs = tuple(dict.fromkeys(org for family in FAMILIES.values() for org in family.hub_orgs))
-    return hf.resolve_checkpoint(path_or_name, weights, orgs)
+def find_checkpoint(path_or_name) -> hf.Checkpoint:
+    """A checkpoint of any family: a directory, or a hub model name in the local cache, also looked up under every
+    family's hub organisations."""
+    return hf.find_checkpoint(path_or_name, tuple(dict.fromkeys(org for family in FAMILIES.values()
+                                                                 for org in family.hub_orgs)))
 
 
-def family_of_checkpoint(config_json: Path) -> tuple[Family, dict]:
-    """(family, contents) of a config.json, chosen by its model_type; ValueError naming the file when the
-    model_type is missing or not a family tilekit runs."""
-    d = hf.read_json(config_json, "model config")
-    if "model_type" not in d:
-        raise ValueError(f"model config {config_json} has no model_type (tilekit runs {', '.join(FAMILIES)})")
-    try:
-        return family_for_model_type(d["model_type"]), d
-    except ValueError as e:
-        raise ValueError(f"model config {config_json}: {e}") from None
+def family_of_fields(f: hf.Fields) -> Family:
+    """The family a config.json's model_type names; ModelFileError naming the file if it names none."""
+    return FAMILIES[f.choice("model_type", tuple(FAMILIES))]
 
 
-def config_from_path(path_or_name: str | Path):
-    """The config of a checkpoint directory, a config.json file or a hub model name in the local cache, of the
-    family its model_type names."""
-    path = Path(path_or_name)
-    if not (path.is_file() and path.name.endswith(".json")):
-        path = checkpoint_dir(path_or_name) / hf.CONFIG_NAME
-    family, d = family_of_checkpoint(path)
-    return family.config_class.from_hf_dict(d)
+def config_from_path(path_or_name):
+    """The config of a checkpoint (a directory or a hub model name in the local cache) or of a config.json file,
+    of the family its model_type names."""
+    if isinstance(path_or_name, (str, os.PathLike)) and str(path_or_name).endswith(".json"):
+        f = hf.read_config(path_or_name)
+    else:
+        f = find_checkpoint(path_or_name).config()
+    return family_of_fields(f).config_class.from_fields(f)
 
 
-def load_model(path_or_name: str | Path, dtype: str = "bfloat16"):
-    """The model of a checkpoint directory or a hub model name in the local cache, of the family its
+def load_model(path_or_name, dtype: str = "bfloat16"):
+    """The model of a checkpoint (a directory or a hub model name in the local cache), of the family its
     config.json's model_type names (that family's from_pretrained)."""
-    directory = checkpoint_dir(path_or_name)
-    family, _ = family_of_checkpoint(directory / hf.CONFIG_NAME)
-    return family.model_class.from_pretrained(directory, dtype=dtype)
+    checkpoint = find_checkpoint(path_or_name)
+    return family_of_fields(checkpoint.config()).model_class.from_pretrained(checkpoint, dtype=dtype)
 
 
-def load_reference(path_or_name: str | Path, dtype=np.float32):
-    """The NumPy reference model (the family's reference class, weights in `dtype`) of a checkpoint directory or
-    a hub model name in the local cache: generation on the CPU, slow, for checking the GPU models."""
-    directory = checkpoint_dir(path_or_name)
-    family, _ = family_of_checkpoint(directory / hf.CONFIG_NAME)
-    return family.reference_class.from_pretrained(directory, dtype=dtype)
+def load_reference(path_or_name, dtype=np.float32):
+    """The NumPy reference model (the family's reference class, weights in `dtype`) of a checkpoint (a directory
+    or a hub model name in the local cache): generation on the CPU, slow, for checking the GPU models."""
+    checkpoint = find_checkpoint(path_or_name)
+    return family_of_fields(checkpoint.config()).reference_class.from_pretrained(checkpoint, dtype=dtype)

@@ -27,13 +27,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from tilekit.kernels.next_token import next_token_reference
-from tilekit.models.text import TextStream, checkpoint_json, escape
+from tilekit.models.hf import CONFIG_NAME, Checkpoint, Fields, ModelFileError, quoted
+from tilekit.models.text import TextStream
 
 GENERATION_CONFIG = "generation_config.json"
 MAX_EOS_IDS = 1024
@@ -50,13 +50,13 @@ def _is_int(value) -> bool:
 def _number(name: str, value) -> float:
     """`value` as a finite float; ValueError naming `name` for a bool, a non-number, NaN or an infinity."""
     if not (_is_int(value) or isinstance(value, (float, np.floating))):
-        raise ValueError(f"{name} must be a number, got {escape(repr(value))}")
+        raise ValueError(f"{name} must be a number, got {quoted(value, 100)}")
     try:
         value = float(value)
     except OverflowError:
         value = math.inf
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {escape(repr(value))}")
+        raise ValueError(f"{name} must be finite, got {quoted(value, 100)}")
     return value
 
 
@@ -64,7 +64,7 @@ def _count(name: str, value, most: int | None = None) -> int:
     """`value` as an int >= 0 (and <= most); ValueError naming `name` otherwise (bools are not ints)."""
     if not _is_int(value) or value < 0 or (most is not None and value > most):
         raise ValueError(f"{name} must be an int >= 0{'' if most is None else f' and <= {most}'}, "
-                         f"got {escape(repr(value))}")
+                         f"got {quoted(value, 100)}")
     return int(value)
 
 
@@ -117,7 +117,7 @@ def per_row(params: SamplingParams | Sequence[SamplingParams], batch: int) -> tu
     if not isinstance(params, (list, tuple)) or len(params) != batch \
             or not all(isinstance(p, SamplingParams) for p in params):
         raise ValueError(f"sampling params must be one SamplingParams or a list of {batch} (one per row), "
-                         f"got {escape(repr(params))}")
+                         f"got {quoted(params, 100)}")
     return tuple(params)
 
 
@@ -141,7 +141,7 @@ def _stop_strings(value) -> tuple[str, ...]:
     if not isinstance(values, (list, tuple)) or len(values) > MAX_STOP_STRINGS or not all(
             isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in values):
         raise ValueError(f"stop_strings must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings "
-                         f"of at most {MAX_STOP_STRING_CHARS} characters, got {escape(repr(value))}")
+                         f"of at most {MAX_STOP_STRING_CHARS} characters, got {quoted(value, 100)}")
     return tuple(dict.fromkeys(values))
 
 
@@ -170,10 +170,10 @@ class GenerationSettings:
         if self.seed is not None:
             _count("seed", self.seed, most=2 ** 64 - 1)
         if not isinstance(self.sampling, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams, got {escape(repr(self.sampling))}")
+            raise ValueError(f"sampling must be a SamplingParams, got {quoted(self.sampling, 100)}")
 
     @classmethod
-    def from_generation_config(cls, checkpoint_dir: str | Path, config_eos=None) -> "GenerationSettings":
+    def from_generation_config(cls, checkpoint, config_eos=None) -> "GenerationSettings":
         """The defaults a checkpoint's generation_config.json sets, as Hugging Face reads them.
 
         Precedence, highest first: the caller's explicit arguments (override()); the file's fields; for eos
@@ -186,25 +186,28 @@ class GenerationSettings:
         field are ignored, and a null field counts as absent. The file is untrusted: a field of the wrong type
         or range is a ValueError naming the file and the field.
         """
-        path = Path(checkpoint_dir) / GENERATION_CONFIG
-        d = {k: v for k, v in (checkpoint_json(checkpoint_dir, GENERATION_CONFIG) or {}).items() if v is not None}
+        ck = Checkpoint.at(checkpoint)
+        path = ck.directory / GENERATION_CONFIG
+        d = {k: v for k, v in (ck.read_json(GENERATION_CONFIG) if ck.has(GENERATION_CONFIG) else {}).items()
+             if v is not None}
         try:
             config_eos = () if config_eos is None else _token_ids("eos_token_id", config_eos)
         except ValueError as e:
-            raise ValueError(f"{Path(checkpoint_dir) / 'config.json'}: {e}") from None
+            raise ModelFileError(ck.directory / CONFIG_NAME, str(e)) from None
         do_sample = d.get("do_sample", False)
         if not isinstance(do_sample, bool):
-            raise ValueError(f"{path}: do_sample must be true or false, got {escape(repr(do_sample))}")
+            raise ModelFileError(path, f"do_sample must be true or false, got {quoted(do_sample, 100)}")
+        file_eos = Fields(d, path).token_ids("eos_token_id", None)      # [] refused
         sampling = {**HF_DEFAULTS, **{k: d[k] for k in FILE_SAMPLING_FIELDS if k in d}}
         if not do_sample:
             sampling["temperature"] = 0.0
         try:
             return cls(max_new_tokens=d.get("max_new_tokens"), min_new_tokens=d.get("min_new_tokens", 0),
-                       eos_token_ids=_token_ids("eos_token_id", d["eos_token_id"]) if "eos_token_id" in d
-                       else config_eos, stop_strings=d.get("stop_strings", ()),
+                       eos_token_ids=config_eos if file_eos is None else _token_ids("eos_token_id", file_eos),
+                       stop_strings=d.get("stop_strings", ()),
                        sampling=SamplingParams(**sampling))
         except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
+            raise ModelFileError(path, str(e)) from None
 
     def override(self, **explicit) -> "GenerationSettings":
         """These settings with the caller's arguments applied: any field of GenerationSettings or of
@@ -241,7 +244,7 @@ def process_logits(logits: np.ndarray, counts: np.ndarray, output_counts: np.nda
         raise ValueError("logits must be finite or -inf")
     B, V = x.shape
     if any(not 0 <= e < V for e in eos_token_ids):
-        raise ValueError(f"eos_token_ids must lie in [0, {V}), got {escape(repr(tuple(eos_token_ids)))}")
+        raise ValueError(f"eos_token_ids must lie in [0, {V}), got {quoted(tuple(eos_token_ids), 100)}")
     banned = np.full(B, generated < min_new_tokens and len(eos_token_ids) > 0)
     z = next_token_reference(x, counts, output_counts, param_arrays(per_row(params, B)), banned, eos_token_ids)
     empty = np.flatnonzero((z == -np.inf).all(axis=1))
@@ -324,17 +327,17 @@ class TextGeneration:
     """What a model that generates offers besides generate() itself, shared by the GPU models (runtime.CausalLM)
     and the NumPy references: the checkpoint's defaults, one resolution of generate()'s arguments, text in and
     out with exact streaming, and chat through the checkpoint's template. A model sets `config` (vocab_size,
-    block_size, eos_token_id when its config.json has one) and `checkpoint_dir` (None without a checkpoint)."""
+    block_size, eos_token_id) and `checkpoint` (an hf.Checkpoint; None without one)."""
 
-    checkpoint_dir: Path | None = None
+    checkpoint: Checkpoint | None = None
 
     def generation_defaults(self) -> GenerationSettings:
         """What generate() does unless told otherwise: the checkpoint's generation_config.json read as Hugging
         Face reads it (greedy unless it says do_sample), with config.json's eos ids; greedy for a model
         without a checkpoint directory."""
         eos = getattr(self.config, "eos_token_id", None)
-        if self.checkpoint_dir is not None:
-            return GenerationSettings.from_generation_config(self.checkpoint_dir, config_eos=eos)
+        if self.checkpoint is not None:
+            return GenerationSettings.from_generation_config(self.checkpoint, config_eos=eos)
         return GenerationSettings(eos_token_ids=() if eos is None else eos, sampling=SamplingParams(temperature=0.0))
 
     def generation_plan(self, prompts: Sequence[np.ndarray], max_new_tokens: int | None,
@@ -364,10 +367,10 @@ class TextGeneration:
     def tokenizer(self):
         """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt), read as untrusted."""
         from tilekit.models.text import load_tokenizer
-        if self.checkpoint_dir is None:
+        if self.checkpoint is None:
             raise ValueError("this model has no checkpoint directory to read a tokenizer from (load it with "
                              "from_pretrained)")
-        return load_tokenizer(self.checkpoint_dir)
+        return load_tokenizer(self.checkpoint)
 
     def generate_text(self, prompt: str | Sequence[str], max_new_tokens: int | None = None, *,
                       stream_to: Callable[[str], None] | None = None, chat: bool = False,
@@ -402,7 +405,7 @@ class TextGeneration:
         """The checkpoint's chat template (chat_template.jinja or tokenizer_config.json's chat_template);
         ValueError when it has none."""
         from tilekit.models.text import chat_template
-        template = None if self.checkpoint_dir is None else chat_template(self.checkpoint_dir)
+        template = None if self.checkpoint is None else chat_template(self.checkpoint)
         if template is None:
             raise ValueError("this checkpoint has no chat template (tokenizer_config.json's chat_template or "
                              "chat_template.jinja)")

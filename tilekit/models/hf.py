@@ -1,83 +1,446 @@
-"""Hugging Face checkpoint files, for every model family: find a checkpoint on disk (a directory or the hub
-cache), read its config.json and safetensors files (single-file or sharded), check config fields and tensors,
-write checkpoints and make random ones. Every file read is untrusted input; nothing here names a family.
+"""Hugging Face model files, for every family: find a checkpoint (a directory or the local hub cache), open its
+files safely, read config.json field by field, check safetensors headers against the tensors a model expects,
+stream the tensors to the GPU in the model's dtype, and write checkpoints. A family describes its tensors with a
+CheckpointLayout and reads its config with Fields; its tokenizer and generation config are read through the same
+Checkpoint (tilekit.models.text, tilekit.models.generation).
 
-A checkpoint is a directory holding config.json and model.safetensors, or model.safetensors.index.json and the
-shards it names, as save_pretrained writes it or as the Hugging Face hub cache stores it.
+Every file is untrusted. Reads stay inside the checkpoint directory (in a hub snapshot, also the repository's
+blobs), open regular files only and are bounded; a bad file is a FileNotFoundError or a ModelFileError (a
+ValueError) naming the file and the field, raised before any large allocation; names and values from files are
+escaped in messages. Nothing here names a model family, and CuPy is imported only when a GPU load starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import json
 import math
 import os
 import re
-from collections import Counter
+import stat
+import sys
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Mapping
 
-import ml_dtypes
 import numpy as np
-import safetensors
-import safetensors.numpy
+
+from tilekit.autotune.arrays import numpy_dtype
+from tilekit.env import expand_user, hub_cache_dir
+from tilekit.untrusted import parse_json, quoted, shown
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-MAX_JSON_BYTES = 16 << 20  # config.json and safetensors indexes are small; a larger file is refused unread
-MAX_SIZE = 1 << 24         # no model dimension comes near; a config file claiming more is refused
-MAX_LAYERS = 4096
-_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # importing ml_dtypes also lets safetensors.numpy read BF16 tensors
+MAX_JSON_BYTES = 32 << 20   # a config.json, shard index or safetensors header; larger ones are refused unread
+MAX_RANK = 8
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?", re.ASCII)
+_REVISION = re.compile(r"[0-9a-f]{4,64}")   # a snapshot's name: a commit hash
+_SHARD = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+# safetensors dtype -> (bytes per element, the NumPy dtype a tensor is viewed as; FP8 as its uint8 bit patterns)
+DTYPES = {"BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "F8_E4M3": (1, "uint8"),
+          "F8_E5M2": (1, "uint8"), "I16": (2, "int16"), "U16": (2, "uint16"), "F16": (2, "float16"),
+          "BF16": (2, "bfloat16"), "I32": (4, "int32"), "U32": (4, "uint32"), "F32": (4, "float32"),
+          "I64": (8, "int64"), "U64": (8, "uint64"), "F64": (8, "float64")}
+FLOATS = ("BF16", "F16", "F32")                                  # what a Target accepts by default
+TARGET_DTYPES = ("bfloat16", "float16", "float32", "float64")
+_WRITE_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
-# -- config.json ------------------------------------------------------------------------------------------
+# -- messages -----------------------------------------------------------------------------------------------
 
-def read_json(path: str | Path, what: str) -> dict:
-    """The JSON object in `path`, an untrusted file: ValueError naming it if it is unreadable, too large,
-    not strict JSON, not an object or repeats a key (json would silently keep the last)."""
-    path = Path(path)
+def _json_shown(value) -> str:
+    """A JSON value from a file as JSON text (escaped), cut after 100 characters."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= 100 else text[:100] + "..."
 
-    def strict(pairs):
-        d = dict(pairs)
-        if len(d) < len(pairs):
-            raise ValueError(f"repeated key {next(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)!r}")
-        return d
 
-    def no_constant(name):
-        raise ValueError(f"{name} is not JSON")
+class ModelFileError(ValueError):
+    """A model file tilekit refuses; the message is the file, then the field and the problem."""
 
+    def __init__(self, path, problem: str):
+        super().__init__(f"{shown(path)}: {problem}")
+        self.path, self.problem = path, problem
+
+    def __reduce__(self):
+        return type(self), (self.path, self.problem)
+
+
+# -- files --------------------------------------------------------------------------------------------------
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+class RegularFile:
+    """An open regular file: checked with stat before opening (a FIFO or device is never opened) and with fstat
+    after; reads are positional and exact. `path` is how messages name it, `real` where it resolves to."""
+
+    def __init__(self, path, real: str | None = None):
+        self.path = path
+        real = os.path.realpath(path) if real is None else real
+        try:
+            st = os.stat(real)
+            if not stat.S_ISREG(st.st_mode):
+                kind = next((k for test, k in _KINDS if test(st.st_mode)), "a special file")
+                raise ModelFileError(path, f"is not a regular file but {kind}")
+            self.fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise _os_error(path, real, e) from None
+        now = os.fstat(self.fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            self.close()
+            raise ModelFileError(path, "changed while it was being opened")
+        self.size, self.id = now.st_size, (now.st_dev, now.st_ino)
+
+    def readinto(self, view: memoryview, offset: int) -> None:
+        """Fill `view` from byte `offset`; ModelFileError if the file ends first (it shrank) or a read fails."""
+        done = 0
+        try:
+            while done < len(view):
+                got = os.preadv(self.fd, [view[done:]], offset + done)
+                if got == 0:
+                    raise ModelFileError(self.path, f"ends at byte {offset + done}, before byte {offset + len(view)}"
+                                                    " (it shrank after its header was read)")
+                done += got
+        except OSError as e:
+            raise ModelFileError(self.path, f"cannot be read ({e.strerror})") from None
+
+    def read(self, n: int, offset: int = 0) -> bytearray:
+        buf = bytearray(n)
+        self.readinto(memoryview(buf), offset)
+        return buf
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "RegularFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _os_error(path, real: str, e: OSError) -> Exception:
+    """An OSError met opening `path` as the error to raise, naming the file."""
+    if isinstance(e, FileNotFoundError):
+        if os.path.lexists(path):
+            return FileNotFoundError(f"{shown(path)}: is a broken link (to {shown(real)}, which does not exist)")
+        return FileNotFoundError(f"{shown(path)}: no such file")
+    return ModelFileError(path, f"cannot be opened ({e.strerror})")
+
+
+def _whole(file: RegularFile, limit: int) -> bytearray:
+    """An open file's bytes, read whole; ModelFileError, unread, if it is larger than `limit`."""
+    if file.size > limit:
+        raise ModelFileError(file.path, "is larger than " + (f"{limit >> 20} MiB" if limit % (1 << 20) == 0
+                                                              else f"{limit} bytes"))
+    return file.read(file.size)
+
+
+def _json_object(file: RegularFile) -> dict:
+    """The JSON object in an open file, read whole (at most MAX_JSON_BYTES)."""
     try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise ValueError(f"larger than {MAX_JSON_BYTES} bytes")
-        d = json.loads(path.read_bytes(), object_pairs_hook=strict, parse_constant=no_constant)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        raise ValueError(f"cannot read {what} {path}: {e}") from None
+        d = parse_json(_whole(file, MAX_JSON_BYTES))
+    except ModelFileError:
+        raise
+    except ValueError as e:
+        raise ModelFileError(file.path, str(e)) from None
     if not isinstance(d, dict):
-        raise ValueError(f"cannot read {what} {path}: a JSON object expected, got {type(d).__name__}")
+        raise ModelFileError(file.path, f"holds {_json_shown(d)}, expected a JSON object")
     return d
 
 
-@contextlib.contextmanager
-def hf_config_fields(d: dict, unsupported: dict[str, bool], family: str):
-    """Reading a Hugging Face config.json dict `d`: ValueError naming every key whose value asks for a
-    variant tilekit does not compute (`unsupported`: key -> is it such a value), then, within the block,
-    naming a required key the file lacks."""
-    bad = [f"{k}={d[k]!r}" for k, is_bad in unsupported.items() if is_bad]
-    if bad:
-        raise ValueError(f"config.json asks for a {family} variant tilekit does not compute: {', '.join(bad)}")
+def read_json(path) -> dict:
+    """The JSON object in the file `path` (any location: for files a user names; a checkpoint's files are read
+    with Checkpoint.read_json)."""
+    with RegularFile(path) as f:
+        return _json_object(f)
+
+
+# -- checkpoints --------------------------------------------------------------------------------------------
+
+def _inside(real: str, root: str) -> bool:
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def plain_name_problem(name) -> str | None:
+    """Why `name` is not a plain file name (no directories, no control characters, at most 255 bytes), or None."""
+    if not isinstance(name, str):
+        return "is not a string"
+    if name in ("", ".", "..") or "/" in name or "\\" in name:
+        return "is not a plain file name"
+    if not name.isprintable():
+        return "has control characters"
+    if len(os.fsencode(name)) > 255:
+        return "is longer than 255 bytes"
+    return None
+
+
+def _snapshot_roots(real_dir: str) -> tuple[str, ...]:
+    """Where the files of directory `real_dir` may resolve to: itself, and for a hub snapshot
+    (models--*/snapshots/<rev>) its repository's blobs, where huggingface_hub links them."""
+    snapshots, repo = os.path.dirname(real_dir), os.path.dirname(os.path.dirname(real_dir))
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith("models--"):
+        return real_dir, os.path.join(repo, "blobs")
+    return (real_dir,)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint directory whose files are opened by plain name, only when they are regular files resolving
+    inside `roots` (the directory; for a hub snapshot also its repository's blobs)."""
+
+    directory: Path
+    roots: tuple[str, ...]
+
+    @classmethod
+    def at(cls, directory) -> "Checkpoint":
+        """The checkpoint in `directory` (a Checkpoint is returned as it is)."""
+        if isinstance(directory, Checkpoint):
+            return directory
+        directory = Path(os.path.abspath(directory))
+        return cls(directory, _snapshot_roots(os.path.realpath(directory)))
+
+    def has(self, name: str) -> bool:
+        """Whether the directory has an entry `name` (a broken link counts: opening it says what is wrong)."""
+        return os.path.lexists(self.directory / name)
+
+    def open(self, name: str) -> RegularFile:
+        problem = plain_name_problem(name)
+        if problem:
+            raise ValueError(f"file name {quoted(str(name))} {problem}")
+        path = self.directory / name
+        real = os.path.realpath(path)
+        if not any(_inside(real, root) for root in self.roots):
+            raise ModelFileError(path, f"resolves to {shown(real)}, outside {' and '.join(map(shown, self.roots))}")
+        return RegularFile(path, real)
+
+    def read_json(self, name: str) -> dict:
+        with self.open(name) as f:
+            return _json_object(f)
+
+    def read_text(self, name: str, limit: int) -> str:
+        """The UTF-8 text of file `name`, at most `limit` bytes."""
+        with self.open(name) as f:
+            raw = _whole(f, limit)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ModelFileError(f.path, f"is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+    def config(self) -> "Fields":
+        """config.json, for typed reads of its fields."""
+        return Fields(self.read_json(CONFIG_NAME), self.directory / CONFIG_NAME)
+
+    def tensor_files(self) -> "TensorFiles":
+        return TensorFiles(self)
+
+    def check(self) -> None:
+        """FileNotFoundError or ModelFileError unless config.json and the weights (model.safetensors, else the
+        shard index) are regular files in the checkpoint."""
+        self.open(CONFIG_NAME).close()
+        name = WEIGHTS_NAME if self.has(WEIGHTS_NAME) or not self.has(INDEX_NAME) else INDEX_NAME
+        if not self.has(name):
+            raise FileNotFoundError(f"{shown(self.directory)}: lacks {WEIGHTS_NAME} or {INDEX_NAME}")
+        self.open(name).close()
+
+
+def read_config(path) -> "Fields":
+    """The fields of a config.json file a user names (outside any checkpoint)."""
+    path = expand_user(os.fspath(path), "config path")
+    return Fields(read_json(path), path)
+
+
+def find_checkpoint(path_or_name, orgs: tuple[str, ...] = ()) -> Checkpoint:
+    """The checkpoint at `path_or_name`: a directory, else a hub model name in the local Hugging Face cache (a
+    bare name also as org/name for each of `orgs`). It must hold config.json and model.safetensors or
+    model.safetensors.index.json. Never touches the network. A Checkpoint is returned as it is."""
+    if isinstance(path_or_name, Checkpoint):
+        return path_or_name
+    if not isinstance(path_or_name, (str, os.PathLike)) or not isinstance(os.fspath(path_or_name), str):
+        raise TypeError(f"checkpoint must be a path or a model name, got {type(path_or_name).__name__}")
+    text = os.fspath(path_or_name)
+    if "\0" in text:
+        raise ValueError(f"checkpoint path {quoted(text)} contains a NUL character")
+    path = expand_user(text, "checkpoint path")
     try:
-        yield
-    except KeyError as e:
-        raise ValueError(f"config.json lacks the {family} key {e.args[0]!r}") from None
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        is_dir = None
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise ValueError(f"checkpoint path {quoted(text)} ({len(text)} characters) is too long") from None
+        raise ModelFileError(path, f"cannot be opened ({e.strerror})") from None
+    if is_dir:
+        checkpoint = Checkpoint.at(path)
+        checkpoint.check()
+        return checkpoint
+    if is_dir is False:
+        raise FileNotFoundError(f"{shown(path)}: is not a checkpoint directory")
+    searched = [shown(os.path.abspath(path))]
+    if _HUB_NAME.fullmatch(text):
+        cache, var = hub_cache_dir()
+        for repo_id in [text] + ([f"{org}/{text}" for org in orgs] if "/" not in text else []):
+            found, tried = _cached_snapshot(cache / ("models--" + repo_id.replace("/", "--")))
+            if found:
+                return found
+            searched += tried
+        if not os.path.isdir(cache):
+            searched.append(f"{shown(cache)}: no such directory (the hub cache, from {var})")
+    raise FileNotFoundError(f"no checkpoint {quoted(text)}; searched: " + "; ".join(searched))
+
+
+def _cached_snapshot(repo: Path) -> tuple[Checkpoint | None, list[str]]:
+    """The snapshot of hub-cache repository `repo` that is a complete checkpoint, refs/main's revision first,
+    then the newest; else None and, for each place searched, why it was not used."""
+    snapshots = repo / "snapshots"
+    try:
+        entries = sorted(os.scandir(snapshots), key=lambda e: e.stat(follow_symlinks=False).st_mtime, reverse=True)
+    except OSError:
+        return None, [shown(snapshots)]
+    revisions = [e.name for e in entries if _REVISION.fullmatch(e.name)]
+    refs = Checkpoint(repo / "refs", (os.path.realpath(repo),))
+    if refs.has("main"):
+        with refs.open("main") as f:
+            if f.size > 256:
+                raise ModelFileError(f.path, f"is {f.size} bytes, too large for a revision")
+            text = f.read(f.size).decode("utf-8", "replace").strip()
+        if not _REVISION.fullmatch(text):
+            raise ModelFileError(f.path, f"names revision {quoted(text)}, which is not a commit hash")
+        revisions = [text] + [r for r in revisions if r != text]
+    tried, within = [], os.path.realpath(snapshots)
+    for revision in revisions:
+        directory = snapshots / revision
+        real = os.path.realpath(directory)
+        try:
+            if os.path.dirname(real) != within:
+                raise ModelFileError(directory, f"resolves to {shown(real)}, outside {shown(snapshots)}")
+            if not os.path.isdir(real):
+                raise FileNotFoundError(f"{shown(directory)}: no such directory")
+            checkpoint = Checkpoint.at(directory)
+            checkpoint.check()
+            return checkpoint, tried
+        except (FileNotFoundError, ModelFileError) as e:
+            tried.append(str(e))
+    return None, tried or [f"{shown(snapshots)}: no snapshot"]
+
+
+# -- config.json fields -------------------------------------------------------------------------------------
+
+REQUIRED = object()
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v) -> bool:
+    try:
+        return (_is_int(v) or isinstance(v, float)) and math.isfinite(float(v))
+    except OverflowError:   # an integer beyond a float's range
+        return False
+
+
+def _bounds(low, high) -> str:
+    if low is not None and high is not None:
+        return f" in [{low}, {high}]"
+    return f" >= {low}" if low is not None else f" <= {high}" if high is not None else ""
+
+
+class Fields:
+    """Typed reads of a JSON object from a model file; an error is a ModelFileError naming the file and the
+    field (nested ones as 'rope_scaling.factor'). A field may be absent only when a default is given; null counts
+    as absent only where the default is None (HF's None). Integers are JSON integers: 2.0 and true are refused,
+    as models would index or loop with them. Fields nobody reads are ignored, as HF does."""
+
+    def __init__(self, d: dict, path, prefix: str = ""):
+        self.d, self.path, self.prefix = d, path, prefix
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.d
+
+    def error(self, key: str, problem: str) -> ModelFileError:
+        return ModelFileError(self.path, f"field {quoted(self.prefix + key)} {problem}")
+
+    def _get(self, key: str, default, want: str, ok: Callable[[object], bool]):
+        value = self.d.get(key, REQUIRED)
+        if value is REQUIRED or (value is None and default is None):
+            if default is REQUIRED:
+                raise self.error(key, f"is missing, expected {want}")
+            return default
+        if not ok(value):
+            raise self.error(key, f"is {_json_shown(value)}, expected {want}")
+        return value
+
+    def integer(self, key: str, default=REQUIRED, *, low: int | None = None, high: int | None = None) -> int | None:
+        return self._get(key, default, "an integer" + _bounds(low, high), lambda v: _is_int(v) and (
+            low is None or v >= low) and (high is None or v <= high))
+
+    def number(self, key: str, default=REQUIRED, *, positive: bool = False, low: float | None = None,
+               high: float | None = None) -> float | None:
+        want = "a finite number" + (" > 0" if positive else "") + _bounds(low, high)
+        value = self._get(key, default, want, lambda v: _finite(v) and not (positive and v <= 0) and (
+            low is None or v >= low) and (high is None or v <= high))
+        return None if value is None else float(value)
+
+    def boolean(self, key: str, default=REQUIRED) -> bool | None:
+        return self._get(key, default, "true or false", lambda v: isinstance(v, bool))
+
+    def choice(self, key: str, choices: tuple[str, ...], default=REQUIRED) -> str | None:
+        return self._get(key, default, "one of " + ", ".join(map(json.dumps, choices)),
+                         lambda v: isinstance(v, str) and v in choices)
+
+    def token_ids(self, key: str, default=REQUIRED, *, vocab: int | None = None) -> int | tuple[int, ...] | None:
+        """A token id or a non-empty list of them (an int or a tuple), each in [0, vocab)."""
+        def is_id(v):
+            return _is_int(v) and 0 <= v and (vocab is None or v < vocab)
+        want = "a token id or a non-empty list of them (integers " + (f"in [0, {vocab}))" if vocab else ">= 0)")
+        value = self._get(key, default, want, lambda v: is_id(v) or (
+            isinstance(v, list) and len(v) > 0 and all(map(is_id, v))))
+        return tuple(value) if isinstance(value, list) else value
+
+    def variant(self, key: str, default, computes: Callable[[object], bool]):
+        """A field that picks a model variant: its value (`default` if absent), unless computes(value) is false."""
+        value = self.d.get(key, default)
+        if not computes(value):
+            raise self.error(key, f"is {_json_shown(value)}, a variant tilekit does not compute")
+        return value
+
+    def build(self, cls, **kwargs):
+        """cls(**kwargs), a ValueError naming this file (a check across fields that the reads did not make)."""
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise ModelFileError(self.path, str(e)) from None
+
+    def object(self, key: str, default=REQUIRED) -> "Fields | None":
+        """A nested JSON object, for typed reads of its own fields."""
+        value = self._get(key, default, "a JSON object", lambda v: isinstance(v, dict))
+        return None if value is None else Fields(value, self.path, f"{self.prefix}{key}.")
+
+
+# -- config arguments ---------------------------------------------------------------------------------------
+
+MAX_SIZE = 1 << 24         # no model dimension comes near; a config claiming more is refused
+MAX_LAYERS = 4096
 
 
 def check_positive_ints(config, names) -> None:
-    """ValueError naming the first of `names` whose value in `config` is not a positive int (bools are
-    not) of plausible size (a hostile config.json must not make the shape checks run for hours)."""
+    """ValueError naming the first of `names` whose value in `config` is not a positive int (bools are not) of
+    plausible size (a hostile config must not make the shape checks run for hours)."""
     for name in names:
         value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        if not _is_int(value) or value <= 0:
             raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
         most = MAX_LAYERS if name == "n_layer" else MAX_SIZE
         if value > most:
@@ -88,189 +451,606 @@ def check_positive_ints(config, names) -> None:
 def check_number(owner, name: str, low: float = 0.0) -> None:
     """ValueError unless owner.name is a finite real number greater than `low` (bools are not numbers)."""
     value = getattr(owner, name)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= low:
+    if not _finite(value) or value <= low:
         raise ValueError(f"{type(owner).__name__}.{name} must be a finite number > {low}, got {value!r}")
 
 
-# -- finding a checkpoint ---------------------------------------------------------------------------------
-
-def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, located the way huggingface_hub locates it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "huggingface" / "hub"
-
-
-def resolve_checkpoint(path_or_name: str | Path, weights: tuple[str, ...], orgs: tuple[str, ...]) -> Path:
-    """Directory of a checkpoint (config.json and one of `weights`): `path_or_name` itself, or a hub model
-    name found in the local cache. Never touches the network. A bare name like "gpt2" is also looked up under
-    each of `orgs` ("openai-community/gpt2").
-    """
-    path = Path(path_or_name).expanduser()
-    if path.is_dir():
-        missing = _lacks(path, weights)
-        if missing:
-            raise FileNotFoundError(f"checkpoint directory {path} lacks {', '.join(missing)}")
-        return path
-    searched = [str(path)]
-    name = str(path_or_name)
-    if _HUB_NAME.fullmatch(name):
-        for repo_id in [name] + ([f"{org}/{name}" for org in orgs] if "/" not in name else []):
-            repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
-            snapshot = _cached_snapshot(repo, weights)
-            if snapshot is not None:
-                return snapshot
-            searched.append(str(repo / "snapshots"))
-    raise FileNotFoundError(f"no checkpoint ({CONFIG_NAME} + {' or '.join(weights)}) for {name!r}; searched: "
-                            + ", ".join(searched))
+def check_token_ids(config) -> None:
+    """ValueError unless config.bos_token_id (an id or None) and config.eos_token_id (an id, a non-empty tuple of
+    them, or None; a list becomes a tuple) lie in [0, vocab_size)."""
+    if isinstance(config.eos_token_id, list):
+        object.__setattr__(config, "eos_token_id", tuple(config.eos_token_id))
+    eos = config.eos_token_id if isinstance(config.eos_token_id, tuple) else (config.eos_token_id,)
+    if not eos or not all(t is None or (_is_int(t) and 0 <= t < config.vocab_size)
+                          for t in (config.bos_token_id, *eos)) or (len(eos) > 1 and None in eos):
+        raise ValueError(f"{type(config).__name__} token ids must be ints in [0, {config.vocab_size}) (eos: one or "
+                         f"a non-empty tuple), got bos {config.bos_token_id!r}, eos {config.eos_token_id!r}")
 
 
-def _lacks(directory: Path, weights: tuple[str, ...]) -> list[str]:
-    """What `directory` lacks of a checkpoint: config.json, one of `weights`."""
-    missing = [] if (directory / CONFIG_NAME).is_file() else [CONFIG_NAME]
-    return missing + ([] if any((directory / w).is_file() for w in weights) else [" or ".join(weights)])
+class HFConfig:
+    """What every family's config class (a frozen dataclass with a from_fields classmethod) shares: reading a
+    config.json dict or file, and replace()."""
 
+    @classmethod
+    def from_hf_dict(cls, d: dict, source=CONFIG_NAME):
+        """from_fields of a config.json dict; messages name `source`."""
+        return cls.from_fields(Fields(d, source))
 
-def _cached_snapshot(repo: Path, weights: tuple[str, ...]) -> Path | None:
-    """The hub-cache snapshot of `repo` that is complete: refs/main's revision first, then the newest."""
-    snapshots = repo / "snapshots"
-    if not snapshots.is_dir():
-        return None
-    candidates = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
-    ref = repo / "refs" / "main"
-    if ref.is_file():
-        candidates.insert(0, snapshots / ref.read_text().strip())
-    for snapshot in candidates:
-        if not _lacks(snapshot, weights):
-            return snapshot
-    return None
+    @classmethod
+    def from_json(cls, path):
+        return cls.from_fields(read_config(path))
 
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
 
-# -- reading tensors ----------------------------------------------------------------------------------------
 
 def float_dtype(dtype) -> np.dtype:
-    """`dtype` as a NumPy dtype, which must be float32 or float64: what checkpoints load as."""
+    """`dtype` as a NumPy dtype, which must be float32 or float64: what host copies of checkpoints load as."""
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise ValueError(f"dtype must be float32 or float64, got {dtype}")
     return dtype
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file (BF16 ones as ml_dtypes.bfloat16); ValueError naming a bad file."""
+# -- safetensors headers ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as its safetensors header declares it; start and end are byte offsets in `file`."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: RegularFile
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def read_header(file: RegularFile) -> dict[str, TensorInfo]:
+    """The tensors of an open safetensors file, every header entry checked against the file (a known dtype, a
+    shape of non-negative integers, data_offsets that tile the data exactly, as the safetensors library requires)
+    before any tensor data is read."""
+    def bad(problem: str) -> ModelFileError:
+        return ModelFileError(file.path, problem)
+    if file.size < 8:
+        raise bad(f"is {file.size} bytes, too short for a safetensors file")
+    n = int.from_bytes(file.read(8), "little")
+    if n > MAX_JSON_BYTES:
+        raise bad(f"declares a {n}-byte header, larger than {MAX_JSON_BYTES >> 20} MiB")
+    if 8 + n > file.size:
+        raise bad(f"declares a {n}-byte header but is {file.size} bytes")
     try:
-        return safetensors.numpy.load_file(path)
-    except (safetensors.SafetensorError, OSError, TypeError) as e:  # TypeError: a dtype NumPy does not know
-        raise ValueError(f"cannot read safetensors file {path}: {e}") from None
+        header = parse_json(file.read(n, 8))
+    except ValueError as e:
+        raise bad(f"header is {e}") from None
+    if not isinstance(header, dict):
+        raise bad(f"header is {_json_shown(header)}, expected a JSON object")
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad(f"header field '__metadata__' is {_json_shown(metadata)}, expected an object of strings")
+    data, size = 8 + n, file.size - 8 - n
+    tensors = {}
+    for name, entry in header.items():
+        def wrong(field: str, expected: str) -> ModelFileError:
+            return bad(f"tensor {quoted(name)}: {field} is {_json_shown(entry.get(field))}, expected {expected}")
+        if not isinstance(entry, dict) or entry.keys() != {"dtype", "shape", "data_offsets"}:
+            raise bad(f"tensor {quoted(name)} is {_json_shown(entry)}, expected an object with exactly dtype, shape "
+                      "and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise wrong("dtype", "one of " + ", ".join(sorted(DTYPES)))
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(d) and d >= 0 for d in shape):
+            raise wrong("shape", f"a list of at most {MAX_RANK} non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+                and 0 <= offsets[0] <= offsets[1] <= size):
+            raise wrong("data_offsets", f"[begin, end] with 0 <= begin <= end <= {size}, the size of the data")
+        nbytes = math.prod(shape) * DTYPES[dtype][0]
+        if offsets[1] - offsets[0] != nbytes:
+            raise bad(f"tensor {quoted(name)}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but "
+                      f"{dtype} {tuple(shape)} takes {nbytes}")
+        tensors[name] = TensorInfo(name, dtype, tuple(shape), file, data + offsets[0], data + offsets[1])
+    end = data
+    for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if t.start != end:
+            where = "overlaps the tensor before it" if t.start < end else f"leaves bytes [{end - data}, " \
+                    f"{t.start - data}) of the data unused"
+            raise bad(f"tensor {quoted(t.name)}: data_offsets [{t.start - data}, {t.end - data}] {where}")
+        end = t.end
+    if end != file.size:
+        raise bad(f"tensors end at byte {end - data} of the data, but the file holds {size} bytes of data")
+    return tensors
 
 
-def read_checkpoint_tensors(directory: Path, skip_suffixes: tuple[str, ...] = ()) -> tuple[Path, dict]:
-    """(source, every tensor of a checkpoint directory but those whose names end in `skip_suffixes`).
+class TensorFiles:
+    """A checkpoint's safetensors files, open, and every tensor their headers declare (checked; no data read):
+    model.safetensors if present (as in transformers), else the shards model.safetensors.index.json names. Each
+    shard must be a plain file name, no file may be named twice, and each shard must hold exactly the tensors the
+    index maps to it. `source` is the file messages name: model.safetensors or the index."""
 
-    As in transformers, model.safetensors wins over an index; with an index (the source then), every tensor
-    must sit in the one shard the index maps it to.
-    """
-    source = directory / WEIGHTS_NAME
-    if source.is_file():
-        files = {source: None}
-    else:
-        source = directory / INDEX_NAME
-        files = shard_files(source)
-    state = {}
-    for path, listed in files.items():
-        tensors = read_safetensors(path)
-        if listed is not None and tensors.keys() != listed:
-            problems = [f"{what} {names[:5]}" + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-                        for what, names in (("holds tensors the index maps elsewhere or not at all",
-                                             sorted(tensors.keys() - listed)),
-                                            ("lacks tensors the index maps to it", sorted(listed - tensors.keys())))
-                        if names]
-            raise ValueError(f"shard {path} does not match {source}: it {'; it '.join(problems)}")
-        state.update((name, a) for name, a in tensors.items() if not name.endswith(skip_suffixes))
-    return source, state
+    def __init__(self, checkpoint: Checkpoint):
+        self.files: list[RegularFile] = []
+        self.tensors: dict[str, TensorInfo] = {}
+        try:
+            if checkpoint.has(WEIGHTS_NAME) or not checkpoint.has(INDEX_NAME):
+                self.source = checkpoint.directory / WEIGHTS_NAME
+                self.files.append(checkpoint.open(WEIGHTS_NAME))
+                self.tensors = read_header(self.files[0])
+                return
+            self.source = checkpoint.directory / INDEX_NAME
+            shards: dict[str, set[str]] = {}
+            for name, shard in self._weight_map(checkpoint).items():
+                shards.setdefault(shard, set()).add(name)
+            seen = {}
+            for shard in sorted(shards):
+                self.files.append(checkpoint.open(shard))
+                first = seen.setdefault(self.files[-1].id, shard)
+                if first != shard:
+                    raise ModelFileError(self.source, f"names one file twice: {quoted(first)} and {quoted(shard)}")
+            for f, names in zip(self.files, (shards[s] for s in sorted(shards))):
+                header = read_header(f)
+                problems = [f"{what} {', '.join(map(quoted, sorted(found)[:5]))}"
+                            + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+                            for what, found in (("holds tensors the index maps elsewhere or not at all",
+                                                 header.keys() - names),
+                                                ("lacks tensors the index maps to it", names - header.keys()))
+                            if found]
+                if problems:
+                    raise ModelFileError(f.path, f"does not match {INDEX_NAME}: it " + "; it ".join(problems))
+                self.tensors.update(header)
+        except BaseException:
+            self.close()
+            raise
 
+    def _weight_map(self, checkpoint: Checkpoint) -> dict[str, str]:
+        index = Fields(checkpoint.read_json(INDEX_NAME), self.source)
+        weight_map = index.object("weight_map").d
+        if not weight_map:
+            raise index.error("weight_map", "is {}, expected a map of tensor names to shard files")
+        for name, shard in weight_map.items():
+            problem = plain_name_problem(shard)
+            if problem:
+                raise index.error("weight_map", f"maps {quoted(name)} to {_json_shown(shard)}, which {problem}")
+        return weight_map
 
-def shard_files(index: Path) -> dict[Path, set[str]]:
-    """The shards a safetensors index names, each with the tensor names the index maps to it.
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
 
-    The index is untrusted: each shard must be a plain file name of a regular file in the index's directory (in
-    a hub cache snapshot, a link into the repository's blobs), and no two names may be the same file.
-    """
-    weight_map = read_json(index, "safetensors index").get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(shard, str) for shard in weight_map.values()):
-        raise ValueError(f"safetensors index {index}: 'weight_map' must be a non-empty object of tensor name -> "
-                         "shard file name")
-    directory = index.parent
-    # huggingface_hub links a snapshot's files to ../../blobs/: the repository folder is what they must stay in.
-    root = directory.resolve()
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
-        root = root.parent.parent
-    files, seen = {}, {}
-    for shard in sorted(set(weight_map.values())):
-        real = _shard_file(directory, root, shard)
-        if real is None:
-            raise ValueError(f"safetensors index {index} names shard {shard!r}, which is not a file in {directory}")
-        if real in seen:
-            raise ValueError(f"safetensors index {index} names one file twice: {seen[real]!r} and {shard!r}")
-        seen[real] = shard
-        files[directory / shard] = {name for name, s in weight_map.items() if s == shard}
-    return files
+    def __enter__(self) -> "TensorFiles":
+        return self
 
-
-def _shard_file(directory: Path, root: Path, shard: str) -> Path | None:
-    """The real path of `shard`, or None unless it is a plain file name of a regular file that stays in `root`."""
-    if shard in ("", ".", "..") or any(c in shard for c in "/\\\0"):
-        return None
-    try:
-        real = (directory / shard).resolve()
-        return real if real.is_relative_to(root) and real.is_file() else None
-    except (OSError, RuntimeError):  # a name too long; a link loop (RuntimeError before Python 3.13)
-        return None
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-# -- checking, writing and making tensors -------------------------------------------------------------------
+# -- load plans ---------------------------------------------------------------------------------------------
 
-def check_tensors(expected: dict[str, tuple[int, ...]], state: dict, heading: str) -> None:
-    """Raise ValueError, `heading` first, listing every missing, unexpected, misshapen or non-float tensor."""
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes. `shape`: its shape in the file. `out`: the array to write (a view of a
+    larger one is fine, e.g. rows of a fused weight), a function returning one (called when the tensor is
+    reached), or None for a new `dtype` array of `shape`. `transform(src, out)`, on the device, instead of
+    convert(src, out): src is the file's tensor as a device array (FP8 as uint8 bits), valid only during the
+    call. `accept`: the safetensors dtypes allowed. `optional`: the file may lack it."""
+
+    shape: tuple[int, ...]
+    dtype: str = "bfloat16"
+    out: object = None
+    transform: Callable | None = None
+    accept: tuple[str, ...] = FLOATS
+    optional: bool = False
+
+
+def convert(src, out) -> None:
+    """out[...] = src in out's dtype (NumPy or CuPy; CuPy 14 casts bfloat16), out possibly strided."""
+    out[...] = src
+
+
+def tensor_problems(found: Mapping[str, tuple[str, tuple[int, ...]]], plan: Mapping[str, Target],
+                    ignore: tuple[str, ...] = ()) -> list[str]:
+    """Every unexpected (not ending in one of `ignore`), wrongly typed, misshapen and missing tensor of `found`
+    (name -> (safetensors dtype, shape)) against `plan`; missing ones last, so a wrong prefix shows first."""
     problems = []
-    for name, array in state.items():
-        if name not in expected:
-            problems.append(f"unexpected tensor {name!r}")
-        elif not isinstance(array, np.ndarray) or not (np.issubdtype(array.dtype, np.floating)
-                                                       or array.dtype == BFLOAT16):
-            problems.append(f"tensor {name!r} must be a floating-point numpy array, "
-                            f"got {getattr(array, 'dtype', type(array).__name__)}")
-        elif array.shape != expected[name]:
-            problems.append(f"tensor {name!r} has shape {array.shape}, expected {expected[name]}")
-    # Missing names go last: a wrong prefix or size shows in the first lines.
-    problems += [f"missing tensor {name!r} (shape {shape})" for name, shape in expected.items() if name not in state]
+    for name, (dtype, shape) in found.items():
+        target = plan.get(name)
+        if target is None:
+            if not name.endswith(ignore):
+                problems.append(f"unexpected tensor {quoted(name)}")
+        elif dtype not in target.accept:
+            problems.append(f"tensor {quoted(name)} has dtype {dtype}, expected {' or '.join(target.accept)}")
+        elif shape != tuple(target.shape):
+            problems.append(f"tensor {quoted(name)} has shape {shape}, expected {tuple(target.shape)}")
+    return problems + [f"missing tensor {quoted(name)} (shape {tuple(t.shape)})" for name, t in plan.items()
+                       if name not in found and not t.optional]
+
+
+def listing(heading: str, problems: list[str], most: int = 10) -> str:
+    """`heading`, then up to `most` problems, one per indented line."""
+    more = f"\n  ... and {len(problems) - most} more" if len(problems) > most else ""
+    return heading + ":\n  " + "\n  ".join(problems[:most]) + more
+
+
+def _check_target(name: str, t: Target, out=None) -> None:
+    """ValueError for a plan entry that cannot work (a caller's mistake, not the file's); `out`: the array its
+    allocator made."""
+    if t.dtype not in TARGET_DTYPES:
+        raise ValueError(f"plan for {quoted(name)}: dtype must be one of {TARGET_DTYPES}, got {t.dtype!r}")
+    if t.transform is None and any(d.startswith("F8") for d in t.accept):
+        raise ValueError(f"plan for {quoted(name)}: accepting FP8 needs a transform (FP8 arrives as uint8 bits)")
+    out = t.out if out is None else out
+    if out is not None and not callable(out) and t.transform is None and (
+            tuple(out.shape) != tuple(t.shape) or str(out.dtype) != t.dtype):
+        raise ValueError(f"plan for {quoted(name)}: out is {out.dtype} {tuple(out.shape)}, expected {t.dtype} "
+                         f"{tuple(t.shape)}")
+
+
+def load_tensors(files: TensorFiles, plan: Mapping[str, Target], *, device=None, ignore: tuple[str, ...] = (),
+                 expected: str = "the model", buffers: int = 4, buffer_bytes: int = 64 << 20,
+                 progress: bool = True) -> dict:
+    """Every tensor of `plan` from `files` into its target; returns name -> the array written.
+
+    First the headers are checked against the plan (one ModelFileError listing every unexpected, wrongly typed,
+    misshapen and missing tensor; names ending in one of `ignore` are skipped). Then tensors stream in file
+    order through `buffers` staging buffers of at most `buffer_bytes` (a larger tensor goes in pieces): worker
+    threads read the next pieces while the device copies earlier ones, and each tensor is converted on the
+    device into its target. Host memory: the staging buffers. `device`: CupyDevice() (the current GPU) by
+    default, HostDevice() for NumPy arrays. A progress bar goes to stderr (a TTY) for loads over two seconds.
+    """
+    for name, target in plan.items():
+        _check_target(name, target)
+    problems = tensor_problems({n: (t.dtype, t.shape) for n, t in files.tensors.items()}, plan, ignore)
     if problems:
-        shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise ValueError(f"{heading}:\n  {shown}")
+        raise ModelFileError(files.source, listing(f"does not match {expected}", problems))
+    if buffers < 1 or buffer_bytes < 1:
+        raise ValueError(f"buffers and buffer_bytes must be positive, got {buffers} and {buffer_bytes}")
+    order = {id(f): i for i, f in enumerate(files.files)}
+    jobs = sorted(((files.tensors[n], plan[n]) for n in plan if n in files.tensors),
+                  key=lambda job: (order[id(job[0].file)], job[0].start))
+    label = f"loading {shown(files.source.parent, 200)}"
+    return _Stream(jobs, device or CupyDevice(), buffers, buffer_bytes, Progress(label, progress)).run()
 
 
-def pop_tied_lm_head(state: dict, embedding: str, source: str) -> None:
-    """Drop the lm_head.weight some checkpoints of a tied model carry; ValueError if it differs from `embedding`."""
-    lm_head = state.pop("lm_head.weight", None)
-    if lm_head is not None and embedding in state and not np.array_equal(lm_head, state[embedding]):
-        raise ValueError(f"tensor 'lm_head.weight' in {source} differs from {embedding!r}, "
-                         "to which this model ties its LM head")
+LM_HEAD = "lm_head.weight"
+_CODES = {view: code for code, (_, view) in reversed(DTYPES.items())}   # NumPy dtype name -> safetensors dtype
 
 
-def write_checkpoint(directory: str | Path, hf_config: dict, tensors: dict[str, np.ndarray]) -> None:
-    """Write config.json and a float32 model.safetensors, as Hugging Face save_pretrained does."""
+def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], *, dtype: str, outs=None,
+                 prefix: str = "", tied: str | None = None, ignore: tuple[str, ...] = (), device=None,
+                 expected: str = "the model") -> dict:
+    """A model's weights from a checkpoint, under the names of `shapes`: load_tensors with a family's rules.
+
+    The file names every tensor with `prefix` before it or none without (GPT2LMHeadModel's names or GPT2Model's).
+    A model whose LM head is tied to its embedding (`tied`: the embedding's name) may find an lm_head.weight in
+    the file, which must equal the embedding bit for bit and is dropped. Names ending in one of `ignore` are
+    buffers, skipped. `outs`: our name -> the array to fill, or a function returning that mapping, called once
+    the headers have been checked (so nothing is allocated for a file that does not match); None: new arrays of
+    `dtype`. Returns our name -> array."""
+    with checkpoint.tensor_files() as files:
+        p = prefix if prefix and any(name.startswith(prefix) for name in files.tensors) else ""
+        plan = {p + name: Target(shape, dtype) for name, shape in shapes.items()}
+        if tied is not None:
+            plan[LM_HEAD] = Target(shapes[tied], dtype, optional=True)
+        problems = tensor_problems({n: (t.dtype, t.shape) for n, t in files.tensors.items()}, plan, ignore)
+        if problems:
+            raise ModelFileError(files.source, listing(f"does not match {expected}", problems))
+        outs = outs() if callable(outs) else outs
+        if outs is not None:
+            plan.update({p + name: Target(shape, dtype, outs[name]) for name, shape in shapes.items()})
+        loaded = load_tensors(files, plan, device=device, ignore=ignore, expected=expected)
+        if tied is not None and LM_HEAD in loaded and not _same_bits(loaded[LM_HEAD], loaded[p + tied]):
+            raise ModelFileError(files.source, f"tensor {quoted(LM_HEAD)} differs from {quoted(p + tied)}, to which "
+                                               "this model ties its LM head")
+    return {name: loaded[p + name] for name in shapes}
+
+
+def _same_bits(a, b) -> bool:
+    """Whether two arrays (NumPy or CuPy) of one dtype and shape hold the same bits."""
+    uint = f"u{a.dtype.itemsize}"
+    return bool((a.view(uint) == b.view(uint)).all())
+
+
+def check_arrays(shapes: Mapping[str, tuple[int, ...]], arrays: Mapping, heading: str) -> None:
+    """ValueError, `heading` first, listing every missing, unexpected, misshapen or non-float array of `arrays`
+    (NumPy or device arrays) against the names and shapes of `shapes`."""
+    def described(a):
+        dtype = str(getattr(a, "dtype", type(a).__name__))
+        return _CODES.get(dtype, dtype), tuple(getattr(a, "shape", ()))
+    plan = {name: Target(shape, accept=FLOATS + ("F64",)) for name, shape in shapes.items()}
+    problems = tensor_problems({name: described(a) for name, a in arrays.items()}, plan)
+    if problems:
+        raise ValueError(listing(heading, problems))
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """How one family's weights sit in Hugging Face checkpoints, and what is done with them. `shapes(config)`:
+    our name -> shape of every tensor (a tied LM head excluded); `stats(config, name)`: (mean, std) of random
+    weights; `prefix`: what the file may put before our names; `embedding`: the tensor a tied LM head is;
+    `buffers`: name suffixes of buffers old checkpoints carry; `hub_orgs`: where a bare hub name is also looked
+    up. A family's weights module exposes these methods as its functions."""
+
+    config_class: type
+    shapes: Callable[..., dict]
+    stats: Callable[..., tuple[float, float]]
+    embedding: str
+    prefix: str = ""
+    buffers: tuple[str, ...] = ()
+    hub_orgs: tuple[str, ...] = ()
+
+    def resolve(self, path_or_name) -> Checkpoint:
+        """A checkpoint: a directory, or a hub model name in the local cache (a bare name also under hub_orgs)."""
+        return find_checkpoint(path_or_name, self.hub_orgs)
+
+    def load(self, checkpoint: Checkpoint, config, *, dtype: str, outs=None, device=None) -> dict:
+        """The checkpoint's weights as arrays of `dtype` under our names (load_weights: `outs`, `device`); a tied
+        model's lm_head.weight, if the file has one, checked and dropped. BF16, FP16 and FP32 tensors load, from one
+        file or from shards."""
+        return load_weights(checkpoint, self.shapes(config), dtype=dtype, outs=outs, device=device,
+                            prefix=self.prefix, tied=self.embedding if config.tie_word_embeddings else None,
+                            ignore=self.buffers, expected=str(config))
+
+    def load_state_dict(self, path_or_name, dtype=np.float32) -> tuple:
+        """(config, host tensors: our names, C-contiguous, float32 or float64) of a checkpoint."""
+        checkpoint = self.resolve(path_or_name)
+        config = self.config_class.from_fields(checkpoint.config())
+        return config, self.load(checkpoint, config, dtype=float_dtype(dtype).name, device=HostDevice())
+
+    def save_state_dict(self, directory, config, state: Mapping, dtype: str = "float32",
+                        shard_bytes: int | None = None) -> None:
+        """Write config.json and the weights (in `dtype`, from host or device arrays; model.safetensors, or shards
+        of at most `shard_bytes` and their index) as the family's transformers class's save_pretrained does."""
+        self.check_state_dict(config, state)
+        write_checkpoint(directory, dict(config.to_hf_dict(), torch_dtype=dtype),
+                         {self.prefix + name: array for name, array in state.items()}, dtype=dtype,
+                         shard_bytes=shard_bytes)
+
+    def check_state_dict(self, config, state: Mapping) -> None:
+        """ValueError listing every missing, unexpected, misshapen or non-float array of `state`."""
+        check_arrays(self.shapes(config), state, f"state dict does not match {config}")
+
+    def random_state_dict(self, config, seed: int, dtype=np.float32) -> dict[str, np.ndarray]:
+        """Random host weights as `stats` scales them, deterministic for `seed`."""
+        return random_tensors(self.shapes(config), seed, dtype, lambda name: self.stats(config, name))
+
+
+class _Stream:
+    """One load: pieces of tensors read into a ring of staging buffers by worker threads, copied to the device in
+    order, and converted there when a tensor's last piece has arrived. A staging buffer is read into again only
+    after the device has finished copying out of it."""
+
+    def __init__(self, jobs: list[tuple[TensorInfo, Target]], device, buffers: int, buffer_bytes: int, progress):
+        self.jobs, self.device, self.progress = jobs, device, progress
+        largest = max((info.nbytes for info, _ in jobs), default=0)
+        self.size = max(1, min(buffer_bytes, largest))
+        self.pieces = [(j, lo, min(lo + self.size, info.nbytes))
+                       for j, (info, _) in enumerate(jobs) for lo in range(0, max(info.nbytes, 1), self.size)]
+        self.ring = [device.staging(self.size) for _ in range(min(buffers, len(self.pieces)))]
+        self.scratch = None
+        self.out = {}
+
+    def read(self, k: int, copied) -> None:
+        """Piece k into its staging buffer, once `copied()` says the device is done with that buffer."""
+        if copied is not None:
+            copied()
+        j, lo, hi = self.pieces[k]
+        info = self.jobs[j][0]
+        info.file.readinto(memoryview(self.ring[k % len(self.ring)])[:hi - lo], info.start + lo)
+
+    def begin(self, info: TensorInfo, target: Target):
+        """The tensor's output array, the raw device bytes its pieces are copied into, and whether those are the
+        output itself (it needs no conversion) rather than a scratch buffer."""
+        device = self.device
+        with device.context():
+            out = target.out() if callable(target.out) else target.out
+            if out is None:
+                out = device.empty(target.shape, target.dtype)
+        _check_target(info.name, target, out)
+        if (target.transform is None and DTYPES[info.dtype][1] == str(out.dtype) and out.flags.c_contiguous
+                and out.nbytes == info.nbytes):
+            return out, device.raw(out), True
+        if self.scratch is None or self.scratch.nbytes < info.nbytes:
+            self.scratch = device.empty((info.nbytes,), "uint8")
+        return out, self.scratch[:info.nbytes], False
+
+    def finish(self, info: TensorInfo, target: Target, out, raw) -> None:
+        """Convert or transform the tensor from scratch into its output (queued on the device after the copies)."""
+        src = raw.view(numpy_dtype(DTYPES[info.dtype][1])).reshape(info.shape)
+        with self.device.context():
+            (target.transform or convert)(src, out)
+
+    def run(self) -> dict:
+        ring, device = self.ring, self.device
+        if not ring:
+            return self.out
+        copied = [None] * len(ring)
+        pool = ThreadPoolExecutor(len(ring), thread_name_prefix="tilekit-load")
+        try:
+            reads = deque(pool.submit(self.read, k, None) for k in range(len(ring)))
+            done, total = 0, sum(info.nbytes for info, _ in self.jobs)
+            for k, (j, lo, hi) in enumerate(self.pieces):
+                info, target = self.jobs[j]
+                if lo == 0:
+                    out, raw, direct = self.begin(info, target)
+                reads.popleft().result()
+                slot = k % len(ring)
+                if hi > lo:
+                    copied[slot] = device.upload(ring[slot][:hi - lo], raw[lo:hi])
+                if k + len(ring) < len(self.pieces):
+                    reads.append(pool.submit(self.read, k + len(ring), copied[slot]))
+                if hi == info.nbytes:
+                    if not direct:
+                        self.finish(info, target, out, raw)
+                    self.out[info.name] = out
+                done += hi - lo
+                self.progress.update(done, total)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            device.synchronize()
+            self.progress.close()
+        return self.out
+
+
+class HostDevice:
+    """The loader's device played by host memory: NumPy outputs (references, tools, CPU tests). Its methods are
+    what load_tensors asks of a device; CupyDevice has the same."""
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
+
+    def empty(self, shape, dtype: str) -> np.ndarray:
+        return np.empty(shape, numpy_dtype(dtype))
+
+    def raw(self, array) -> np.ndarray:
+        """The bytes of a C-contiguous array, as a flat uint8 view."""
+        return array.reshape(-1).view(np.uint8)
+
+    def upload(self, host: np.ndarray, raw: np.ndarray) -> Callable[[], None] | None:
+        """Copy host bytes into raw device bytes; returns a function waiting until `host` may be reused."""
+        raw[...] = host
+        return None
+
+    def context(self):
+        """What conversions run under (the copy stream on a GPU)."""
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CupyDevice:
+    """The loader's GPU side: pinned staging buffers, and copies and conversions queued on one stream of the
+    current device."""
+
+    def __init__(self):
+        import cupy
+        self.cupy = cupy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        cuda = self.cupy.cuda
+        return np.frombuffer(cuda.PinnedMemoryPointer(cuda.PinnedMemory(nbytes), 0), np.uint8, nbytes)
+
+    def empty(self, shape, dtype: str):
+        with self.stream:
+            return self.cupy.empty(shape, numpy_dtype(dtype))
+
+    def raw(self, array):
+        return self.cupy.ndarray((array.nbytes,), self.cupy.uint8, array.data)
+
+    def upload(self, host: np.ndarray, raw):
+        runtime = self.cupy.cuda.runtime
+        runtime.memcpyAsync(raw.data.ptr, host.ctypes.data, host.nbytes, runtime.memcpyHostToDevice, self.stream.ptr)
+        event = self.cupy.cuda.Event(disable_timing=True)
+        event.record(self.stream)
+        return event.synchronize
+
+    def context(self):
+        return self.stream
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn once a load has run `after` seconds, only on a terminal."""
+
+    def __init__(self, label: str, enabled: bool = True, stream=None, after: float = 2.0, clock=time.monotonic):
+        self.stream = sys.stderr if stream is None else stream
+        self.on = enabled and bool(getattr(self.stream, "isatty", lambda: False)())
+        self.label, self.after, self.clock = label, after, clock
+        self.start, self.drawn = clock(), None
+
+    def update(self, done: int, total: int) -> None:
+        if not self.on:
+            return
+        now = self.clock()
+        if now - self.start < self.after or (self.drawn is not None and now - self.drawn < 0.1 and done < total):
+            return
+        rate = done / 1e9 / max(now - self.start, 1e-9)
+        self.stream.write(f"\r{self.label}: {100 * done // max(total, 1):3d}% {done / 1e9:.1f}/{total / 1e9:.1f} GB"
+                          f" {rate:.1f} GB/s ")
+        self.stream.flush()
+        self.drawn = now
+
+    def close(self) -> None:
+        if self.drawn is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = None
+
+
+# -- writing ------------------------------------------------------------------------------------------------
+
+def write_checkpoint(directory, hf_config: dict, tensors: Mapping[str, np.ndarray], *, dtype: str = "float32",
+                     shard_bytes: int | None = None) -> None:
+    """Write config.json and the tensors (NumPy arrays, or CuPy ones: each converted on the device and copied to
+    the host alone) in `dtype` (float32, bfloat16 or float16) as save_pretrained does:
+    model.safetensors, or with `shard_bytes` shards model-0000i-of-0000n.safetensors of at most that size (a
+    larger tensor alone) and model.safetensors.index.json. Weights files of the other layout are removed. Each
+    file is written under a temporary name and renamed into `directory`: a link there is replaced, never
+    written through. One tensor at a time is converted, so views of one buffer cost no memory."""
+    if dtype not in _WRITE_DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(_WRITE_DTYPES)}, got {dtype!r}")
+    config_text = json.dumps(hf_config, indent=2, allow_nan=False) + "\n"
+    itemsize = np.dtype(numpy_dtype(dtype)).itemsize
+    sizes = {name: math.prod(np.shape(a)) * itemsize for name, a in tensors.items()}
+    shards: list[list[str]] = [[]]
+    for name, nbytes in sizes.items():
+        if shard_bytes is not None and shards[-1] and sum(sizes[n] for n in shards[-1]) + nbytes > shard_bytes:
+            shards.append([])
+        shards[-1].append(name)
+    names = [WEIGHTS_NAME] if shard_bytes is None else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                         for i in range(len(shards))]
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
-    tensors = {name: np.ascontiguousarray(array, dtype=np.float32) for name, array in tensors.items()}
-    # transformers refuses safetensors files whose metadata lacks the framework it was saved from.
-    safetensors.numpy.save_file(tensors, directory / WEIGHTS_NAME, metadata={"format": "pt"})
+    _write_file(directory, CONFIG_NAME, [config_text.encode()])
+    for file_name, shard in zip(names, shards):
+        _write_file(directory, file_name, _safetensors_bytes({n: tensors[n] for n in shard}, dtype, sizes))
+    if shard_bytes is not None:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {n: file_name for file_name, shard in zip(names, shards) for n in shard}}
+        _write_file(directory, INDEX_NAME, [(json.dumps(index, indent=2, sort_keys=True) + "\n").encode()])
+    for entry in os.scandir(directory):
+        if (_SHARD.fullmatch(entry.name) or entry.name == INDEX_NAME) and entry.name not in names + (
+                [INDEX_NAME] if shard_bytes is not None else []):
+            os.unlink(entry.path)
 
 
-def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int, dtype, stats) -> dict[str, np.ndarray]:
+def _safetensors_bytes(tensors: Mapping[str, np.ndarray], dtype: str, sizes: Mapping[str, int]):
+    """A safetensors file's bytes in pieces: the header (padded to 8 bytes, format "pt" as transformers wants),
+    then each tensor converted as it is reached."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, array in tensors.items():
+        header[name] = {"dtype": _WRITE_DTYPES[dtype], "shape": list(np.shape(array)),
+                        "data_offsets": [offset, offset + sizes[name]]}
+        offset += sizes[name]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    yield len(text).to_bytes(8, "little") + text
+    for array in tensors.values():
+        array = array if hasattr(array, "astype") else np.asarray(array)
+        array = array.astype(numpy_dtype(dtype), copy=False)         # a device array: converted there
+        yield np.ascontiguousarray(array.get() if hasattr(array, "get") else array).reshape(-1).view(np.uint8)
+
+
+def _write_file(directory: Path, name: str, pieces) -> None:
+    """Write `pieces` to a temporary file in `directory`, then rename it to `name`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with open(fd, "wb") as f:
+            for piece in pieces:
+                f.write(piece)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def random_tensors(shapes: Mapping[str, tuple[int, ...]], seed: int, dtype, stats) -> dict[str, np.ndarray]:
     """N(mean, std) tensors of `shapes`, drawn in order from one generator seeded with `seed`;
     stats(name) -> (mean, std)."""
     rng = np.random.default_rng(seed)
@@ -279,3 +1059,4 @@ def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int, dtype, stats) 
         mean, std = stats(name)
         state[name] = (mean + std * rng.standard_normal(shape)).astype(dtype)
     return state
+

@@ -7,7 +7,6 @@ is the exact answer to compare both against.
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -31,12 +30,12 @@ class ReferenceLM(TextGeneration):
         self.state = {name: np.ascontiguousarray(array, dtype=self.dtype) for name, array in state.items()}
 
     @classmethod
-    def from_pretrained(cls, path_or_name: str | Path, dtype=np.float64) -> "ReferenceLM":
-        """Load a Hugging Face checkpoint directory or cached hub model name."""
-        directory = cls.weights.resolve(path_or_name)
-        config, state = cls.weights.load_state_dict(directory, dtype=dtype)
+    def from_pretrained(cls, path_or_name, dtype=np.float64) -> "ReferenceLM":
+        """Load a Hugging Face checkpoint (a directory or cached hub model name) into host arrays of `dtype`."""
+        checkpoint = cls.weights.resolve(path_or_name)
+        config, state = cls.weights.load_state_dict(checkpoint, dtype=dtype)
         model = cls(config, state, dtype)
-        model.checkpoint_dir = directory
+        model.checkpoint = checkpoint
         return model
 
     def forward(self, ids) -> np.ndarray:

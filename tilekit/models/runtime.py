@@ -15,6 +15,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable, Sequence
 
 import numpy as np
@@ -24,6 +25,7 @@ from tilekit.autotune.op import recording
 from tilekit.kernels import attention, decode_attention, next_token, write_kv
 from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candidate_slots, pack_params
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
+from tilekit.models.hf import Checkpoint, convert
 
 PAD = 64          # prompts pad to, and KV caches grow in, multiples of this many positions
 LOGIT_ROW_ALIGN = 64   # forward()'s logits rows are padded to multiples of this many entries
@@ -321,20 +323,71 @@ def host_ids(x, name: str) -> np.ndarray:
 
 
 class CausalLM(TextGeneration):
-    """forward, generate and the workload of a model that provides the math (see the module doc).
+    """forward, generate, the workload and checkpoints of a model that provides the math (see the module doc).
 
-    A subclass sets `config` (with vocab_size and block_size), `dtype` and `meta` (MetaArray weights),
-    and implements cache_dims(), activations(), hidden(), final_norm(), lm_head(), meta_twin(),
-    tokenizer() and eos_token_id().
+    A subclass names its family's `weights` module and `config_class`, sets `config` (with vocab_size,
+    block_size and eos_token_id), `dtype`, `meta` (MetaArray weights) and `params` (every weight under its
+    Hugging Face name, _init_weights), and implements cache_dims(), activations(), hidden(), final_norm(),
+    lm_head() and meta_twin().
     """
 
+    weights: ModuleType
+    config_class: type
     max_prefill_graphs = 4
     max_generations = 2
 
     def _init_runtime(self) -> None:
+        self.checkpoint: Checkpoint | None = None
         self._graphs: OrderedDict[tuple, PrefillGraph] = OrderedDict()
         self._generations: OrderedDict[tuple, Generation] = OrderedDict()
         self._graphs_lock = threading.Lock()
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+    def _init_weights(self, state: dict | None, seed: int, empty: bool) -> None:
+        """Fill self.params (allocated): from `state` (host arrays under the same names, checked; copied to the
+        GPU in their own dtype and converted there), or N(mean, std) drawn on the GPU from `seed` (the family's
+        weight_stats), or not at all (empty: from_pretrained streams a checkpoint into them)."""
+        if state is not None:
+            if empty:
+                raise ValueError("pass state= or empty=True, not both")
+            self.weights.check_state_dict(self.config, state)
+        if self.meta or empty:
+            return
+        import cupy
+        rng = cupy.random.default_rng(seed)
+        for name, out in self.params.items():
+            if state is not None:
+                convert(cupy.asarray(np.ascontiguousarray(state[name])), out)
+            else:
+                mean, std = self.weights.weight_stats(self.config, name)
+                convert(rng.standard_normal(out.shape, dtype=cupy.float32) * std + mean, out)
+
+    @classmethod
+    def from_pretrained(cls, path_or_name, *, dtype: str = "bfloat16", **kwargs) -> "CausalLM":
+        """The model of a Hugging Face checkpoint: a directory (single-file or sharded safetensors), a model name
+        in the local hub cache, or an hf.Checkpoint. Its config.json is read field by field; once the
+        safetensors headers match the config, the model's device arrays are allocated and the tensors streamed
+        into them in `dtype`, never the whole checkpoint on the host. kwargs go to the constructor."""
+        checkpoint = cls.weights.resolve(path_or_name)
+        config = cls.config_class.from_fields(checkpoint.config())
+        made = []
+
+        def allocate() -> dict:
+            made.append(cls(config, dtype=dtype, empty=True, **kwargs))
+            return made[0].params
+        cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate)
+        made[0].checkpoint = checkpoint
+        return made[0]
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """float32 host copies of every weight, under the Hugging Face names."""
+        import cupy
+        return {name: cupy.asnumpy(array).astype(np.float32) for name, array in self.params.items()}
+
+    def save_pretrained(self, directory) -> None:
+        """Write config.json and model.safetensors in the model's dtype, as Hugging Face's save_pretrained does
+        (one tensor at a time through the host)."""
+        self.weights.save_state_dict(directory, self.config, self.params, dtype=self.dtype)
 
     # -- forward --------------------------------------------------------------------------------
     def __call__(self, ids, **kwargs):

@@ -1,22 +1,19 @@
 """Text around a model: a checkpoint's tokenizer and chat template, and incremental detokenization.
 
-Every file read here comes from a stranger's checkpoint: it must be a regular file of bounded size that stays
-inside the checkpoint directory (checkpoint_file), and a bad one is a ValueError naming it.
+Every file read here comes from a stranger's checkpoint and is opened through hf.Checkpoint: a regular file of
+bounded size that stays inside the checkpoint directory; a bad one is a ValueError naming it.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import stat
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import Mapping, Sequence
 
-from tilekit.models.hf import MAX_JSON_BYTES, read_json
+from tilekit.models.hf import Checkpoint, ModelFileError, quoted, shown
 
 MAX_TOKENIZER_BYTES = 64 << 20   # tokenizer.json of a 256k vocabulary is ~35 MB
 MAX_TEMPLATE_CHARS = 1 << 20     # real chat templates are a few kB to a few tens of kB
@@ -25,102 +22,65 @@ BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")    # a byte-fallback token (Sente
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def escape(text: str, limit: int = 120) -> str:
-    """`text` safe to print in a message: non-printable characters escaped, cut to `limit` characters
-    (callers pass repr(value) for a value)."""
-    cut = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
-    return cut + ("..." if len(text) > limit else "")
-
-
-# -- checkpoint files ------------------------------------------------------------------------------
-
-def checkpoint_file(directory: str | Path, name: str, limit: int) -> Path | None:
-    """The real path of file `name` in checkpoint `directory`, or None if there is no such entry.
-
-    ValueError naming it unless it is a regular file (checked with stat, so a FIFO or device is never opened)
-    of at most `limit` bytes that stays inside the directory once links resolve; a hub-cache snapshot's files
-    link to ../../blobs, so for a snapshot the repository folder is the bound.
-    """
-    directory = Path(directory)
-    path = directory / name
-    if not os.path.lexists(path):
-        return None
-    root = directory.resolve()
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
-        root = root.parent.parent
-    try:
-        real = path.resolve(strict=True)
-        st = real.stat()
-    except (OSError, RuntimeError) as e:   # a dangling link; a link loop (RuntimeError before Python 3.13)
-        raise ValueError(f"cannot read {path}: {escape(str(e))}") from None
-    if not real.is_relative_to(root):
-        raise ValueError(f"{path} leads outside the checkpoint directory (to {escape(str(real))})")
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{path} is not a regular file")
-    if st.st_size > limit:
-        raise ValueError(f"{path} is larger than {limit} bytes")
-    return real
-
-
-def checkpoint_json(directory: str | Path, name: str) -> dict | None:
-    """The JSON object in checkpoint file `name` (strict, bounded: read_json), or None if there is none."""
-    path = checkpoint_file(directory, name, MAX_JSON_BYTES)
-    return None if path is None else read_json(path, name)
-
-
-def _checkpoint_text(directory: Path, name: str, limit: int) -> str | None:
-    path = checkpoint_file(directory, name, limit)
-    if path is None:
-        return None
-    try:
-        return path.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise ValueError(f"cannot read {directory / name}: {escape(str(e))}") from None
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{directory / name} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
 # -- tokenizer -------------------------------------------------------------------------------------
 
-def load_tokenizer(checkpoint_dir: str | Path):
-    """The checkpoint's `tokenizers.Tokenizer`: tokenizer.json, or else vocab.json + merges.txt (GPT-2's
-    byte-level BPE, with the special tokens tokenizer_config.json names registered as special)."""
+def load_tokenizer(checkpoint):
+    """The `tokenizers.Tokenizer` of a checkpoint (an hf.Checkpoint or its directory): tokenizer.json, or else
+    vocab.json + merges.txt (GPT-2's byte-level BPE, with the special tokens tokenizer_config.json names
+    registered as special)."""
     from tokenizers import AddedToken, Tokenizer
     from tokenizers.decoders import ByteLevel as ByteLevelDecoder
     from tokenizers.models import BPE
     from tokenizers.pre_tokenizers import ByteLevel
 
-    d = Path(checkpoint_dir)
-    path = checkpoint_file(d, "tokenizer.json", MAX_TOKENIZER_BYTES)
-    if path is not None:
+    ck = Checkpoint.at(checkpoint)
+    if ck.has("tokenizer.json"):
+        text = ck.read_text("tokenizer.json", MAX_TOKENIZER_BYTES)
         try:
-            tok = Tokenizer.from_file(str(path))
+            tok = Tokenizer.from_str(text)
         except Exception as e:   # tokenizers raises a bare Exception for a malformed file
-            raise ValueError(f"cannot read tokenizer file {d / 'tokenizer.json'}: {escape(str(e), 300)}") from None
+            raise ModelFileError(ck.directory / "tokenizer.json", f"is not a tokenizer ({shown(str(e), 300)})") \
+                from None
         tok.no_truncation()      # as transformers encodes by default: a file's truncation / padding unused
         tok.no_padding()
         return tok
-    vocab = checkpoint_file(d, "vocab.json", MAX_JSON_BYTES)
-    merges = checkpoint_file(d, "merges.txt", MAX_TOKENIZER_BYTES)
-    if vocab is None or merges is None:
-        raise FileNotFoundError(f"no tokenizer.json or vocab.json + merges.txt in {d}")
+    if not (ck.has("vocab.json") and ck.has("merges.txt")):
+        raise FileNotFoundError(f"{shown(ck.directory)}: no tokenizer.json or vocab.json + merges.txt")
+    vocab = ck.read_json("vocab.json")
+    merges = _merges(ck.read_text("merges.txt", MAX_TOKENIZER_BYTES), ck.directory / "merges.txt")
     try:
-        tok = Tokenizer(BPE.from_file(str(vocab), str(merges)))
+        tok = Tokenizer(BPE(vocab, merges))
     except Exception as e:
-        raise ValueError(f"cannot read tokenizer files {d / 'vocab.json'} and {d / 'merges.txt'}: "
-                         f"{escape(str(e), 300)}") from None
+        raise ModelFileError(ck.directory / "vocab.json", f"and merges.txt are not a BPE tokenizer "
+                                                          f"({shown(str(e), 300)})") from None
     tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
     tok.decoder = ByteLevelDecoder()
-    specials = [t for t in special_tokens(d).values() if tok.token_to_id(t) is not None]
+    specials = [t for t in special_tokens(ck).values() if tok.token_to_id(t) is not None]
     tok.add_special_tokens([AddedToken(t, special=True) for t in dict.fromkeys(specials)])
     return tok
 
 
-def special_tokens(checkpoint_dir: str | Path) -> dict[str, str]:
-    """bos_token, eos_token, ... of tokenizer_config.json (each a string or {"content": string}), as
-    transformers hands them to a chat template; {} without the file."""
-    name = "tokenizer_config.json"
-    config = checkpoint_json(checkpoint_dir, name) or {}
+def _merges(text: str, path) -> list[tuple[str, str]]:
+    """The merges of a merges.txt as the tokenizers library reads them: a "#version" line skipped, then one pair
+    per line, its two tokens separated by one space."""
+    lines = text.split("\n")
+    merges = []
+    for n, line in enumerate(lines[:-1] if lines[-1] == "" else lines, 1):
+        line = line.removesuffix("\r")
+        if line.startswith("#version"):
+            continue
+        pair = line.split(" ")
+        if len(pair) != 2:
+            raise ModelFileError(path, f"line {n} is {quoted(line, 100)}, expected two tokens separated by a space")
+        merges.append((pair[0], pair[1]))
+    return merges
+
+
+def special_tokens(checkpoint) -> dict[str, str]:
+    """bos_token, eos_token, ... of a checkpoint's tokenizer_config.json (each a string or {"content": string}),
+    as transformers hands them to a chat template; {} without the file."""
+    ck, name = Checkpoint.at(checkpoint), "tokenizer_config.json"
+    config = ck.read_json(name) if ck.has(name) else {}
     tokens = {}
     for key in SPECIAL_TOKEN_KEYS:
         value = config.get(key)
@@ -129,8 +89,8 @@ def special_tokens(checkpoint_dir: str | Path) -> dict[str, str]:
         if value is None:
             continue
         if not isinstance(value, str):
-            raise ValueError(f"{Path(checkpoint_dir) / name}: {key} must be a string or an object with a string "
-                             f"'content', got {escape(repr(config[key]))}")
+            raise ModelFileError(ck.directory / name, f"{key} must be a string or an object with a string "
+                                                      f"'content', got {quoted(config[key], 100)}")
         tokens[key] = value
     return tokens
 
@@ -199,18 +159,18 @@ class ChatTemplate:
         return render_chat(self.text, messages, self.special_tokens, add_generation_prompt, source=self.source)
 
 
-def chat_template(checkpoint_dir: str | Path) -> ChatTemplate | None:
-    """The checkpoint's chat template, found as transformers finds it: chat_template.jinja, else
-    tokenizer_config.json's chat_template (a string, or a list of {"name", "template"} whose "default" is
-    used); None if the checkpoint has none."""
-    d = Path(checkpoint_dir)
-    tokens = special_tokens(d)
-    text = _checkpoint_text(d, "chat_template.jinja", MAX_TEMPLATE_CHARS)
-    if text is not None:
-        return ChatTemplate(text, str(d / "chat_template.jinja"), tokens)
+def chat_template(checkpoint) -> ChatTemplate | None:
+    """The chat template of a checkpoint (an hf.Checkpoint or its directory), found as transformers finds it:
+    chat_template.jinja, else tokenizer_config.json's chat_template (a string, or a list of {"name", "template"}
+    whose "default" is used); None if the checkpoint has none."""
+    ck = Checkpoint.at(checkpoint)
+    tokens = special_tokens(ck)
+    if ck.has("chat_template.jinja"):
+        return ChatTemplate(ck.read_text("chat_template.jinja", MAX_TEMPLATE_CHARS),
+                            shown(ck.directory / "chat_template.jinja"), tokens)
     name = "tokenizer_config.json"
-    value = (checkpoint_json(d, name) or {}).get("chat_template")
-    where = f"{d / name}: chat_template"
+    value = (ck.read_json(name) if ck.has(name) else {}).get("chat_template")
+    where = f"{shown(ck.directory / name)}: chat_template"
     if value is None:
         return None
     if isinstance(value, list):
@@ -219,7 +179,7 @@ def chat_template(checkpoint_dir: str | Path) -> ChatTemplate | None:
             raise ValueError(f"{where} must be a string or a list of {{'name': str, 'template': str}}")
         named = {t["name"]: t["template"] for t in value}
         if "default" not in named:
-            raise ValueError(f"{where} names no 'default' template (it has {escape(repr(sorted(named)))})")
+            raise ValueError(f"{where} names no 'default' template (it has {quoted(sorted(named), 100)})")
         value, where = named["default"], where + "['default']"
     if not isinstance(value, str):
         raise ValueError(f"{where} must be a string, got {type(value).__name__}")
@@ -242,9 +202,9 @@ def render_chat(template: str, messages: Sequence[Mapping], special_tokens: Mapp
         return _compiled(template).render(messages=[dict(m) for m in messages], tools=None, documents=None,
                                           add_generation_prompt=add_generation_prompt, **(special_tokens or {}))
     except jinja2.TemplateError as e:   # a syntax error, raise_exception(), an undefined name, the sandbox
-        raise ValueError(f"{source} fails to render: {escape(str(e), 300)}") from None
+        raise ValueError(f"{source} fails to render: {shown(str(e), 300)}") from None
     except Exception as e:    # anything else the template's own expressions raise (1 / 0, 'a' + 1, ...)
-        raise ValueError(f"{source} fails to render: {type(e).__name__}: {escape(str(e), 300)}") from None
+        raise ValueError(f"{source} fails to render: {type(e).__name__}: {shown(str(e), 300)}") from None
 
 
 def check_messages(messages) -> None:
@@ -253,9 +213,9 @@ def check_messages(messages) -> None:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {escape(repr(m))}")
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {quoted(m, 100)}")
         if m["role"] not in ROLES:
-            raise ValueError(f"messages[{i}] has an unknown role {escape(repr(m['role']))}; "
+            raise ValueError(f"messages[{i}] has an unknown role {quoted(m['role'], 100)}; "
                              f"roles are {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
             raise ValueError(f"messages[{i}]['content'] must be a string, got {type(m['content']).__name__}")

@@ -9,7 +9,7 @@ from tilekit.kernels.checks import rel_err
 
 cupy = pytest.importorskip("cupy")
 
-from tilekit.models import GPT, GPTConfig, ReferenceGPT  # noqa: E402
+from tilekit.models import GPT, GPTConfig, ReferenceGPT, hf  # noqa: E402
 from tilekit.models.gpt2.weights import random_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -212,3 +212,30 @@ def test_the_tuning_workload_is_what_forward_and_generate_request(small_fp32):
     assert problems(real) == problems(model.kernel_problems(2, 40) + model.kernel_problems(2, 40, 30))
     tuned = {(op.name, op.problem_key(p)[1]) for op, p in model_problems(model.config, "float32", (2,), (40,), 30)}
     assert {(op.name, op.problem_key(p)[1]) for op, p in real} == tuned
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_from_pretrained_streams_into_the_models_own_arrays(tmp_path, dtype):
+    """Every weight on the GPU bit for bit as the host loader converts it, the blocks reading those very arrays;
+    saved in the model's dtype, read back bit for bit."""
+    model = GPT.from_pretrained(TINY, dtype=dtype)
+    host = GPT.weights.load(model.checkpoint, model.config, dtype=dtype, device=hf.HostDevice())
+    assert model.params.keys() == host.keys() and model.blocks[1].fc_w is model.params["h.1.mlp.c_fc.weight"]
+    for key, array in model.params.items():
+        assert isinstance(array, cupy.ndarray) and array.dtype == host[key].dtype, key
+        assert np.array_equal(cupy.asnumpy(array).view(np.uint8), host[key].view(np.uint8)), key
+    if dtype != "float16":
+        model.save_pretrained(tmp_path)
+        again = GPT.from_pretrained(tmp_path, dtype=dtype)
+        assert all(np.array_equal(cupy.asnumpy(a).view(np.uint8), cupy.asnumpy(again.params[k]).view(np.uint8))
+                   for k, a in model.params.items())
+
+
+def test_random_device_weights_are_deterministic_and_scaled():
+    """Drawn on the GPU (a gpt2-xl-sized model initialises in seconds), as weight_stats scales them."""
+    config = GPTConfig.preset("gpt2").replace(n_layer=4)
+    a, b = GPT(config, dtype="float32", seed=7).state_dict(), GPT(config, dtype="float32", seed=7).state_dict()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert abs(float(np.std(a["h.0.attn.c_attn.weight"])) - 0.02) < 0.001
+    assert abs(float(np.std(a["h.3.mlp.c_proj.weight"])) - 0.02 / np.sqrt(8)) < 0.001
+    assert abs(float(np.mean(a["h.2.ln_1.weight"])) - 1.0) < 0.02

@@ -110,8 +110,19 @@ def test_bad_tensors_are_named_with_the_file(tmp_path, name, how, message):
 def test_untied_lm_head_is_rejected(tmp_path):
     state = random_state_dict(CONFIG, seed=4)
     directory = write_checkpoint(tmp_path, dict(state, **{"lm_head.weight": state["wte.weight"] + 1}))
-    with pytest.raises(ValueError, match="lm_head.weight"):
+    with pytest.raises(ValueError, match="model.safetensors: tensor 'lm_head.weight' differs from 'wte.weight', to "
+                                         "which this model ties its LM head"):
         load_state_dict(directory)
+
+
+def test_names_with_and_without_the_prefix_are_not_mixed(tmp_path):
+    """A tensor under both names is one too many; with the prefix on some names, the others are unexpected."""
+    state = random_state_dict(CONFIG, seed=4)
+    tensors = {"transformer." + n: a for n, a in state.items()} | {"wpe.weight": state["wpe.weight"]}
+    with pytest.raises(ValueError) as info:
+        load_state_dict(write_checkpoint(tmp_path, tensors))
+    assert str(info.value) == (f"{tmp_path}/model.safetensors: does not match {CONFIG}:\n"
+                               "  unexpected tensor 'wpe.weight'")
 
 
 def test_truncated_safetensors_is_named(tmp_path):
@@ -133,7 +144,7 @@ def test_missing_file_is_named(tmp_path, missing):
 def test_check_state_dict_rejects_non_float_arrays():
     state = random_state_dict(CONFIG, seed=4)
     state["ln_f.bias"] = state["ln_f.bias"].astype(np.int32)
-    with pytest.raises(ValueError, match="'ln_f.bias' must be a floating-point"):
+    with pytest.raises(ValueError, match="tensor 'ln_f.bias' has dtype I32, expected BF16 or F16 or F32 or F64"):
         check_state_dict(CONFIG, state)
 
 
@@ -162,8 +173,8 @@ def test_resolve_finds_the_hub_cache_and_prefers_refs_main(hf_home):
     cache_snapshot(hub, "openai-community/gpt2", "bbb222", random_state_dict(CONFIG, seed=8))  # newer, not main
     (hub / "models--openai-community--gpt2" / "refs").mkdir()
     (hub / "models--openai-community--gpt2" / "refs" / "main").write_text("aaa111\n")
-    assert resolve("gpt2") == main
-    assert resolve("openai-community/gpt2") == main
+    assert resolve("gpt2").directory == main
+    assert resolve("openai-community/gpt2").directory == main
     _, state = load_state_dict("gpt2")
     assert_same_state(state, random_state_dict(CONFIG, seed=7))
 
@@ -172,7 +183,7 @@ def test_resolve_without_refs_takes_a_complete_snapshot(hf_home, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(hf_home / "elsewhere"))
     snapshot = cache_snapshot(hf_home / "elsewhere", "gpt2", "ccc333", random_state_dict(CONFIG, seed=9))
     (snapshot.parent / "ddd444").mkdir()  # a snapshot that only has some other file
-    assert resolve("gpt2") == snapshot
+    assert resolve("gpt2").directory == snapshot
 
 
 def test_resolve_reports_what_it_searched(hf_home, tmp_path):

@@ -1,8 +1,12 @@
 """The Llama model on the GPU: against Hugging Face's logits and greedy tokens (the committed tiny checkpoints),
-against the float64 NumPy reference at real Llama layer shapes, and its KV-cache, graph and workload paths."""
+against the float64 NumPy reference at real Llama layer shapes, its KV-cache, graph and workload paths, and
+from_pretrained / save_pretrained (streamed into the model's own arrays; host memory bounded)."""
 
+import gc
+import math
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -10,7 +14,7 @@ from tilekit.kernels.checks import rel_err
 
 cupy = pytest.importorskip("cupy")
 
-from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama  # noqa: E402
+from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama, hf  # noqa: E402
 from tilekit.models.llama.weights import random_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -102,3 +106,87 @@ def test_the_tuning_workload_is_what_forward_and_generate_request(small_llama):
         small_llama.generate([[1, 2, 3, 4, 5]], 3, temperature=1.0, top_k=50, use_graph=False)   # HF's default sampling
     assert {(op.name, op.problem_key(p)[1]) for op, p in calls} == \
         {(op.name, op.problem_key(p)[1]) for op, p in small_llama.kernel_problems(1, 5, 3)}
+
+
+def bits(a) -> np.ndarray:
+    a = cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_from_pretrained_streams_into_the_models_own_arrays(name, dtype):
+    """Every weight on the GPU bit for bit as the host loader converts it; q, k and v are rows of the fused qkv."""
+    model = Llama.from_pretrained(DATA / name, dtype=dtype)
+    host = Llama.weights.load(model.checkpoint, model.config, dtype=dtype, device=hf.HostDevice())
+    assert model.params.keys() == host.keys()
+    for key, array in model.params.items():
+        assert isinstance(array, cupy.ndarray) and array.dtype == host[key].dtype, key
+        assert np.array_equal(bits(array), bits(host[key])), key
+    q, kv = model.config.n_head * model.config.head_dim, model.config.n_kv_head * model.config.head_dim
+    for i, block in enumerate(model.blocks):
+        p = f"model.layers.{i}.self_attn."
+        assert [model.params[p + f"{n}_proj.weight"].data.ptr for n in "qkv"] == [
+            block.qkv.data.ptr + rows * block.qkv.shape[1] * block.qkv.itemsize for rows in (0, q, q + kv)]
+
+
+def test_a_tied_lm_head_in_the_file_is_compared_on_the_gpu(tmp_path):
+    ck = hf.find_checkpoint(DATA / "tiny-llama-tied")
+    config = LlamaConfig.from_fields(ck.config())
+    tensors = Llama.weights.load(ck, config, dtype="bfloat16", device=hf.HostDevice())
+    embedding = tensors["model.embed_tokens.weight"]
+    hf.write_checkpoint(tmp_path, config.to_hf_dict(), dict(tensors, **{"lm_head.weight": embedding}),
+                        dtype="bfloat16")
+    model = Llama.from_pretrained(tmp_path, dtype="bfloat16")
+    assert "lm_head.weight" not in model.params and model.head is model.embed
+    changed = embedding.copy()
+    changed[3, 5] = -changed[3, 5] if changed[3, 5] != 0 else 1
+    hf.write_checkpoint(tmp_path, config.to_hf_dict(), dict(tensors, **{"lm_head.weight": changed}), dtype="bfloat16")
+    with pytest.raises(ValueError, match="tensor 'lm_head.weight' differs from 'model.embed_tokens.weight'"):
+        Llama.from_pretrained(tmp_path, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_save_pretrained_writes_the_models_dtype_bit_for_bit(tmp_path, dtype):
+    from safetensors import safe_open
+    model = Llama.from_pretrained(DATA / "tiny-llama", dtype=dtype)
+    model.save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        for key, array in model.params.items():
+            saved = f.get_tensor(key)
+            assert saved.dtype == array.dtype and np.array_equal(bits(saved), bits(array)), key
+    again = Llama.from_pretrained(tmp_path, dtype=dtype)
+    assert all(np.array_equal(bits(a), bits(again.params[k])) for k, a in model.params.items())
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path).state_dict()     # Hugging Face reads it
+    for key, array in model.params.items():
+        assert np.array_equal(theirs[key].float().numpy(), cupy.asnumpy(array).astype(np.float32)), key
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def test_from_pretrained_holds_no_host_copy_of_the_checkpoint(tmp_path):
+    """A 0.75 GB bf16 checkpoint (hub-like shards): peak resident memory rises by the staging buffers (4 x 64 MiB)
+    and a little, not by the checkpoint (the old loader held it twice in float32)."""
+    config = LlamaConfig(n_layer=4, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192, vocab_size=32000,
+                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    shapes = Llama.weights.state_dict_shapes(config)
+    pool = (np.random.default_rng().standard_normal(max(map(math.prod, shapes.values())), np.float32) * 0.02
+            ).astype(ml_dtypes.bfloat16)
+    hf.write_checkpoint(tmp_path, config.to_hf_dict(), {n: pool[:math.prod(s)].reshape(s) for n, s in shapes.items()},
+                        dtype="bfloat16", shard_bytes=300 << 20)
+    first = pool[:8].copy()
+    del pool
+    Llama(config.replace(n_layer=1, vocab_size=8), dtype="bfloat16")     # CUDA, CuPy and the kernels' modules up
+    hf.CupyDevice().staging(1)
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:                   # reset VmHWM to the current VmRSS
+        f.write("5")
+    before = _status_kb("VmRSS")
+    model = Llama.from_pretrained(tmp_path, dtype="bfloat16")
+    peak = _status_kb("VmHWM") - before
+    assert peak < (256 + 160) << 10, peak                            # KiB; the checkpoint is 750 MB
+    assert np.array_equal(bits(model.params["lm_head.weight"][0, :8]), bits(first))

@@ -11,7 +11,8 @@ from tilekit.models.llama.config import LlamaConfig, RopeScaling
 from tilekit.kernels.rms_norm import rms_norm_reference
 from tilekit.kernels.apply_rope import rope_reference
 from tilekit.kernels.swiglu_linear import swiglu_reference
-from tilekit.models.llama.reference import ReferenceLlama, rope_inv_freq
+from tilekit.models.llama.config import rope_inv_freq
+from tilekit.models.llama.reference import ReferenceLlama
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 FIXTURES = ["tiny-llama", "tiny-llama-tied"]  # GQA + llama3 rope + untied, sharded; MQA + plain rope + tied

@@ -14,16 +14,13 @@ buffers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from tilekit.autotune.arrays import MetaArray, numpy_dtype
 from tilekit.kernels import embedding, layer_norm, linear, residual_linear
 from tilekit.kernels.tiles import FIXED_DTYPE
+from tilekit.models.gpt2 import weights
 from tilekit.models.gpt2.config import GPTConfig
-from tilekit.models.gpt2.weights import (check_state_dict, load_state_dict, random_state_dict, resolve, save_state_dict,
-                                         state_dict_shapes)
 from tilekit.models.runtime import Arrays, CausalLM
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -74,11 +71,15 @@ class Activations:
 class GPT(CausalLM):
     """A GPT-2 family model whose forward pass runs entirely on tilekit kernels."""
 
+    weights = weights
+    config_class = GPTConfig
     fixed_point_rows = 16   # passes of up to this many rows keep a fixed-point residual stream
 
     def __init__(self, config: GPTConfig, *, dtype: str = "bfloat16", seed: int = 0,
-                 state: dict[str, np.ndarray] | None = None, allow_tf32: bool = False, meta: bool = False):
-        """Random GPT-2 initialisation from `seed`, or the given state dict (canonical HF names).
+                 state: dict[str, np.ndarray] | None = None, empty: bool = False, allow_tf32: bool = False,
+                 meta: bool = False):
+        """Random GPT-2 initialisation drawn on the GPU from `seed`, or the given state dict (Hugging Face names,
+        any float dtype), or uninitialised weights (empty=True: from_pretrained streams them in).
         meta=True: MetaArray weights (no GPU, no memory), for tracing the kernels the model runs."""
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
@@ -87,17 +88,10 @@ class GPT(CausalLM):
         if allow_tf32 and dtype != "float32":
             raise ValueError("allow_tf32 applies to dtype='float32' only")
         self.config, self.dtype, self.allow_tf32, self.meta = config, dtype, allow_tf32, meta
-        self.checkpoint_dir: Path | None = None
         self._init_runtime()
-        if meta:
-            w = {name: MetaArray(shape, dtype) for name, shape in state_dict_shapes(config).items()}
-        else:
-            import cupy
-            if state is None:
-                state = random_state_dict(config, seed)
-            check_state_dict(config, state)
-            w = {name: cupy.asarray(np.ascontiguousarray(a, dtype=np.float32).astype(numpy_dtype(dtype)))
-                 for name, a in state.items()}
+        new = Arrays(meta).empty
+        self.params = w = {name: new(shape, dtype) for name, shape in weights.state_dict_shapes(config).items()}
+        self._init_weights(state, seed, empty)
         self.wte, self.wpe = w["wte.weight"], w["wpe.weight"]
         self.ln_f_w, self.ln_f_b = w["ln_f.weight"], w["ln_f.bias"]
         self.blocks = [Block(*(w[f"h.{i}.{n}"] for n in BLOCK_PARAMS)) for i in range(config.n_layer)]
@@ -150,52 +144,3 @@ class GPT(CausalLM):
         else:
             self._linear(a, w, b, residual=acts.x, out=acts.other)
             acts.x, acts.other = acts.other, acts.x
-
-    # -- checkpoints and tokenizer ----------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path_or_name: str | Path, *, dtype: str = "bfloat16",
-                        allow_tf32: bool = False) -> "GPT":
-        """Load a local Hugging Face GPT-2 checkpoint directory or a model in the local HF cache."""
-        directory = resolve(path_or_name)
-        config, state = load_state_dict(directory)
-        model = cls(config, dtype=dtype, state=state, allow_tf32=allow_tf32)
-        model.checkpoint_dir = directory
-        return model
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """float32 host copies of every parameter, under the Hugging Face names."""
-        def host(a):
-            return a.get().astype(np.float32)
-        state = {"wte.weight": host(self.wte), "wpe.weight": host(self.wpe),
-                 "ln_f.weight": host(self.ln_f_w), "ln_f.bias": host(self.ln_f_b)}
-        for i, block in enumerate(self.blocks):
-            for name, array in zip(BLOCK_PARAMS, vars(block).values()):
-                state[f"h.{i}.{name}"] = host(array)
-        return state
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write config.json and model.safetensors in the Hugging Face GPT-2 format."""
-        save_state_dict(directory, self.config, self.state_dict())
-
-    def tokenizer(self):
-        """The checkpoint's tokenizer (tokenizer.json, or vocab.json + merges.txt) via `tokenizers`."""
-        from tokenizers import Tokenizer
-        from tokenizers.decoders import ByteLevel as ByteLevelDecoder
-        from tokenizers.models import BPE
-        from tokenizers.pre_tokenizers import ByteLevel
-        if self.checkpoint_dir is None:
-            raise ValueError("this model has no checkpoint directory to read a tokenizer from "
-                             "(use GPT.from_pretrained)")
-        d = self.checkpoint_dir
-        if (d / "tokenizer.json").is_file():
-            return Tokenizer.from_file(str(d / "tokenizer.json"))
-        if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
-            tok = Tokenizer(BPE.from_file(str(d / "vocab.json"), str(d / "merges.txt")))
-            tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
-            tok.decoder = ByteLevelDecoder()
-            return tok
-        raise FileNotFoundError(f"no tokenizer.json or vocab.json + merges.txt in {d}")
-
-    @staticmethod
-    def eos_token_id(tokenizer) -> int | None:
-        return tokenizer.token_to_id("<|endoftext|>")

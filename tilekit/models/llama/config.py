@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from pathlib import Path
 
-from tilekit.models.hf import check_number, check_positive_ints, hf_config_fields, read_json
+import numpy as np
+
+from tilekit.models import hf
+
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -21,16 +25,43 @@ class RopeScaling:
     original_max_position_embeddings: int
 
     def __post_init__(self):
-        check_number(self, "factor")
+        hf.check_number(self, "factor")
         if self.factor < 1:
             raise ValueError(f"RopeScaling.factor must be >= 1, got {self.factor!r}")
-        check_number(self, "low_freq_factor")
-        check_number(self, "high_freq_factor", low=self.low_freq_factor)
-        check_positive_ints(self, ("original_max_position_embeddings",))
+        hf.check_number(self, "low_freq_factor")
+        hf.check_number(self, "high_freq_factor", low=self.low_freq_factor)
+        hf.check_positive_ints(self, ("original_max_position_embeddings",))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """float64 (head_dim / 2,) rotary inverse frequencies theta^(-2i / head_dim), with Llama 3.1's adjustment."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):   # rope_problem() judges the result
+        inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        if scaling is None:
+            return inv_freq
+        old_context = scaling.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated smoothly.
+        smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor
+                                                                     - scaling.low_freq_factor)
+        scaled = np.where(wavelen > old_context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+        medium = (wavelen >= old_context / scaling.high_freq_factor) & (wavelen <= old_context
+                                                                         / scaling.low_freq_factor)
+        return np.where(medium, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
+
+
+def rope_problem(head_dim: int, theta: float, scaling: RopeScaling | None) -> str | None:
+    """Why these RoPE parameters cannot rotate, or None: a frequency that is not > 0, or not finite in float32 (as
+    transformers computes them; beyond, its angles and logits are NaN)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not ((inv_freq > 0) & np.isfinite(inv_freq.astype(np.float32))).all():
+            return f"gives rotary frequencies that are not finite and > 0 (with head_dim {head_dim})"
+    return None
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class LlamaConfig(hf.HFConfig):
     """Shape of a Llama model: nanoGPT names where GPT-2 has the same thing, Hugging Face names elsewhere.
 
     The defaults are Llama-3.2-1B's. head_dim defaults to n_embd // n_head; n_kv_head < n_head is grouped-query
@@ -54,7 +85,7 @@ class LlamaConfig:
     eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
-        check_positive_ints(self, ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size",
+        hf.check_positive_ints(self, ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size",
                                    "max_position_embeddings"))
         if self.n_embd % self.n_head:  # transformers refuses such a config even with head_dim given
             raise ValueError(f"LlamaConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
@@ -62,24 +93,20 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
-        check_positive_ints(self, ("head_dim",))
+        hf.check_positive_ints(self, ("head_dim",))
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim must be even (rotary embeddings pair its halves), "
                              f"got {self.head_dim}")
-        check_number(self, "rms_norm_eps")
-        check_number(self, "rope_theta")
+        hf.check_number(self, "rms_norm_eps")
+        hf.check_number(self, "rope_theta")
         if not isinstance(self.rope_scaling, (RopeScaling, type(None))):
             raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+        problem = rope_problem(self.head_dim, self.rope_theta, self.rope_scaling)
+        if problem:
+            raise ValueError(f"LlamaConfig.rope_theta {problem}")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"LlamaConfig.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
-        for token in (self.bos_token_id, *eos):
-            if token is not None and (not isinstance(token, int) or isinstance(token, bool)
-                                      or not 0 <= token < self.vocab_size):
-                raise ValueError(f"LlamaConfig token ids must be ints in [0, {self.vocab_size}), "
-                                 f"got bos {self.bos_token_id!r}, eos {self.eos_token_id!r}")
+        hf.check_token_ids(self)
 
     @property
     def block_size(self) -> int:
@@ -95,49 +122,60 @@ class LlamaConfig:
             raise ValueError(f"unknown Llama preset {name!r}; choose from {sorted(PRESETS)}") from None
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "LlamaConfig":
-        """Build from a Hugging Face LlamaConfig dict (config.json, transformers 4 or 5 layout, missing keys taking
-        transformers' defaults); variants this model does not compute are refused, naming the key."""
-        # transformers 4 writes rope_theta + rope_scaling (None for plain RoPE), 5 writes rope_parameters.
-        rope_key = "rope_scaling" if d.get("rope_scaling") is not None else "rope_parameters"
-        rope = d.get(rope_key) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
-        rope_keys = {"rope_type", "type", "rope_theta"} | (
-            {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-            if rope_type == "llama3" else set())
-        unsupported = {
-            "model_type": d.get("model_type", "llama") != "llama",
-            "hidden_act": d.get("hidden_act", "silu") != "silu",
-            "attention_bias": d.get("attention_bias", False) is not False,
-            "mlp_bias": d.get("mlp_bias", False) is not False,
-            rope_key: (not isinstance(rope, dict) or rope_type not in ("default", "llama3")
-                       or not rope.keys() <= rope_keys),
-            "partial_rotary_factor": d.get("partial_rotary_factor", 1.0) != 1.0,
-            "sliding_window": d.get("sliding_window") is not None,
-            "use_sliding_window": d.get("use_sliding_window", False) is not False,
-            "layer_types": d.get("layer_types") is not None and (not isinstance(d["layer_types"], list) or any(
-                t != "full_attention" for t in d["layer_types"])),
-        }
-        with hf_config_fields(d, unsupported, "Llama"):
-            max_positions = d.get("max_position_embeddings", 2048)
-            scaling = None if rope_type == "default" else RopeScaling(
-                factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
-                high_freq_factor=rope["high_freq_factor"],
-                original_max_position_embeddings=rope.get("original_max_position_embeddings", max_positions))
-            n_head = d["num_attention_heads"]
-            return cls(n_layer=d["num_hidden_layers"], n_head=n_head,
-                       n_kv_head=n_head if d.get("num_key_value_heads") is None else d["num_key_value_heads"],
-                       n_embd=d["hidden_size"],
-                       intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
-                       max_position_embeddings=max_positions, head_dim=d.get("head_dim"),
-                       rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                       rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)), rope_scaling=scaling,
-                       tie_word_embeddings=d.get("tie_word_embeddings", False),
-                       bos_token_id=d.get("bos_token_id", 1), eos_token_id=d.get("eos_token_id", 2))
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> "LlamaConfig":
-        return cls.from_hf_dict(read_json(path, "model config"))
+    def from_fields(cls, f: hf.Fields) -> "LlamaConfig":
+        """Read a Hugging Face LlamaConfig (config.json's fields, transformers 4 or 5 layout), each checked, absent
+        ones taking transformers' defaults; variants this model does not compute are refused, naming the field."""
+        f.choice("model_type", ("llama",), "llama")
+        f.variant("hidden_act", "silu", lambda v: v == "silu")
+        for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
+            f.variant(key, False, lambda v: v is False)
+        f.variant("sliding_window", None, lambda v: v is None)
+        f.variant("partial_rotary_factor", 1.0, lambda v: type(v) in (int, float) and v == 1)
+        f.variant("layer_types", None, lambda v: v is None or (
+            isinstance(v, list) and all(t == "full_attention" for t in v)))
+        n_head = f.integer("num_attention_heads", low=1, high=hf.MAX_SIZE)
+        n_embd = f.integer("hidden_size", low=1, high=hf.MAX_SIZE)
+        n_kv_head = f.integer("num_key_value_heads", None, low=1, high=hf.MAX_SIZE) or n_head
+        head_dim = f.integer("head_dim", None, low=1, high=hf.MAX_SIZE) or n_embd // n_head
+        if n_embd % n_head:
+            raise f.error("hidden_size", f"is {n_embd}, not a multiple of num_attention_heads ({n_head})")
+        if n_head % n_kv_head:
+            raise f.error("num_attention_heads", f"is {n_head}, not a multiple of num_key_value_heads ({n_kv_head})")
+        if head_dim % 2:
+            raise f.error("head_dim", f"is {head_dim}, expected an even number (RoPE pairs its halves)")
+        vocab = f.integer("vocab_size", low=1, high=hf.MAX_SIZE)
+        positions = f.integer("max_position_embeddings", 2048, low=1, high=hf.MAX_SIZE)
+        theta = f.number("rope_theta", 10000.0, positive=True)
+        scaling, rope = None, f.object("rope_scaling", None)
+        rope = rope or f.object("rope_parameters", None)       # transformers 4 writes the first, 5 the second
+        if rope is not None:
+            kind = rope.variant("rope_type" if "rope_type" in rope else "type", "default",
+                                lambda v: v in ("default", "llama3"))
+            extra = sorted(set(rope.d) - {"rope_type", "type", "rope_theta", *(LLAMA3_KEYS if kind == "llama3"
+                                                                              else ())})
+            if extra:
+                rope.variant(extra[0], None, lambda v: False)
+            theta = rope.number("rope_theta", theta, positive=True)
+            if kind == "llama3":
+                low = rope.number("low_freq_factor", positive=True)
+                high = rope.number("high_freq_factor", positive=True)
+                if high <= low:
+                    raise rope.error("high_freq_factor", f"is {high}, expected > low_freq_factor ({low})")
+                scaling = RopeScaling(rope.number("factor", low=1.0), low, high, rope.integer(
+                    "original_max_position_embeddings", positions, low=1, high=hf.MAX_SIZE))
+        problem = rope_problem(head_dim, theta, scaling)
+        if problem:
+            where = rope if rope is not None and "rope_theta" in rope else f
+            raise where.error("rope_theta", f"is {theta}: it {problem}")
+        return f.build(cls, n_layer=f.integer("num_hidden_layers", low=1, high=hf.MAX_LAYERS), n_head=n_head,
+                       n_kv_head=n_kv_head, n_embd=n_embd,
+                       intermediate_size=f.integer("intermediate_size", low=1, high=hf.MAX_SIZE), vocab_size=vocab,
+                       max_position_embeddings=positions, head_dim=head_dim,
+                       rms_norm_eps=f.number("rms_norm_eps", 1e-6, positive=True), rope_theta=theta,
+                       rope_scaling=scaling, tie_word_embeddings=f.boolean("tie_word_embeddings", False),
+                       bos_token_id=f.integer("bos_token_id", None if "bos_token_id" in f else 1, low=0,
+                                              high=vocab - 1),
+                       eos_token_id=f.token_ids("eos_token_id", None if "eos_token_id" in f else 2, vocab=vocab))
 
     def to_hf_dict(self) -> dict:
         """A config.json that transformers' LlamaForCausalLM reads (the transformers 4 layout, as the hub has it)."""
@@ -152,9 +190,6 @@ class LlamaConfig:
                 "rope_theta": self.rope_theta, "rope_scaling": scaling, "hidden_act": "silu",
                 "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": self.tie_word_embeddings,
                 "bos_token_id": self.bos_token_id, "eos_token_id": eos}
-
-    def replace(self, **changes) -> "LlamaConfig":
-        return dataclasses.replace(self, **changes)
 
 
 _LLAMA3 = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,

@@ -3,23 +3,22 @@
 A block is RMSNorm -> one fused QKV projection -> RoPE on the query and key heads (in place) ->
 grouped-query attention -> output projection with the residual add in its epilogue -> RMSNorm ->
 the SwiGLU gate/up projection (one kernel) -> down projection with the residual add. Weights
-keep nn.Linear's [out, in] layout; q, k and v projections are concatenated once at load so a
-block reads its input once for all three. Names follow Hugging Face's LlamaForCausalLM.
+keep nn.Linear's [out, in] layout; the q, k and v projections are row views of one fused matrix
+per block (a checkpoint's tensors load straight into them), so a block reads its input once for
+all three. Names follow Hugging Face's LlamaForCausalLM.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from tilekit.autotune.arrays import MetaArray, numpy_dtype
+from tilekit.autotune.arrays import MetaArray
 from tilekit.kernels import apply_rope, embedding, linear, rms_norm, swiglu_linear
 from tilekit.kernels.apply_rope import rope_tables
 from tilekit.models.llama import weights
-from tilekit.models.llama.config import LlamaConfig
-from tilekit.models.llama.reference import rope_inv_freq
+from tilekit.models.llama.config import LlamaConfig, rope_inv_freq
 from tilekit.models.llama.weights import EMBEDDING
 from tilekit.models.runtime import Arrays, CausalLM
 
@@ -59,21 +58,24 @@ class Activations:
 class Llama(CausalLM):
     """A Llama-family model (Llama 2/3.x, TinyLlama) whose forward pass runs entirely on tilekit kernels."""
 
+    weights = weights
+    config_class = LlamaConfig
+
     def __init__(self, config: LlamaConfig, *, dtype: str = "bfloat16", seed: int = 0,
-                 state: dict[str, np.ndarray] | None = None, meta: bool = False):
-        """Weights from `state` (Hugging Face names, checked against the config), or random ones drawn on the
-        GPU from `seed` (as weights.random_state_dict scales them). meta=True: MetaArray weights
-        (no GPU, no memory), for tracing the kernels the model runs."""
+                 state: dict[str, np.ndarray] | None = None, empty: bool = False, meta: bool = False):
+        """Weights from `state` (Hugging Face names, any float dtype, checked against the config), or random ones
+        drawn on the GPU from `seed` (as weights.random_state_dict scales them), or uninitialised (empty=True:
+        from_pretrained streams them in). meta=True: MetaArray weights (no GPU, no memory), for tracing the
+        kernels the model runs."""
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         self.config, self.dtype, self.meta = config, dtype, meta
-        self.checkpoint_dir: Path | None = None
         self._init_runtime()
-        if state is not None:
-            weights.check_state_dict(config, state)
-        w = self._device_weights(state, seed)
+        qkv = self._allocate()
+        self._init_weights(state, seed, empty)
+        w = self.params
         self.embed = w[EMBEDDING]
         self.norm = w["model.norm.weight"]
         self.head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
@@ -81,10 +83,9 @@ class Llama(CausalLM):
         for i in range(config.n_layer):
             p = f"model.layers.{i}."
             self.blocks.append(Block(
-                w[p + "input_layernorm.weight"],
-                self._stacked([w.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                w[p + "self_attn.o_proj.weight"], w[p + "post_attention_layernorm.weight"],
-                w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"]))
+                w[p + "input_layernorm.weight"], qkv[i], w[p + "self_attn.o_proj.weight"],
+                w[p + "post_attention_layernorm.weight"], w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                w[p + "mlp.down_proj.weight"]))
         positions = min(config.block_size, ROPE_TABLE_LIMIT)
         if meta:
             self.cos = self.sin = MetaArray((positions, config.head_dim // 2), "float32")
@@ -93,26 +94,20 @@ class Llama(CausalLM):
             inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
             self.cos, self.sin = (cupy.asarray(t) for t in rope_tables(positions, inv_freq))
 
-    def _device_weights(self, state, seed: int) -> dict:
-        shapes = weights.state_dict_shapes(self.config)
-        if self.meta:
-            return {name: MetaArray(shape, self.dtype) for name, shape in shapes.items()}
-        import cupy
-        if state is not None:
-            return {name: cupy.asarray(np.ascontiguousarray(state[name], np.float32).astype(numpy_dtype(self.dtype)))
-                    for name in shapes}
-        rng, out = cupy.random.default_rng(seed), {}
-        for name, shape in shapes.items():
-            mean, std = weights.weight_stats(self.config, name)
-            out[name] = (rng.standard_normal(shape, dtype=cupy.float32) * std + mean).astype(numpy_dtype(self.dtype))
-        return out
-
-    def _stacked(self, parts: list):
-        """The rows of several weight matrices stacked into one new matrix."""
-        if self.meta:
-            return MetaArray((sum(p.shape[0] for p in parts), parts[0].shape[1]), self.dtype)
-        import cupy
-        return cupy.concatenate(parts, axis=0)
+    def _allocate(self) -> list:
+        """self.params: every weight, uninitialised, under its Hugging Face name, the q, k and v projections of a
+        layer as row views of one fused matrix; returns the fused matrices, layer by layer."""
+        shapes, new = weights.state_dict_shapes(self.config), Arrays(self.meta).empty
+        fused, views = [], {}
+        for i in range(self.config.n_layer):
+            names = [f"model.layers.{i}.self_attn.{n}_proj.weight" for n in "qkv"]
+            fused.append(new((sum(shapes[n][0] for n in names), self.config.n_embd), self.dtype))
+            start = 0
+            for n in names:
+                views[n], start = fused[-1][start:start + shapes[n][0]], start + shapes[n][0]
+        self.params = {name: views[name] if name in views else new(shape, self.dtype)
+                       for name, shape in shapes.items()}
+        return fused
 
     # -- the math ---------------------------------------------------------------------------------
     def meta_twin(self) -> "Llama":
@@ -154,55 +149,3 @@ class Llama(CausalLM):
     def lm_head(self, h, out=None):
         """Logits h @ W^T, W the LM head or, when tied, the token embedding."""
         return linear(h, self.head, weight_layout="out_in", out=out)
-
-    # -- checkpoints and tokenizer ----------------------------------------------------------------
-    @classmethod
-    def from_pretrained(cls, path_or_name: str | Path, *, dtype: str = "bfloat16") -> "Llama":
-        """Load a local Hugging Face Llama checkpoint directory (single-file or sharded safetensors) or a model in
-        the local HF cache."""
-        directory = weights.resolve(path_or_name)
-        config, state = weights.load_state_dict(directory)
-        model = cls(config, dtype=dtype, state=state)
-        model.checkpoint_dir = directory
-        return model
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """float32 host copies of every parameter, under the Hugging Face names."""
-        def host(a):
-            return a.get().astype(np.float32)
-        cfg = self.config
-        q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
-        state = {EMBEDDING: host(self.embed), "model.norm.weight": host(self.norm)}
-        for i, b in enumerate(self.blocks):
-            p = f"model.layers.{i}."
-            qkv = host(b.qkv)
-            state.update({p + "input_layernorm.weight": host(b.attn_norm),
-                          p + "self_attn.q_proj.weight": qkv[:q], p + "self_attn.k_proj.weight": qkv[q:q + kv],
-                          p + "self_attn.v_proj.weight": qkv[q + kv:], p + "self_attn.o_proj.weight": host(b.o_proj),
-                          p + "post_attention_layernorm.weight": host(b.mlp_norm),
-                          p + "mlp.gate_proj.weight": host(b.gate), p + "mlp.up_proj.weight": host(b.up),
-                          p + "mlp.down_proj.weight": host(b.down)})
-        if not cfg.tie_word_embeddings:
-            state["lm_head.weight"] = host(self.head)
-        return state
-
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write config.json and model.safetensors in the Hugging Face Llama format."""
-        weights.save_state_dict(directory, self.config, self.state_dict())
-
-    def tokenizer(self):
-        """The checkpoint's tokenizer.json via `tokenizers`."""
-        from tokenizers import Tokenizer
-        if self.checkpoint_dir is None:
-            raise ValueError("this model has no checkpoint directory to read a tokenizer from "
-                             "(use Llama.from_pretrained)")
-        path = self.checkpoint_dir / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {self.checkpoint_dir}")
-        return Tokenizer.from_file(str(path))
-
-    def eos_token_id(self, tokenizer) -> int | None:
-        """The config's end-of-sequence id (the first, when it names several)."""
-        eos = self.config.eos_token_id
-        return eos[0] if isinstance(eos, tuple) else eos
-

@@ -6,8 +6,6 @@ everything is float64 (each op's reference from its kernel module), the exact an
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from tilekit.kernels.attention import attention_reference
@@ -16,23 +14,9 @@ from tilekit.kernels.rms_norm import rms_norm_reference
 from tilekit.kernels.apply_rope import rope_reference
 from tilekit.kernels.swiglu_linear import swiglu_reference
 from tilekit.models.llama import weights as llama_weights
-from tilekit.models.llama.config import LlamaConfig, RopeScaling
+from tilekit.models.llama.config import LlamaConfig, rope_inv_freq
 from tilekit.models.llama.weights import EMBEDDING
 from tilekit.models.reference import ReferenceLM
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
-    """float64 (head_dim / 2,) rotary inverse frequencies theta^(-2i / head_dim), with Llama 3.1's adjustment."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is None:
-        return inv_freq
-    old_context = scaling.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated smoothly.
-    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    scaled = np.where(wavelen > old_context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
-    medium = (wavelen >= old_context / scaling.high_freq_factor) & (wavelen <= old_context / scaling.low_freq_factor)
-    return np.where(medium, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
 
 
 class ReferenceLlama(ReferenceLM):

@@ -1,0 +1,107 @@
+"""tilekit.env: every environment variable tilekit reads is checked, and a bad value is an error naming it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tilekit import env
+from tilekit.autotune import store
+
+VARIABLES = ("TILEKIT_AUTOTUNE", "TILEKIT_DEPENDENT_LAUNCH", "TILEKIT_CACHE_DIR", "TILEKIT_SHIPPED_DB",
+             "HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch, tmp_path):
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+
+def test_defaults():
+    assert (env.autotune_mode(), env.dependent_launch(), env.cache_dir(), env.shipped_dir()) == ("cached", True,
+                                                                                                None, None)
+    env.check()
+
+
+@pytest.mark.parametrize("name, value, parsed", [
+    ("TILEKIT_AUTOTUNE", " Auto ", "auto"), ("TILEKIT_AUTOTUNE", "", "cached"), ("TILEKIT_AUTOTUNE", "off", "off"),
+    ("TILEKIT_DEPENDENT_LAUNCH", "0", False), ("TILEKIT_DEPENDENT_LAUNCH", " 1 ", True),
+    ("TILEKIT_DEPENDENT_LAUNCH", "", True)])
+def test_good_values(monkeypatch, name, value, parsed):
+    monkeypatch.setenv(name, value)
+    assert (env.autotune_mode() if name == "TILEKIT_AUTOTUNE" else env.dependent_launch()) == parsed
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("TILEKIT_AUTOTUNE", "sometimes", "TILEKIT_AUTOTUNE='sometimes' is not one of off, cached, auto"),
+    ("TILEKIT_AUTOTUNE", "\x1b[2Jon", "TILEKIT_AUTOTUNE='\\x1b[2Jon' is not one of off, cached, auto"),
+    ("TILEKIT_DEPENDENT_LAUNCH", "false", "TILEKIT_DEPENDENT_LAUNCH='false' is not one of 0, 1"),
+    ("TILEKIT_DEPENDENT_LAUNCH", "2", "TILEKIT_DEPENDENT_LAUNCH='2' is not one of 0, 1"),
+])
+def test_bad_choices_name_the_variable(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as info:
+        env.check()
+    assert str(info.value) == message
+
+
+def test_a_shipped_database_that_is_not_there_is_an_error_not_an_empty_layer(monkeypatch, tmp_path):
+    """A typo must not silently leave every kernel on its untuned default."""
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "tunig_db"))
+    store.reset()
+    message = (f"TILEKIT_SHIPPED_DB='{tmp_path}/tunig_db': no such directory (unset it to use the tuning database "
+               "packaged with tilekit)")
+    for action in (env.check, store.layers, store.shipped_db):
+        with pytest.raises(ValueError) as info:
+            action()
+        assert str(info.value) == message
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="^TILEKIT_SHIPPED_DB='.*/file': not a directory "):
+        store.layers()
+    (tmp_path / "ship").mkdir()
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "ship"))
+    assert store.shipped_dir() == tmp_path / "ship"
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", "")
+    assert store.shipped_dir().name == "tuning_db"                  # empty: unset, the packaged database
+
+
+@pytest.mark.parametrize("name", ["TILEKIT_CACHE_DIR", "TILEKIT_SHIPPED_DB", "HF_HUB_CACHE", "HF_HOME",
+                                  "XDG_CACHE_HOME"])
+def test_an_unknown_user_is_an_error_naming_the_variable(monkeypatch, name):
+    monkeypatch.setenv(name, "~nosuchuser_tilekit/x")
+    with pytest.raises(FileNotFoundError) as info:
+        env.check()
+    assert str(info.value) == f"{name} '~nosuchuser_tilekit/x': no user 'nosuchuser_tilekit'"
+
+
+def test_paths_expand_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", "~/tk")
+    assert store.user_dir() == tmp_path / "home" / "tk"
+    monkeypatch.setenv("HF_HOME", "~/hf")
+    assert env.hub_cache_dir() == (tmp_path / "home" / "hf" / "hub", "HF_HOME")
+
+
+def test_a_bad_dependent_launch_value_stops_the_import_naming_the_variable():
+    environ = dict(os.environ, TILEKIT_DEPENDENT_LAUNCH="yes")
+    p = subprocess.run([sys.executable, "-c", "import tilekit.autotune.op"], env=environ, capture_output=True,
+                       text=True)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1] == (
+        "ValueError: TILEKIT_DEPENDENT_LAUNCH='yes' is not one of 0, 1")
+
+
+def test_the_hub_cache_is_found_as_huggingface_hub_finds_it(tmp_path, monkeypatch):
+    for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    default = "XDG_CACHE_HOME or ~/.cache"
+    assert env.hub_cache_dir() == (tmp_path / "home" / ".cache" / "huggingface" / "hub", default)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert env.hub_cache_dir() == (tmp_path / "xdg" / "huggingface" / "hub", default)
+    monkeypatch.setenv("HF_HOME", "~/hf")
+    assert env.hub_cache_dir() == (tmp_path / "home" / "hf" / "hub", "HF_HOME")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    assert env.hub_cache_dir() == (tmp_path / "cache", "HF_HUB_CACHE")

@@ -1,0 +1,83 @@
+"""The environment variables tilekit reads, each read here and checked: a bad value is an error naming the
+variable. TILEKIT_AUTOTUNE, TILEKIT_DEPENDENT_LAUNCH, TILEKIT_CACHE_DIR and TILEKIT_SHIPPED_DB for the kernels'
+tuning; HF_HUB_CACHE, HF_HOME and XDG_CACHE_HOME for the Hugging Face hub cache. check() reads them all, for a
+command line to refuse a bad environment before doing anything."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tilekit.untrusted import quoted
+
+AUTOTUNE_MODES = ("off", "cached", "auto")
+
+
+def expand_user(text: str, what: str) -> str:
+    """`text` with a leading ~ or ~user expanded; FileNotFoundError naming `what` if that user does not exist."""
+    expanded = os.path.expanduser(text)
+    if text.startswith("~") and expanded == text:
+        user = text[1:].partition("/")[0]
+        raise FileNotFoundError(f"{what} {quoted(text)}: " + (f"no user {quoted(user)}" if user else
+                                                               "no home directory"))
+    return expanded
+
+
+def choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Variable `name` (blanks stripped, lower case; unset or empty: `default`), which must be one of `choices`."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={quoted(raw)} is not one of {', '.join(choices)}")
+    return value
+
+
+def directory(name: str) -> Path | None:
+    """The path variable `name` names (~ expanded), or None when it is unset or empty."""
+    raw = os.environ.get(name, "")
+    return Path(expand_user(raw, name)) if raw.strip() else None
+
+
+def autotune_mode() -> str:
+    """TILEKIT_AUTOTUNE: cached (default: use the databases), off (heuristic defaults) or auto (tune on a miss)."""
+    return choice("TILEKIT_AUTOTUNE", AUTOTUNE_MODES, "cached")
+
+
+def dependent_launch() -> bool:
+    """TILEKIT_DEPENDENT_LAUNCH: 1 (default) launches kernels with programmatic dependent launch, 0 does not."""
+    return choice("TILEKIT_DEPENDENT_LAUNCH", ("0", "1"), "1") == "1"
+
+
+def cache_dir() -> Path | None:
+    """TILEKIT_CACHE_DIR: the user tuning database's directory, or None for the platform's default."""
+    return directory("TILEKIT_CACHE_DIR")
+
+
+def shipped_dir() -> Path | None:
+    """TILEKIT_SHIPPED_DB: a shipped tuning database to read instead of the packaged one (None: unset). It must
+    be an existing directory: a typo must not silently leave every kernel untuned."""
+    path = directory("TILEKIT_SHIPPED_DB")
+    if path is not None and not path.is_dir():
+        raise ValueError(f"TILEKIT_SHIPPED_DB={quoted(os.environ['TILEKIT_SHIPPED_DB'])}: "
+                         + ("not a directory" if path.exists() else "no such directory")
+                         + " (unset it to use the tuning database packaged with tilekit)")
+    return path
+
+
+def hub_cache_dir() -> tuple[Path, str]:
+    """The Hugging Face hub cache, located as huggingface_hub locates it, and the variable that placed it."""
+    for var, below in (("HF_HUB_CACHE", ()), ("HF_HOME", ("hub",))):
+        path = directory(var)
+        if path is not None:
+            return path.joinpath(*below), var
+    cache = directory("XDG_CACHE_HOME") or Path(expand_user("~/.cache", "XDG_CACHE_HOME or ~/.cache"))
+    return cache / "huggingface" / "hub", "XDG_CACHE_HOME or ~/.cache"
+
+
+def check() -> None:
+    """Read every variable above; the first bad one raises (ValueError or FileNotFoundError, naming it)."""
+    autotune_mode()
+    dependent_launch()
+    cache_dir()
+    shipped_dir()
+    hub_cache_dir()

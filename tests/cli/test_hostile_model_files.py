@@ -83,6 +83,9 @@ def test_names_users_and_the_hub_cache(tmp_path, capsys, monkeypatch):
     assert explain(name, capsys) == f"checkpoint path {name[:200]!r}... (5000 characters) is too long"
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", "~nosuchuser_tilekit")
-    assert explain("org/m", capsys) == "HF_HOME '~nosuchuser_tilekit': no user 'nosuchuser_tilekit'"
+    rc = cli.main(["db", "explain", "--model", "org/m", "--gpu", "NVIDIA H100 80GB HBM3"])   # refused up front
+    assert (rc, capsys.readouterr()) == (2, ("", "tilekit: HF_HOME '~nosuchuser_tilekit': no user 'nosuchuser_tilekit'\n"))
+    monkeypatch.delenv("HF_HOME")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hub"))
     monkeypatch.chdir(tmp_path)
     assert explain("gpt2\x1b[2J", capsys) == f"no checkpoint 'gpt2\\x1b[2J'; searched: {tmp_path}/gpt2\\x1b[2J"

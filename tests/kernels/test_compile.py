@@ -6,7 +6,7 @@ import random
 import pytest
 
 import tilekit.kernels  # noqa: F401  (declares the ops)
-from tilekit.autotune.compile import precompile
+from tilekit.autotune.compile import describe_error, precompile
 from tilekit.autotune.registry import registered_ops
 
 PROBLEMS = {
@@ -41,6 +41,19 @@ PROBLEMS = {
                  dict(dtype="float32", B=1, H=2, T=1, capacity=100, D=80)],
     "next_token": [dict(dtype="bfloat16", B=8, V=128256, pen=1, KS=128, check=1, E=2),
                    dict(dtype="float32", B=1, V=1031, pen=0, KS=0, check=0)],
+    "moe_router": [dict(dtype="bfloat16", M=1, E=64, C=2048, K=6, shared=2, renorm=0),
+                   dict(dtype="bfloat16", M=8192, E=160, C=5120, K=6, shared=2, renorm=1),
+                   dict(dtype="float32", M=3, E=8, C=72, K=3, shared=0, renorm=0)],
+    "moe_permute": [dict(P=8, E=66), dict(P=65536, E=66), dict(P=30, E=8)],
+    "moe_gate_up": [dict(dtype="bfloat16", M=1, slots=8, E=66, I=1408, C=2048),
+                    dict(dtype="bfloat16", M=8192, slots=8, E=66, I=1408, C=2048),
+                    dict(dtype="float32", M=5, slots=3, E=8, I=40, C=72)],
+    "moe_down_combine": [dict(dtype="bfloat16", M=1, slots=8, E=66, I=1408, C=2048),
+                         dict(dtype="bfloat16", M=8192, slots=8, E=66, I=1408, C=2048),
+                         dict(dtype="float32", M=5, slots=3, E=8, I=40, C=72)],
+    "mla_decode_attention": [dict(dtype="bfloat16", B=1, H=16, nq=1, capacity=4096, R=512, P=64, new_kv=1),
+                             dict(dtype="bfloat16", B=8, H=16, nq=1, capacity=256, R=512, P=64, new_kv=1),
+                             dict(dtype="float32", B=2, H=4, nq=3, capacity=100, R=32, P=16, new_kv=0)],
 }
 
 
@@ -94,3 +107,16 @@ def test_workers_do_not_rerun_an_unguarded_script(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("top level ran") == 1, done.stdout
     assert "compiled 2 {}" in done.stdout, done.stdout
+
+
+def test_a_compile_error_that_cannot_format_itself_is_still_reported():
+    """tileiras failures on sm_100 raised cuTile errors whose str() fails (no source location): precompile must
+    report them as rejected configs, not crash."""
+    class Unprintable(Exception):
+        message = "failed to compile Tile IR program"
+
+        def __str__(self):
+            raise AttributeError("'NoneType' object has no attribute 'name'")
+
+    assert describe_error(Unprintable()) == "Unprintable: failed to compile Tile IR program"
+    assert describe_error(ValueError("bad tile")) == "ValueError: bad tile"

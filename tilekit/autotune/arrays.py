@@ -44,6 +44,7 @@ class ArraySpec:
     role: str = "in"                         # in | out | absent (placeholder) | scratch | zeros (scratch)
     high: int | None = None                  # integer inputs: benchmark values in [0, high)
     fill: int | None = None                  # integer inputs: benchmark value everywhere
+    values: tuple[int, ...] | None = None    # integer inputs: the benchmark's exact contents (e.g. offsets)
     aligned16: bool = True                   # allocations are 256-byte aligned
 
     def element_strides(self) -> tuple[int, ...]:
@@ -316,6 +317,13 @@ def allocator(kind: str, device: int, shape: tuple[int, ...], dtype: str,
     return lambda: make().transpose(*axes)
 
 
+def new_like(x, name: str, shape: tuple[int, ...], dtype: str):
+    """A new uninitialised array of the kind (CuPy, torch) and device of the device array `x`, for the outputs an
+    op with several of them allocates when the caller passes none."""
+    a = info(as_device_array(x, name), name)
+    return allocator(a.kind, a.device, shape, dtype)()
+
+
 def stream_getter(kind: str, device: int) -> Callable[[], int]:
     """A function returning the raw handle of the caller's current stream on `device`: torch's for
     torch tensors, CuPy's otherwise."""
@@ -409,6 +417,8 @@ def bench_array(spec: ArraySpec, device: int, rng):
             flat = (cupy.zeros if spec.role == "zeros" else cupy.empty)((extent,), numpy_dtype(spec.dtype))
         elif spec.fill is not None:
             flat = cupy.full((extent,), spec.fill, numpy_dtype(spec.dtype))
+        elif spec.values is not None:
+            flat = cupy.asarray(spec.values, numpy_dtype(spec.dtype))
         elif spec.dtype in INT_DTYPES:
             flat = rng.integers(0, spec.high or 1, extent).astype(numpy_dtype(spec.dtype))
         else:

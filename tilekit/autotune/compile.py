@@ -94,6 +94,15 @@ def compile_config(module: str, op_name: str, problem: dict, config: dict, arch:
     return time.perf_counter() - start
 
 
+def describe_error(e: Exception) -> str:
+    """One line for a failed compile. cuTile's compiler errors without a source location cannot format
+    themselves (their str() raises): their message stands alone then."""
+    try:
+        return f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001
+        return f"{type(e).__name__}: {getattr(e, 'message', '')}"
+
+
 _main_lock = threading.Lock()
 
 
@@ -127,7 +136,7 @@ def precompile(tasks: Sequence[tuple], arch: str, *, workers: int | None = None,
             run()
             ok.add(i)
         except Exception as e:  # a config the compiler rejects is simply not a candidate
-            errors[i] = f"{type(e).__name__}: {e}"
+            errors[i] = describe_error(e)
         if progress:
             progress(i)
 

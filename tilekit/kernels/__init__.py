@@ -7,6 +7,11 @@ from tilekit.kernels.embedding import embedding
 from tilekit.kernels.gelu import gelu
 from tilekit.kernels.layer_norm import layer_norm
 from tilekit.kernels.linear import linear
+from tilekit.kernels.mla_decode_attention import mla_decode_attention
+from tilekit.kernels.moe_down_combine import moe_down_combine
+from tilekit.kernels.moe_gate_up import moe_gate_up
+from tilekit.kernels.moe_permute import moe_permute
+from tilekit.kernels.moe_router import moe_router
 from tilekit.kernels.next_token import next_token
 from tilekit.kernels.residual_linear import residual_linear
 from tilekit.kernels.rms_norm import rms_norm
@@ -14,4 +19,4 @@ from tilekit.kernels.swiglu_linear import swiglu_linear
 from tilekit.kernels.write_kv import write_kv
 
 __all__ = ["apply_rope", "attention", "decode_attention", "embedding", "gelu", "layer_norm", "linear",
-           "next_token", "residual_linear", "rms_norm", "swiglu_linear", "write_kv"]
+           "mla_decode_attention", "moe_down_combine", "moe_gate_up", "moe_permute", "moe_router", "next_token", "residual_linear", "rms_norm", "swiglu_linear", "write_kv"]

@@ -1,0 +1,304 @@
+"""Multi-head latent attention for decoding, in the absorbed form, over a latent KV cache.
+
+DeepSeek-V2 caches per token one latent c (kv_lora_rank R wide, after its RMSNorm) and one shared rotary key
+k_pe (qk_rope_head_dim P wide): 576 values for V2-Lite, not 2 x 16 heads x 128-192. With the key up-projection
+absorbed into the query (q_c = q_nope @ W_UK per head, R wide, done by the model), head h's score for position
+j is q_c[h] . c[j] + q_pe[h] . k_pe[j], and its output in latent space is sum_j p[h, j] c[j] (the model applies
+W_UV and o_proj after). So one program serves a group of heads, stacked as rows of one query tile, and each
+latent tile it loads is both the keys and the values of all of them: a step reads the latent cache once.
+
+The rest is decode_attention's flash-decoding: the context is cut into CHUNK-long splits, each keeping a
+partial softmax state that decode_attention's merge kernel combines (no merge with one split); lengths live on
+the device, the grid depends only on the capacity, and given the new tokens' latents the split holding the last
+position writes them into the cache and attends to them from registers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.tile as ct
+import numpy as np
+
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec, absent
+from tilekit.autotune.keys import pow2_bucket
+from tilekit.autotune.op import Binding, Launch, Op
+from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels.attention import LOG2E, batch_head, check_heads_out, heads_out, online_softmax_step
+from tilekit.kernels.decode_attention import MAX_QUERIES, decode_merge_kernel, query_rows
+from tilekit.kernels.tiles import sync_with_previous_kernel
+
+ZERO = ct.PaddingMode.ZERO
+MAX_LATENT = 1024
+MAX_ROPE = 256
+
+
+@ct.kernel
+def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpart, qk_scale: float,
+                      length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int], BN: ct.Constant[int],
+                      R: ct.Constant[int], P: ct.Constant[int], GROUPS: ct.Constant[int], CHUNK: ct.Constant[int],
+                      SPLITS: ct.Constant[int], NEW_KV: ct.Constant[bool]):
+    """Attention of split bid(1) of (batch, head group) bid(0).
+
+    Q: (B, H, nq, R) absorbed queries, Qpe: (B, H, nq, P) rotary queries; C: (B, capacity, R) latents, Kpe:
+    (B, capacity, P) rotary keys; Lengths[b] + length_offset = valid positions, the last nq of which are the
+    queries' own (causal among them). With NEW_KV those nq entries come from Cnew (B, nq, R), Pnew (B, nq, P)
+    and the split holding the last position writes them into C, Kpe. Row r of the query tile is head
+    g * H / GROUPS + r // nq, token r % nq. With SPLITS == 1 the program writes O (B, H, nq, R); otherwise its
+    partial state goes to Opart (B, GROUPS, S, QP, R), Mpart, Lpart (B, GROUPS, S, QP) for the merge.
+    """
+    sync_with_previous_kernel()
+    b, g = batch_head(ct.bid(0), GROUPS)
+    split = ct.bid(1)
+    H = Q.shape[1]
+    nq = Q.shape[2]
+    length = ct.load(Lengths, (b,), shape=()) + length_offset
+    first_new = length - nq
+    start = split * CHUNK
+    cached = length
+    if NEW_KV:
+        cached = first_new
+    end = ct.minimum(cached, start + CHUNK)
+    head, token = query_rows(QP, nq, g, H // GROUPS, H)
+    latent = ct.arange(R, dtype=ct.int32).reshape((1, R))
+    rope = ct.arange(P, dtype=ct.int32).reshape((1, P))
+    q = ct.gather(Q, (b, head, token, latent))
+    q_pe = ct.gather(Qpe, (b, head, token, rope))
+    q_pos = token + first_new
+    m_i = ct.full((QP, 1), -math.inf, dtype=ct.float32)
+    l_i = ct.zeros((QP, 1), dtype=ct.float32)
+    acc = ct.zeros((QP, R), dtype=ct.float32)
+    for j in range(start // BN, ct.cdiv(end, BN)):
+        c = ct.load(C, (b, j, 0), (1, BN, R), padding_mode=ZERO).reshape((BN, R))
+        k_pe = ct.load(Kpe, (b, j, 0), (1, BN, P), padding_mode=ZERO).reshape((BN, P))
+        s = ct.mma(q, ct.transpose(c), ct.zeros((QP, BN), dtype=ct.float32))
+        s = ct.mma(q_pe, ct.transpose(k_pe), s) * qk_scale
+        k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
+        s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, c)
+    if NEW_KV:
+        if split == (length - 1) // CHUNK:
+            t = ct.arange(NP, dtype=ct.int32).reshape((NP, 1))
+            c_new = ct.gather(Cnew, (b, t, latent))                            # (NP, R); rows past nq read zeros
+            pe_new = ct.gather(Pnew, (b, t, rope))
+            s = ct.mma(q, ct.transpose(c_new), ct.zeros((QP, NP), dtype=ct.float32))
+            s = ct.mma(q_pe, ct.transpose(pe_new), s) * qk_scale
+            s = ct.where(t.reshape((1, NP)) <= token, s, -math.inf)            # causal among the new tokens
+            m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, c_new)
+            ct.scatter(C, (b, t + first_new, latent), c_new, mask=t < nq)
+            ct.scatter(Kpe, (b, t + first_new, rope), pe_new, mask=t < nq)
+    if SPLITS == 1:
+        ct.scatter(O, (b, head, token, latent), (acc / l_i).astype(O.dtype))
+    else:
+        ct.store(Opart, (b, g, split, 0, 0), acc.reshape((1, 1, 1, QP, R)))
+        ct.store(Mpart, (b, g, split, 0), m_i.reshape((1, 1, 1, QP)))
+        ct.store(Lpart, (b, g, split, 0), l_i.reshape((1, 1, 1, QP)))
+
+
+def _groups(p: dict, c: dict) -> int:
+    """Head groups: one program (per split) serves H / groups heads."""
+    return ct.cdiv(p["H"], c["HP"])
+
+
+def _qp(p: dict, c: dict) -> int:
+    """Rows of the query tile: a group's heads x the new tokens."""
+    return max(16, pow2_ceil(p["H"] // _groups(p, c) * p["nq"]))
+
+
+def _heads_fit(p: dict, hp: int) -> bool:
+    """Whole groups of at most hp heads, the fp32 output tile within 64 KB of registers."""
+    c = dict(HP=hp)
+    return hp <= pow2_ceil(p["H"]) and p["H"] % _groups(p, c) == 0 and _qp(p, c) <= 64 \
+        and _qp(p, c) * pow2_ceil(p["R"]) <= 16 * 1024
+
+
+def _latent_tile_fits(p: dict, bn: int) -> bool:
+    """A tile of bn latents and rotary keys within 80 KB."""
+    item = 4 if p["dtype"] == "float32" else 2
+    return bn * (pow2_ceil(p["R"]) + pow2_ceil(p["P"])) * item <= 80 * 1024
+
+
+def _fits(c: dict, p: dict) -> bool:
+    return (_heads_fit(p, c["HP"]) and _latent_tile_fits(p, c["BN"])
+            and c["BN"] <= c["CHUNK"] <= max(64, pow2_ceil(p["capacity"]))
+            and (c["occupancy"] == 1 or _qp(p, c) * pow2_ceil(p["R"]) <= 8 * 1024))
+
+
+SPACE = SearchSpace(_fits, HP=(1, 2, 4, 8, 16, 32, 64), BN=(16, 32, 64, 128), CHUNK=(64, 128, 256, 512, 1024, 2048),
+                    occupancy=(1, 2))
+
+
+def default_config(p: dict) -> dict:
+    """Every head in one group where the tile allows (the cache read once), the widest latent tile up to 64
+    that fits, and splits for about two programs per SM of a 132-SM GPU, but at most 32 per (batch, group):
+    one program merges a group's splits, reading R fp32 values per head and split."""
+    hp = max(h for h in SPACE.params["HP"] if h == 1 or _heads_fit(p, h))
+    bn = max(b for b in (16, 32, 64) if b == 16 or _latent_tile_fits(p, b))
+    per_seq = min(32, max(1, 264 // max(1, p["B"] * ct.cdiv(p["H"], hp))))
+    chunk = max(64, bn, pow2_ceil(math.ceil(p["capacity"] / per_seq)))
+    return dict(HP=hp, BN=bn, CHUNK=min(2048, chunk), occupancy=1)
+
+
+def _splits(p: dict, c: dict) -> int:
+    return ct.cdiv(p["capacity"], c["CHUNK"])
+
+
+def _arrays(p: dict) -> dict:
+    B, H, nq, cap, R, P, dt = p["B"], p["H"], p["nq"], p["capacity"], p["R"], p["P"], p["dtype"]
+    row = R + P            # queries: views of one (B, nq, H, R + P) buffer; latents: of one (B, capacity, R + P)
+    queries = (nq * H * row, row, H * row, 1)
+    cache = (cap * row, row, 1)
+    new = {"c_new": ArraySpec(dt, (B, nq, R), (nq * row, row, 1)), "pe_new": ArraySpec(dt, (B, nq, P), (nq * row, row, 1))} \
+        if p["new_kv"] else {"c_new": absent(dt, 3), "pe_new": absent(dt, 3)}
+    return {"q": ArraySpec(dt, (B, H, nq, R), queries), "q_pe": ArraySpec(dt, (B, H, nq, P), queries), **new,
+            "c": ArraySpec(dt, (B, cap, R), cache), "k_pe": ArraySpec(dt, (B, cap, P), cache),
+            "lengths": ArraySpec("int32", (B,), fill=cap), "o": heads_out(dt, B, H, nq, R)}
+
+
+def _scratch(p: dict, c: dict) -> dict:
+    """Partial softmax states of the splits (none with one split)."""
+    B, G, S, QP = p["B"], _groups(p, c), _splits(p, c), _qp(p, c)
+    if S == 1:
+        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4)}
+    return {"opart": ArraySpec("float32", (B, G, S, QP, pow2_ceil(p["R"])), role="scratch"),
+            "mpart": ArraySpec("float32", (B, G, S, QP), role="scratch"),
+            "lpart": ArraySpec("float32", (B, G, S, QP), role="scratch")}
+
+
+def _grid(p: dict, c: dict) -> tuple:
+    return (p["B"] * _groups(p, c), _splits(p, c), 1)
+
+
+def _merge_grid(p: dict, c: dict) -> tuple:
+    """No merge launch with one split."""
+    return (p["B"] * _groups(p, c) if _splits(p, c) > 1 else 0, 1, 1)
+
+
+def _constants(p: dict, c: dict) -> tuple:
+    return (_qp(p, c), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["R"]), pow2_ceil(p["P"]), _groups(p, c),
+            c["CHUNK"], _splits(p, c), bool(p["new_kv"]))
+
+
+def _merge_constants(p: dict, c: dict) -> tuple:
+    return (_qp(p, c), pow2_ceil(p["R"]))
+
+
+def _check_4d(a, name: str, like, shape: tuple) -> None:
+    arrays.check_same("q", like, name, a)
+    if a.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
+    arrays.check_last_contiguous(a, name)
+
+
+def _bind(a: list, flags: tuple) -> Binding:
+    q, q_pe, c_cache, pe_cache, lengths, c_new, pe_new, out = a
+    arrays.check_dtype(q, "q", arrays.FLOAT_DTYPES)
+    if len(q.shape) != 4 or len(q_pe.shape) != 4:
+        raise ValueError(f"q and q_pe must be 4-D (batch, heads, tokens, dim), got shapes {q.shape}, {q_pe.shape}")
+    B, H, nq, R = q.shape
+    P = q_pe.shape[3]
+    if not (1 <= R <= MAX_LATENT and 1 <= P <= MAX_ROPE):
+        raise ValueError(f"latent width {R} and rotary width {P} must lie in 1..{MAX_LATENT} and 1..{MAX_ROPE}")
+    if not 1 <= nq <= MAX_QUERIES:
+        raise ValueError(f"q holds {nq} query tokens per sequence; mla_decode_attention takes 1..{MAX_QUERIES}")
+    arrays.check_last_contiguous(q, "q")
+    _check_4d(q_pe, "q_pe", q, (B, H, nq, P))
+    if len(c_cache.shape) != 3 or c_cache.shape[0] != B or c_cache.shape[2] != R or c_cache.shape[1] < 1:
+        raise ValueError(f"c_cache must be ({B}, capacity, {R}), got shape {c_cache.shape}")
+    cap = c_cache.shape[1]
+    _check_4d(c_cache, "c_cache", q, (B, cap, R))
+    _check_4d(pe_cache, "pe_cache", q, (B, cap, P))
+    arrays.check_dtype(lengths, "lengths", ("int32",))
+    if lengths.shape != (B,) or lengths.device != q.device:
+        raise ValueError(f"lengths must be an int32 array of shape ({B},) on GPU {q.device}, "
+                         f"got shape {lengths.shape} on GPU {lengths.device}")
+    views = {"q": (0, None), "q_pe": (1, None), "c": (2, None), "k_pe": (3, None), "lengths": (4, None),
+             "o": (7, None)}
+    if (c_new is None) != (pe_new is None):
+        raise ValueError("pass both new_c and new_pe, or neither")
+    if c_new is not None:
+        _check_4d(c_new, "new_c", q, (B, nq, R))
+        _check_4d(pe_new, "new_pe", q, (B, nq, P))
+        views.update(c_new=(5, None), pe_new=(6, None))
+    if out is not None:
+        check_heads_out(out, q)
+    return Binding(problem=dict(dtype=q.dtype, B=B, H=H, nq=nq, capacity=cap, R=R, P=P,
+                                new_kv=int(c_new is not None)),
+                   arrays=views, output=(7, arrays.allocator(q.kind, q.device, (B, nq, H, R), q.dtype, (0, 2, 1, 3))),
+                   returns=7, scalars={"qk_scale": (0, None), "length_offset": (1, 0)})
+
+
+MLA_DECODE_ATTENTION = Op(
+    "mla_decode_attention", args=("q", "q_pe", "c_cache", "pe_cache", "lengths", "new_c", "new_pe", "out"),
+    optional=("new_c", "new_pe", "out"),
+    key=dict(dtype=None, B=pow2_bucket, H=None, nq=None, capacity=pow2_bucket, R=None, P=None, new_kv=None),
+    space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
+    scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(192), "length_offset": 0},
+    launches=(Launch(mla_decode_kernel, _grid,
+                     ("q", "q_pe", "c_new", "pe_new", "c", "k_pe", "lengths", "o", "opart", "mpart", "lpart",
+                      "qk_scale", "length_offset"), _constants,
+                     dependent=False),       # one ordinary launch per layer, as decode_attention (see there)
+              Launch(decode_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
+                     hinted=False)),
+    bind=_bind, cli_defaults=dict(nq=1, new_kv=1))
+
+
+def mla_decode_attention(q, q_pe, c_cache, pe_cache, lengths, *, scale: float, new_c=None, new_pe=None,
+                         length_offset: int = 0, out=None):
+    """Absorbed multi-head latent attention of nq new queries per sequence against a latent KV cache.
+
+    q: (B, H, nq, R) queries absorbed into the latent space (q_nope @ W_UK per head); q_pe: (B, H, nq, P)
+    rotary queries; c_cache: (B, capacity, R) latents and pe_cache: (B, capacity, P) rotary keys (typically
+    views of one (B, capacity, R + P) cache); lengths: int32 (B,) on the device. Sequence b attends to its first
+    n = lengths[b] + length_offset positions, the last nq of which are the queries' own (causal among them);
+    n must lie in nq .. capacity. scores = (q . c + q_pe . k_pe) * scale. new_c (B, nq, R), new_pe (B, nq, P),
+    when given, are those nq positions' entries: written into the caches at n - nq .. n - 1 in the same launch.
+    Returns the latent outputs sum_j p_j c_j, (B, H, nq, R) of q's kind (a view of a (B, nq, H, R) buffer).
+    """
+    if not isinstance(length_offset, (int, np.integer)) or isinstance(length_offset, bool):
+        raise TypeError(f"length_offset must be an int, got {type(length_offset).__name__}")
+    return MLA_DECODE_ATTENTION((q, q_pe, c_cache, pe_cache, lengths, new_c, new_pe, out), (),
+                                (arrays.checked_positive(scale, "scale") * LOG2E, int(length_offset)))
+
+
+def mla_decode_attention_reference(q, q_pe, c_cache, pe_cache, lengths, *, scale: float, new_c=None, new_pe=None,
+                                   length_offset: int = 0) -> np.ndarray:
+    """float64 absorbed MLA decode: per sequence, softmax((q c^T + q_pe k_pe^T) * scale) c over its first
+    lengths[b] + offset positions (causal among the last nq), the last nq replaced by new_c, new_pe when given."""
+    q, q_pe = np.asarray(q, np.float64), np.asarray(q_pe, np.float64)
+    c_cache, pe_cache = np.array(c_cache, np.float64), np.array(pe_cache, np.float64)
+    nq = q.shape[2]
+    out = np.empty(q.shape)
+    for b, n in enumerate(np.asarray(lengths) + length_offset):
+        if new_c is not None:
+            c_cache[b, n - nq:n] = np.asarray(new_c, np.float64)[b]
+            pe_cache[b, n - nq:n] = np.asarray(new_pe, np.float64)[b]
+        c, pe = c_cache[b, :n], pe_cache[b, :n]
+        s = (q[b] @ c.T + q_pe[b] @ pe.T) * scale                           # (H, nq, n)
+        s = np.where(np.arange(n)[None, :] <= np.arange(nq)[:, None] + n - nq, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[b] = (p / p.sum(-1, keepdims=True)) @ c
+    return out
+
+
+if __name__ == "__main__":
+    from tilekit.kernels.mla_decode_attention import mla_decode_attention, mla_decode_attention_reference  # the op
+    import cupy
+
+    from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
+    for B, H, nq, cap, R, P, dtype, new in [(1, 16, 1, 4096, 512, 64, "bfloat16", True),
+                                            (3, 16, 2, 700, 512, 64, "bfloat16", False),
+                                            (2, 4, 3, 100, 32, 16, "float32", True)]:
+        qq, cache = rand((B, nq, H, R + P), dtype), rand((B, cap, R + P), dtype)
+        q, q_pe = qq[..., :R].transpose(0, 2, 1, 3), qq[..., R:].transpose(0, 2, 1, 3)
+        kv_new = rand((B, nq, R + P), dtype) if new else None
+        kw = dict(new_c=kv_new[..., :R], new_pe=kv_new[..., R:]) if new else {}
+        lengths = np.random.default_rng(0).integers(nq, cap + 1, B).astype(np.int32)
+        ref = mla_decode_attention_reference(host(q), host(q_pe), host(cache[..., :R]), host(cache[..., R:]), lengths,
+                                             scale=0.1, **{k: host(v) for k, v in kw.items()})
+        out = mla_decode_attention(q, q_pe, cache[..., :R], cache[..., R:], cupy.asarray(lengths), scale=0.1, **kw,
+                                   out=poisoned((B, nq, H, R), dtype).transpose(0, 2, 1, 3))
+        err = assert_close(host(out), ref, TOL[dtype], f"mla_decode_attention B{B} cap{cap} {dtype}")
+        print(f"mla_decode_attention B{B} H{H} nq{nq} capacity {cap} R{R} P{P} {dtype} new={new}: ok, "
+              f"relative error {err:.2e}")

@@ -2,14 +2,13 @@
 # On a GPU host (the device tool's machine): every test marked `gpu` (the kernels against their references,
 # every op's self-check, the models, tuning, patched HF models, the benchmark smoke tests), in parallel
 # processes (kernel compiles dominate; a fresh H100 runs them in about 5 minutes with 12). Logs go to $OUT.
-#   source .gpu/setup.sh && scripts/gpu-tests.sh [pytest args...]      (WORKERS=N: processes, default 12)
+#   source .gpu/setup.sh && scripts/gpu-tests.sh [test paths and pytest args; default: tests]   (WORKERS=N, default 12)
 set -uo pipefail
 out="${OUT:-/tmp/tilekit-gpu}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 # -v logs each test's outcome as it finishes, so a run cut short by a time limit still names its failures.
-python3 -m pytest -v -n "${WORKERS:-12}" -m gpu -p no:cacheprovider tests \
-    "$@" > "$out/gpu-tests.log" 2>&1
+python3 -m pytest -v -n "${WORKERS:-12}" -m gpu -p no:cacheprovider "${@:-tests}" > "$out/gpu-tests.log" 2>&1
 status=$?
 grep -E "^(FAILED|ERROR)|\] (FAILED|ERROR) " "$out/gpu-tests.log" | sort -u | head -40
 tail -1 "$out/gpu-tests.log"

@@ -6,8 +6,8 @@ of the same model and batch as their anchor (ratio = sampled / greedy: 1.05 mean
     python -m benchmarks.studies.sampling --model gpt2 --model llama-3.2-1b --batch 1 --batch 8 [--out DIR]
 
 The default options are the issue's: temperature 0.8, top_k 50, top_p 0.95 (Hugging Face's default sampling
-has top_k 50); the first two models also run top-p alone (no top-k: the check pass, and rejections) and
-top-k + top-p with repetition and presence penalties. Random weights from seed 0, no eos (every row runs all
+has top_k 50); the first model also runs top-p alone (no top-k: the check pass, and rejections) and top-k +
+top-p with repetition and presence penalties. Random weights from seed 0, no eos (every row runs all
 128 steps).
 """
 
@@ -71,12 +71,10 @@ def run(preset: str, batch: int, variants: list[str], rounds: int = 5, reps: int
 
 def main(argv: list[str] | None = None) -> int:
     ap = model_batch_parser("studies.sampling", __doc__)
-    ap.add_argument("--variants", type=int, default=1, help="options per model: 1 (default options) for every "
-                    "model; the first two models run all of them")
     args = ap.parse_args(argv)
     rows = []
     for i, preset in enumerate(args.model or ["gpt2", "gpt2-xl", "llama-3.2-1b", "llama-3.1-8b"]):
-        variants = list(OPTIONS) if i < 2 else list(OPTIONS)[:args.variants]
+        variants = list(OPTIONS) if i == 0 else list(OPTIONS)[:1]
         for batch in args.batch or [1, 8]:
             rows += run(preset, batch, variants)
     print(f"{'case':<52}{'tk ms/tok':>10}{'greedy':>9}{'ratio':>7}{'step':>8}{'greedy':>8}{'ratio':>7}")

@@ -43,7 +43,7 @@ def test_conversions_match_numpy(tmp_path, source):
     with np.errstate(over="ignore"):
         values = np.concatenate([SPECIAL, np.random.default_rng(0).standard_normal(4099, np.float32)])
         hf.write_checkpoint(tmp_path, {}, {"x": values.reshape(-1, 1)}, dtype=source)
-        for dtype in hf.TARGET_DTYPES:
+        for dtype in hf.CupyDevice.dtypes:
             expected = load(tmp_path, {"x": Target((len(values), 1), dtype)}, HostDevice())["x"]
             got = load(tmp_path, {"x": Target((len(values), 1), dtype)}, CupyDevice(), buffer_bytes=1000, buffers=2)
             assert isinstance(got["x"], cupy.ndarray) and same(got["x"], expected), (source, dtype)

@@ -132,6 +132,16 @@ def replay_ms(gen, reps: int = 20) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / reps
 
 
+def interleaved_replays(gens: dict, rounds: int, reps: int) -> dict[str, list[float]]:
+    """Name -> replay_ms of each generation's decode graph in each of `rounds` rounds, the generations taking
+    turns within a round, so that drifts of clock or temperature hit every one of them."""
+    times = {name: [] for name in gens}
+    for _ in range(rounds):
+        for name, gen in gens.items():
+            times[name].append(replay_ms(gen, reps))
+    return times
+
+
 def profile_step(gen, bandwidth_gbs: float, reps: int = 5, step_reps: int = 200) -> dict:
     """Profile `reps` replays of gen's decode graph; return rows of the median replay, and the step time as the
     mean of `step_reps` more (on the H100, 5 replays read 1.5-3.4% above 200 replays

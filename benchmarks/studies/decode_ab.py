@@ -16,7 +16,8 @@ import copy
 import json
 import sys
 
-from benchmarks.studies.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_parser, replay_ms
+from benchmarks.studies.breakdown import (NEW_TOKENS, PROMPT, _decode_generation, decode_model, interleaved_replays,
+                                          model_batch_parser)
 
 
 VARIANTS = {"model-dtype": dict(fixed_point_rows=0), "fixed": {}}    # name -> the GPT attributes it sets
@@ -36,10 +37,7 @@ def run(preset: str, weights, batch: int, copy_gbs: float, rounds: int = 5, reps
             setattr(model, attr, value)
         gens[name] = _decode_generation(model, batch)
         tokens[name] = np.asarray(gens[name].state.history.get())
-    times = {name: [] for name in gens}
-    for _ in range(rounds):                 # interleaved, so drifts of clock or temperature hit every variant
-        for name, gen in gens.items():
-            times[name].append(replay_ms(gen, reps))
+    times = interleaved_replays(gens, rounds, reps)
     floor = decode_floor_ms(model_config(preset), batch, PROMPT, NEW_TOKENS, copy_gbs)
     base = float(np.median(times["model-dtype"]))
     rows = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from benchmarks.studies.breakdown import NEW_TOKENS, PROMPT, decode_model, model_batch_parser, replay_ms
+from benchmarks.studies.breakdown import NEW_TOKENS, PROMPT, decode_model, interleaved_replays, model_batch_parser
 
 OPTIONS = {"T0.8 k50 p0.95": dict(temperature=0.8, top_k=50, top_p=0.95),
            "T1 p0.9 (no top-k)": dict(temperature=1.0, top_k=0, top_p=0.9),
@@ -48,11 +48,7 @@ def run(preset: str, batch: int, variants: list[str], rounds: int = 5, reps: int
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, PROMPT))
     greedy_ms, greedy_gen, _ = _timed_generation(model, prompt, dict(temperature=0))
     runs = {name: _timed_generation(model, prompt, OPTIONS[name]) for name in variants}
-    steps = {name: [] for name in ["greedy", *variants]}
-    for _ in range(rounds):                  # interleaved: clock or temperature drifts hit every variant
-        steps["greedy"].append(replay_ms(greedy_gen, reps))
-        for name in variants:
-            steps[name].append(replay_ms(runs[name][1], reps))
+    steps = interleaved_replays({"greedy": greedy_gen, **{name: runs[name][1] for name in variants}}, rounds, reps)
     greedy_step = float(np.median(steps["greedy"]))
     rows = []
     for name in variants:

@@ -7,11 +7,11 @@ time) on fresh random, tie-free logits; ties are tested on their own.
 import json
 import math
 import os
-import threading
 
 import numpy as np
 import pytest
 
+from tests._threads import run_briefly
 from tilekit.models.generation import (GenerationSettings, SamplingParams, StopChecker, kept_mask, param_arrays,
                                        per_row, probabilities, process_logits, sample_reference, token_counts)
 
@@ -298,22 +298,6 @@ def test_generation_config_must_be_strict_json(tmp_path, text):
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ValueError, match="generation_config.json"):
         GenerationSettings.from_generation_config(tmp_path)
-
-
-def run_briefly(fn, seconds=20):
-    """fn() in a thread; fails the test if it does not finish (a blocking open of a FIFO)."""
-    result = {}
-
-    def target():
-        try:
-            fn()
-        except BaseException as e:   # noqa: BLE001 - handed back to the test
-            result["error"] = e
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), "hung"
-    return result.get("error")
 
 
 def test_hostile_generation_config_files(tmp_path):

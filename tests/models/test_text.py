@@ -8,13 +8,13 @@ stripped) and a Metaspace one, each trained on text with accents, CJK and emoji 
 import functools
 import json
 import os
-import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from tests._threads import run_briefly
 from tilekit.models.hf import Checkpoint
 from tilekit.models.text import (ChatTemplate, TextStream, chat_template, load_tokenizer, render_chat,
                                  special_tokens)
@@ -69,22 +69,6 @@ def metaspace() -> Tokenizer:
 
 
 TOKENIZERS = {"byte_level": byte_level, "sentencepiece": sentencepiece_like, "metaspace": metaspace}
-
-
-def run_briefly(fn, seconds=20):
-    """fn()'s exception (or None) from a thread; fails if it does not finish (a blocking open of a FIFO)."""
-    result = {}
-
-    def target():
-        try:
-            fn()
-        except BaseException as e:   # noqa: BLE001 - handed back to the test
-            result["error"] = e
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), "hung"
-    return result.get("error")
 
 
 # -- loading ------------------------------------------------------------------------------------------

@@ -160,12 +160,13 @@ MIN_PROGRAMS = 264    # an untuned decode GEMV: about two programs per SM of an 
 
 
 def default_config(p: dict) -> dict:
-    """Many rows: 128 x 128 tiles (128 x 64 for SwiGLU's two accumulators; K steps of 128 in FP8). Few rows: 32 columns by 128 of K
+    """Many rows: 128 x 128 tiles (128 x 64 for SwiGLU's two accumulators; K steps of 128 in FP8, 32 in fp32). Few rows: 32 columns by 128 of K
     per step, split over K until about MIN_PROGRAMS programs stream the weights."""
     m = pow2_ceil(p["M"])
     plain = dict(GROUP_M=8, SPLIT_K=1, occupancy=1, num_worker_warps=0)
     if m >= 128:
-        return dict(plain, TM=128, TN=128 // _halves(p), TK=128 if p["xq"] == "fp8" else 64)
+        return dict(plain, TM=128, TN=128 // _halves(p), TK=128 if p["xq"] == "fp8" else 32 if p["dtype"] ==
+                    "float32" else 64)
     k_tiles, tiles = ct.cdiv(p["K"], 128), ct.cdiv(p["N"], 32)
     split = 1
     while split < 16 and 2 * split <= k_tiles and tiles * split < MIN_PROGRAMS:

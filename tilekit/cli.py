@@ -615,7 +615,9 @@ def _load(args):
         reason = gpu_unavailable_reason()
         if reason:   # before loading any weights
             raise UsageError(f"{args.command} needs a GPU: {reason} (--device cpu runs the NumPy reference, slowly)")
-        return families.load_model(args.model, dtype=args.dtype)
+        return families.load_model(args.model, dtype=args.dtype, quantize=args.quantize)
+    if args.quantize:
+        raise UsageError("--quantize needs --device cuda (the NumPy reference computes in float)")
     return families.load_reference(args.model)
 
 
@@ -682,6 +684,9 @@ def _generation_args(p) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or HF cache name (any supported family, "
                                                   "chosen by config.json's model_type)")
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--quantize", choices=("int8", "fp8"),
+                   help="quantize the linears per channel as the weights load (FP8 / INT8 checkpoints load quantized "
+                        "without it)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default): tilekit's kernels; cpu: the family's NumPy float64 reference, slow, for "
                         "checking (same options; its own random draws)")

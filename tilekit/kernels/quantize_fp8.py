@@ -21,6 +21,7 @@ from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.tiles import sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
+RN = ct.RoundingMode.RN   # IEEE divisions, so that scales and codes are NumPy's fp32 ones bit for bit
 FP8_MAX = 448.0           # the largest finite e4m3 value
 MIN_AMAX = 1e-12          # an all-zero row or group still gets a positive scale
 GROUP = 128
@@ -28,13 +29,13 @@ GROUP = 128
 
 @ct.function
 def fp8_scale(amax):
-    return ct.maximum(amax, MIN_AMAX) / FP8_MAX
+    return ct.truediv(ct.maximum(amax, MIN_AMAX), FP8_MAX, rounding_mode=RN)
 
 
 @ct.function
 def fp8_bits(x, s):
     """x / s (fp32 tile, s broadcast) rounded to e4m3, saturated, as uint8 bits."""
-    q = ct.minimum(ct.maximum(x / s, -FP8_MAX), FP8_MAX)
+    q = ct.minimum(ct.maximum(ct.truediv(x, s, rounding_mode=RN), -FP8_MAX), FP8_MAX)
     return ct.bitcast(q.astype(ct.float8_e4m3fn), ct.uint8)
 
 

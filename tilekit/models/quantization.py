@@ -28,13 +28,13 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from tilekit.kernels.quant_linear import QBLOCK, dequantize_reference
+from tilekit.kernels.quantize_fp8 import MIN_AMAX, quantize_fp8_reference
 from tilekit.models import hf
 from tilekit.untrusted import quoted, shown
 
 KINDS = ("int8", "fp8")
-QBLOCK = 128                       # block scales cover 128 x 128 weights (kernels.quant_linear.QBLOCK)
-INT8_MAX, FP8_MAX = 127.0, 448.0
-MIN_AMAX = 1e-12                   # an all-zero channel still gets a positive scale (kernels.quantize_fp8)
+INT8_MAX = 127.0
 FILE_DTYPES = {"int8": "I8", "fp8": "F8_E4M3"}
 QUANT_CONFIG = "hf_quant_config.json"           # ModelOpt's description of its checkpoints
 LM_HEAD_NAMES = ("lm_head", "re:.*lm_head", "re:^lm_head$", "lm_head.weight")
@@ -229,16 +229,19 @@ def scale_key(weight_name: str) -> str:
 def quantize_into(src, codes, scale, kind: str) -> None:
     """Per-output-channel absmax quantization of a float [out, in] array (NumPy or CuPy) into `codes` (int8, or
     FP8 e4m3 bits as uint8) and fp32 `scale` [out], computed in fp32 (on a GPU, FP8 by kernels.quantize_fp8)."""
-    if kind == "fp8":
-        if isinstance(src, np.ndarray):
-            from tilekit.kernels.quantize_fp8 import quantize_fp8_reference
-            codes[...], s = quantize_fp8_reference(src)
-            scale[...] = s[:, 0]
-        else:
-            from tilekit.kernels import quantize_fp8
-            quantize_fp8(src, codes, scale.reshape(-1, 1))
+    host = isinstance(src, np.ndarray)
+    if kind == "fp8" and host:
+        codes[...], s = quantize_fp8_reference(src)
+        scale[...] = s[:, 0]
         return
-    xp = np if isinstance(src, np.ndarray) else __import__("cupy")
+    if kind == "fp8":
+        from tilekit.kernels import quantize_fp8
+        quantize_fp8(src, codes, scale.reshape(-1, 1))
+        return
+    if host:
+        xp = np
+    else:
+        import cupy as xp
     w = src.astype(xp.float32)
     s = xp.maximum(xp.abs(w).max(axis=1), xp.float32(MIN_AMAX)) / xp.float32(INT8_MAX)
     scale[...] = s
@@ -252,12 +255,6 @@ def quantize_weight(w, kind: str) -> tuple[np.ndarray, np.ndarray]:
     scale = np.empty(w.shape[0], np.float32)
     quantize_into(w, codes, scale, kind)
     return codes, scale
-
-
-def dequantize(codes, scale, kind: str) -> np.ndarray:
-    """float64 codes * scale (per channel or per 128x128 block)."""
-    from tilekit.kernels.quant_linear import dequantize_reference
-    return dequantize_reference(codes, scale, kind)
 
 
 # -- writing -------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from tilekit.autotune.arrays import MetaArray, numpy_dtype, release_scratch
 from tilekit.autotune.op import recording
 from tilekit.kernels import attention, decode_attention, next_token, write_kv
 from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candidate_slots, pack_params
+from tilekit.kernels.quant_linear import dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
 from tilekit.models import quantization
 from tilekit.models.hf import Checkpoint, convert, write_checkpoint
@@ -408,7 +409,7 @@ class CausalLM(TextGeneration):
         if not self.quant:
             return {name: cupy.asnumpy(array).astype(np.float32) for name, array in self.params.items()}
         scales = {quantization.scale_key(name) for name in self.quantized}
-        return {name: quantization.dequantize(cupy.asnumpy(array), cupy.asnumpy(
+        return {name: dequantize_reference(cupy.asnumpy(array), cupy.asnumpy(
                     self.params[quantization.scale_key(name)]), self.quant.weight).astype(np.float32)
                 if name in self.quantized else cupy.asnumpy(array).astype(np.float32)
                 for name, array in self.params.items() if name not in scales}

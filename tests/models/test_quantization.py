@@ -177,12 +177,21 @@ def test_quantize_weight_is_per_channel_absmax(kind):
     ({**compressed("fp8", "channel"), "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "ignore"),
     ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo"),
+    ({**compressed("fp8", "channel"), "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "type": ["float"], "num_bits": 8}}}}, "weights"),
+    ({"quant_method": ["fp8"]}, "quant_method"),
+    ([], "quantization_config"),
 ])
 def test_unsupported_schemes_are_named(qconfig, field, tmp_path):
     hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=qconfig), {})
     with pytest.raises(hf.ModelFileError, match=field) as e:
         quantization.scheme_of(hf.Checkpoint.at(tmp_path))
-    assert "config.json" in str(e.value) and "tilekit" in str(e.value)
+    assert "config.json" in str(e.value)
+
+
+def test_a_null_quantization_config_is_none(tmp_path):
+    hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=None), {})
+    assert quantization.scheme_of(hf.Checkpoint.at(tmp_path)) is None
 
 
 def test_quantize_must_agree_with_the_checkpoint(tmp_path):

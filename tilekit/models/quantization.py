@@ -92,13 +92,12 @@ def _only_lm_head(fields: hf.Fields, key: str) -> None:
 
 def scheme_of(checkpoint: hf.Checkpoint) -> Scheme | None:
     """The quantization scheme of a checkpoint's linears, or None for a plain float checkpoint."""
-    config = checkpoint.config()
-    if "quantization_config" not in config:
+    q = checkpoint.config().object("quantization_config", None)
+    if q is None:
         if checkpoint.has(QUANT_CONFIG):
             path = checkpoint.directory / QUANT_CONFIG
             return _modelopt(hf.Fields(checkpoint.read_json(QUANT_CONFIG), path).object("quantization"))
         return None
-    q = config.object("quantization_config")
     method = q.d.get("quant_method")
     if not isinstance(method, str):
         raise q.error("quant_method", "must name the quantization method")
@@ -121,7 +120,7 @@ def _compressed_tensors(q: hf.Fields) -> Scheme:
     if not isinstance(targets, list) or "Linear" not in targets:
         raise group.error("targets", "must include 'Linear'")
     w = group.object("weights")
-    kind = {"float": "fp8", "int": "int8"}.get(w.d.get("type"))
+    kind = {"float": "fp8", "int": "int8"}.get(w.d.get("type")) if isinstance(w.d.get("type"), str) else None
     strategy = w.d.get("strategy")
     if kind is None or w.d.get("num_bits") != 8 or w.d.get("symmetric") is not True \
             or strategy not in ("channel", "tensor", "block"):

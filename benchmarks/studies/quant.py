@@ -17,7 +17,7 @@ import json
 import math
 import sys
 
-from benchmarks.studies.breakdown import NEW_TOKENS, PROMPT, _decode_generation, model_batch_parser, replay_ms
+from benchmarks.studies.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_parser, replay_ms
 
 KINDS = (None, "int8", "fp8")
 
@@ -42,11 +42,10 @@ def decode_rows(preset: str, batch: int, copy_gbs: float, log=print) -> list[dic
 
     from benchmarks.harness.report import kv_width
     from benchmarks.harness.timing import free_memory
-    from tilekit.models.families import family_of_config, preset_config
-    config = preset_config(preset)
     rows, base, tokens = [], None, None
     for kind in KINDS:
-        model = family_of_config(config).model_class(config, seed=0, quantize=kind)
+        model = decode_model(preset, quantize=kind)
+        config = model.config
         gen = _decode_generation(model, batch)
         ms = float(np.median([replay_ms(gen, 50) for _ in range(5)]))
         kv = 2 * config.n_layer * batch * kv_width(config) * 2 * (PROMPT + NEW_TOKENS / 2)
@@ -68,12 +67,10 @@ def prefill_rows(preset: str, batch: int = 8, seq: int = 1024, log=print) -> lis
     import numpy as np
 
     from benchmarks.harness.timing import free_memory, measure
-    from tilekit.models.families import family_of_config, preset_config
-    config = preset_config(preset)
-    ids = np.random.default_rng(0).integers(0, config.vocab_size, (batch, seq))
     rows = []
     for kind in (None, "fp8"):
-        model = family_of_config(config).model_class(config, seed=0, quantize=kind)
+        model = decode_model(preset, quantize=kind)
+        ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, seq))
         ms = measure(lambda: model(ids), flush_l2=False, warmup=2, reps=10)["median_ms"]
         rows.append(dict(preset=preset, batch=batch, seq=seq, weights=kind or "bf16", forward_ms=ms,
                          vs_bf16=rows[0]["forward_ms"] / ms if rows else 1.0))

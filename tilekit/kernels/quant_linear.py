@@ -136,7 +136,8 @@ def _halves(p: dict) -> int:
 
 
 def _fits(c: dict, p: dict) -> bool:
-    """linear's pruning with the weight tiles of both halves counted, and K tiles inside a scale block."""
+    """linear's pruning (few rows: narrow tiles, long K steps) with the weight tiles of both halves counted, and
+    K tiles inside a scale block."""
     m = pow2_ceil(p["M"])
     few_rows = m <= 64
     tile = c["TM"] * c["TN"] * _halves(p)
@@ -144,7 +145,7 @@ def _fits(c: dict, p: dict) -> bool:
     return ((max(16, m // 4) if m < 256 else 64) <= c["TM"] <= max(16, m)
             and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
             and (c["TK"] <= QBLOCK or p["scale"] == "channel")
-            and (c["TN"] <= 64 and c["TK"] >= 64 and c["num_worker_warps"] == 0 if few_rows
+            and (c["TN"] <= 64 and c["TK"] >= 128 and c["num_worker_warps"] == 0 if few_rows
                  else c["TN"] >= 64 and c["TK"] <= 128 and c["SPLIT_K"] == 1)
             and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])
             and tile <= 128 * 256

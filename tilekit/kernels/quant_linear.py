@@ -10,7 +10,7 @@ layout, with a scale per output channel (`scale="channel"`, Ws [N]) or per 128x1
   SPLIT_K programs share an output tile as in `linear`;
 * W8A8 (`x_scale` given): x is FP8 bits from `quantize_fp8` with a scale per row (Xs [M, 1]) or per row
   and 128-column group (Xs [M, ceil(K/128)], with block weights), multiplied in FP8 with fast
-  accumulation, promoted into the fp32 accumulator after every K tile.
+  accumulation, promoted into the fp32 accumulator after every K tile (of at most 128).
 
 Per-channel scales multiply the sum once, in the epilogue; block scales multiply each K tile's product
 (K tiles never straddle a 128 block). `activation="swiglu"`: W holds [gate; up] (2N rows, each half with
@@ -136,15 +136,16 @@ def _halves(p: dict) -> int:
 
 
 def _fits(c: dict, p: dict) -> bool:
-    """linear's pruning (few rows: narrow tiles, long K steps) with the weight tiles of both halves counted, and
-    K tiles inside a scale block."""
+    """linear's pruning (few rows: narrow tiles, long K steps) with the weight tiles of both halves counted; K
+    tiles inside a scale block, and at most 128 long with FP8 activations (fast accumulation promoted to fp32
+    every 128 products at the latest, DeepSeek-V3's interval)."""
     m = pow2_ceil(p["M"])
     few_rows = m <= 64
     tile = c["TM"] * c["TN"] * _halves(p)
     item = 4 if p["dtype"] == "float32" else 2
     return ((max(16, m // 4) if m < 256 else 64) <= c["TM"] <= max(16, m)
             and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
-            and (c["TK"] <= QBLOCK or p["scale"] == "channel")
+            and (c["TK"] <= QBLOCK or (p["scale"] == "channel" and p["xq"] == "none"))
             and (c["TN"] <= 64 and c["TK"] >= 128 and c["num_worker_warps"] == 0 if few_rows
                  else c["TN"] >= 64 and c["TK"] <= 128 and c["SPLIT_K"] == 1)
             and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])

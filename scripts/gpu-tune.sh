@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# On a GPU host: tune MODEL[:DTYPE] ... into a fresh user database. Kernel shapes the shipped database
+# On a GPU host: tune MODEL[:DTYPE][+int8|+fp8] ... (+: the model with quantized linears) into a fresh user database. Kernel shapes the shipped database
 # already holds, usable, for this very GPU are skipped (FRESH=1 tunes everything), so after a kernel
 # change this re-tunes just what went stale or is new. The GPU's tuned file, an export of the user
 # database and one log (all models) land in $OUT, refreshed after each model so that a call cut short
 # keeps what it finished; fold the tuned file into tuning_db/ with `python scripts/ship_tuning.py FILE...`.
-#   source .gpu/setup.sh && scripts/gpu-tune.sh gpt2 gpt2:fp16 llama-3.2-1b
+#   source .gpu/setup.sh && scripts/gpu-tune.sh gpt2 gpt2:fp16 llama-3.2-1b llama-3.1-8b+int8 llama-3.1-8b+fp8
 # TUNE_ARGS adds `tilekit tune` options, e.g. TUNE_ARGS='--devices all' on a host with several GPUs.
 # RESUME=FILE: an earlier call's tuned-export.json (a file of the working tree, which travels to the GPU
 # host), imported first (`tilekit db import` checks every entry), so a re-tune longer than one call
@@ -20,9 +20,10 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_' |
 log="$out/tune-$gpu.txt"
 status=0
 for spec in "$@"; do
-    model="${spec%%:*}"; dtype="bf16"; [[ "$spec" == *:* ]] && dtype="${spec##*:}"
+    base="${spec%%+*}"; quant=(); [[ "$spec" == *+* ]] && quant=(--quantize "${spec##*+}")
+    model="${base%%:*}"; dtype="bf16"; [[ "$base" == *:* ]] && dtype="${base##*:}"
     echo "== $spec" >> "$log"
-    { time python3 -m tilekit tune --model "$model" --dtype "$dtype" ${TUNE_ARGS:-}; } >> "$log" 2>&1 || status=1
+    { time python3 -m tilekit tune --model "$model" --dtype "$dtype" "${quant[@]}" ${TUNE_ARGS:-}; } >> "$log" 2>&1 || status=1
     grep -E "^tuned [0-9]+ of|already tuned" "$log" | tail -1
     cp "$TILEKIT_CACHE_DIR"/tuning/sm_*/*.json "$out/" 2>/dev/null           # after each model: a cut keeps the rest
     python3 -m tilekit db export "$out/tuned-export.json" > /dev/null 2>&1

@@ -127,6 +127,8 @@ def cmd_tune(args) -> int:
     from tilekit.device import gpu_unavailable_reason
     if sum(x is not None and x is not False for x in (args.model, args.kernel, args.stale)) != 1:
         raise UsageError("tune needs exactly one of --model, --kernel or --stale")
+    if args.quantize is not None and args.model is None:
+        raise UsageError("--quantize goes with --model")
     if args.kernel is not None:
         ops = registered_ops()
         if args.kernel not in ops:
@@ -137,7 +139,7 @@ def cmd_tune(args) -> int:
     elif args.model is not None:
         from tilekit.models.workload import model_problems
         items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens,
-                               args.new_tokens)
+                               args.new_tokens, args.quantize)
     reason = gpu_unavailable_reason()
     if reason:
         raise UsageError(f"tuning needs a GPU: {reason}")
@@ -403,7 +405,8 @@ def _db_show(args) -> int:
 def _db_explain(args) -> int:
     from tilekit.device import DeviceInfo, device_info, gpu_unavailable_reason
     from tilekit.models.workload import model_problems
-    items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens, args.new_tokens)
+    items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens, args.new_tokens,
+                           args.quantize)
     if args.gpu:
         device = DeviceInfo(args.gpu, args.arch, 0)
     elif gpu_unavailable_reason() is None:
@@ -612,7 +615,9 @@ def _load(args):
         reason = gpu_unavailable_reason()
         if reason:   # before loading any weights
             raise UsageError(f"{args.command} needs a GPU: {reason} (--device cpu runs the NumPy reference, slowly)")
-        return families.load_model(args.model, dtype=args.dtype)
+        return families.load_model(args.model, dtype=args.dtype, quantize=args.quantize)
+    if args.quantize:
+        raise UsageError("--quantize needs --device cuda (the NumPy reference computes in float)")
     return families.load_reference(args.model)
 
 
@@ -669,6 +674,8 @@ def _model_args(p, default_model=None):
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--new-tokens", type=_positive, default=128,
                    help="tokens generate() adds after each prompt in the workload (default 128)")
+    p.add_argument("--quantize", choices=("int8", "fp8"),
+                   help="the workload of the model with its linears quantized (Llama family)")
 
 
 def _generation_args(p) -> None:
@@ -677,6 +684,9 @@ def _generation_args(p) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory or HF cache name (any supported family, "
                                                   "chosen by config.json's model_type)")
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
+    p.add_argument("--quantize", choices=("int8", "fp8"),
+                   help="quantize the linears per channel as the weights load (FP8 / INT8 checkpoints load quantized "
+                        "without it)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default): tilekit's kernels; cpu: the family's NumPy float64 reference, slow, for "
                         "checking (same options; its own random draws)")

@@ -50,6 +50,13 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
         return item * 2 * p["B"] * p["Hkv"] * (context + p["new_kv"] * p["nq"]) * p["D"]
     if op_name == "next_token":                 # the logits read, and with penalties both token counts
         return (item + 8 * p["pen"]) * p["B"] * p["V"]
+    if op_name == "quant_linear":               # 8-bit weights and their fp32 scales; FP8 activations a byte each
+        halves, M, N, K = 2 if p["act"] == "swiglu" else 1, p["M"], p["N"], p["K"]
+        scales = N if p["scale"] == "channel" else math.ceil(N / 128) * math.ceil(K / 128)
+        return ((1 if p["xq"] == "fp8" else item) * M * K + halves * (N * K + 4 * scales)
+                + item * (p["bias"] * N + (1 + p["res"]) * M * N))
+    if op_name == "quantize_fp8":               # x read, its FP8 bits and fp32 scales written
+        return (item + 1) * p["M"] * p["K"] + 4 * p["M"] * (math.ceil(p["K"] / 128) if p["group"] else 1)
     return float("nan")
 
 
@@ -58,6 +65,8 @@ def min_flops(op_name: str, p: dict) -> float:
     as benchmarks.harness.report.prefill_flops does."""
     if op_name in ("linear", "residual_linear"):
         return 2.0 * p["M"] * p["N"] * p["K"]
+    if op_name == "quant_linear":
+        return (4.0 if p["act"] == "swiglu" else 2.0) * p["M"] * p["N"] * p["K"]
     if op_name == "swiglu_linear":
         return 4.0 * p["M"] * p["N"] * p["K"]
     if op_name == "attention":
@@ -200,17 +209,20 @@ def _decode_generation(model, batch: int):
     return gen
 
 
-def decode_model(preset: str, dtype: str = "bfloat16"):
-    """tilekit's model of a preset (of any family) in `dtype`, random weights from seed 0."""
+def decode_model(preset: str, dtype: str = "bfloat16", quantize: str | None = None):
+    """tilekit's model of a preset (of any family) in `dtype`, random weights from seed 0 (`quantize`: its linears
+    quantized per channel to "int8" or "fp8")."""
     from tilekit.models.families import family_of_config, preset_config
     config = preset_config(preset)
-    return family_of_config(config).model_class(config, dtype=dtype, seed=0)
+    options = {} if quantize is None else {"quantize": quantize}
+    return family_of_config(config).model_class(config, dtype=dtype, seed=0, **options)
 
 
-def run(preset: str, batch: int, bandwidth_gbs: float, log=print, dtype: str = "bfloat16") -> dict:
+def run(preset: str, batch: int, bandwidth_gbs: float, log=print, dtype: str = "bfloat16",
+        quantize: str | None = None) -> dict:
     """The decode step profiled as it runs (dependent launch), then captured and profiled without it."""
     from tilekit.autotune import op
-    model = decode_model(preset, dtype)
+    model = decode_model(preset, dtype, quantize)
     dependent = profile_step(_decode_generation(model, batch), bandwidth_gbs) if op.DEPENDENT_LAUNCH else None
     with ordinary_launch():
         result = profile_step(_decode_generation(model, batch), bandwidth_gbs)
@@ -220,8 +232,9 @@ def run(preset: str, batch: int, bandwidth_gbs: float, log=print, dtype: str = "
         paths = {s["op"]: s["path_us"] for s in dependent["summary"]}
         for s in result["summary"]:
             s["path_us_dependent"] = paths[s["op"]]
-    result.update(preset=preset, batch=batch, bandwidth_gbs=bandwidth_gbs, dependent_launch=dependent is not None)
-    log(f"[breakdown {preset} {dtype} B{batch}]\n" + format_table(result["summary"], bandwidth_gbs, result["step_ms"],
+    result.update(preset=preset, batch=batch, bandwidth_gbs=bandwidth_gbs, dependent_launch=dependent is not None,
+                  quantize=quantize)
+    log(f"[breakdown {preset} {quantize or dtype} B{batch}]\n" + format_table(result["summary"], bandwidth_gbs, result["step_ms"],
                                                           result["step_ms_sequential"]))
     return result
 
@@ -274,14 +287,14 @@ def profile_forward(model, ids, calls: list, bandwidth_gbs: float, reps: int = 3
 
 
 def run_prefill(preset: str, batch: int, seq: int, bandwidth_gbs: float, peak_tflops: float, log=print,
-                dtype: str = "bfloat16") -> dict:
+                dtype: str = "bfloat16", quantize: str | None = None) -> dict:
     """forward() on batch x seq random ids, profiled without dependent launch (a kernel's span then is
     its own work); the wall time is also taken with it, when it is on."""
     import numpy as np
 
     from tilekit.autotune import op
     from tilekit.autotune.op import recording
-    model = decode_model(preset, dtype)
+    model = decode_model(preset, dtype, quantize)
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, seq))
     with recording() as calls:               # the problems of one forward, launched eagerly
         model.forward(ids, use_graph=False)
@@ -295,8 +308,8 @@ def run_prefill(preset: str, batch: int, seq: int, bandwidth_gbs: float, peak_tf
         model.forget_graphs()
     forward_ms["ordinary launch"] = result["wall_ms"]
     result.update(preset=preset, batch=batch, seq=seq, forward_ms=forward_ms, peak_tflops=peak_tflops,
-                  bandwidth_gbs=bandwidth_gbs)
-    log(f"[breakdown prefill {preset} {dtype} B{batch} T{seq}]\n"
+                  bandwidth_gbs=bandwidth_gbs, quantize=quantize)
+    log(f"[breakdown prefill {preset} {quantize or dtype} B{batch} T{seq}]\n"
         + format_prefill_table(result["summary"], peak_tflops, bandwidth_gbs, forward_ms))
     return result
 
@@ -313,6 +326,7 @@ def model_batch_parser(module: str, doc: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = model_batch_parser("breakdown", __doc__)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--quantize", choices=("int8", "fp8"), help="the model's linears quantized (Llama family)")
     ap.add_argument("--prefill", type=int, action="append", metavar="T",
                     help="profile forward() on batch x T tokens instead of a decode step (repeatable)")
     args = ap.parse_args(argv)
@@ -328,10 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batch or [1, 8]:
             try:
                 if args.prefill:
-                    results += [run_prefill(preset, batch, seq, bandwidth, peak, dtype=args.dtype)
-                                for seq in args.prefill]
+                    results += [run_prefill(preset, batch, seq, bandwidth, peak, dtype=args.dtype,
+                                            quantize=args.quantize) for seq in args.prefill]
                 else:
-                    results.append(run(preset, batch, bandwidth, dtype=args.dtype))
+                    results.append(run(preset, batch, bandwidth, dtype=args.dtype, quantize=args.quantize))
             except Exception:  # noqa: BLE001 - the other models still run
                 failed += 1
                 traceback.print_exc()

@@ -72,3 +72,15 @@ def test_prefill_rows_group_by_problem_with_their_flops():
     tflops = 2 * rows[0]["flops"] / 420e-6 / 1e12
     assert f"{tflops:.0f}" in table.splitlines()[1] and f"{100 * tflops / 800:.0f}%" in table.splitlines()[1]
     assert "ordinary launch 0.600 ms" in table.splitlines()[-1]
+
+
+def test_quantized_ops_bytes_and_flops():
+    """quant_linear moves its 8-bit weights once (both halves for SwiGLU) with their fp32 scales; FP8 activations
+    are a byte each; quantize_fp8 reads x and writes its bits and scales."""
+    p = dict(dtype="bfloat16", M=1, N=4096, K=4096, wq="int8", scale="channel", xq="none", act="none", bias=0, res=1)
+    assert min_bytes("quant_linear", p, 0) == 2 * 4096 + 4096 * 4096 + 4 * 4096 + 2 * 2 * 4096
+    swiglu = dict(p, M=8192, N=14336, scale="block", xq="fp8", act="swiglu", res=0)
+    assert min_bytes("quant_linear", swiglu, 0) == (8192 * 4096 + 2 * (14336 * 4096 + 4 * 112 * 32)
+                                                    + 2 * 8192 * 14336)
+    assert min_flops("quant_linear", swiglu) == 4.0 * 8192 * 14336 * 4096
+    assert min_bytes("quantize_fp8", dict(dtype="bfloat16", M=8, K=4096, group=1), 0) == 3 * 8 * 4096 + 4 * 8 * 32

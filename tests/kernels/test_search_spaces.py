@@ -10,6 +10,7 @@ from tests.kernels.test_decode_attention import check_decode
 from tests.kernels.test_gelu import check_gelu
 from tests.kernels.test_layer_norm import check_layer_norm, check_layer_norm_of_fixed_point
 from tests.kernels.test_linear import check_linear
+from tests.kernels.test_quant_linear import check_quant_linear
 from tests.kernels.test_residual_linear import check_residual_linear
 from tests.kernels.test_rms_norm import check_rms_norm
 from tests.kernels.test_swiglu_linear import check_swiglu_linear
@@ -22,6 +23,7 @@ from tilekit.kernels.gelu import GELU
 from tilekit.kernels.layer_norm import LAYER_NORM
 from tilekit.kernels.linear import LINEAR
 from tilekit.kernels.next_token import NEXT_TOKEN, check_next_token
+from tilekit.kernels.quant_linear import QUANT_LINEAR
 from tilekit.kernels.residual_linear import RESIDUAL_LINEAR
 from tilekit.kernels.rms_norm import RMS_NORM
 from tilekit.kernels.swiglu_linear import SWIGLU_LINEAR
@@ -46,6 +48,12 @@ SPACE_CASES = {
     "swiglu_linear_few_rows": dict(dtype="bfloat16", M=3, N=1000, K=512),
     "layer_norm_fixed": dict(dtype="bfloat16", M=3, N=1600, gather=0, fixed=1),
     "residual_linear": dict(dtype="bfloat16", M=3, N=1000, K=1600, bias=1),
+    "quant_linear_few_rows": dict(dtype="bfloat16", M=3, N=1000, K=1600, wq="int8", scale="channel", xq="none",
+                                  act="none", bias=0, res=1),
+    "quant_linear_swiglu": dict(dtype="bfloat16", M=5, N=300, K=520, wq="fp8", scale="block", xq="none",
+                                act="swiglu", bias=0, res=0),
+    "quant_linear_w8a8": dict(dtype="bfloat16", M=600, N=520, K=1000, wq="fp8", scale="channel", xq="fp8",
+                              act="none", bias=0, res=1),
 }
 
 
@@ -53,7 +61,8 @@ OPS = {"linear": LINEAR, "linear_many_rows": LINEAR, "linear_split_k": LINEAR, "
        "gelu": GELU, "attention": ATTENTION, "attention_gqa": ATTENTION, "decode_attention": DECODE_ATTENTION,
        "decode_attention_gqa": DECODE_ATTENTION, "next_token": NEXT_TOKEN, "rms_norm": RMS_NORM, "rope": APPLY_ROPE,
        "swiglu_linear": SWIGLU_LINEAR, "swiglu_linear_few_rows": SWIGLU_LINEAR, "layer_norm_fixed": LAYER_NORM,
-       "residual_linear": RESIDUAL_LINEAR}
+       "residual_linear": RESIDUAL_LINEAR, "quant_linear_few_rows": QUANT_LINEAR, "quant_linear_swiglu": QUANT_LINEAR,
+       "quant_linear_w8a8": QUANT_LINEAR}
 
 
 def sampled_configs(name, k=5):
@@ -93,6 +102,9 @@ def run_case(name):
         check_rms_norm((p["M"], p["N"]), p["dtype"], residual=True)
     elif name == "rope":
         check_rope(p["B"], p["H"] - 2, 2, p["T"], p["D"], p["dtype"])
+    elif name.startswith("quant_linear"):
+        check_quant_linear(p["M"], p["N"], p["K"], p["dtype"], p["wq"], p["scale"], fp8_x=p["xq"] == "fp8",
+                           swiglu=p["act"] == "swiglu", res=bool(p["res"]))
     elif name.startswith("swiglu_linear"):
         check_swiglu_linear(p["M"], p["N"], p["K"], p["dtype"])
 

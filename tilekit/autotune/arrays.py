@@ -19,7 +19,8 @@ import numpy as np
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 INT_DTYPES = ("int32", "int64")
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "uint8": 1}
+BYTE_DTYPES = ("int8", "uint8")           # quantized weights and activations (FP8 as its uint8 bits)
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8, "int8": 1, "uint8": 1}
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ class MetaArray:
 def _torch_dtypes() -> dict:
     import torch
     return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
-            torch.int32: "int32", torch.int64: "int64", torch.float64: "float64", torch.uint8: "uint8"}
+            torch.int32: "int32", torch.int64: "int64", torch.float64: "float64", torch.int8: "int8",
+            torch.uint8: "uint8"}
 
 
 def _is_torch(x) -> bool:
@@ -419,7 +421,7 @@ def bench_array(spec: ArraySpec, device: int, rng):
             flat = cupy.full((extent,), spec.fill, numpy_dtype(spec.dtype))
         elif spec.values is not None:
             flat = cupy.asarray(spec.values, numpy_dtype(spec.dtype))
-        elif spec.dtype in INT_DTYPES:
+        elif spec.dtype in INT_DTYPES + BYTE_DTYPES:
             flat = rng.integers(0, spec.high or 1, extent).astype(numpy_dtype(spec.dtype))
         else:
             flat = random_array((extent,), spec.dtype, device, rng)

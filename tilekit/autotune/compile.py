@@ -29,7 +29,7 @@ from cuda.tile.compilation import (ArrayConstraint, CallingConvention, ConstantC
 from tilekit.autotune.arrays import ITEMSIZE, ArraySpec
 
 _DTYPES = {"bfloat16": ct.bfloat16, "float16": ct.float16, "float32": ct.float32,
-           "int32": ct.int32, "int64": ct.int64, "uint8": ct.uint8}
+           "int32": ct.int32, "int64": ct.int64, "int8": ct.int8, "uint8": ct.uint8}
 
 
 def _array_constraint(spec: ArraySpec) -> tuple[ArrayConstraint, bool]:

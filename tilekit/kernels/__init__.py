@@ -13,10 +13,13 @@ from tilekit.kernels.moe_gate_up import moe_gate_up
 from tilekit.kernels.moe_permute import moe_permute
 from tilekit.kernels.moe_router import moe_router
 from tilekit.kernels.next_token import next_token
+from tilekit.kernels.quant_linear import quant_linear
+from tilekit.kernels.quantize_fp8 import quantize_fp8
 from tilekit.kernels.residual_linear import residual_linear
 from tilekit.kernels.rms_norm import rms_norm
 from tilekit.kernels.swiglu_linear import swiglu_linear
 from tilekit.kernels.write_kv import write_kv
 
 __all__ = ["apply_rope", "attention", "decode_attention", "embedding", "gelu", "layer_norm", "linear",
-           "mla_decode_attention", "moe_down_combine", "moe_gate_up", "moe_permute", "moe_router", "next_token", "residual_linear", "rms_norm", "swiglu_linear", "write_kv"]
+           "mla_decode_attention", "moe_down_combine", "moe_gate_up", "moe_permute", "moe_router", "next_token", "quant_linear", "quantize_fp8",
+           "residual_linear", "rms_norm", "swiglu_linear", "write_kv"]

@@ -135,11 +135,12 @@ def config_from_path(path_or_name):
     return family_of_fields(f).config_class.from_fields(f)
 
 
-def load_model(path_or_name, dtype: str = "bfloat16"):
+def load_model(path_or_name, dtype: str = "bfloat16", quantize: str | None = None):
     """The model of a checkpoint (a directory or a hub model name in the local cache), of the family its
-    config.json's model_type names (that family's from_pretrained)."""
+    config.json's model_type names (that family's from_pretrained; `quantize`: "int8" or "fp8" linears)."""
     checkpoint = find_checkpoint(path_or_name)
-    return family_of_fields(checkpoint.config()).model_class.from_pretrained(checkpoint, dtype=dtype)
+    options = {} if quantize is None else {"quantize": quantize}
+    return family_of_fields(checkpoint.config()).model_class.from_pretrained(checkpoint, dtype=dtype, **options)
 
 
 def load_reference(path_or_name, dtype=np.float32):

@@ -56,7 +56,7 @@ _WRITE_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 # -- messages -----------------------------------------------------------------------------------------------
 
-def _json_shown(value) -> str:
+def json_shown(value) -> str:
     """A JSON value from a file as JSON text (escaped), cut after 100 characters."""
     text = json.dumps(value, ensure_ascii=True)
     return text if len(text) <= 100 else text[:100] + "..."
@@ -156,7 +156,7 @@ def _json_object(file: RegularFile) -> dict:
     except ValueError as e:
         raise ModelFileError(file.path, str(e)) from None
     if not isinstance(d, dict):
-        raise ModelFileError(file.path, f"holds {_json_shown(d)}, expected a JSON object")
+        raise ModelFileError(file.path, f"holds {json_shown(d)}, expected a JSON object")
     return d
 
 
@@ -379,7 +379,7 @@ class Fields:
                 raise self.error(key, f"is missing, expected {want}")
             return default
         if not ok(value):
-            raise self.error(key, f"is {_json_shown(value)}, expected {want}")
+            raise self.error(key, f"is {json_shown(value)}, expected {want}")
         return value
 
     def integer(self, key: str, default=REQUIRED, *, low: int | None = None, high: int | None = None) -> int | None:
@@ -413,7 +413,7 @@ class Fields:
         """A field that picks a model variant: its value (`default` if absent), unless computes(value) is false."""
         value = self.d.get(key, default)
         if not computes(value):
-            raise self.error(key, f"is {_json_shown(value)}, a variant tilekit does not compute")
+            raise self.error(key, f"is {json_shown(value)}, a variant tilekit does not compute")
         return value
 
     def build(self, cls, **kwargs):
@@ -528,17 +528,17 @@ def read_header(file: RegularFile) -> dict[str, TensorInfo]:
     except ValueError as e:
         raise bad(f"header is {e}") from None
     if not isinstance(header, dict):
-        raise bad(f"header is {_json_shown(header)}, expected a JSON object")
+        raise bad(f"header is {json_shown(header)}, expected a JSON object")
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise bad(f"header field '__metadata__' is {_json_shown(metadata)}, expected an object of strings")
+        raise bad(f"header field '__metadata__' is {json_shown(metadata)}, expected an object of strings")
     data, size = 8 + n, file.size - 8 - n
     tensors = {}
     for name, entry in header.items():
         def wrong(field: str, expected: str) -> ModelFileError:
-            return bad(f"tensor {quoted(name)}: {field} is {_json_shown(entry.get(field))}, expected {expected}")
+            return bad(f"tensor {quoted(name)}: {field} is {json_shown(entry.get(field))}, expected {expected}")
         if not isinstance(entry, dict) or entry.keys() != {"dtype", "shape", "data_offsets"}:
-            raise bad(f"tensor {quoted(name)} is {_json_shown(entry)}, expected an object with exactly dtype, shape "
+            raise bad(f"tensor {quoted(name)} is {json_shown(entry)}, expected an object with exactly dtype, shape "
                       "and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -613,7 +613,7 @@ class TensorFiles:
         for name, shard in weight_map.items():
             problem = plain_name_problem(shard)
             if problem:
-                raise index.error("weight_map", f"maps {quoted(name)} to {_json_shown(shard)}, which {problem}")
+                raise index.error("weight_map", f"maps {quoted(name)} to {json_shown(shard)}, which {problem}")
         return weight_map
 
     def close(self) -> None:
@@ -723,7 +723,7 @@ _CODES = {view: code for code, (_, view) in reversed(DTYPES.items())}   # NumPy 
 
 def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], *, dtype: str, outs=None,
                  prefix: str = "", tied: str | None = None, ignore: tuple[str, ...] = (), device=None,
-                 expected: str = "the model") -> dict:
+                 expected: str = "the model", rewrite: Callable[[dict, Mapping | None], dict] | None = None) -> dict:
     """A model's weights from a checkpoint, under the names of `shapes`: load_tensors with a family's rules.
 
     The file names every tensor with `prefix` before it or none without (GPT2LMHeadModel's names or GPT2Model's).
@@ -731,10 +731,17 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
     the file, which must equal the embedding bit for bit and is dropped. Names ending in one of `ignore` are
     buffers, skipped. `outs`: our name -> the array to fill, or a function returning that mapping, called once
     the headers have been checked (so nothing is allocated for a file that does not match); None: new arrays of
-    `dtype`. Returns our name -> array."""
+    `dtype`. `rewrite(plan, outs)`: the plan (our names) as some tensors are really stored or converted (e.g.
+    quantized weights and their scales, tilekit.models.quantization), called before and after `outs` exist
+    (None before). Returns our name -> array."""
     with checkpoint.tensor_files() as files:
         p = prefix if prefix and any(name.startswith(prefix) for name in files.tensors) else ""
-        plan = {p + name: Target(shape, dtype) for name, shape in shapes.items()}
+
+        def plan_for(outs) -> dict:
+            plan = {name: Target(shape, dtype, None if outs is None else outs[name]) for name, shape in shapes.items()}
+            plan = rewrite(plan, outs) if rewrite is not None else plan
+            return {p + name: target for name, target in plan.items()}
+        plan = plan_for(None)
         if tied is not None:
             plan[LM_HEAD] = Target(shapes[tied], dtype, optional=True)
         problems = tensor_problems({n: (t.dtype, t.shape) for n, t in files.tensors.items()}, plan, ignore)
@@ -742,7 +749,7 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
             raise ModelFileError(files.source, listing(f"does not match {expected}", problems))
         outs = outs() if callable(outs) else outs
         if outs is not None:
-            plan.update({p + name: Target(shape, dtype, outs[name]) for name, shape in shapes.items()})
+            plan.update(plan_for(outs))
         loaded = load_tensors(files, plan, device=device, ignore=ignore, expected=expected)
         if tied is not None and LM_HEAD in loaded and not _same_bits(loaded[LM_HEAD], loaded[p + tied]):
             raise ModelFileError(files.source, f"tensor {quoted(LM_HEAD)} differs from {quoted(p + tied)}, to which "
@@ -788,13 +795,14 @@ class CheckpointLayout:
         """A checkpoint: a directory, or a hub model name in the local cache (a bare name also under hub_orgs)."""
         return find_checkpoint(path_or_name, self.hub_orgs)
 
-    def load(self, checkpoint: Checkpoint, config, *, dtype: str, outs=None, device=None) -> dict:
-        """The checkpoint's weights as arrays of `dtype` under our names (load_weights: `outs`, `device`); a tied
-        model's lm_head.weight, if the file has one, checked and dropped. BF16, FP16 and FP32 tensors load, from one
-        file or from shards."""
+    def load(self, checkpoint: Checkpoint, config, *, dtype: str, outs=None, device=None, rewrite=None,
+             ignore: tuple[str, ...] = ()) -> dict:
+        """The checkpoint's weights as arrays of `dtype` under our names (load_weights: `outs`, `device`,
+        `rewrite`); a tied model's lm_head.weight, if the file has one, checked and dropped. BF16, FP16 and FP32
+        tensors load, from one file or from shards; names ending in one of `ignore` are read past."""
         return load_weights(checkpoint, self.shapes(config), dtype=dtype, outs=outs, device=device,
                             prefix=self.prefix, tied=self.embedding if config.tie_word_embeddings else None,
-                            ignore=self.buffers, expected=str(config))
+                            ignore=self.buffers + ignore, expected=str(config), rewrite=rewrite)
 
     def load_state_dict(self, path_or_name, dtype=np.float32) -> tuple:
         """(config, host tensors: our names, C-contiguous, float32 or float64) of a checkpoint."""
@@ -994,18 +1002,25 @@ class Progress:
 # -- writing ------------------------------------------------------------------------------------------------
 
 def write_checkpoint(directory, hf_config: dict, tensors: Mapping[str, np.ndarray], *, dtype: str = "float32",
-                     shard_bytes: int | None = None) -> None:
+                     shard_bytes: int | None = None, raw: Mapping[str, str] | None = None) -> None:
     """Write config.json and the tensors (NumPy arrays, or CuPy ones: each converted on the device and copied to
     the host alone) in `dtype` (float32, bfloat16 or float16) as save_pretrained does:
     model.safetensors, or with `shard_bytes` shards model-0000i-of-0000n.safetensors of at most that size (a
     larger tensor alone) and model.safetensors.index.json. Weights files of the other layout are removed. Each
     file is written under a temporary name and renamed into `directory`: a link there is replaced, never
-    written through. One tensor at a time is converted, so views of one buffer cost no memory."""
+    written through. One tensor at a time is converted, so views of one buffer cost no memory. `raw`: name ->
+    safetensors dtype of tensors written as they are (quantized codes as I8 or F8_E4M3 from int8 or uint8 arrays,
+    fp32 scales as F32), each of that dtype's item size."""
     if dtype not in _WRITE_DTYPES:
         raise ValueError(f"dtype must be one of {tuple(_WRITE_DTYPES)}, got {dtype!r}")
+    raw = dict(raw or {})
+    for name, code in raw.items():
+        if code not in DTYPES or np.dtype(tensors[name].dtype).itemsize != DTYPES[code][0]:
+            raise ValueError(f"tensor {quoted(name)}: a {tensors[name].dtype} array cannot be written as {code}")
     config_text = json.dumps(hf_config, indent=2, allow_nan=False) + "\n"
     itemsize = np.dtype(numpy_dtype(dtype)).itemsize
-    sizes = {name: math.prod(np.shape(a)) * itemsize for name, a in tensors.items()}
+    sizes = {name: math.prod(np.shape(a)) * (DTYPES[raw[name]][0] if name in raw else itemsize)
+             for name, a in tensors.items()}
     shards: list[list[str]] = [[]]
     for name, nbytes in sizes.items():
         if shard_bytes is not None and shards[-1] and sum(sizes[n] for n in shards[-1]) + nbytes > shard_bytes:
@@ -1017,7 +1032,7 @@ def write_checkpoint(directory, hf_config: dict, tensors: Mapping[str, np.ndarra
     directory.mkdir(parents=True, exist_ok=True)
     _write_file(directory, CONFIG_NAME, [config_text.encode()])
     for file_name, shard in zip(names, shards):
-        _write_file(directory, file_name, _safetensors_bytes({n: tensors[n] for n in shard}, dtype, sizes))
+        _write_file(directory, file_name, _safetensors_bytes({n: tensors[n] for n in shard}, dtype, sizes, raw))
     if shard_bytes is not None:
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {n: file_name for file_name, shard in zip(names, shards) for n in shard}}
@@ -1028,20 +1043,22 @@ def write_checkpoint(directory, hf_config: dict, tensors: Mapping[str, np.ndarra
             os.unlink(entry.path)
 
 
-def _safetensors_bytes(tensors: Mapping[str, np.ndarray], dtype: str, sizes: Mapping[str, int]):
+def _safetensors_bytes(tensors: Mapping[str, np.ndarray], dtype: str, sizes: Mapping[str, int],
+                       raw: Mapping[str, str]):
     """A safetensors file's bytes in pieces: the header (padded to 8 bytes, format "pt" as transformers wants),
-    then each tensor converted as it is reached."""
+    then each tensor converted as it is reached (those in `raw` as they are)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, array in tensors.items():
-        header[name] = {"dtype": _WRITE_DTYPES[dtype], "shape": list(np.shape(array)),
+        header[name] = {"dtype": raw.get(name, _WRITE_DTYPES[dtype]), "shape": list(np.shape(array)),
                         "data_offsets": [offset, offset + sizes[name]]}
         offset += sizes[name]
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     yield len(text).to_bytes(8, "little") + text
-    for array in tensors.values():
+    for name, array in tensors.items():
         array = array if hasattr(array, "astype") else np.asarray(array)
-        array = array.astype(numpy_dtype(dtype), copy=False)         # a device array: converted there
+        if name not in raw:
+            array = array.astype(numpy_dtype(dtype), copy=False)     # a device array: converted there
         yield np.ascontiguousarray(array.get() if hasattr(array, "get") else array).reshape(-1).view(np.uint8)
 
 

@@ -24,8 +24,10 @@ from tilekit.autotune.arrays import MetaArray, numpy_dtype, release_scratch
 from tilekit.autotune.op import recording
 from tilekit.kernels import attention, decode_attention, next_token, write_kv
 from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candidate_slots, pack_params
+from tilekit.kernels.quant_linear import dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
-from tilekit.models.hf import Checkpoint, convert
+from tilekit.models import quantization
+from tilekit.models.hf import Checkpoint, convert, write_checkpoint
 
 PAD = 64          # prompts pad to, and KV caches grow in, multiples of this many positions
 LOGIT_ROW_ALIGN = 64   # forward()'s logits rows are padded to multiples of this many entries
@@ -333,6 +335,8 @@ class CausalLM(TextGeneration):
 
     weights: ModuleType
     config_class: type
+    quant: quantization.Scheme | None = None     # quantized linears: how (a subclass that supports it sets it)
+    quantized: tuple[str, ...] = ()              # their weights' names (codes; fp32 scales under scale_key(name))
     max_prefill_graphs = 4
     max_generations = 2
 
@@ -346,7 +350,8 @@ class CausalLM(TextGeneration):
     def _init_weights(self, state: dict | None, seed: int, empty: bool) -> None:
         """Fill self.params (allocated): from `state` (host arrays under the same names, checked; copied to the
         GPU in their own dtype and converted there), or N(mean, std) drawn on the GPU from `seed` (the family's
-        weight_stats), or not at all (empty: from_pretrained streams a checkpoint into them)."""
+        weight_stats), or not at all (empty: from_pretrained streams a checkpoint into them). The quantized
+        linears are quantized per channel on the GPU."""
         if state is not None:
             if empty:
                 raise ValueError("pass state= or empty=True, not both")
@@ -355,39 +360,73 @@ class CausalLM(TextGeneration):
             return
         import cupy
         rng = cupy.random.default_rng(seed)
+        scales = {quantization.scale_key(name) for name in self.quantized}
         for name, out in self.params.items():
+            if name in scales:
+                continue
             if state is not None:
-                convert(cupy.asarray(np.ascontiguousarray(state[name])), out)
+                src = cupy.asarray(np.ascontiguousarray(state[name]))
             else:
                 mean, std = self.weights.weight_stats(self.config, name)
-                convert(rng.standard_normal(out.shape, dtype=cupy.float32) * std + mean, out)
+                src = rng.standard_normal(out.shape, dtype=cupy.float32) * std + mean
+            if name in self.quantized:
+                quantization.quantize_into(src.astype(cupy.float32), out, self.params[quantization.scale_key(name)],
+                                           self.quant.weight)
+            else:
+                convert(src, out)
 
     @classmethod
-    def from_pretrained(cls, path_or_name, *, dtype: str = "bfloat16", **kwargs) -> "CausalLM":
+    def from_pretrained(cls, path_or_name, *, dtype: str = "bfloat16", quantize: str | None = None,
+                        **kwargs) -> "CausalLM":
         """The model of a Hugging Face checkpoint: a directory (single-file or sharded safetensors), a model name
         in the local hub cache, or an hf.Checkpoint. Its config.json is read field by field; once the
         safetensors headers match the config, the model's device arrays are allocated and the tensors streamed
-        into them in `dtype`, never the whole checkpoint on the host. kwargs go to the constructor."""
+        into them in `dtype`, never the whole checkpoint on the host. An FP8 / INT8 checkpoint
+        (tilekit.models.quantization) loads quantized; quantize="int8" | "fp8" quantizes a float one per channel
+        as it streams in. kwargs go to the constructor."""
         checkpoint = cls.weights.resolve(path_or_name)
         config = cls.config_class.from_fields(checkpoint.config())
+        scheme = quantization.scheme_for(checkpoint, quantize)
+        modules = getattr(cls.weights, "QUANTIZED", None)
+        if scheme is not None and modules is None:
+            raise ValueError(f"{cls.__name__} has no quantized linears ({scheme.source})")
+        if scheme is not None:
+            kwargs["quantize"] = scheme
+        linears = () if scheme is None else quantization.linear_names(cls.weights.state_dict_shapes(config), modules)
         made = []
 
         def allocate() -> dict:
             made.append(cls(config, dtype=dtype, empty=True, **kwargs))
             return made[0].params
-        cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate)
+        cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate, ignore=scheme.ignored if scheme else (),
+                         rewrite=scheme and (lambda plan, outs: quantization.rewrite_plan(plan, linears, scheme, outs)))
         made[0].checkpoint = checkpoint
         return made[0]
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """float32 host copies of every weight, under the Hugging Face names."""
+        """float32 host copies of every weight, under the Hugging Face names (quantized ones dequantized)."""
         import cupy
-        return {name: cupy.asnumpy(array).astype(np.float32) for name, array in self.params.items()}
+        if not self.quant:
+            return {name: cupy.asnumpy(array).astype(np.float32) for name, array in self.params.items()}
+        scales = {quantization.scale_key(name) for name in self.quantized}
+        return {name: dequantize_reference(cupy.asnumpy(array), cupy.asnumpy(
+                    self.params[quantization.scale_key(name)]), self.quant.weight).astype(np.float32)
+                if name in self.quantized else cupy.asnumpy(array).astype(np.float32)
+                for name, array in self.params.items() if name not in scales}
 
     def save_pretrained(self, directory) -> None:
         """Write config.json and model.safetensors in the model's dtype, as Hugging Face's save_pretrained does
-        (one tensor at a time through the host)."""
-        self.weights.save_state_dict(directory, self.config, self.params, dtype=self.dtype)
+        (one tensor at a time through the host); a quantized model's linears as a compressed-tensors checkpoint
+        (codes and fp32 scales), which from_pretrained reads back."""
+        if not self.quant:
+            self.weights.save_state_dict(directory, self.config, self.params, dtype=self.dtype)
+            return
+        tensors, raw = quantization.file_tensors(self.params, self.quantized, self.quant)
+        hf_config = dict(self.config.to_hf_dict(), torch_dtype=self.dtype,
+                         quantization_config=quantization.compressed_tensors_config(self.quant))
+        prefix = self.weights.PREFIX
+        write_checkpoint(directory, hf_config, {prefix + n: a for n, a in tensors.items()}, dtype=self.dtype,
+                         raw={prefix + n: code for n, code in raw.items()})
 
     # -- forward --------------------------------------------------------------------------------
     def __call__(self, ids, **kwargs):

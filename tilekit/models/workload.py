@@ -6,14 +6,22 @@ tuned here is, by construction, a key that forward() or generate() asks for.
 
 from __future__ import annotations
 
+import inspect
+
 from tilekit.models.families import family_of_config
 
 NEW_TOKENS = 128       # generate()'s continuation length in the tuning workload
 
 
-def meta_model(config, dtype: str):
-    """A model of `config` (a config of any family) with shapes and no memory."""
-    return family_of_config(config).model_class(config, dtype=dtype, meta=True)
+def meta_model(config, dtype: str, quantize: str | None = None):
+    """A model of `config` (a config of any family) with shapes and no memory; `quantize`: its linears in
+    "int8" or "fp8" (families that support it)."""
+    cls = family_of_config(config).model_class
+    if quantize is None:
+        return cls(config, dtype=dtype, meta=True)
+    if "quantize" not in inspect.signature(cls).parameters:
+        raise ValueError(f"{cls.__name__} models have no quantized linears")
+    return cls(config, dtype=dtype, meta=True, quantize=quantize)
 
 
 def forward_problems(config, dtype: str, batch: int, seq: int) -> list[tuple]:
@@ -27,10 +35,11 @@ def generate_problems(config, dtype: str, batch: int, prompt_len: int, new_token
 
 
 def model_problems(config, dtype: str = "bfloat16", batch_sizes=(1, 8), seq_lens=(128, 1024),
-                   new_tokens: int = NEW_TOKENS) -> list[tuple]:
+                   new_tokens: int = NEW_TOKENS, quantize: str | None = None) -> list[tuple]:
     """Distinct (op, problem) keys of forward() on B x T ids and of generate() adding new_tokens to
-    B prompts of T tokens (shortened to fit the context), for every B and T."""
-    model = meta_model(config, dtype)
+    B prompts of T tokens (shortened to fit the context), for every B and T (with `quantize`: of the model
+    with quantized linears)."""
+    model = meta_model(config, dtype, quantize)
     P = config.block_size
     found: dict[tuple, tuple] = {}
     for B in batch_sizes:

@@ -1,0 +1,152 @@
+"""Quantized weights (issue #34): decode steps of a Llama shape in bf16, int8 and fp8, FP8 prefill, and each
+quantized linear against PyTorch's FP8 / INT8 GEMMs on the same shapes.
+
+    python -m benchmarks.studies.quant [--model llama-3.1-8b] [--batch 1 --batch 8 --batch 32] [--out DIR]
+
+Decode rows: the replayed greedy decode step (128-token prompt + 128 new tokens) of random weights, each
+quantized model against the bf16 step as its anchor, with % of its own weight-streaming floor (quantized linears
+at one byte a weight plus their scales, the rest in bf16, and the mean step's KV cache, at the copy bandwidth) and
+the share of greedy tokens agreeing with bf16's. Prefill row: B8 x T1024 full-logits forward, fp8 (W8A8) against
+bf16. Linear rows: quant_linear per Llama linear shape against torch._scaled_mm (FP8, row-wise scales, fast
+accumulation) and torch._int_mm (INT8, M > 16), % of the bandwidth floor (few rows) or the tensor-core rate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from benchmarks.studies.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_parser, replay_ms
+
+KINDS = (None, "int8", "fp8")
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's weights as it holds them (codes, scales and bf16 tensors; each once)."""
+    return sum(a.nbytes for a in model.params.values())
+
+
+def timed(fn) -> float:
+    """Median ms of fn (L2 flushed), NaN where the anchor does not run here (a PyTorch build without it)."""
+    from benchmarks.harness.timing import measure
+    try:
+        return measure(fn, flush_l2=True, reps=30)["median_ms"]
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        print(f"  anchor failed: {type(e).__name__}: {e}")
+        return math.nan
+
+
+def decode_rows(preset: str, batch: int, copy_gbs: float, log=print) -> list[dict]:
+    import numpy as np
+
+    from benchmarks.harness.report import kv_width
+    from benchmarks.harness.timing import free_memory
+    rows, base, tokens = [], None, None
+    for kind in KINDS:
+        model = decode_model(preset, quantize=kind)
+        config = model.config
+        gen = _decode_generation(model, batch)
+        ms = float(np.median([replay_ms(gen, 50) for _ in range(5)]))
+        kv = 2 * config.n_layer * batch * kv_width(config) * 2 * (PROMPT + NEW_TOKENS / 2)
+        floor = (weight_bytes(model) + kv) / (copy_gbs * 1e9) * 1e3
+        history = np.asarray(gen.state.history.get())[:, PROMPT:PROMPT + NEW_TOKENS]
+        base, tokens = (ms, history) if kind is None else (base, tokens)
+        row = dict(preset=preset, batch=batch, weights=kind or "bf16", step_ms=ms, vs_bf16=base / ms, floor_ms=floor,
+                   pct_floor=100 * floor / ms, greedy_agree=float(np.mean(history == tokens)))
+        log(f"{preset} {row['weights']:5s} B{batch:<3d} {ms:7.3f} ms/step  {row['vs_bf16']:5.2f}x bf16  "
+            f"{row['pct_floor']:4.0f}% of the {floor:.3f} ms floor  greedy tokens as bf16's: {row['greedy_agree']:.1%}")
+        rows.append(row)
+        model.forget_graphs()
+        del model, gen
+        free_memory()
+    return rows
+
+
+def prefill_rows(preset: str, batch: int = 8, seq: int = 1024, log=print) -> list[dict]:
+    import numpy as np
+
+    from benchmarks.harness.timing import free_memory, measure
+    rows = []
+    for kind in (None, "fp8"):
+        model = decode_model(preset, quantize=kind)
+        ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, seq))
+        ms = measure(lambda: model(ids), flush_l2=False, warmup=2, reps=10)["median_ms"]
+        rows.append(dict(preset=preset, batch=batch, seq=seq, weights=kind or "bf16", forward_ms=ms,
+                         vs_bf16=rows[0]["forward_ms"] / ms if rows else 1.0))
+        log(f"{preset} prefill B{batch} T{seq} {rows[-1]['weights']:5s} {ms:8.2f} ms  {rows[-1]['vs_bf16']:.2f}x bf16")
+        model.forget_graphs()
+        del model
+        free_memory()
+    return rows
+
+
+def linear_rows(preset: str, copy_gbs: float, peak: float, rows_list=(1, 8, 32, 8192), log=print) -> list[dict]:
+    """quant_linear (weight-only int8 / fp8; W8A8 fp8 from 128 rows) against torch._scaled_mm and torch._int_mm;
+    `peak`: the measured bf16 tensor-core rate (FP8's taken as twice it)."""
+    import cupy
+    import torch
+
+    from tilekit.kernels import quant_linear, quantize_fp8
+    from tilekit.models.families import preset_config
+    c = preset_config(preset)
+    shapes = {"qkv": ((c.n_head + 2 * c.n_kv_head) * c.head_dim, c.n_embd), "o_proj": (c.n_embd, c.n_head * c.head_dim),
+              "gate_up": (2 * c.intermediate_size, c.n_embd), "down": (c.n_embd, c.intermediate_size)}
+    out = []
+    for name, (N, K) in shapes.items():
+        w8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda")
+        wf8 = (torch.randn(N, K, device="cuda")).to(torch.float8_e4m3fn)
+        ws = torch.rand(N, device="cuda") / K
+        for M in rows_list:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            w8a8 = M >= 128
+            xq, xs = torch.empty(M, K, dtype=torch.uint8, device="cuda"), torch.empty(M, 1, device="cuda")
+            ours = {"int8": lambda: quant_linear(x, w8, ws, weight_dtype="int8", out=y)}
+            if w8a8:
+                def fp8():
+                    quantize_fp8(x, xq, xs)
+                    quant_linear(xq, wf8.view(torch.uint8), ws, weight_dtype="fp8", x_scale=xs, out=y)
+                ours["fp8"] = fp8
+            else:
+                ours["fp8"] = lambda: quant_linear(x, wf8.view(torch.uint8), ws, weight_dtype="fp8", out=y)
+            xf8 = x.to(torch.float8_e4m3fn)
+            theirs = {"fp8": lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=torch.ones(M, 1, device="cuda"),
+                                                      scale_b=ws.view(1, N), out_dtype=torch.bfloat16,
+                                                      use_fast_accum=True)}
+            if M > 16:
+                x8 = torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda")
+                theirs["int8"] = lambda: torch._int_mm(x8, w8.t())
+            for kind, fn in ours.items():
+                ms = timed(fn)
+                ref_ms = timed(theirs[kind]) if kind in theirs else math.nan
+                floor = (N * K + 2 * M * (K + N)) / (copy_gbs * 1e9) * 1e3
+                compute = 2 * M * N * K / (peak * (2 if w8a8 and kind == "fp8" else 1) * 1e12) * 1e3
+                row = dict(preset=preset, linear=name, M=M, N=N, K=K, weights=kind, w8a8=w8a8 and kind == "fp8",
+                           ms=ms, torch_ms=ref_ms, vs_torch=ref_ms / ms, pct_floor=100 * max(floor, compute) / ms)
+                log(f"{name:8s} M{M:<5d} N{N:<6d} K{K:<6d} {kind:4s}{' w8a8' if row['w8a8'] else '     '} {ms * 1e3:9.1f} us"
+                    f"  torch {ref_ms * 1e3:9.1f} us ({row['vs_torch']:.2f}x)  {row['pct_floor']:4.0f}% of floor")
+                out.append(row)
+    cupy.cuda.runtime.deviceSynchronize()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = model_batch_parser("studies.quant", __doc__).parse_args(argv)
+    from benchmarks.harness.timing import copy_bandwidth, matmul_peak_tflops
+    copy_gbs, peak = copy_bandwidth()["gbs"], matmul_peak_tflops()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s")
+    results = {"decode": [], "prefill": [], "linear": []}
+    for preset in args.model or ["llama-3.1-8b"]:
+        for batch in args.batch or [1, 8, 32]:
+            results["decode"] += decode_rows(preset, batch, copy_gbs)
+        results["prefill"] += prefill_rows(preset)
+        results["linear"] += linear_rows(preset, copy_gbs, peak)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "quant.json").write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The `--quantize` option of tune, db explain and generate on CPU."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_cli import misuse
+from tilekit import cli
+
+TINY_LLAMA = Path(__file__).resolve().parents[1] / "data" / "tiny-llama"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["tune", "--kernel", "linear", "--shape", "M=8,N=8,K=8", "--quantize", "int8"], "--quantize goes with --model"),
+    (["tune", "--model", "gpt2", "--quantize", "int8"], "GPT models have no quantized linears"),
+    (["tune", "--model", "llama-3.2-1b", "--quantize", "int4"], "invalid choice"),
+    (["generate", "--model", str(TINY_LLAMA), "--prompt", "hi", "--quantize", "fp8", "--device", "cpu"],
+     "--quantize needs --device cuda"),
+])
+def test_misuse_exits_2_with_one_line(argv, says, capsys):
+    assert says in misuse(argv, capsys)
+
+
+def test_db_explain_lists_the_quantized_workload(capsys):
+    assert cli.main(["db", "explain", "--model", "llama-3.2-1b", "--quantize", "fp8", "--batch-sizes", "1",
+                     "--seq-lens", "128", "--gpu", "NVIDIA H100 80GB HBM3"]) == 0
+    out = capsys.readouterr().out
+    assert "quant_linear/" in out and "quantize_fp8/" in out and "swiglu_linear/" not in out

@@ -1,0 +1,99 @@
+"""quant_linear on the GPU against the float64 reference of its dequantized weights: INT8 and FP8 weights, per
+channel and 128x128 block scales, weight-only and W8A8 (FP8 activations from quantize_fp8), the SwiGLU, bias and
+residual epilogues, split-K for few rows."""
+
+import math
+
+import numpy as np
+import pytest
+
+from tilekit.kernels import quant_linear, quantize_fp8
+from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
+from tilekit.kernels.quant_linear import QBLOCK, QUANT_LINEAR, quant_linear_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def random_weight(rows: int, K: int, kind: str, scale: str, rng):
+    """(host weight, host fp32 scales) with fresh random codes: int8 in [-127, 127], FP8 e4m3 of N(0, 1) values
+    (NaN codes never drawn); scales around 1/sqrt(K) per channel or per 128x128 block of `rows` rows."""
+    import ml_dtypes
+    if kind == "int8":
+        w = rng.integers(-127, 128, (rows, K)).astype(np.int8)
+    else:
+        w = rng.standard_normal((rows, K)).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    shape = (rows,) if scale == "channel" else (-(-rows // QBLOCK), -(-K // QBLOCK))
+    s = (rng.uniform(0.5, 1.5, shape) / math.sqrt(K) / (64 if kind == "int8" else 1)).astype(np.float32)
+    return w, s
+
+
+def check_quant_linear(M, N, K, dtype, kind="fp8", scale="channel", fp8_x=False, swiglu=False, bias=False,
+                       res=False):
+    import cupy
+    rng = np.random.default_rng()
+    halves = [random_weight(N, K, kind, scale, rng) for _ in range(2 if swiglu else 1)]
+    w, s = (np.concatenate(parts) for parts in zip(*halves))
+    b = rand((N,), dtype) if bias else None
+    r = rand((M, N), dtype) if res else None
+    x = rand((M, K), dtype)
+    x_bits = x_scale = None
+    if fp8_x:
+        x_bits, x_scale = cupy.empty((M, K), cupy.uint8), cupy.empty((M, 1 if scale == "channel" else
+                                                                       -(-K // QBLOCK)), cupy.float32)
+        quantize_fp8(x, x_bits, x_scale, group=None if scale == "channel" else QBLOCK)
+    out = poisoned((M, N), dtype)
+    y = quant_linear(x_bits if fp8_x else x, cupy.asarray(w), cupy.asarray(s), b, weight_dtype=kind,
+                     x_scale=x_scale, activation="swiglu" if swiglu else None, residual=r, out=out)
+    assert y is out
+    ref = quant_linear_reference(host(x_bits) if fp8_x else host(x), w, s, None if b is None else host(b),
+                                 weight_dtype=kind, x_scale=None if x_scale is None else host(x_scale),
+                                 activation="swiglu" if swiglu else None, residual=None if r is None else host(r))
+    assert_close(host(y), ref, TOL[dtype], f"quant_linear {(M, N, K, dtype, kind, scale, fp8_x, swiglu, bias, res)}")
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("scale", ["channel", "block"])
+@pytest.mark.parametrize("M, N, K", [(1, 1000, 1536), (3, 200, 136), (8, 4096, 512), (300, 1031, 200)])
+def test_weight_only_matches_reference(kind, scale, M, N, K):
+    check_quant_linear(M, N, K, "bfloat16", kind, scale, res=True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_other_activation_dtypes(dtype):
+    check_quant_linear(5, 300, 264, dtype, "int8", bias=True)
+    check_quant_linear(130, 300, 264, dtype, "fp8", "block", bias=True, res=True)
+
+
+@pytest.mark.parametrize("scale", ["channel", "block"])
+@pytest.mark.parametrize("M", [1, 4, 200])
+def test_swiglu(scale, M):
+    """[gate; up] halves with their own scales; N not a multiple of 128 puts a partial block at each half's end."""
+    check_quant_linear(M, 300, 520, "bfloat16", "fp8", scale, swiglu=True)
+    check_quant_linear(M, 256, 384, "bfloat16", "int8", scale, swiglu=True)
+
+
+@pytest.mark.parametrize("scale", ["channel", "block"])
+@pytest.mark.parametrize("M, N, K", [(1, 512, 1024), (64, 384, 640), (1000, 1031, 1536)])
+def test_fp8_activations(scale, M, N, K):
+    check_quant_linear(M, N, K, "bfloat16", "fp8", scale, fp8_x=True, res=True)
+    check_quant_linear(M, N, K, "bfloat16", "fp8", scale, fp8_x=True, swiglu=True)
+
+
+def test_every_split_k_of_a_decode_shape():
+    for split in (1, 2, 4, 8, 16):
+        config = dict(TM=16, TN=32, TK=128, GROUP_M=8, SPLIT_K=split, occupancy=1, num_worker_warps=0)
+        with QUANT_LINEAR.pinned(config):     # 17 K tiles: uneven splits, the last ones empty
+            check_quant_linear(2, 320, 2112, "bfloat16", "int8", res=True)
+            check_quant_linear(2, 320, 2112, "bfloat16", "fp8", "block", swiglu=True)
+
+
+def test_bad_arguments_name_themselves():
+    import cupy
+    x = rand((2, 64), "bfloat16")
+    w, s = cupy.zeros((32, 64), cupy.int8), cupy.ones((32,), cupy.float32)
+    with pytest.raises(TypeError, match="weight has dtype int8"):
+        quant_linear(x, w, s, weight_dtype="fp8")
+    with pytest.raises(ValueError, match="weight_scale must have shape"):
+        quant_linear(x, w, cupy.ones((31,), cupy.float32), weight_dtype="int8")
+    with pytest.raises(ValueError, match="x_scale .* needs FP8 weights"):
+        quant_linear(cupy.zeros((2, 64), cupy.uint8), w, s, weight_dtype="int8", x_scale=cupy.ones((2, 1), cupy.float32))

@@ -1,0 +1,85 @@
+"""A quantized Llama's weights on CPU (NumPy standing in for CuPy: tests/_numpy_cupy.py; no kernel runs): load-time
+quantization and construction from a state agree and fill the model's own arrays (q, k, v and gate, up as row views
+of fused matrices and scales), every checkpoint layout lands in them, and save_pretrained reads back bit for bit."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
+from tests.models.test_quantization import EXTRAS, LAYOUTS, write_quantized
+from tilekit.kernels.quant_linear import dequantize_reference
+from tilekit.models import Llama, LlamaConfig, quantization
+from tilekit.models.llama.weights import random_state_dict, save_state_dict
+from tilekit.models.quantization import quantize_weight, scale_key
+
+CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, intermediate_size=384, vocab_size=50,
+                     max_position_embeddings=64, tie_word_embeddings=False, rope_scaling=None)
+
+
+def assert_same_params(a, b):
+    assert a.params.keys() == b.params.keys()
+    for name, array in a.params.items():
+        assert array.dtype == b.params[name].dtype and np.array_equal(array.view(np.uint8),
+                                                                      b.params[name].view(np.uint8)), name
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_load_time_quantization_fills_the_models_arrays(numpy_cupy, kind, tmp_path):
+    state = random_state_dict(CONFIG, 2)
+    save_state_dict(tmp_path, CONFIG, state)
+    model = Llama.from_pretrained(tmp_path, quantize=kind)
+    for name in model.quantized:
+        codes, scale = quantize_weight(state[name], kind)
+        np.testing.assert_array_equal(model.params[name], codes, err_msg=name)
+        np.testing.assert_array_equal(model.params[scale_key(name)], scale, err_msg=name)
+    blk, p = model.blocks[1], "model.layers.1."
+    for fused, fused_scale, names in ((blk.qkv, blk.qkv_scale, [f"self_attn.{n}_proj" for n in "qkv"]),
+                                      (blk.gate_up, blk.gate_up_scale, ["mlp.gate_proj", "mlp.up_proj"])):
+        assert all(np.shares_memory(model.params[f"{p}{n}.weight"], fused) for n in names)
+        np.testing.assert_array_equal(fused_scale, np.concatenate([model.params[f"{p}{n}.weight_scale"]
+                                                                   for n in names]))
+    assert_same_params(model, Llama(CONFIG, state=state, quantize=kind))
+    dequantized = model.state_dict()
+    assert dequantized.keys() == state.keys()
+    name = p + "mlp.down_proj.weight"
+    np.testing.assert_array_equal(dequantized[name], dequantize_reference(
+        model.params[name], model.params[scale_key(name)], kind).astype(np.float32))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_lands_in_the_model_and_saves_back(numpy_cupy, layout, tmp_path):
+    kind, strategy, qconfig, scale_shape = LAYOUTS[layout]
+    expected = write_quantized(tmp_path / "in", kind, strategy, qconfig, scale_shape,
+                               "weight_scale_inv" if layout == "block fp8" else "weight_scale", EXTRAS.get(layout, ()),
+                               CONFIG)
+    model = Llama.from_pretrained(tmp_path / "in")
+    assert (model.quant.weight, model.quant.scale) == (kind, "block" if strategy == "block" else "channel")
+    state = model.state_dict()
+    for name, w in expected.items():
+        np.testing.assert_array_equal(state[name], w.astype(np.float32), err_msg=name)
+    model.save_pretrained(tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["quantization_config"]["quant_method"] == "compressed-tensors"
+    again = Llama.from_pretrained(tmp_path / "out")
+    assert again.quant.source == "compressed-tensors" and again.quant.scale == model.quant.scale
+    assert_same_params(again, model)
+
+
+def test_block_scaled_q_and_k_need_128_row_multiples(numpy_cupy, tmp_path):
+    config = CONFIG.replace(n_embd=160, head_dim=40)      # k and v projections of 80 rows
+    write_quantized(tmp_path, *LAYOUTS["block fp8"][:2], LAYOUTS["block fp8"][2], LAYOUTS["block fp8"][3],
+                    "weight_scale_inv", config=config)
+    with pytest.raises(ValueError, match="multiples of 128 rows"):
+        Llama.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="come from a checkpoint"):
+        Llama(CONFIG, quantize=quantization.Scheme("fp8", "block"))
+
+
+def test_gpt_refuses_quantize(numpy_cupy):
+    from pathlib import Path
+
+    from tilekit.models import GPT
+    with pytest.raises(ValueError, match="GPT has no quantized linears"):
+        GPT.from_pretrained(Path(__file__).resolve().parents[2] / "data" / "tiny-gpt2", quantize="int8")

@@ -1,0 +1,225 @@
+"""Quantized weights on the host: per-channel absmax quantization (NumPy), the FP8 / INT8 checkpoint layouts read
+through the loader (synthetic checkpoints of each, loaded into NumPy arrays), clear errors for schemes tilekit does
+not read, and the compressed-tensors layout save_pretrained writes read back."""
+
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tilekit.kernels.quant_linear import dequantize_reference
+from tilekit.models import hf, quantization
+from tilekit.models.llama import weights
+from tilekit.models.llama.config import LlamaConfig
+from tilekit.models.quantization import QBLOCK, Scheme, quantize_weight
+
+CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=160, intermediate_size=200, vocab_size=50,
+                     max_position_embeddings=64, tie_word_embeddings=False, rope_scaling=None)
+SHAPES = weights.state_dict_shapes(CONFIG)
+LINEARS = quantization.linear_names(SHAPES, weights.QUANTIZED)
+FP8 = ml_dtypes.float8_e4m3fn
+
+
+def fp8_codes(values) -> np.ndarray:
+    return np.clip(values, -448, 448).astype(FP8).view(np.uint8)
+
+
+def file_quantized(w, kind: str, strategy: str):
+    """(codes, file scale) of a float [out, in] weight as a checkpoint of `strategy` stores it."""
+    top = 127.0 if kind == "int8" else 448.0
+    if strategy == "block":
+        out, k = w.shape
+        pad = np.pad(np.abs(w), [(0, -out % QBLOCK), (0, -k % QBLOCK)])
+        s = pad.reshape(-(-out // QBLOCK), QBLOCK, -1, QBLOCK).max((1, 3)).astype(np.float32) / top
+        full = np.repeat(np.repeat(s, QBLOCK, 0), QBLOCK, 1)[:out, :k]
+    else:
+        s = (np.abs(w).max(1, keepdims=True) if strategy == "channel" else np.abs(w).max(keepdims=True)
+             ).astype(np.float32) / top
+        full = s
+    q = w / full
+    codes = np.clip(np.rint(q), -127, 127).astype(np.int8) if kind == "int8" else fp8_codes(q)
+    return codes, s
+
+
+def write_quantized(directory, kind: str, strategy: str, qconfig: dict | None, scale_shape, scale_name="weight_scale",
+                    extras=(), config=CONFIG):
+    """A synthetic quantized Llama checkpoint of `config`; returns our name -> expected float64 dequantized weight."""
+    state = weights.random_state_dict(config, 0)
+    linears = quantization.linear_names(weights.state_dict_shapes(config), weights.QUANTIZED)
+    tensors, raw, expected = {}, {}, {}
+    for name, w in state.items():
+        if name not in linears:
+            tensors[name] = w
+            continue
+        codes, s = file_quantized(w.astype(np.float64), kind, strategy)
+        tensors[name], raw[name] = codes, quantization.FILE_DTYPES[kind]
+        scale = name[:-len("weight")] + scale_name
+        tensors[scale], raw[scale] = s.reshape(scale_shape(w.shape)), "F32"
+        for extra in extras:
+            tensors[name[:-len("weight")] + extra], raw[name[:-len("weight")] + extra] = np.ones(1, np.float32), "F32"
+        values = codes.view(FP8).astype(np.float64) if kind == "fp8" else codes.astype(np.float64)
+        block = np.repeat(np.repeat(s, QBLOCK, 0), QBLOCK, 1)[:w.shape[0], :w.shape[1]] if strategy == "block" else s
+        expected[name] = values * block
+    hf_config = config.to_hf_dict()
+    if qconfig is not None:
+        hf_config["quantization_config"] = qconfig
+    hf.write_checkpoint(directory, hf_config, tensors, raw=raw)
+    return expected
+
+
+def load_host(directory, quantize=None):
+    """(scheme, our name -> NumPy array: codes, scales under scale_key names, float weights) through the loader."""
+    checkpoint = hf.Checkpoint.at(directory)
+    scheme = quantization.scheme_for(checkpoint, quantize)
+    outs = {}
+    for name, shape in SHAPES.items():
+        if name in LINEARS:
+            outs[name] = np.empty(shape, np.int8 if scheme.weight == "int8" else np.uint8)
+            outs[quantization.scale_key(name)] = np.empty(quantization.model_scale_shape(scheme.scale, shape),
+                                                          np.float32)
+        else:
+            outs[name] = np.empty(shape, np.float32)
+    weights.LAYOUT.load(checkpoint, CONFIG, dtype="float32", outs=outs, device=hf.HostDevice(),
+                        ignore=scheme.ignored,
+                        rewrite=lambda plan, o: quantization.rewrite_plan(plan, LINEARS, scheme, o))
+    return scheme, outs
+
+
+def dequantized(outs, scheme):
+    return {n: dequantize_reference(outs[n], outs[quantization.scale_key(n)], scheme.weight) for n in LINEARS}
+
+
+def compressed(kind, strategy, **weights_extra):
+    return {"quant_method": "compressed-tensors", "format": "float-quantized" if kind == "fp8" else "int-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(
+                num_bits=8, type="float" if kind == "fp8" else "int", symmetric=True, strategy=strategy,
+                dynamic=False, **weights_extra), "input_activations": {"num_bits": 8, "type": "float",
+                                                                     "strategy": "token", "dynamic": True}}},
+            "ignore": ["lm_head"]}
+
+
+LAYOUTS = {
+    "compressed-tensors fp8 channel": ("fp8", "channel", compressed("fp8", "channel"), lambda s: (s[0], 1)),
+    "compressed-tensors fp8 tensor": ("fp8", "tensor", compressed("fp8", "tensor"), lambda s: (1,)),
+    "compressed-tensors fp8 block": ("fp8", "block", compressed("fp8", "block", block_structure=[128, 128]),
+                                     lambda s: (math.ceil(s[0] / 128), math.ceil(s[1] / 128))),
+    "compressed-tensors int8 channel": ("int8", "channel", compressed("int8", "channel"), lambda s: (s[0], 1)),
+    "fbgemm_fp8": ("fp8", "channel", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                      "modules_to_not_convert": ["lm_head"]}, lambda s: (s[0], 1)),
+    "modelopt FP8": ("fp8", "tensor", {"quant_method": "modelopt", "quant_algo": "FP8",
+                                       "exclude_modules": ["lm_head"]}, lambda s: ()),
+    "block fp8": ("fp8", "block", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128]},
+                  lambda s: (math.ceil(s[0] / 128), math.ceil(s[1] / 128))),
+}
+EXTRAS = {"fbgemm_fp8": ("input_scale_ub",), "modelopt FP8": ("input_scale", "k_scale")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_checkpoint_layouts_load_exactly(layout, tmp_path):
+    kind, strategy, qconfig, scale_shape = LAYOUTS[layout]
+    expected = write_quantized(tmp_path, kind, strategy, qconfig, scale_shape,
+                               "weight_scale_inv" if layout == "block fp8" else "weight_scale", EXTRAS.get(layout, ()))
+    scheme, outs = load_host(tmp_path)
+    assert (scheme.weight, scheme.scale) == (kind, "block" if strategy == "block" else "channel")
+    for name, w in dequantized(outs, scheme).items():
+        np.testing.assert_array_equal(w, expected[name], err_msg=f"{layout}: {name}")
+    state = weights.random_state_dict(CONFIG, 0)
+    np.testing.assert_array_equal(outs["model.norm.weight"], state["model.norm.weight"])
+
+
+def test_modelopt_hf_quant_config_file(tmp_path):
+    _, _, _, scale_shape = LAYOUTS["modelopt FP8"]
+    expected = write_quantized(tmp_path, "fp8", "tensor", None, scale_shape, extras=("input_scale",))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
+        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "FP8", "exclude_modules": ["lm_head"]}}))
+    scheme, outs = load_host(tmp_path)
+    assert scheme.source == "ModelOpt FP8"
+    for name, w in dequantized(outs, scheme).items():
+        np.testing.assert_array_equal(w, expected[name])
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_load_time_quantization_of_a_float_checkpoint(kind, tmp_path):
+    state = weights.random_state_dict(CONFIG, 1)
+    weights.save_state_dict(tmp_path, CONFIG, state, dtype="bfloat16")
+    scheme, outs = load_host(tmp_path, kind)
+    assert scheme == Scheme(kind)
+    for name in LINEARS:
+        codes, scale = quantize_weight(state[name].astype(ml_dtypes.bfloat16), kind)
+        np.testing.assert_array_equal(outs[name], codes)
+        np.testing.assert_array_equal(outs[quantization.scale_key(name)], scale)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantize_weight_is_per_channel_absmax(kind):
+    rng = np.random.default_rng()
+    w = rng.standard_normal((70, 300)) * rng.uniform(0.01, 10, (70, 1))
+    w[3] = 0
+    codes, scale = quantize_weight(w, kind)
+    top = 127 if kind == "int8" else 448
+    np.testing.assert_allclose(scale[4:], np.abs(w[4:]).max(1).astype(np.float32) / np.float32(top), rtol=1e-7)
+    assert scale[3] > 0 and not dequantize_reference(codes, scale, kind)[3].any()
+    error = np.abs(dequantize_reference(codes, scale, kind) - w)
+    if kind == "int8":
+        assert np.all(error <= 0.5 * scale[:, None] * (1 + 1e-6))
+    else:                               # half an e4m3 step: 2**-4 relative for normals, 2**-10 * scale below
+        assert np.all(error <= np.maximum(np.abs(w) * 2.0 ** -4, 2.0 ** -10 * scale[:, None]) * (1 + 1e-6))
+
+
+@pytest.mark.parametrize("qconfig, field", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method"),
+    ({"quant_method": "awq", "bits": 4}, "quant_method"),
+    ({**compressed("fp8", "channel"), "format": "pack-quantized"}, "format"),
+    ({**compressed("fp8", "group")}, "weights"),
+    ({**compressed("fp8", "channel"), "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "ignore"),
+    ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo"),
+    ({**compressed("fp8", "channel"), "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "type": ["float"], "num_bits": 8}}}}, "weights"),
+    ({"quant_method": ["fp8"]}, "quant_method"),
+    ([], "quantization_config"),
+])
+def test_unsupported_schemes_are_named(qconfig, field, tmp_path):
+    hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=qconfig), {})
+    with pytest.raises(hf.ModelFileError, match=field) as e:
+        quantization.scheme_of(hf.Checkpoint.at(tmp_path))
+    assert "config.json" in str(e.value)
+
+
+def test_a_null_quantization_config_is_none(tmp_path):
+    hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=None), {})
+    assert quantization.scheme_of(hf.Checkpoint.at(tmp_path)) is None
+
+
+def test_quantize_must_agree_with_the_checkpoint(tmp_path):
+    write_quantized(tmp_path, "fp8", "channel", compressed("fp8", "channel"), lambda s: (s[0], 1))
+    with pytest.raises(ValueError, match="holds fp8 weights"):
+        quantization.scheme_for(hf.Checkpoint.at(tmp_path), "int8")
+    with pytest.raises(ValueError, match="quantize must be"):
+        quantization.scheme_for(hf.Checkpoint.at(tmp_path), "int4")
+
+
+@pytest.mark.parametrize("kind, scale", [("int8", "channel"), ("fp8", "channel"), ("fp8", "block")])
+def test_saved_compressed_tensors_read_back(kind, scale, tmp_path):
+    """What save_pretrained writes (file_tensors, compressed_tensors_config) loads back bit for bit."""
+    _, outs = load_host(_written(tmp_path / "a", kind, scale))
+    scheme = Scheme(kind, scale)
+    tensors, raw = quantization.file_tensors(outs, LINEARS, scheme)
+    hf.write_checkpoint(tmp_path / "b", dict(CONFIG.to_hf_dict(), quantization_config=quantization.
+                                             compressed_tensors_config(scheme)), tensors, raw=raw)
+    again_scheme, again = load_host(tmp_path / "b")
+    assert (again_scheme.weight, again_scheme.scale) == (kind, scale)
+    for name, array in outs.items():
+        np.testing.assert_array_equal(again[name], array, err_msg=name)
+
+
+def _written(directory, kind, scale):
+    if scale == "block":
+        write_quantized(directory, kind, "block", compressed(kind, "block", block_structure=[128, 128]),
+                        LAYOUTS["block fp8"][3])
+    else:
+        write_quantized(directory, kind, "channel", compressed(kind, "channel"), lambda s: (s[0], 1))
+    return directory

@@ -1,0 +1,374 @@
+"""Quantized linear layer: act(x @ dequant(W)^T + b) + residual, W 8-bit [out, in] with fp32 scales.
+
+Weights are INT8 or FP8 e4m3 (stored as uint8 bits, as checkpoints hold them) in nn.Linear's [out, in]
+layout, with a scale per output channel (`scale="channel"`, Ws [N]) or per 128x128 block
+(`scale="block"`, Ws [ceil(N/128), ceil(K/128)], DeepSeek-V3's weight_scale_inv). Two modes:
+
+* weight-only (`x_scale=None`): x is bf16/fp16/fp32; each weight tile is widened to x's dtype in
+  registers (exact for int8 and e4m3) and multiplied on tensor cores with an fp32 accumulator. With few
+  rows (decoding) the kernel is a GEMV bound by how fast W streams in, at half the bytes of bf16, and
+  SPLIT_K programs share an output tile as in `linear`;
+* W8A8 (`x_scale` given): x is FP8 bits from `quantize_fp8` with a scale per row (Xs [M, 1]) or per row
+  and 128-column group (Xs [M, ceil(K/128)], with block weights), multiplied in FP8 with fast
+  accumulation, promoted into the fp32 accumulator after every K tile (of at most 128).
+
+Per-channel scales multiply the sum once, in the epilogue; block scales multiply each K tile's product
+(K tiles never straddle a 128 block). `activation="swiglu"`: W holds [gate; up] (2N rows, each half with
+its own scales) and the output is silu(x Wg^T) * (x Wu^T), Llama's MLP in one kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.tile as ct
+import numpy as np
+
+from tilekit.autotune import arrays
+from tilekit.autotune.arrays import ArraySpec, absent
+from tilekit.autotune.keys import pow2_bucket
+from tilekit.autotune.op import Binding, Launch, Op
+from tilekit.autotune.space import SearchSpace, pow2_ceil
+from tilekit.kernels.swiglu_linear import swiglu_reference
+from tilekit.kernels.tiles import grouped_tile, sync_with_previous_kernel
+
+ZERO = ct.PaddingMode.ZERO
+QBLOCK = 128              # the side of a block scale's square of weights (and of an activation group)
+WEIGHT_DTYPES = {"int8": "int8", "fp8": "uint8"}       # weight kind -> the array dtype holding it
+
+
+@ct.function
+def add_k_tile(acc, a, W, Xs, Ws, g, k, rows, cols, pid_n, TM, TN, TK, FP8, BLOCK, XQ, dtype):
+    """acc + x tile a @ dequantized weight tile (k, pid_n) of half g; block scales applied here."""
+    w = ct.load(W, (g, k, pid_n), (1, TK, TN), order=(0, 2, 1), padding_mode=ZERO).reshape((TK, TN))
+    if FP8:
+        w = ct.bitcast(w, ct.float8_e4m3fn)
+    if XQ:
+        part = ct.mma(ct.bitcast(a, ct.float8_e4m3fn), w, ct.zeros((TM, TN), dtype=ct.float32), use_fast_acc=True)
+    elif BLOCK:
+        part = ct.mma(a, w.astype(dtype), ct.zeros((TM, TN), dtype=ct.float32))
+    else:
+        acc = ct.mma(a, w.astype(dtype), acc)
+    if BLOCK:
+        kb = (k * TK) // QBLOCK
+        part = part * ct.gather(Ws, (g, cols // QBLOCK, kb))
+        if XQ:
+            part = part * ct.gather(Xs, (rows, kb))
+    if BLOCK or XQ:
+        acc = acc + part
+    return acc
+
+
+@ct.function
+def channel_scaled(acc, Xs, Ws, g, rows, cols, BLOCK, XQ):
+    """A finished sum of half g times its per-channel (and per-row) scales."""
+    if not BLOCK:
+        acc = acc * ct.gather(Ws, (g, cols))
+        if XQ:
+            acc = acc * ct.gather(Xs, (rows, 0))
+    return acc
+
+
+@ct.kernel
+def quant_linear_kernel(X, Xs, W, Ws, Bias, Res, Y, Partial, Counter,
+                        TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
+                        GROUP_M: ct.Constant[int], SPLIT_K: ct.Constant[int], FP8: ct.Constant[bool],
+                        BLOCK: ct.Constant[bool], XQ: ct.Constant[bool], SWIGLU: ct.Constant[bool],
+                        HAS_BIAS: ct.Constant[bool], HAS_RES: ct.Constant[bool]):
+    """Y[M, N] = act(X[M, K] @ dequant(W[g, N, K])^T + Bias) + Res, g = 0 (and 1, the up half, for SWIGLU).
+
+    Program bid(0) = tile * SPLIT_K + split sums its slice of K into Partial[split] (fp32); the last
+    of a tile's programs to arrive, counted in Counter[tile] (left at zero), adds the slices and runs
+    the epilogue, as in linear."""
+    sync_with_previous_kernel()
+    M = X.shape[0]
+    K = X.shape[1]
+    N = Y.shape[1]
+    tiles_m = ct.cdiv(M, TM)
+    tiles_n = ct.cdiv(N, TN)
+    tile = ct.bid(0) // SPLIT_K
+    split = ct.bid(0) % SPLIT_K
+    pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+    rows = (ct.arange(TM, dtype=ct.int32) + pid_m * TM).reshape((TM, 1))
+    cols = (ct.arange(TN, dtype=ct.int32) + pid_n * TN).reshape((1, TN))
+    k_tiles = ct.cdiv(K, TK)
+    per_split = ct.cdiv(k_tiles, SPLIT_K)
+    gate = ct.zeros((TM, TN), dtype=ct.float32)
+    up = ct.zeros((TM, TN), dtype=ct.float32)
+    for k in range(split * per_split, ct.minimum(k_tiles, (split + 1) * per_split)):
+        a = ct.load(X, (pid_m, k), (TM, TK), padding_mode=ZERO)
+        gate = add_k_tile(gate, a, W, Xs, Ws, 0, k, rows, cols, pid_n, TM, TN, TK, FP8, BLOCK, XQ, Y.dtype)
+        if SWIGLU:
+            up = add_k_tile(up, a, W, Xs, Ws, 1, k, rows, cols, pid_n, TM, TN, TK, FP8, BLOCK, XQ, Y.dtype)
+
+    if SPLIT_K > 1:
+        ct.store(Partial, (split, 0, pid_m, pid_n), gate.reshape((1, 1, TM, TN)))
+        if SWIGLU:
+            ct.store(Partial, (split, 1, pid_m, pid_n), up.reshape((1, 1, TM, TN)))
+        arrived = ct.atomic_add(Counter, tile, 1)       # acq_rel: our partial before it, theirs after
+        last = arrived == SPLIT_K - 1
+        rows = ct.where(last, rows, M)                   # other programs address no row at all
+        gate = ct.zeros((TM, TN), dtype=ct.float32)
+        up = ct.zeros((TM, TN), dtype=ct.float32)
+        for s in range(SPLIT_K):
+            gate = gate + ct.gather(Partial, (s, 0, rows, cols))
+            if SWIGLU:
+                up = up + ct.gather(Partial, (s, 1, rows, cols))
+        ct.atomic_xchg(Counter, ct.where(last, tile, tiles_m * tiles_n), 0, memory_order=ct.MemoryOrder.RELAXED)
+
+    acc = channel_scaled(gate, Xs, Ws, 0, rows, cols, BLOCK, XQ)
+    if SWIGLU:
+        acc = acc / (1.0 + ct.exp(-acc)) * channel_scaled(up, Xs, Ws, 1, rows, cols, BLOCK, XQ)
+    if HAS_BIAS:
+        acc = acc + ct.load(Bias, (pid_n,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
+    if HAS_RES:
+        acc = acc + ct.load(Res, (pid_m, pid_n), (TM, TN), padding_mode=ZERO).astype(ct.float32)
+    if SPLIT_K > 1:
+        ct.scatter(Y, (rows, cols), acc.astype(Y.dtype))
+    else:
+        ct.store(Y, (pid_m, pid_n), acc.astype(Y.dtype))
+
+
+# -- search space and heuristic default ---------------------------------------------------------
+
+def _halves(p: dict) -> int:
+    return 2 if p["act"] == "swiglu" else 1
+
+
+def _fits(c: dict, p: dict) -> bool:
+    """linear's pruning (few rows: narrow tiles, long K steps) with the weight tiles of both halves counted; K
+    tiles inside a scale block, and at most 128 long with FP8 activations (fast accumulation promoted to fp32
+    every 128 products at the latest, DeepSeek-V3's interval)."""
+    m = pow2_ceil(p["M"])
+    few_rows = m <= 64
+    tile = c["TM"] * c["TN"] * _halves(p)
+    item = 4 if p["dtype"] == "float32" else 2
+    return ((max(16, m // 4) if m < 256 else 64) <= c["TM"] <= max(16, m)
+            and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
+            and (c["TK"] <= QBLOCK or (p["scale"] == "channel" and p["xq"] == "none"))
+            and (c["TN"] <= 64 and c["TK"] >= 128 and c["num_worker_warps"] == 0 if few_rows
+                 else c["TN"] >= 64 and c["TK"] <= 128 and c["SPLIT_K"] == 1)
+            and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])
+            and tile <= 128 * 256
+            and (c["TM"] + c["TN"] * _halves(p)) * c["TK"] * item <= 64 * 1024
+            and (c["occupancy"] == 1 or tile <= 128 * 128)
+            and (c["num_worker_warps"] == 0 or tile >= 128 * 128))
+
+
+SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128), TN=(16, 32, 64, 128, 256), TK=(32, 64, 128, 256, 512),
+                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8, 16), occupancy=(1, 2), num_worker_warps=(0, 8))
+
+MIN_PROGRAMS = 264    # an untuned decode GEMV: about two programs per SM of an H100 or H200 streaming weights
+
+
+def default_config(p: dict) -> dict:
+    """Many rows: 128 x 128 tiles (128 x 64 for SwiGLU's two accumulators; K steps of 128 in FP8, 32 in fp32). Few rows: 32 columns by 128 of K
+    per step, split over K until about MIN_PROGRAMS programs stream the weights."""
+    m = pow2_ceil(p["M"])
+    plain = dict(GROUP_M=8, SPLIT_K=1, occupancy=1, num_worker_warps=0)
+    if m >= 128:
+        return dict(plain, TM=128, TN=128 // _halves(p), TK=128 if p["xq"] == "fp8" else 32 if p["dtype"] ==
+                    "float32" else 64)
+    k_tiles, tiles = ct.cdiv(p["K"], 128), ct.cdiv(p["N"], 32)
+    split = 1
+    while split < 16 and 2 * split <= k_tiles and tiles * split < MIN_PROGRAMS:
+        split *= 2
+    return dict(plain, TM=max(16, m), TN=32, TK=128, SPLIT_K=split)
+
+
+def _scale_shape(p: dict) -> tuple:
+    """Ws's kernel view: (halves, N) per channel, (halves, N blocks, K blocks) per block."""
+    g = _halves(p)
+    if p["scale"] == "channel":
+        return (g, p["N"])
+    return (g, ct.cdiv(p["N"], QBLOCK), ct.cdiv(p["K"], QBLOCK))
+
+
+def _arrays(p: dict) -> dict:
+    M, N, K, dt = p["M"], p["N"], p["K"], p["dtype"]
+    xq = p["xq"] == "fp8"
+    return {"x": ArraySpec("uint8" if xq else dt, (M, K), high=0x7F if xq else None),
+            "x_scale": ArraySpec("float32", (M, 1 if p["scale"] == "channel" else ct.cdiv(K, QBLOCK)))
+            if xq else absent("float32", 2),
+            "w": ArraySpec(WEIGHT_DTYPES[p["wq"]], (_halves(p), N, K), high=0x7F),
+            "w_scale": ArraySpec("float32", _scale_shape(p)),
+            "bias": ArraySpec(dt, (N,)) if p["bias"] else absent(dt, 1),
+            "res": ArraySpec(dt, (M, N)) if p["res"] else absent(dt, 2),
+            "y": ArraySpec(dt, (M, N), role="out")}
+
+
+def _tiles(p: dict, c: dict) -> int:
+    return ct.cdiv(p["M"], c["TM"]) * ct.cdiv(p["N"], c["TN"])
+
+
+def _scratch(p: dict, c: dict) -> dict:
+    if c["SPLIT_K"] == 1:
+        return {"partial": absent("float32", 4), "counter": absent("int32", 1)}
+    return {"partial": ArraySpec("float32", (c["SPLIT_K"], _halves(p), p["M"], p["N"]), role="scratch"),
+            "counter": ArraySpec("int32", (_tiles(p, c),), role="zeros")}
+
+
+def _grid(p: dict, c: dict) -> tuple:
+    return (_tiles(p, c) * c["SPLIT_K"], 1, 1)
+
+
+def _constants(p: dict, c: dict) -> tuple:
+    return (c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"], p["wq"] == "fp8", p["scale"] == "block",
+            p["xq"] == "fp8", p["act"] == "swiglu", bool(p["bias"]), bool(p["res"]))
+
+
+def _bind(a: list, flags: tuple) -> Binding:
+    x, x_scale, w, w_scale, bias, res, out = a
+    weight, activation = flags
+    if weight not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be 'int8' or 'fp8', got {weight!r}")
+    if activation not in (None, "swiglu"):
+        raise ValueError(f"activation must be None or 'swiglu', got {activation!r}")
+    arrays.check_dtype(w, "weight", (WEIGHT_DTYPES[weight],))
+    arrays.check_dtype(w_scale, "weight_scale", ("float32",))
+    arrays.check_same("weight", w, "x", x, dtype=False)
+    arrays.check_same("weight", w, "weight_scale", w_scale, dtype=False)
+    halves = 2 if activation == "swiglu" else 1
+    if len(w.shape) != 2 or w.shape[0] % halves or 0 in w.shape:
+        raise ValueError(f"weight must be a non-empty 2-D [out, in] array{' of 2N rows' if halves == 2 else ''}, "
+                         f"got shape {w.shape}")
+    N, K = w.shape[0] // halves, w.shape[1]
+    if len(x.shape) < 1 or x.shape[-1] != K:
+        raise ValueError(f"x must have last dimension {K} (weight shape {w.shape}), got shape {x.shape}")
+    M = math.prod(x.shape[:-1])
+    blocks = (halves * ct.cdiv(N, QBLOCK), ct.cdiv(K, QBLOCK))
+    if w_scale.shape == (halves * N,):
+        scale_kind = "channel"
+    elif w_scale.shape == blocks:
+        scale_kind = "block"
+    else:
+        raise ValueError(f"weight_scale must have shape ({halves * N},) (per channel) or {blocks} (per "
+                         f"{QBLOCK}x{QBLOCK} block{', per half' if halves == 2 else ''}), got {w_scale.shape}")
+    views = {"w": (2, (halves, N, K)), "w_scale": (3, (halves, *((N,) if scale_kind == "channel" else
+                                                                 (blocks[0] // halves, blocks[1]))))}
+    if x_scale is None:
+        arrays.check_dtype(x, "x", arrays.FLOAT_DTYPES)
+        dtype = x.dtype
+    else:
+        if weight != "fp8":
+            raise ValueError("x_scale (FP8 activations) needs FP8 weights")
+        arrays.check_dtype(x, "x", ("uint8",))
+        arrays.check_dtype(x_scale, "x_scale", ("float32",))
+        arrays.check_same("x", x, "x_scale", x_scale, dtype=False)
+        groups = 1 if scale_kind == "channel" else blocks[1]
+        if x_scale.shape != x.shape[:-1] + (groups,):
+            raise ValueError(f"x_scale must have shape {x.shape[:-1] + (groups,)} (one scale per row"
+                             f"{'' if groups == 1 else f' and {QBLOCK} columns'}), got {x_scale.shape}")
+        arrays.check_contiguous(x_scale, "x_scale")
+        views["x_scale"] = (1, (M, groups))
+        if out is None:
+            raise ValueError("out must be given with FP8 activations (its dtype is the output's)")
+        arrays.check_dtype(out, "out", arrays.FLOAT_DTYPES)
+        dtype = out.dtype
+    for name, v in (("x", x), ("weight", w), ("weight_scale", w_scale)):
+        arrays.check_contiguous(v, name)
+    out_shape = x.shape[:-1] + (N,)
+    views["x"] = (0, None if len(x.shape) == 2 else (M, K))
+    views["y"] = (6, None if len(out_shape) == 2 else (M, N))
+    like = arrays.Info(x.kind, dtype, x.shape, x.strides, x.device)
+    if bias is not None:
+        if halves == 2:
+            raise ValueError("bias is not supported with activation='swiglu'")
+        arrays.check_bias(bias, like, N)
+        views["bias"] = (4, None)
+    if res is not None:
+        arrays.check_same("x", like, "residual", res)
+        if res.shape != out_shape:
+            raise ValueError(f"residual must have shape {out_shape}, got {res.shape}")
+        arrays.check_contiguous(res, "residual")
+        views["res"] = (5, None if len(out_shape) == 2 else (M, N))
+    if out is not None:
+        arrays.check_out(out, "out", like, out_shape)
+    problem = dict(dtype=dtype, M=M, N=N, K=K, wq=weight, scale=scale_kind, xq="none" if x_scale is None else "fp8",
+                   act=activation or "none", bias=int(bias is not None), res=int(res is not None))
+    return Binding(problem=problem, arrays=views, returns=6, output=(6, arrays.allocator(x.kind, x.device, out_shape,
+                                                                                          dtype)))
+
+
+QUANT_LINEAR = Op(
+    "quant_linear", args=("x", "x_scale", "weight", "weight_scale", "bias", "residual", "out"),
+    optional=("x_scale", "bias", "residual", "out"),
+    key=dict(dtype=None, M=pow2_bucket, N=None, K=None, wq=None, scale=None, xq=None, act=None, bias=None, res=None),
+    space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
+    launches=(Launch(quant_linear_kernel, _grid, ("x", "x_scale", "w", "w_scale", "bias", "res", "y", "partial",
+                                                  "counter"), _constants),),
+    bind=_bind, choices=dict(wq=("int8", "fp8"), scale=("channel", "block"), xq=("none", "fp8"),
+                             act=("none", "swiglu"), bias=(0, 1), res=(0, 1)),
+    cli_defaults=dict(wq="fp8", scale="channel", xq="none", act="none", bias=0, res=0))
+
+
+# -- public function ---------------------------------------------------------------------------
+
+def quant_linear(x, weight, weight_scale, bias=None, *, weight_dtype: str, x_scale=None, activation=None,
+                 residual=None, out=None):
+    """act(x @ dequant(weight)^T + bias) + residual over the last dimension of x.
+
+    weight: [out, in] int8 (weight_dtype='int8') or FP8 e4m3 bits as uint8 ('fp8'); weight_scale: fp32, [out]
+    per channel or [ceil(out/128), ceil(in/128)] per block (dequant(W) = W * scale). x: bf16/fp16/fp32, or FP8
+    bits with x_scale ([..., 1] per row, [..., ceil(in/128)] per group with block weights; quantize_fp8 makes
+    both), then `out` gives the output dtype. activation='swiglu': weight is [gate; up] ([2I, in], scales of
+    both stacked the same way), the output silu(gate) * up of width I. Returns an array of x's kind, or `out`.
+    """
+    return QUANT_LINEAR((x, x_scale, weight, weight_scale, bias, residual, out), (weight_dtype, activation))
+
+
+def dequantize_reference(weight, weight_scale, weight_dtype: str) -> np.ndarray:
+    """float64 W * scale of an [out, in] int8 or FP8-bits weight with per-channel or 128x128 block scales."""
+    w = np.asarray(weight)
+    values = w.view(_float8()).astype(np.float64) if weight_dtype == "fp8" else w.astype(np.float64)
+    s = np.asarray(weight_scale, np.float64)
+    if s.ndim == 1:
+        return values * s[:, None]
+    return values * np.repeat(np.repeat(s, QBLOCK, 0), QBLOCK, 1)[:w.shape[0], :w.shape[1]]
+
+
+def _float8():
+    import ml_dtypes
+    return ml_dtypes.float8_e4m3fn
+
+
+def quant_linear_reference(x, weight, weight_scale, bias=None, *, weight_dtype: str, x_scale=None,
+                           activation=None, residual=None) -> np.ndarray:
+    """float64 NumPy quant_linear (x as values, or FP8 bits with x_scale)."""
+    if x_scale is None:
+        x = np.asarray(x, np.float64)
+    else:
+        x = np.asarray(x).view(_float8()).astype(np.float64)
+        s = np.asarray(x_scale, np.float64)
+        x = x * np.repeat(s, QBLOCK, -1)[..., :x.shape[-1]] if s.shape[-1] > 1 else x * s
+    if activation == "swiglu":         # each half with its own scales
+        halves = zip(np.split(np.asarray(weight), 2), np.split(np.asarray(weight_scale), 2))
+        gate, up = (x @ dequantize_reference(w, s, weight_dtype).T for w, s in halves)
+        y = swiglu_reference(gate, up)
+    else:
+        y = x @ dequantize_reference(weight, weight_scale, weight_dtype).T
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)
+    if residual is not None:
+        y = y + np.asarray(residual, np.float64)
+    return y
+
+
+if __name__ == "__main__":
+    import cupy
+
+    from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
+    from tilekit.kernels.quant_linear import quant_linear, quant_linear_reference  # the package's op
+    rng = np.random.default_rng()
+    for M, N, K, kind, block in [(1, 4096, 4096, "int8", False), (8, 1031, 200, "fp8", True), (300, 512, 136, "fp8",
+                                                                                                False)]:
+        w = rng.integers(-127, 128, (N, K)).astype(np.int8)
+        if kind == "fp8":
+            w = w.view(np.uint8) & 0x7E                     # positive e4m3 codes, no NaN
+        s = rng.uniform(0.5, 1.5, (-(-N // QBLOCK), -(-K // QBLOCK)) if block else (N,)).astype(np.float32) / K
+        x, r = rand((M, K), "bfloat16"), rand((M, N), "bfloat16")
+        y = quant_linear(x, cupy.asarray(w), cupy.asarray(s), weight_dtype=kind, residual=r,
+                         out=poisoned((M, N), "bfloat16"))
+        ref = quant_linear_reference(host(x), w, s, weight_dtype=kind, residual=host(r))
+        err = assert_close(host(y), ref, TOL["bfloat16"], f"quant_linear {M}x{N}x{K} {kind}")
+        print(f"quant_linear M{M} N{N} K{K} {kind} {'block' if block else 'channel'}: ok, relative error {err:.2e}")

@@ -1,0 +1,286 @@
+"""Quantized linear weights for every family: the FP8 checkpoint layouts tilekit reads, calibration-free INT8 /
+FP8 quantization at load time, and the compressed-tensors layout save_pretrained writes.
+
+A quantized model holds each block linear as 8-bit codes [out, in] (int8, or FP8 e4m3 as uint8 bits) and fp32
+scales, one per output channel ([out]) or per 128x128 block ([ceil(out/128), ceil(in/128)]), such that
+W ~ codes * scale (tilekit.kernels.quant_linear). Checkpoints read:
+
+* compressed-tensors ("float-quantized" FP8 / "int-quantized" INT8 weights; channel, tensor or 128x128 block
+  strategy; symmetric): `weight` + `weight_scale` ([out, 1], [1] or blocks);
+* fbgemm_fp8: `weight` + `weight_scale` [out, 1] (`input_scale_ub` read past);
+* ModelOpt (`quant_method: modelopt` or hf_quant_config.json): FP8 (per-tensor `weight_scale`, a scalar),
+  FP8_PER_CHANNEL_PER_TOKEN ([out, 1]) and FP8_PB_WO (blocks); static `input_scale`s and KV-cache scales are
+  read past (activations are scaled per token, the KV cache stays in the model's dtype);
+* DeepSeek-style block FP8 (`quant_method: fp8`, `weight_block_size: [128, 128]`): `weight` +
+  `weight_scale_inv` (blocks; despite the name a multiplier, as DeepSeek-V3 dequantizes).
+
+Per-tensor scales become per-channel ones. Any other scheme (GPTQ, AWQ, bitsandbytes, int4 packings, modules
+left unquantized other than the LM head) is a ModelFileError naming the scheme and the file. Load-time
+quantization (`quantize="int8" | "fp8"`) quantizes each tensor on the GPU as it arrives (one tensor at a time,
+never a bf16 copy of the model on the host): scale = absmax of the output channel / 127 (int8) or / 448 (e4m3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+from tilekit.kernels.quant_linear import QBLOCK, dequantize_reference
+from tilekit.kernels.quantize_fp8 import MIN_AMAX, quantize_fp8_reference
+from tilekit.models import hf
+from tilekit.untrusted import quoted, shown
+
+KINDS = ("int8", "fp8")
+INT8_MAX = 127.0
+FILE_DTYPES = {"int8": "I8", "fp8": "F8_E4M3"}
+QUANT_CONFIG = "hf_quant_config.json"           # ModelOpt's description of its checkpoints
+LM_HEAD_NAMES = ("lm_head", "re:.*lm_head", "re:^lm_head$", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How a model's linears are quantized (`weight`: int8 | fp8, `scale`: channel | block, what the kernels see)
+    and, for a checkpoint, how its files store them: `file_scale` (channel | tensor | block) with `scale_shape`
+    ("out1": [out, 1], "one": [1], "scalar": [], "blocks"), the scale tensor's suffix, and suffixes of
+    per-linear tensors read past. `source` names the format (messages)."""
+
+    weight: str
+    scale: str = "channel"
+    source: str = "load-time quantization"
+    scale_shape: str = "out1"
+    scale_name: str = "weight_scale"
+    ignored: tuple[str, ...] = ()
+
+    def scale_file_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
+        out, k = shape
+        return {"out1": (out, 1), "one": (1,), "scalar": (), "blocks": (math.ceil(out / QBLOCK),
+                                                                         math.ceil(k / QBLOCK))}[self.scale_shape]
+
+
+def model_scale_shape(scale: str, shape: tuple[int, int]) -> tuple[int, ...]:
+    """The model's fp32 scale array of an [out, in] weight: [out] per channel, the block grid per block."""
+    out, k = shape
+    return (out,) if scale == "channel" else (math.ceil(out / QBLOCK), math.ceil(k / QBLOCK))
+
+
+# -- reading a checkpoint's scheme ---------------------------------------------------------------------------
+
+READ = ("tilekit reads FP8 / INT8 checkpoints of compressed-tensors (float-quantized, int-quantized), fbgemm_fp8, "
+        "ModelOpt FP8 and block FP8 (quant_method fp8, 128x128 weight_block_size)")
+
+
+def _unsupported(fields: hf.Fields, key: str, what: str = "a scheme tilekit does not read") -> hf.ModelFileError:
+    """The error for a scheme tilekit does not read, naming the field, its value and the file."""
+    return fields.error(key, f"is {hf.json_shown(fields.d.get(key))}: {what}; {READ}")
+
+
+def _only_lm_head(fields: hf.Fields, key: str) -> None:
+    """A list of modules left unquantized may name the LM head only (tilekit quantizes every block linear)."""
+    names = fields.d.get(key)
+    if names is None:
+        return
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise fields.error(key, "must be a list of module names")
+    others = [n for n in names if n not in LM_HEAD_NAMES and not n.endswith(".lm_head")]
+    if others:
+        raise fields.error(key, f"leaves modules other than the LM head unquantized ({', '.join(map(quoted, others[:3]))}"
+                                f"{', ...' if len(others) > 3 else ''}), which tilekit does not support")
+
+
+def scheme_of(checkpoint: hf.Checkpoint) -> Scheme | None:
+    """The quantization scheme of a checkpoint's linears, or None for a plain float checkpoint."""
+    q = checkpoint.config().object("quantization_config", None)
+    if q is None:
+        if checkpoint.has(QUANT_CONFIG):
+            path = checkpoint.directory / QUANT_CONFIG
+            return _modelopt(hf.Fields(checkpoint.read_json(QUANT_CONFIG), path).object("quantization"))
+        return None
+    method = q.d.get("quant_method")
+    if not isinstance(method, str):
+        raise q.error("quant_method", "must name the quantization method")
+    readers = {"compressed-tensors": _compressed_tensors, "fbgemm_fp8": _fbgemm, "modelopt": _modelopt,
+               "fp8": _block_fp8}
+    if method not in readers:
+        raise _unsupported(q, "quant_method")
+    return readers[method](q)
+
+
+def _compressed_tensors(q: hf.Fields) -> Scheme:
+    fmt = q.d.get("format")
+    if fmt not in ("float-quantized", "int-quantized", "naive-quantized"):
+        raise _unsupported(q, "format")
+    groups = q.object("config_groups")
+    if len(groups.d) != 1:
+        raise _unsupported(q, "config_groups", f"{len(groups.d)} groups (one is read)")
+    group = groups.object(next(iter(groups.d)))
+    targets = group.d.get("targets")
+    if not isinstance(targets, list) or "Linear" not in targets:
+        raise group.error("targets", "must include 'Linear'")
+    w = group.object("weights")
+    kind = {"float": "fp8", "int": "int8"}.get(w.d.get("type")) if isinstance(w.d.get("type"), str) else None
+    strategy = w.d.get("strategy")
+    if kind is None or w.d.get("num_bits") != 8 or w.d.get("symmetric") is not True \
+            or strategy not in ("channel", "tensor", "block"):
+        raise _unsupported(group, "weights", "8-bit symmetric int or float weights with channel, tensor or block "
+                                             "strategy are read")
+    if strategy == "block" and w.d.get("block_structure") != [QBLOCK, QBLOCK]:
+        raise w.error("block_structure", f"must be [{QBLOCK}, {QBLOCK}]")
+    _only_lm_head(q, "ignore")
+    return Scheme(kind, "block" if strategy == "block" else "channel", "compressed-tensors",
+                  {"channel": "out1", "tensor": "one", "block": "blocks"}[strategy],
+                  ignored=(".input_scale", ".weight_zero_point", ".input_zero_point"))
+
+
+def _fbgemm(q: hf.Fields) -> Scheme:
+    _only_lm_head(q, "modules_to_not_convert")
+    return Scheme("fp8", "channel", "fbgemm_fp8", "out1", ignored=(".input_scale_ub",))
+
+
+def _modelopt(q: hf.Fields) -> Scheme:
+    algo = q.d.get("quant_algo")
+    shapes = {"FP8": ("channel", "scalar"), "FP8_PER_CHANNEL_PER_TOKEN": ("channel", "out1"),
+              "FP8_PB_WO": ("block", "blocks")}
+    if not isinstance(algo, str) or algo.upper() not in shapes:
+        raise _unsupported(q, "quant_algo")
+    _only_lm_head(q, "exclude_modules")
+    scale, shape = shapes[algo.upper()]
+    return Scheme("fp8", scale, "ModelOpt " + algo.upper(), shape,
+                  ignored=(".input_scale", ".k_scale", ".v_scale"))
+
+
+def _block_fp8(q: hf.Fields) -> Scheme:
+    if q.d.get("weight_block_size") != [QBLOCK, QBLOCK]:
+        raise _unsupported(q, "weight_block_size", f"not [{QBLOCK}, {QBLOCK}]")
+    if q.d.get("fmt", "e4m3") != "e4m3" or q.d.get("activation_scheme", "dynamic") != "dynamic":
+        key = "fmt" if q.d.get("fmt", "e4m3") != "e4m3" else "activation_scheme"
+        raise _unsupported(q, key, "block FP8 with fmt 'e4m3' and dynamic activations is read")
+    _only_lm_head(q, "modules_to_not_convert")
+    return Scheme("fp8", "block", "block FP8", "blocks", "weight_scale_inv")
+
+
+# -- load plans ----------------------------------------------------------------------------------------------
+
+def scale_into(out) -> Callable:
+    """A transform writing a file's scale tensor (any float dtype, per channel [out, 1], per tensor or blocks)
+    into the model's fp32 scales `out`."""
+    def transform(src, _):
+        out[...] = src.reshape(out.shape) if src.size == out.size else src.reshape(())
+    return transform
+
+
+def quantizing(kind: str, scale) -> Callable:
+    """A transform quantizing a file's float weight per output channel into the codes `out`, scales into `scale`."""
+    def transform(src, out):
+        quantize_into(src, out, scale, kind)
+    return transform
+
+
+def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme: Scheme, outs) -> dict:
+    """A load plan with every linear weight of `plan` (names in `linears`) read as `scheme` stores it: codes and
+    scales from a quantized checkpoint, or float weights quantized as they arrive (load-time quantization).
+    `outs`: our name -> array (codes under the weight's name, fp32 scales under NAME_scale), or None before the
+    headers are checked."""
+    plan = dict(plan)
+    loading = scheme.source == "load-time quantization"
+    for name in linears:
+        shape = plan[name].shape
+        out = outs[name] if outs is not None else None
+        scale = outs[scale_key(name)] if outs is not None else None
+        if loading:
+            plan[name] = hf.Target(shape, out=out, transform=quantizing(scheme.weight, scale))
+            continue
+        plan[name] = hf.Target(shape, out=out, transform=hf.convert, accept=(FILE_DTYPES[scheme.weight],))
+        file_scale = name[:-len("weight")] + scheme.scale_name
+        plan[file_scale] = hf.Target(scheme.scale_file_shape(shape), "float32", out=scale,
+                                     transform=None if scale is None else scale_into(scale))
+    return plan
+
+
+def linear_names(shapes: Mapping[str, tuple], modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The weights of `shapes` that belong to one of `modules` (a family's weights.QUANTIZED), in order."""
+    return tuple(name for name in shapes if name.endswith(tuple(f".{m}.weight" for m in modules)))
+
+
+def scheme_for(checkpoint: hf.Checkpoint, quantize: str | None) -> Scheme | None:
+    """The scheme a model loaded from `checkpoint` with `quantize` (None, "int8" or "fp8") holds: the checkpoint's
+    own, or load-time per-channel quantization of a float checkpoint."""
+    if quantize is not None and quantize not in KINDS:
+        raise ValueError(f"quantize must be None, 'int8' or 'fp8', got {quantize!r}")
+    scheme = scheme_of(checkpoint)
+    if scheme is None:
+        return None if quantize is None else Scheme(quantize)
+    if quantize not in (None, scheme.weight):
+        raise ValueError(f"quantize={quantize!r}, but {shown(checkpoint.directory)} holds {scheme.weight} weights "
+                         f"({scheme.source})")
+    return scheme
+
+
+def scale_key(weight_name: str) -> str:
+    """Where a model keeps a quantized weight's fp32 scales: '<module>.weight_scale'."""
+    return weight_name + "_scale"
+
+
+# -- quantization math ---------------------------------------------------------------------------------------
+
+def quantize_into(src, codes, scale, kind: str) -> None:
+    """Per-output-channel absmax quantization of a float [out, in] array (NumPy or CuPy) into `codes` (int8, or
+    FP8 e4m3 bits as uint8) and fp32 `scale` [out], computed in fp32 (on a GPU, FP8 by kernels.quantize_fp8)."""
+    host = isinstance(src, np.ndarray)
+    if kind == "fp8" and host:
+        codes[...], s = quantize_fp8_reference(src)
+        scale[...] = s[:, 0]
+        return
+    if kind == "fp8":
+        from tilekit.kernels import quantize_fp8
+        quantize_fp8(src, codes, scale.reshape(-1, 1))
+        return
+    if host:
+        xp = np
+    else:
+        import cupy as xp
+    w = src.astype(xp.float32)
+    s = xp.maximum(xp.abs(w).max(axis=1), xp.float32(MIN_AMAX)) / xp.float32(INT8_MAX)
+    scale[...] = s
+    codes[...] = xp.clip(xp.rint(w / s[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
+
+
+def quantize_weight(w, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy reference: (codes, fp32 per-channel scales) of a float [out, in] weight."""
+    w = np.asarray(w, np.float32)
+    codes = np.empty(w.shape, np.int8 if kind == "int8" else np.uint8)
+    scale = np.empty(w.shape[0], np.float32)
+    quantize_into(w, codes, scale, kind)
+    return codes, scale
+
+
+# -- writing -------------------------------------------------------------------------------------------------
+
+def compressed_tensors_config(scheme: Scheme) -> dict:
+    """The quantization_config save_pretrained writes: compressed-tensors, weights as the model holds them,
+    activations dynamic per token."""
+    weights = {"num_bits": 8, "type": "float" if scheme.weight == "fp8" else "int", "symmetric": True,
+               "strategy": scheme.scale, "dynamic": False}
+    if scheme.scale == "block":
+        weights["block_structure"] = [QBLOCK, QBLOCK]
+    return {"quant_method": "compressed-tensors",
+            "format": "float-quantized" if scheme.weight == "fp8" else "int-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+            "ignore": ["lm_head"]}
+
+
+def file_tensors(state: Mapping, linears: tuple[str, ...], scheme: Scheme) -> tuple[dict, dict]:
+    """(tensors under checkpoint names, name -> safetensors dtype of those written as they are) of a quantized
+    model's state: codes as I8 / F8_E4M3, scales fp32 ([out, 1] per channel, the grid per block)."""
+    tensors, raw = {}, {}
+    for name, array in state.items():
+        if name.endswith("_scale") and name[:-len("_scale")] in linears:
+            tensors[name] = array.reshape(-1, 1) if scheme.scale == "channel" else array
+            raw[name] = "F32"
+        else:
+            tensors[name] = array
+            if name in linears:
+                raw[name] = FILE_DTYPES[scheme.weight]
+    return tensors, raw

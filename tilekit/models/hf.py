@@ -721,9 +721,20 @@ LM_HEAD = "lm_head.weight"
 _CODES = {view: code for code, (_, view) in reversed(DTYPES.items())}   # NumPy dtype name -> safetensors dtype
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A tensor a file keeps in another form than ours: `shape` in the file, written into ours[index] (a view) by
+    `transform(src, out)` (None: copied as it is)."""
+
+    ours: str
+    shape: tuple[int, ...]
+    index: tuple = ()
+    transform: Callable | None = None
+
+
 def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], *, dtype: str, outs=None,
                  prefix: str = "", tied: str | None = None, ignore: tuple[str, ...] = (), device=None,
-                 expected: str = "the model") -> dict:
+                 expected: str = "the model", stored: Callable | None = None) -> dict:
     """A model's weights from a checkpoint, under the names of `shapes`: load_tensors with a family's rules.
 
     The file names every tensor with `prefix` before it or none without (GPT2LMHeadModel's names or GPT2Model's).
@@ -731,23 +742,32 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
     the file, which must equal the embedding bit for bit and is dropped. Names ending in one of `ignore` are
     buffers, skipped. `outs`: our name -> the array to fill, or a function returning that mapping, called once
     the headers have been checked (so nothing is allocated for a file that does not match); None: new arrays of
-    `dtype`. Returns our name -> array."""
+    `dtype`. `stored(names in the file)`: file name -> Piece, for tensors the file keeps in another form than ours
+    (ours is then made whole from its pieces). Returns our name -> array."""
     with checkpoint.tensor_files() as files:
         p = prefix if prefix and any(name.startswith(prefix) for name in files.tensors) else ""
-        plan = {p + name: Target(shape, dtype) for name, shape in shapes.items()}
+        pieces = stored(set(files.tensors)) if stored else {}
+        whole = {name: shape for name, shape in shapes.items() if name not in {q.ours for q in pieces.values()}}
+        plan = {**{p + name: Target(shape, dtype) for name, shape in whole.items()},
+                **{name: Target(q.shape, dtype) for name, q in pieces.items()}}
         if tied is not None:
             plan[LM_HEAD] = Target(shapes[tied], dtype, optional=True)
         problems = tensor_problems({n: (t.dtype, t.shape) for n, t in files.tensors.items()}, plan, ignore)
         if problems:
             raise ModelFileError(files.source, listing(f"does not match {expected}", problems))
         outs = outs() if callable(outs) else outs
+        if outs is None and pieces:
+            device = device or CupyDevice()
+            outs = {name: device.empty(shape, dtype) for name, shape in shapes.items()}
         if outs is not None:
-            plan.update({p + name: Target(shape, dtype, outs[name]) for name, shape in shapes.items()})
+            plan.update({p + name: Target(shape, dtype, outs[name]) for name, shape in whole.items()})
+            plan.update({name: Target(q.shape, dtype, outs[q.ours][q.index], q.transform)
+                         for name, q in pieces.items()})
         loaded = load_tensors(files, plan, device=device, ignore=ignore, expected=expected)
         if tied is not None and LM_HEAD in loaded and not _same_bits(loaded[LM_HEAD], loaded[p + tied]):
             raise ModelFileError(files.source, f"tensor {quoted(LM_HEAD)} differs from {quoted(p + tied)}, to which "
                                                "this model ties its LM head")
-    return {name: loaded[p + name] for name in shapes}
+    return {name: loaded[p + name] if name in whole else outs[name] for name in shapes}
 
 
 def _same_bits(a, b) -> bool:
@@ -774,7 +794,9 @@ class CheckpointLayout:
     our name -> shape of every tensor (a tied LM head excluded); `stats(config, name)`: (mean, std) of random
     weights; `prefix`: what the file may put before our names; `embedding`: the tensor a tied LM head is;
     `buffers`: name suffixes of buffers old checkpoints carry; `hub_orgs`: where a bare hub name is also looked
-    up. A family's weights module exposes these methods as its functions."""
+    up; `stored(config, names in a file)`: the file's tensors kept in another form than ours (load_weights) and
+    `to_file(config, state)`: ours in the file's form (what save writes), where a family's layout differs from the
+    file's. A family's weights module exposes these methods as its functions."""
 
     config_class: type
     shapes: Callable[..., dict]
@@ -783,6 +805,8 @@ class CheckpointLayout:
     prefix: str = ""
     buffers: tuple[str, ...] = ()
     hub_orgs: tuple[str, ...] = ()
+    stored: Callable | None = None
+    to_file: Callable | None = None
 
     def resolve(self, path_or_name) -> Checkpoint:
         """A checkpoint: a directory, or a hub model name in the local cache (a bare name also under hub_orgs)."""
@@ -794,7 +818,8 @@ class CheckpointLayout:
         file or from shards."""
         return load_weights(checkpoint, self.shapes(config), dtype=dtype, outs=outs, device=device,
                             prefix=self.prefix, tied=self.embedding if config.tie_word_embeddings else None,
-                            ignore=self.buffers, expected=str(config))
+                            ignore=self.buffers, expected=str(config),
+                            stored=self.stored and (lambda names: self.stored(config, names)))
 
     def load_state_dict(self, path_or_name, dtype=np.float32) -> tuple:
         """(config, host tensors: our names, C-contiguous, float32 or float64) of a checkpoint."""
@@ -807,6 +832,8 @@ class CheckpointLayout:
         """Write config.json and the weights (in `dtype`, from host or device arrays; model.safetensors, or shards
         of at most `shard_bytes` and their index) as the family's transformers class's save_pretrained does."""
         self.check_state_dict(config, state)
+        if self.to_file is not None:
+            state = self.to_file(config, state)
         write_checkpoint(directory, dict(config.to_hf_dict(), torch_dtype=dtype),
                          {self.prefix + name: array for name, array in state.items()}, dtype=dtype,
                          shard_bytes=shard_bytes)

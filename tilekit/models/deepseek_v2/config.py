@@ -16,6 +16,7 @@ import numpy as np
 
 from tilekit.models import hf
 
+LORA_NORM_EPS = 1e-6    # q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps, whatever rms_norm_eps says
 YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "attention_factor", "truncate"}
 

@@ -20,11 +20,10 @@ from tilekit.kernels.moe_router import moe_router_reference
 from tilekit.kernels.rms_norm import rms_norm_reference
 from tilekit.kernels.swiglu_linear import swiglu_reference
 from tilekit.models.deepseek_v2 import weights
-from tilekit.models.deepseek_v2.config import DeepseekV2Config, rope_inv_freq
+from tilekit.models.deepseek_v2.config import LORA_NORM_EPS, DeepseekV2Config, rope_inv_freq
 from tilekit.models.deepseek_v2.weights import EMBEDDING
 from tilekit.models.reference import ReferenceLM
 
-LORA_NORM_EPS = 1e-6    # q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps, not rms_norm_eps
 
 
 def rope_interleaved_reference(x, positions, inv_freq, factor: float = 1.0) -> np.ndarray:

@@ -44,7 +44,7 @@ def test_every_row_points_at_a_complete_folder(model_type):
 
 
 def test_lookups():
-    from tilekit.models import LLAMA_PRESETS, PRESETS, GPTConfig, LlamaConfig
+    from tilekit.models import DEEPSEEK_V2_PRESETS, LLAMA_PRESETS, PRESETS, GPTConfig, LlamaConfig
     assert families.family_for_model_type("llama") is FAMILIES["llama"]
     with pytest.raises(ValueError, match="'mistral' is not a family tilekit runs \\(gpt2, llama, deepseek_v2\\)"):
         families.family_for_model_type("mistral")
@@ -52,7 +52,7 @@ def test_lookups():
     assert families.family_of_config(LLAMA_PRESETS["llama-3.1-8b"]) is FAMILIES["llama"]
     with pytest.raises(TypeError, match="GPTConfig or LlamaConfig or DeepseekV2Config, got dict"):
         families.family_of_config({})
-    assert families.preset_names() == [*PRESETS, *LLAMA_PRESETS]
+    assert families.preset_names() == [*PRESETS, *LLAMA_PRESETS, *DEEPSEEK_V2_PRESETS]
     assert families.preset_config("gpt2-xl") == GPTConfig.preset("gpt2-xl")
     assert families.preset_config("tinyllama-1.1b") == LlamaConfig.preset("tinyllama-1.1b")
     with pytest.raises(ValueError, match="unknown preset 'gpt5'; choose from gpt2, gpt2-medium"):

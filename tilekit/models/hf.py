@@ -429,6 +429,21 @@ class Fields:
         return None if value is None else Fields(value, self.path, f"{self.prefix}{key}.")
 
 
+def rope_fields(f: Fields, kinds: dict[str, tuple[str, ...]], theta: float) -> tuple["Fields | None", str, float]:
+    """(the RoPE object or None, its rope_type, rope_theta) of a config.json: transformers 4 writes rope_scaling
+    (None for plain RoPE) next to rope_theta, 5 writes rope_parameters holding rope_theta. `kinds`: each rope_type
+    computed -> the keys it may have; other types and keys are refused, naming them; `theta`: the top-level
+    rope_theta (or its default)."""
+    rope = f.object("rope_scaling", None) or f.object("rope_parameters", None)
+    if rope is None:
+        return None, "default", theta
+    kind = rope.variant("rope_type" if "rope_type" in rope else "type", "default", lambda v: v in kinds)
+    extra = sorted(set(rope.d) - {"rope_type", "type", "rope_theta", *kinds[kind]})
+    if extra:
+        rope.variant(extra[0], None, lambda v: False)
+    return rope, kind, rope.number("rope_theta", theta, positive=True)
+
+
 # -- config arguments ---------------------------------------------------------------------------------------
 
 MAX_SIZE = 1 << 24         # no model dimension comes near; a config claiming more is refused
@@ -786,6 +801,19 @@ def check_arrays(shapes: Mapping[str, tuple[int, ...]], arrays: Mapping, heading
     problems = tensor_problems({name: described(a) for name, a in arrays.items()}, plan)
     if problems:
         raise ValueError(listing(heading, problems))
+
+
+def decoder_shapes(config, block_shapes: Callable, embedding: str, final_norm: str = "model.norm.weight") -> dict:
+    """Name -> shape of every tensor of a decoder of transformers' Llama-like naming: the token embedding, each layer's
+    block_shapes(config, i), the final norm, and lm_head unless tied to the embedding."""
+    C, V = config.n_embd, config.vocab_size
+    shapes = {embedding: (V, C)}
+    for i in range(config.n_layer):
+        shapes.update(block_shapes(config, i))
+    shapes[final_norm] = (C,)
+    if not config.tie_word_embeddings:
+        shapes[LM_HEAD] = (V, C)
+    return shapes
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ import numpy as np
 from tilekit.models import hf
 
 LORA_NORM_EPS = 1e-6    # q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps, whatever rms_norm_eps says
-YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "attention_factor", "truncate"}
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate")
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -206,25 +206,18 @@ class DeepseekV2Config(hf.HFConfig):
         n_head = f.integer("num_attention_heads", low=1, high=hf.MAX_SIZE)
         f.variant("num_key_value_heads", None, lambda v: v in (None, n_head))
         positions = f.integer("max_position_embeddings", 2048, low=1, high=hf.MAX_SIZE)
-        theta, scaling = f.number("rope_theta", 10000.0, positive=True), None
-        rope_key = "rope_scaling" if f.d.get("rope_scaling") is not None else "rope_parameters"
-        rope = f.object(rope_key, None)          # transformers 4 writes rope_scaling, 5 rope_parameters
-        if rope is not None:
-            kind = rope.variant("rope_type" if "rope_type" in rope else "type", "default",
-                                lambda v: v in ("default", "yarn"))
-            extra = sorted(set(rope.d) - {"rope_type", "type", "rope_theta", *(YARN_KEYS if kind == "yarn" else ())})
-            if extra:
-                rope.variant(extra[0], None, lambda v: False)
-            theta = rope.number("rope_theta", theta, positive=True)
-            if kind == "yarn":
-                # as transformers: a top-level original_max_position_embeddings wins, then the rope dict's
-                original = f.integer("original_max_position_embeddings", None, low=1, high=hf.MAX_SIZE) or \
-                    rope.integer("original_max_position_embeddings", positions, low=1, high=hf.MAX_SIZE)
-                scaling = YarnScaling(
-                    rope.number("factor", low=1.0), original, rope.number("beta_fast", 32.0, positive=True),
-                    rope.number("beta_slow", 1.0, positive=True), rope.number("mscale", None, low=0.0),
-                    rope.number("mscale_all_dim", None, low=0.0), rope.number("attention_factor", None, low=0.0),
-                    rope.boolean("truncate", True))
+        rope, kind, theta = hf.rope_fields(f, {"default": (), "yarn": YARN_KEYS},
+                                           f.number("rope_theta", 10000.0, positive=True))
+        scaling = None
+        if kind == "yarn":
+            # as transformers: a top-level original_max_position_embeddings wins, then the rope dict's
+            original = f.integer("original_max_position_embeddings", None, low=1, high=hf.MAX_SIZE) or \
+                rope.integer("original_max_position_embeddings", positions, low=1, high=hf.MAX_SIZE)
+            scaling = YarnScaling(
+                rope.number("factor", low=1.0), original, rope.number("beta_fast", 32.0, positive=True),
+                rope.number("beta_slow", 1.0, positive=True), rope.number("mscale", None, low=0.0),
+                rope.number("mscale_all_dim", None, low=0.0), rope.number("attention_factor", None, low=0.0),
+                rope.boolean("truncate", True))
         vocab = f.integer("vocab_size", low=1, high=hf.MAX_SIZE)
         return f.build(cls, n_layer=f.integer("num_hidden_layers", low=1, high=hf.MAX_LAYERS), n_head=n_head,
                        n_embd=f.integer("hidden_size", low=1, high=hf.MAX_SIZE), vocab_size=vocab,

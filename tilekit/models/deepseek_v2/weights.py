@@ -28,14 +28,7 @@ BUFFER_SUFFIXES = ()
 
 def state_dict_shapes(config: DeepseekV2Config) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of this config (our layout; lm_head only when untied)."""
-    C, V = config.n_embd, config.vocab_size
-    shapes = {EMBEDDING: (V, C)}
-    for i in range(config.n_layer):
-        shapes.update(block_shapes(config, i))
-    shapes["model.norm.weight"] = (C,)
-    if not config.tie_word_embeddings:
-        shapes[hf.LM_HEAD] = (V, C)
-    return shapes
+    return hf.decoder_shapes(config, block_shapes, EMBEDDING)
 
 
 def block_shapes(config: DeepseekV2Config, i: int) -> dict[str, tuple[int, ...]]:

@@ -1,5 +1,6 @@
-"""The MoE and MLA ops' and the DeepSeek-V2 model's other new ops' (fixed_cast, head_linear, mla_kv) argument checks, on
-launches, and good calls make the problems the tuning keys expect."""
+"""The argument checks of the MoE and MLA ops and of the DeepSeek-V2 model's other new ops (fixed_cast, head_linear,
+mla_kv), on MetaArrays (no GPU): every bad argument is named before anything launches, and good calls make the
+problems the tuning keys expect."""
 
 import pytest
 

@@ -1,6 +1,5 @@
 """fixed_cast on the GPU: a fixed-point stream as floats, against the host's conversion, poisoned outputs."""
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu

@@ -2,7 +2,6 @@
 weight and of query buffers (as DeepSeek-V2's absorbed decode reads them), poisoned outputs, every tile config
 of a decode shape."""
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu

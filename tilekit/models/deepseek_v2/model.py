@@ -116,7 +116,7 @@ class Activations:
         self.k_pe = self.q[:, dq - P:dq]                                                    # (M, P)
         self.k_pe_heads = self.q.reshape(batch, tokens, 1, (H + 1) * dq)[:, :, :, dq - P:dq].transpose(0, 2, 1, 3)
         self.pe_q = self.q[:, dq - P:]          # the GEMM's output: k_pe, then the query heads
-        self.pe_out, self.q_out = self.k_pe, self.q[:, dq:]
+        self.q_out = self.q[:, dq:]             # the query heads alone (q_b_proj's output)
         g = chunk(config)                       # the new latent entries as write_kv's heads (prefill)
         self.c_chunks = self.cn.reshape(batch, tokens, R // g, g).transpose(0, 2, 1, 3)
         self.pe_chunks = self.q.reshape(batch, tokens, (H + 1) * dq // g, g)[:, :, (dq - P) // g:dq // g]
@@ -254,7 +254,7 @@ class DeepseekV2(CausalLM):
 
         def attend(i, blk, acts):
             c, pe = cache.latent(i)
-            B, R, P = acts.heads.shape[0], cfg.kv_lora_rank, cfg.qk_rope_head_dim
+            B, R = acts.heads.shape[0], cfg.kv_lora_rank
             M, H = acts.q_nope.shape[:2]
             head_linear(acts.q_nope, blk.w_uk, out=acts.q_c.reshape(M, H, R), weight_layout="kn")
             mla_decode_attention(acts.q_c.transpose(0, 2, 1, 3), acts.q_pe, c, pe, positions,
@@ -298,7 +298,7 @@ class DeepseekV2(CausalLM):
                 linear(acts.h, blk.q_a, weight_layout="out_in", out=acts.qa)
                 rms_norm(acts.qa, blk.q_a_norm, LORA_NORM_EPS, out=acts.qan)
                 linear(acts.qan, blk.q_b, weight_layout="out_in", out=acts.q_out)
-                linear(acts.h, blk.kv_pe, weight_layout="out_in", out=acts.pe_out)
+                linear(acts.h, blk.kv_pe, weight_layout="out_in", out=acts.k_pe)
             apply_rope(acts.q_pe, positions, self.cos, self.sin)
             apply_rope(acts.k_pe_heads, positions, self.cos, self.sin)
             rows = attend(i, blk, acts)

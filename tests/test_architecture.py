@@ -111,7 +111,7 @@ def test_the_cycle_finder_finds_circles():
 
 def family_names() -> set[str]:
     """The identifiers that choose a family: its config, model and reference classes, and its preset tables."""
-    names = {"LLAMA_PRESETS"}
+    names = {"LLAMA_PRESETS", "DEEPSEEK_V2_PRESETS"}
     for family in FAMILIES.values():
         names |= {family.config_name, family.model_name, family.reference_name}
     return names

@@ -1,11 +1,13 @@
-"""The MoE and MLA ops' argument checks, on MetaArrays (no GPU): every bad argument is named before anything
-launches, and good calls make the problems the tuning keys expect."""
+"""The argument checks of the MoE and MLA ops and of the DeepSeek-V2 model's other new ops (fixed_cast, head_linear,
+mla_kv), on MetaArrays (no GPU): every bad argument is named before anything launches, and good calls make the
+problems the tuning keys expect."""
 
 import pytest
 
 from tilekit.autotune.arrays import MetaArray
 from tilekit.autotune.op import recording
-from tilekit.kernels import mla_decode_attention, moe_down_combine, moe_gate_up, moe_permute, moe_router
+from tilekit.kernels import (fixed_cast, head_linear, mla_decode_attention, mla_kv, moe_down_combine, moe_gate_up,
+                             moe_permute, moe_router)
 
 
 def a(shape, dtype="bfloat16"):
@@ -82,3 +84,34 @@ def test_a_decode_step_of_v2_lite_makes_the_expected_problems():
 def test_bad_arguments_are_named(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: fixed_cast(a((4, 64)), a((4, 64))), TypeError, "x has dtype bfloat16"),
+    (lambda: fixed_cast(a((4, 64), "int64"), a((4, 32))), ValueError, "out has shape"),
+    (lambda: head_linear(a((2, 4, 16)), a((4, 16, 32)), out=a((2, 4, 32)), weight_layout="in_out"), ValueError,
+     "weight_layout must be one of"),
+    (lambda: head_linear(a((2, 4, 16)), a((4, 32, 16)), out=a((2, 4, 32))), ValueError, r"weight must be \[4, 16, out\]"),
+    (lambda: head_linear(a((2, 4, 16)), a((3, 32, 16)), out=a((2, 4, 32)), weight_layout="nk"), ValueError,
+     r"weight must be \[4, out, 16\]"),
+    (lambda: mla_kv(a((8, 4, 32)), a((8, 16)), a((8, 4, 32)), a((8, 4, 32)), dn=32), ValueError, "dn must be"),
+    (lambda: mla_kv(a((8, 4, 32)), a((7, 16)), a((8, 4, 32)), a((8, 4, 32)), dn=16), ValueError, "k_pe must be"),
+    (lambda: mla_kv(a((8, 4, 32)), a((8, 16)), a((8, 4, 32)), a((8, 4, 8)), dn=16), ValueError, "v must be"),
+])
+def test_the_model_ops_name_bad_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_the_model_ops_make_the_expected_problems():
+    with recording() as calls:
+        fixed_cast(a((1, 2048), "int64"), a((1, 2048)))
+        head_linear(a((1, 17, 192))[:, 1:, :128], a((16, 256, 512))[:, :128], out=a((1, 16, 512)))
+        head_linear(a((1, 16, 512)), a((16, 256, 512))[:, 128:], out=a((16, 1, 128)).transpose(1, 0, 2),
+                    weight_layout="nk")
+        mla_kv(a((64, 16, 256)), a((64, 3264))[:, 128:192], a((64, 16, 192)), a((64, 16, 192)), dn=128)
+    assert [(op.name, problem) for op, problem in calls] == [
+        ("fixed_cast", dict(dtype="bfloat16", M=1, N=2048)),
+        ("head_linear", dict(dtype="bfloat16", M=1, H=16, N=512, K=128, wt="kn")),
+        ("head_linear", dict(dtype="bfloat16", M=1, H=16, N=128, K=512, wt="nk")),
+        ("mla_kv", dict(dtype="bfloat16", M=64, H=16, DN=128, DV=128, P=64))]

@@ -21,7 +21,7 @@ def test_import_tilekit_imports_neither_torch_nor_transformers():
 @pytest.mark.parametrize("thing", [object(), "gpt2", None, 3])
 def test_anything_but_a_supported_model_is_refused_naming_its_type(thing):
     kind = f"{type(thing).__module__}.{type(thing).__qualname__}"
-    with pytest.raises(TypeError, match=f"GPT2LMHeadModel or LlamaForCausalLM, got {kind}"):
+    with pytest.raises(TypeError, match=f"GPT2LMHeadModel or LlamaForCausalLM or DeepseekV2ForCausalLM, got {kind}"):
         tilekit.patch(thing)
     with pytest.raises(TypeError, match=kind):
         tilekit.unpatch(thing)

@@ -1,4 +1,4 @@
-"""tilekit.patch on Hugging Face GPT-2 and Llama models: logits and greedy tokens against the same model unpatched
+"""tilekit.patch on Hugging Face GPT-2, Llama and DeepSeek-V2 models: logits and greedy tokens against the same model unpatched
 (dynamic cache, static cache, a left-padded batch), unpatch restoring it bit for bit, and every refusal raising
 before anything changed."""
 
@@ -37,7 +37,8 @@ def ready(model):
 
 def fixture(name: str, dtype: str):
     """A committed tiny checkpoint (tests/data) through transformers' from_pretrained, on the GPU."""
-    cls = transformers.GPT2LMHeadModel if "gpt2" in name else transformers.LlamaForCausalLM
+    cls = (transformers.GPT2LMHeadModel if "gpt2" in name else transformers.DeepseekV2ForCausalLM if "deepseek" in name
+           else transformers.LlamaForCausalLM)
     return ready(cls.from_pretrained(DATA / name, dtype=getattr(torch, dtype), attn_implementation="sdpa").cuda())
 
 
@@ -64,6 +65,8 @@ MODELS = {
     "tiny-gpt2": (lambda dtype: fixture("tiny-gpt2", dtype), 50),
     "tiny-llama": (lambda dtype: fixture("tiny-llama", dtype), 50),             # GQA, llama3 rope, untied head
     "tiny-llama-tied": (lambda dtype: fixture("tiny-llama-tied", dtype), 50),   # one key/value head, tied head
+    "tiny-deepseek-v2": (lambda dtype: fixture("tiny-deepseek-v2", dtype), 50),        # MLA with YaRN, MoE
+    "tiny-deepseek-v2-qlora": (lambda dtype: fixture("tiny-deepseek-v2-qlora", dtype), 40),   # q_lora, all MoE
     "gpt2-scaled": (lambda dtype: synthetic(GPT2_SMALL, dtype, scale_attn_by_inverse_layer_idx=True,
                                             reorder_and_upcast_attn=True), 200),
     "llama-gqa": (lambda dtype: build_hf(GQA, "sdpa", dtype=dtype, seed=0), 200),  # 8 heads over 2, head_dim 64

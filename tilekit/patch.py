@@ -1,5 +1,5 @@
 """tilekit.patch(model) / tilekit.unpatch(model): a Hugging Face causal LM of a family tilekit runs (GPT-2,
-Llama) on tilekit's kernels.
+Llama, DeepSeek-V2) on tilekit's kernels.
 
 patch swaps the forward of every norm, projection and MLP for a tilekit op on the same torch tensors
 (no copies) and switches the model to a "tilekit" attention function, so `model(...)` and
@@ -38,11 +38,14 @@ class _Patched:
 
 
 def patch(model: torch.nn.Module) -> torch.nn.Module:
-    """Run a transformers GPT2LMHeadModel or LlamaForCausalLM on tilekit kernels; returns the model.
+    """Run a transformers GPT2LMHeadModel, LlamaForCausalLM or DeepseekV2ForCausalLM on tilekit kernels; returns
+    the model.
 
     Swapped: LayerNorm -> layer_norm, LlamaRMSNorm -> rms_norm, nn.Linear (lm_head included) and
     GPT-2's Conv1D -> linear, GPT2MLP -> linear with GELU in its epilogue then linear, LlamaMLP ->
-    swiglu_linear then linear, attention -> tilekit's causal flash attention (grouped-query too).
+    swiglu_linear then linear, DeepSeek-V2's RMSNorm, MLP and MoE -> rms_norm, swiglu_linear then linear, and
+    the MoE kernels, attention -> tilekit's causal flash attention (grouped-query too; values narrower than the
+    queries, as in MLA, zero-padded).
     Where transformers builds an attention mask (padded batches, a static cache's decode steps), or a
     module asks for dropout or non-causal attention, that layer's attention falls back to transformers'
     own sdpa, which is correct for it; masks are built as for sdpa, so plain causal attention has none.
@@ -167,6 +170,7 @@ def _forwards(family: Family, modeling: types.ModuleType) -> dict[type, Callable
 def _register_attention() -> None:
     """Register tilekit's attention function with transformers, with sdpa's mask function (None where
     the attention is plain causal, so only masked layers fall back)."""
+    import torch
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
@@ -185,9 +189,12 @@ def _register_attention() -> None:
         q_len = query.shape[2]
         if key.shape[2] > q_len > 1:    # an empty static cache's prefill: as sdpa, keep the first q_len keys
             key, value = key[:, :, :q_len], value[:, :, :q_len]
+        dv = value.shape[-1]
+        if dv < query.shape[-1]:        # narrower values (MLA): zero-padded to the head dim, the output sliced
+            value = torch.nn.functional.pad(value, (0, query.shape[-1] - dv))
         out = attention(last_contiguous(query), last_contiguous(key), last_contiguous(value), causal=True,
                         scale=scaling)
-        return out.transpose(1, 2), None
+        return out[..., :dv].transpose(1, 2), None
 
     AttentionInterface.register(ATTENTION, tilekit_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)

@@ -49,7 +49,7 @@ def test_a_good_checkpoint_is_explained(tmp_path, capsys):
 @pytest.mark.parametrize("changes, problem", [
     ({"rope_theta": 5e-324, "rope_parameters": None},
      "field 'rope_theta' is 5e-324: it gives rotary frequencies that are not finite and > 0 (with head_dim 16)"),
-    ({"model_type": "gpt_bigcode"}, 'field \'model_type\' is "gpt_bigcode", expected one of "gpt2", "llama"'),
+    ({"model_type": "gpt_bigcode"}, 'field \'model_type\' is "gpt_bigcode", expected one of "gpt2", "llama", "deepseek_v2"'),
     ({"num_hidden_layers": 2.7}, "field 'num_hidden_layers' is 2.7, expected an integer in [1, 4096]"),
     ({"hidden_act": "\x1b[2J"}, "field 'hidden_act' is \"\\u001b[2J\", a variant tilekit does not compute"),
 ])

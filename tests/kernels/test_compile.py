@@ -70,6 +70,12 @@ PROBLEMS = {
     "mla_decode_attention": [dict(dtype="bfloat16", B=1, H=16, nq=1, capacity=4096, R=512, P=64, new_kv=1),
                              dict(dtype="bfloat16", B=8, H=16, nq=1, capacity=256, R=512, P=64, new_kv=1),
                              dict(dtype="float32", B=2, H=4, nq=3, capacity=100, R=32, P=16, new_kv=0)],
+    "fixed_cast": [dict(dtype="bfloat16", M=1, N=2048), dict(dtype="float32", M=8192, N=77)],
+    "head_linear": [dict(dtype="bfloat16", M=1, H=16, N=512, K=128, wt="kn"),
+                    dict(dtype="bfloat16", M=32, H=16, N=128, K=512, wt="nk"),
+                    dict(dtype="float32", M=5, H=3, N=40, K=24, wt="nk")],
+    "mla_kv": [dict(dtype="bfloat16", M=8192, H=16, DN=128, DV=128, P=64),
+               dict(dtype="float32", M=5, H=3, DN=16, DV=8, P=16)],
 }
 
 

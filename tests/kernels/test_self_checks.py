@@ -8,7 +8,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("module", ["layer_norm", "gelu", "linear", "attention", "decode_attention", "write_kv",
                                     "embedding", "next_token", "rms_norm", "apply_rope", "swiglu_linear",
-                                    "residual_linear", "quant_linear", "quantize_fp8"])
+                                    "residual_linear", "quant_linear", "quantize_fp8", "fixed_cast", "head_linear",
+                                    "mla_kv"])
 def test_each_op_module_checks_itself(module):
     """`python -m tilekit.kernels.<op>`: the op's own check against its reference (write_kv's is the
     KV-cache write test, clipping included)."""

@@ -44,15 +44,15 @@ def test_every_row_points_at_a_complete_folder(model_type):
 
 
 def test_lookups():
-    from tilekit.models import LLAMA_PRESETS, PRESETS, GPTConfig, LlamaConfig
+    from tilekit.models import DEEPSEEK_V2_PRESETS, LLAMA_PRESETS, PRESETS, GPTConfig, LlamaConfig
     assert families.family_for_model_type("llama") is FAMILIES["llama"]
-    with pytest.raises(ValueError, match="'mistral' is not a family tilekit runs \\(gpt2, llama\\)"):
+    with pytest.raises(ValueError, match="'mistral' is not a family tilekit runs \\(gpt2, llama, deepseek_v2\\)"):
         families.family_for_model_type("mistral")
     assert families.family_of_config(GPTConfig()) is FAMILIES["gpt2"]
     assert families.family_of_config(LLAMA_PRESETS["llama-3.1-8b"]) is FAMILIES["llama"]
-    with pytest.raises(TypeError, match="GPTConfig or LlamaConfig, got dict"):
+    with pytest.raises(TypeError, match="GPTConfig or LlamaConfig or DeepseekV2Config, got dict"):
         families.family_of_config({})
-    assert families.preset_names() == [*PRESETS, *LLAMA_PRESETS]
+    assert families.preset_names() == [*PRESETS, *LLAMA_PRESETS, *DEEPSEEK_V2_PRESETS]
     assert families.preset_config("gpt2-xl") == GPTConfig.preset("gpt2-xl")
     assert families.preset_config("tinyllama-1.1b") == LlamaConfig.preset("tinyllama-1.1b")
     with pytest.raises(ValueError, match="unknown preset 'gpt5'; choose from gpt2, gpt2-medium"):
@@ -65,7 +65,7 @@ def test_config_from_path_reads_the_model_type(tmp_path):
     assert isinstance(families.config_from_path(DATA / "tiny-llama"), LlamaConfig)       # sharded
     assert families.config_from_path(DATA / "tiny-llama-tied" / "config.json").tie_word_embeddings
     d = json.loads((DATA / "tiny-gpt2" / "config.json").read_text())
-    expected = 'expected one of "gpt2", "llama"'
+    expected = 'expected one of "gpt2", "llama", "deepseek_v2"'
     for model_type, problem in ((None, f"is missing, {expected}"), ("mistral", f'is "mistral", {expected}'),
                                 (7, f"is 7, {expected}"), ("gpt_bigcode", f'is "gpt_bigcode", {expected}')):
         path = tmp_path / f"{model_type}.json"

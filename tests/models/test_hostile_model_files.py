@@ -703,7 +703,7 @@ class TestThroughTheModels:
                                                     "[1, 4096]"),
         ("tiny-gpt2", {"layer_norm_epsilon": 0}, "field 'layer_norm_epsilon' is 0, expected a finite number > 0"),
         ("tiny-gpt2", {"model_type": "gpt_bigcode"}, 'field \'model_type\' is "gpt_bigcode", expected one of "gpt2", '
-                                                     '"llama"'),
+                                                     '"llama", "deepseek_v2"'),
         ("tiny-gpt2", {"eos_token_id": 1031}, "field 'eos_token_id' is 1031, expected a token id or a non-empty list "
                                               "of them (integers in [0, 1031))"),
         ("tiny-gpt2", {"n_head": 3}, "field 'n_embd' is 64, not a multiple of n_head (3)"),

@@ -4,10 +4,13 @@ from tilekit.kernels.apply_rope import apply_rope
 from tilekit.kernels.attention import attention
 from tilekit.kernels.decode_attention import decode_attention
 from tilekit.kernels.embedding import embedding
+from tilekit.kernels.fixed_cast import fixed_cast
 from tilekit.kernels.gelu import gelu
+from tilekit.kernels.head_linear import head_linear
 from tilekit.kernels.layer_norm import layer_norm
 from tilekit.kernels.linear import linear
 from tilekit.kernels.mla_decode_attention import mla_decode_attention
+from tilekit.kernels.mla_kv import mla_kv
 from tilekit.kernels.moe_down_combine import moe_down_combine
 from tilekit.kernels.moe_gate_up import moe_gate_up
 from tilekit.kernels.moe_permute import moe_permute
@@ -20,6 +23,6 @@ from tilekit.kernels.rms_norm import rms_norm
 from tilekit.kernels.swiglu_linear import swiglu_linear
 from tilekit.kernels.write_kv import write_kv
 
-__all__ = ["apply_rope", "attention", "decode_attention", "embedding", "gelu", "layer_norm", "linear",
-           "mla_decode_attention", "moe_down_combine", "moe_gate_up", "moe_permute", "moe_router", "next_token", "quant_linear", "quantize_fp8",
-           "residual_linear", "rms_norm", "swiglu_linear", "write_kv"]
+__all__ = ["apply_rope", "attention", "decode_attention", "embedding", "fixed_cast", "gelu", "head_linear", "layer_norm",
+           "linear", "mla_decode_attention", "mla_kv", "moe_down_combine", "moe_gate_up", "moe_permute", "moe_router",
+           "next_token", "quant_linear", "quantize_fp8", "residual_linear", "rms_norm", "swiglu_linear", "write_kv"]

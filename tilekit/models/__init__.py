@@ -1,4 +1,4 @@
-"""Models on tilekit's GPU kernels, one folder per family (gpt2/, llama/: config, weights, model, reference,
+"""Models on tilekit's GPU kernels, one folder per family (gpt2/, llama/, deepseek_v2/: config, weights, model, reference,
 patch rules) and what they share: families.py (the table of families), runtime.py (CUDA graphs, KV cache,
 generation), hf.py (Hugging Face checkpoint files), workload.py (the kernel problems a model runs).
 
@@ -17,6 +17,10 @@ _EXPORTS = {
     "LlamaConfig": ("tilekit.models.llama.config", "LlamaConfig"),
     "LLAMA_PRESETS": ("tilekit.models.llama.config", "PRESETS"),
     "ReferenceLlama": ("tilekit.models.llama.reference", "ReferenceLlama"),
+    "DeepseekV2": ("tilekit.models.deepseek_v2.model", "DeepseekV2"),
+    "DeepseekV2Config": ("tilekit.models.deepseek_v2.config", "DeepseekV2Config"),
+    "DEEPSEEK_V2_PRESETS": ("tilekit.models.deepseek_v2.config", "PRESETS"),
+    "ReferenceDeepseekV2": ("tilekit.models.deepseek_v2.reference", "ReferenceDeepseekV2"),
     "load_model": ("tilekit.models.families", "load_model"),
 }
 

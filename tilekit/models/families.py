@@ -81,6 +81,8 @@ FAMILIES: dict[str, Family] = {family.model_type: family for family in (
            "transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel"),
     Family("llama", "tilekit.models.llama", "LlamaConfig", "Llama", "ReferenceLlama",
            "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
+    Family("deepseek_v2", "tilekit.models.deepseek_v2", "DeepseekV2Config", "DeepseekV2", "ReferenceDeepseekV2",
+           "transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2ForCausalLM"),
 )}
 
 

@@ -429,6 +429,21 @@ class Fields:
         return None if value is None else Fields(value, self.path, f"{self.prefix}{key}.")
 
 
+def rope_fields(f: Fields, kinds: dict[str, tuple[str, ...]], theta: float) -> tuple["Fields | None", str, float]:
+    """(the RoPE object or None, its rope_type, rope_theta) of a config.json: transformers 4 writes rope_scaling
+    (None for plain RoPE) next to rope_theta, 5 writes rope_parameters holding rope_theta. `kinds`: each rope_type
+    computed -> the keys it may have; other types and keys are refused, naming them; `theta`: the top-level
+    rope_theta (or its default)."""
+    rope = f.object("rope_scaling", None) or f.object("rope_parameters", None)
+    if rope is None:
+        return None, "default", theta
+    kind = rope.variant("rope_type" if "rope_type" in rope else "type", "default", lambda v: v in kinds)
+    extra = sorted(set(rope.d) - {"rope_type", "type", "rope_theta", *kinds[kind]})
+    if extra:
+        rope.variant(extra[0], None, lambda v: False)
+    return rope, kind, rope.number("rope_theta", theta, positive=True)
+
+
 # -- config arguments ---------------------------------------------------------------------------------------
 
 MAX_SIZE = 1 << 24         # no model dimension comes near; a config claiming more is refused
@@ -721,9 +736,21 @@ LM_HEAD = "lm_head.weight"
 _CODES = {view: code for code, (_, view) in reversed(DTYPES.items())}   # NumPy dtype name -> safetensors dtype
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A tensor a file keeps in another form than ours: `shape` in the file, written into ours[index] (a view) by
+    `transform(src, out)` (None: copied as it is)."""
+
+    ours: str
+    shape: tuple[int, ...]
+    index: tuple = ()
+    transform: Callable | None = None
+
+
 def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], *, dtype: str, outs=None,
                  prefix: str = "", tied: str | None = None, ignore: tuple[str, ...] = (), device=None,
-                 expected: str = "the model", rewrite: Callable[[dict, Mapping | None], dict] | None = None) -> dict:
+                 expected: str = "the model", stored: Callable | None = None,
+                 rewrite: Callable[[dict, Mapping | None], dict] | None = None) -> dict:
     """A model's weights from a checkpoint, under the names of `shapes`: load_tensors with a family's rules.
 
     The file names every tensor with `prefix` before it or none without (GPT2LMHeadModel's names or GPT2Model's).
@@ -731,16 +758,21 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
     the file, which must equal the embedding bit for bit and is dropped. Names ending in one of `ignore` are
     buffers, skipped. `outs`: our name -> the array to fill, or a function returning that mapping, called once
     the headers have been checked (so nothing is allocated for a file that does not match); None: new arrays of
-    `dtype`. `rewrite(plan, outs)`: the plan (our names) as some tensors are really stored or converted (e.g.
-    quantized weights and their scales, tilekit.models.quantization), called before and after `outs` exist
-    (None before). Returns our name -> array."""
+    `dtype`. `stored(names in the file)`: file name -> Piece, for tensors the file keeps in another form than ours
+    (ours is then made whole from its pieces). `rewrite(plan, outs)`: the plan (our names, whole tensors) as some
+    tensors are really stored or converted (e.g. quantized weights and their scales, tilekit.models.quantization),
+    called before and after `outs` exist (None before). Returns our name -> array."""
     with checkpoint.tensor_files() as files:
         p = prefix if prefix and any(name.startswith(prefix) for name in files.tensors) else ""
+        pieces = stored(set(files.tensors)) if stored else {}
+        whole = {name: shape for name, shape in shapes.items() if name not in {q.ours for q in pieces.values()}}
 
         def plan_for(outs) -> dict:
-            plan = {name: Target(shape, dtype, None if outs is None else outs[name]) for name, shape in shapes.items()}
+            plan = {name: Target(shape, dtype, None if outs is None else outs[name]) for name, shape in whole.items()}
             plan = rewrite(plan, outs) if rewrite is not None else plan
-            return {p + name: target for name, target in plan.items()}
+            return {**{p + name: target for name, target in plan.items()},
+                    **{name: Target(q.shape, dtype) if outs is None else
+                       Target(q.shape, dtype, outs[q.ours][q.index], q.transform) for name, q in pieces.items()}}
         plan = plan_for(None)
         if tied is not None:
             plan[LM_HEAD] = Target(shapes[tied], dtype, optional=True)
@@ -748,13 +780,16 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
         if problems:
             raise ModelFileError(files.source, listing(f"does not match {expected}", problems))
         outs = outs() if callable(outs) else outs
+        if outs is None and pieces:
+            device = device or CupyDevice()
+            outs = {name: device.empty(shape, dtype) for name, shape in shapes.items()}
         if outs is not None:
             plan.update(plan_for(outs))
         loaded = load_tensors(files, plan, device=device, ignore=ignore, expected=expected)
         if tied is not None and LM_HEAD in loaded and not _same_bits(loaded[LM_HEAD], loaded[p + tied]):
             raise ModelFileError(files.source, f"tensor {quoted(LM_HEAD)} differs from {quoted(p + tied)}, to which "
                                                "this model ties its LM head")
-    return {name: loaded[p + name] for name in shapes}
+    return {name: loaded[p + name] if name in whole else outs[name] for name in shapes}
 
 
 def _same_bits(a, b) -> bool:
@@ -775,13 +810,28 @@ def check_arrays(shapes: Mapping[str, tuple[int, ...]], arrays: Mapping, heading
         raise ValueError(listing(heading, problems))
 
 
+def decoder_shapes(config, block_shapes: Callable, embedding: str, final_norm: str = "model.norm.weight") -> dict:
+    """Name -> shape of every tensor of a decoder of transformers' Llama-like naming: the token embedding, each layer's
+    block_shapes(config, i), the final norm, and lm_head unless tied to the embedding."""
+    C, V = config.n_embd, config.vocab_size
+    shapes = {embedding: (V, C)}
+    for i in range(config.n_layer):
+        shapes.update(block_shapes(config, i))
+    shapes[final_norm] = (C,)
+    if not config.tie_word_embeddings:
+        shapes[LM_HEAD] = (V, C)
+    return shapes
+
+
 @dataclass(frozen=True)
 class CheckpointLayout:
     """How one family's weights sit in Hugging Face checkpoints, and what is done with them. `shapes(config)`:
     our name -> shape of every tensor (a tied LM head excluded); `stats(config, name)`: (mean, std) of random
     weights; `prefix`: what the file may put before our names; `embedding`: the tensor a tied LM head is;
     `buffers`: name suffixes of buffers old checkpoints carry; `hub_orgs`: where a bare hub name is also looked
-    up. A family's weights module exposes these methods as its functions."""
+    up; `stored(config, names in a file)`: the file's tensors kept in another form than ours (load_weights) and
+    `to_file(config, state)`: ours in the file's form (what save writes), where a family's layout differs from the
+    file's. A family's weights module exposes these methods as its functions."""
 
     config_class: type
     shapes: Callable[..., dict]
@@ -790,6 +840,8 @@ class CheckpointLayout:
     prefix: str = ""
     buffers: tuple[str, ...] = ()
     hub_orgs: tuple[str, ...] = ()
+    stored: Callable | None = None
+    to_file: Callable | None = None
 
     def resolve(self, path_or_name) -> Checkpoint:
         """A checkpoint: a directory, or a hub model name in the local cache (a bare name also under hub_orgs)."""
@@ -802,7 +854,8 @@ class CheckpointLayout:
         tensors load, from one file or from shards; names ending in one of `ignore` are read past."""
         return load_weights(checkpoint, self.shapes(config), dtype=dtype, outs=outs, device=device,
                             prefix=self.prefix, tied=self.embedding if config.tie_word_embeddings else None,
-                            ignore=self.buffers + ignore, expected=str(config), rewrite=rewrite)
+                            ignore=self.buffers + ignore, expected=str(config), rewrite=rewrite,
+                            stored=self.stored and (lambda names: self.stored(config, names)))
 
     def load_state_dict(self, path_or_name, dtype=np.float32) -> tuple:
         """(config, host tensors: our names, C-contiguous, float32 or float64) of a checkpoint."""
@@ -815,6 +868,8 @@ class CheckpointLayout:
         """Write config.json and the weights (in `dtype`, from host or device arrays; model.safetensors, or shards
         of at most `shard_bytes` and their index) as the family's transformers class's save_pretrained does."""
         self.check_state_dict(config, state)
+        if self.to_file is not None:
+            state = self.to_file(config, state)
         write_checkpoint(directory, dict(config.to_hf_dict(), torch_dtype=dtype),
                          {self.prefix + name: array for name, array in state.items()}, dtype=dtype,
                          shard_bytes=shard_bytes)

@@ -123,7 +123,7 @@ class DecodeState:
     def __init__(self, model: "CausalLM", batch: int, capacity: int, arrays: Arrays, picker: Picker = GREEDY):
         self.model, self.batch, self.picker = model, batch, picker
         V = model.config.vocab_size
-        self.cache = KVCache(model, batch, capacity, arrays)
+        self.cache = model.new_cache(batch, capacity, arrays)
         self.tokens = arrays.zeros((batch,), "int32")
         self.positions = arrays.zeros((batch,), "int32")        # each sequence's newest position
         self.finished = arrays.zeros((batch,), "int32")
@@ -138,21 +138,12 @@ class DecodeState:
 
     def prefill(self, buf: PromptBuffers) -> None:
         """Fill the KV cache from padded prompts and pick each sequence's first new token."""
-        cache = self.cache
-
-        def attend(i, q, k, v, out):
-            write_kv(k, v, cache.k[i], cache.v[i], buf.zeros)
-            attention(q, k, v, causal=True, out=out)
-
+        attend = self.model.prefill_attend(self.cache, buf.zeros)
         self._head(self.model.hidden(buf.acts, buf.ids, buf.positions, attend), buf.last)
 
     def step(self) -> None:
         """One token for every sequence."""
-        cache = self.cache
-
-        def attend(i, q, k, v, out):      # writes k and v at self.positions, then attends
-            decode_attention(q, cache.k[i], cache.v[i], self.positions, new_k=k, new_v=v, length_offset=1, out=out)
-
+        attend = self.model.decode_attend(self.cache, self.positions)
         self._head(self.model.hidden(self.acts, self.tokens, self.positions, attend), None)
 
     def _head(self, x, rows) -> None:
@@ -167,7 +158,7 @@ class DecodeState:
 def forward_hidden(model: "CausalLM", buf: PromptBuffers) -> None:
     """forward() up to the LM head: the blocks over whole prompts (no KV cache), then the final norm
     into buf.acts.h."""
-    x = model.hidden(buf.acts, buf.ids, buf.positions, lambda i, q, k, v, out: attention(q, k, v, causal=True, out=out))
+    x = model.hidden(buf.acts, buf.ids, buf.positions, model.forward_attend())
     model.final_norm(x, buf.acts.h)
 
 
@@ -330,7 +321,10 @@ class CausalLM(TextGeneration):
     A subclass names its family's `weights` module and `config_class`, sets `config` (with vocab_size,
     block_size and eos_token_id), `dtype`, `meta` (MetaArray weights) and `params` (every weight under its
     Hugging Face name, _init_weights), and implements cache_dims(), activations(), hidden(), final_norm(),
-    lm_head() and meta_twin().
+    lm_head() and meta_twin(). The KV cache and the attention calls are the model's too: new_cache() and the
+    attend functions that hidden() calls (prefill_attend, decode_attend, forward_attend) default to per-head keys
+    and values (KVCache) and tilekit's attention, decode_attention and write_kv; a model with another cache
+    (DeepSeek-V2's latent one) overrides all four, and cache_dims() is then unused.
     """
 
     weights: ModuleType
@@ -345,6 +339,30 @@ class CausalLM(TextGeneration):
         self._graphs: OrderedDict[tuple, PrefillGraph] = OrderedDict()
         self._generations: OrderedDict[tuple, Generation] = OrderedDict()
         self._graphs_lock = threading.Lock()
+
+    # -- the KV cache and attention ----------------------------------------------------------------
+    def new_cache(self, batch: int, capacity: int, arrays: Arrays):
+        """generate()'s cache for `batch` sequences of up to `capacity` positions."""
+        return KVCache(self, batch, capacity, arrays)
+
+    def prefill_attend(self, cache, start) -> Callable:
+        """hidden()'s attend for a prompt prefill: attend(layer, q, k, v, out) writes the keys and values into the
+        cache at `start` (int32 (B,) device offsets) and attends causally over the prompts."""
+        def attend(i, q, k, v, out):
+            write_kv(k, v, cache.k[i], cache.v[i], start)
+            attention(q, k, v, causal=True, out=out)
+        return attend
+
+    def decode_attend(self, cache, positions) -> Callable:
+        """hidden()'s attend for a decode step: writes k and v at `positions` (each sequence's newest), then
+        attends over the cache up to them."""
+        def attend(i, q, k, v, out):
+            decode_attention(q, cache.k[i], cache.v[i], positions, new_k=k, new_v=v, length_offset=1, out=out)
+        return attend
+
+    def forward_attend(self) -> Callable:
+        """hidden()'s attend for forward(): causal attention over whole prompts, no cache."""
+        return lambda i, q, k, v, out: attention(q, k, v, causal=True, out=out)
 
     # -- weights and checkpoints ----------------------------------------------------------------
     def _init_weights(self, state: dict | None, seed: int, empty: bool) -> None:

@@ -145,24 +145,16 @@ class LlamaConfig(hf.HFConfig):
             raise f.error("head_dim", f"is {head_dim}, expected an even number (RoPE pairs its halves)")
         vocab = f.integer("vocab_size", low=1, high=hf.MAX_SIZE)
         positions = f.integer("max_position_embeddings", 2048, low=1, high=hf.MAX_SIZE)
-        theta = f.number("rope_theta", 10000.0, positive=True)
-        scaling, rope = None, f.object("rope_scaling", None)
-        rope = rope or f.object("rope_parameters", None)       # transformers 4 writes the first, 5 the second
-        if rope is not None:
-            kind = rope.variant("rope_type" if "rope_type" in rope else "type", "default",
-                                lambda v: v in ("default", "llama3"))
-            extra = sorted(set(rope.d) - {"rope_type", "type", "rope_theta", *(LLAMA3_KEYS if kind == "llama3"
-                                                                              else ())})
-            if extra:
-                rope.variant(extra[0], None, lambda v: False)
-            theta = rope.number("rope_theta", theta, positive=True)
-            if kind == "llama3":
-                low = rope.number("low_freq_factor", positive=True)
-                high = rope.number("high_freq_factor", positive=True)
-                if high <= low:
-                    raise rope.error("high_freq_factor", f"is {high}, expected > low_freq_factor ({low})")
-                scaling = RopeScaling(rope.number("factor", low=1.0), low, high, rope.integer(
-                    "original_max_position_embeddings", positions, low=1, high=hf.MAX_SIZE))
+        rope, kind, theta = hf.rope_fields(f, {"default": (), "llama3": LLAMA3_KEYS},
+                                           f.number("rope_theta", 10000.0, positive=True))
+        scaling = None
+        if kind == "llama3":
+            low = rope.number("low_freq_factor", positive=True)
+            high = rope.number("high_freq_factor", positive=True)
+            if high <= low:
+                raise rope.error("high_freq_factor", f"is {high}, expected > low_freq_factor ({low})")
+            scaling = RopeScaling(rope.number("factor", low=1.0), low, high, rope.integer(
+                "original_max_position_embeddings", positions, low=1, high=hf.MAX_SIZE))
         problem = rope_problem(head_dim, theta, scaling)
         if problem:
             where = rope if rope is not None and "rope_theta" in rope else f

@@ -22,14 +22,7 @@ QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_a
 
 def state_dict_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a Llama of this config has (lm_head only when untied)."""
-    C, V = config.n_embd, config.vocab_size
-    shapes = {EMBEDDING: (V, C)}
-    for i in range(config.n_layer):
-        shapes.update(block_shapes(config, i))
-    shapes["model.norm.weight"] = (C,)
-    if not config.tie_word_embeddings:
-        shapes[hf.LM_HEAD] = (V, C)
-    return shapes
+    return hf.decoder_shapes(config, block_shapes, EMBEDDING)
 
 
 def weight_stats(config: LlamaConfig, name: str) -> tuple[float, float]:

@@ -1,0 +1,2 @@
+"""The DeepSeek-V2 family (multi-head latent attention, a mixture of experts): config, Hugging Face weights,
+NumPy reference."""

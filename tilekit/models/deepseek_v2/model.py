@@ -1,0 +1,331 @@
+"""DeepSeek-V2 on tilekit's cuTile kernels: the weights and the math; runtime.CausalLM runs it.
+
+The residual stream is fixed point (int64, kernels/tiles.py) at every length: the MoE down projection adds the
+router-weighted expert outputs into it with integer atomics (same bits every run), and so do the dense layers'
+down projection and the attention output projection (moe_down_combine with one expert, resp. one expert per
+head). Each norm reads the stream through fixed_cast.
+
+Attention is multi-head latent attention (MLA). A token's latent entry (kv_lora_rank normed latent c, then the
+qk_rope_head_dim rotary key k_pe) is what the cache keeps: (layers, B, capacity, R + P), 576 values per token
+and layer for V2-Lite. Decode runs the absorbed form: the non-rotary query heads are projected into the latent
+space through W_UK (head_linear over kv_b_proj's key rows), mla_decode_attention reads the latent cache once for
+all heads and writes the new entry, and the latent outputs go through W_UV (head_linear over kv_b_proj's value
+rows). Prompts (forward, prefill) run the plain form: kv_b_proj expands the latents into per-head keys and values,
+mla_kv appends the shared rotary key to every head's key and zero-pads the values to the query head dim, and
+tilekit's causal attention runs over them. RoPE is tilekit's half-split kernel on rotary rows stored half-split
+(weights.py), its tables times YaRN's cos/sin factor. Without query compression, one GEMM makes the rotary key and
+the queries ([kv_a_proj_with_mqa's rotary rows; q_proj], rows of one fused matrix) and one the latent; with it,
+q_a_proj, its norm and q_b_proj. Names follow transformers' DeepseekV2ForCausalLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import math
+
+import numpy as np
+
+from tilekit.autotune.arrays import MetaArray
+from tilekit.kernels import (apply_rope, attention, embedding, fixed_cast, head_linear, linear, mla_decode_attention,
+                             mla_kv, moe_down_combine, moe_gate_up, moe_permute, moe_router, rms_norm, swiglu_linear,
+                             write_kv)
+from tilekit.kernels.apply_rope import rope_tables
+from tilekit.kernels.tiles import FIXED_DTYPE
+from tilekit.models.deepseek_v2 import weights
+from tilekit.models.deepseek_v2.config import LORA_NORM_EPS, DeepseekV2Config, rope_inv_freq
+from tilekit.models.deepseek_v2.weights import EMBEDDING
+from tilekit.models.runtime import Arrays, CausalLM
+
+DTYPES = ("bfloat16", "float16", "float32")
+ROPE_TABLE_LIMIT = 1 << 17      # rotary tables cover min(context, this) positions
+
+
+@dataclass
+class Block:
+    """One decoder layer's parameters (device arrays); None where the layer has no such tensor."""
+
+    attn_norm: object       # input_layernorm.weight
+    kv_c: object            # kv_a_proj_with_mqa's latent rows [R, C]
+    kv_pe: object           # its rotary rows [P, C]
+    pe_q: object            # [rotary key rows; q_proj] [P + H dq, C] (no query compression) or None
+    q_a: object             # q_a_proj [Q, C] (query compression) or None
+    q_a_norm: object
+    q_b: object
+    kv_norm: object         # kv_a_layernorm.weight
+    kv_b: object            # kv_b_proj [H (dn + dv), R]
+    w_uk: object            # its key rows per head [H, dn, R] (a view)
+    w_uv: object            # its value rows per head [H, dv, R] (a view)
+    o_proj: object          # per head [H, C, dv] (a view of o_proj [C, H dv])
+    mlp_norm: object        # post_attention_layernorm.weight
+    gate: object            # MoE: the router [E, C]; dense: gate_proj
+    up: object              # MoE: experts.gate_up_proj [E + S, 2I, C]; dense: up_proj
+    down: object            # MoE: experts.down_proj [E + S, C, I]; dense: down_proj as one expert [1, C, J]
+    moe: bool
+
+
+def chunk(config: DeepseekV2Config) -> int:
+    """The width the latent entries are copied in by write_kv (as heads of that width): it divides the latent,
+    the rotary key and the query's non-rotary part."""
+    return math.gcd(config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim)
+
+
+class LatentCache:
+    """MLA's KV cache: each token's latent entry [c, k_pe] per layer, for B sequences of up to `capacity`
+    positions, zeroed (decode attention multiplies whole tiles, unwritten slots included, by probabilities that
+    are 0 there, and 0 x NaN from stale memory would be NaN)."""
+
+    def __init__(self, config: DeepseekV2Config, batch: int, capacity: int, dtype: str, arrays: Arrays):
+        R, P, g = config.kv_lora_rank, config.qk_rope_head_dim, chunk(config)
+        self.entries = arrays.zeros((config.n_layer, batch, capacity, R + P), dtype)
+        self.chunks = self.entries.reshape(config.n_layer, batch, capacity, (R + P) // g, g)
+        self.capacity, self.R, self.Rg = capacity, R, R // g
+
+    def latent(self, layer: int):
+        """(B, capacity, R) latents and (B, capacity, P) rotary keys of one layer (views)."""
+        e = self.entries[layer]
+        return e[:, :, :self.R], e[:, :, self.R:]
+
+    def latent_chunks(self, layer: int):
+        """The same as (B, R/g, capacity, g) and (B, P/g, capacity, g) heads (write_kv's layout)."""
+        e = self.chunks[layer]
+        return e[:, :, :self.Rg].transpose(0, 2, 1, 3), e[:, :, self.Rg:].transpose(0, 2, 1, 3)
+
+
+class Activations:
+    """The blocks' working buffers for B sequences of T tokens (M = B*T rows), allocated once; the routing
+    constants of the one-expert (dense down projection) and one-expert-per-head (attention output) combines.
+
+    q holds per token [pad | rotary key k_pe] then the H query heads, dq = qk_head_dim wide each, so that the heads
+    are a view and one GEMM writes k_pe and the queries."""
+
+    def __init__(self, config: DeepseekV2Config, batch: int, tokens: int, dtype: str, arrays: Arrays):
+        c = config
+        M, C, H, R, P = batch * tokens, c.n_embd, c.n_head, c.kv_lora_rank, c.qk_rope_head_dim
+        dn, dv, dq = c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim
+        slots = c.num_experts_per_tok + c.n_shared_experts
+        self.x = arrays.empty((M, C), FIXED_DTYPE)
+        self.xf, self.h = arrays.empty((M, C), dtype), arrays.empty((M, C), dtype)
+        self.c, self.cn = arrays.empty((M, R), dtype), arrays.empty((M, R), dtype)
+        self.qa = None if c.q_lora_rank is None else arrays.empty((M, c.q_lora_rank), dtype)
+        self.qan = None if c.q_lora_rank is None else arrays.empty((M, c.q_lora_rank), dtype)
+        self.q = arrays.empty((M, (H + 1) * dq), dtype)
+        heads = self.q.reshape(batch, tokens, H + 1, dq)[:, :, 1:].transpose(0, 2, 1, 3)    # (B, H, T, dq)
+        self.heads, self.q_pe = heads, heads[:, :, :, dn:]
+        self.q_nope = self.q.reshape(M, H + 1, dq)[:, 1:, :dn]                              # (M, H, dn)
+        self.k_pe = self.q[:, dq - P:dq]                                                    # (M, P)
+        self.k_pe_heads = self.q.reshape(batch, tokens, 1, (H + 1) * dq)[:, :, :, dq - P:dq].transpose(0, 2, 1, 3)
+        self.pe_q = self.q[:, dq - P:]          # the GEMM's output: k_pe, then the query heads
+        self.q_out = self.q[:, dq:]             # the query heads alone (q_b_proj's output)
+        g = chunk(config)                       # the new latent entries as write_kv's heads (prefill)
+        self.c_chunks = self.cn.reshape(batch, tokens, R // g, g).transpose(0, 2, 1, 3)
+        self.pe_chunks = self.q.reshape(batch, tokens, (H + 1) * dq // g, g)[:, :, (dq - P) // g:dq // g]
+        self.pe_chunks = self.pe_chunks.transpose(0, 2, 1, 3)
+        # the output heads, head-major: the rows the per-head output projection reads (v padded to dq in prompts)
+        self.o = arrays.empty((H, M, dq), dtype)
+        self.o_heads = self.o.reshape(H, batch, tokens, dq).transpose(1, 0, 2, 3)            # (B, H, T, dq)
+        self.o_rows = self.o.reshape(H * M, dq)[:, :dv]
+        if tokens == 1:                         # a decode step: the absorbed form
+            self.q_c = arrays.empty((batch, 1, H, R), dtype)            # queries in the latent space
+            self.latent_out = arrays.empty((batch, 1, H, R), dtype)
+            self.y = arrays.empty((H, M, dv), dtype)                    # W_UV's outputs, head-major
+        # prompts (plain form)
+        self.kv = arrays.empty((M, H * (dn + dv)), dtype)
+        self.k = arrays.empty((M, H, dq), dtype)
+        self.v = arrays.zeros((M, H, dq), dtype)                         # columns past dv stay zero
+        # MoE and dense MLP
+        self.topk_ids, self.topk_weights = arrays.empty((M, slots), "int32"), arrays.empty((M, slots), "float32")
+        self.offsets = arrays.empty((c.n_routed_experts + c.n_shared_experts + 1,), "int32")
+        self.sorted_pairs = arrays.empty((M * slots,), "int32")
+        self.act = arrays.empty((M * slots, c.moe_intermediate_size), dtype)
+        self.f = arrays.empty((M, c.intermediate_size), dtype)
+        self.dense_routing = _routing(arrays, M, 1)
+        self.head_routing = _routing(arrays, M, H)
+
+
+def _routing(arrays: Arrays, M: int, experts: int) -> tuple:
+    """(weights, offsets, sorted pairs) routing token m's slot e to expert e with weight 1 for every token: the
+    rows of expert e are m = 0..M-1 of its block."""
+    if arrays.meta:
+        return (MetaArray((M, experts), "float32"), MetaArray((experts + 1,), "int32"),
+                MetaArray((M * experts,), "int32"))
+    import cupy
+    pairs = cupy.arange(M * experts, dtype=cupy.int32).reshape(M, experts).T.reshape(-1)
+    return (cupy.ones((M, experts), cupy.float32), cupy.arange(experts + 1, dtype=cupy.int32) * M,
+            cupy.ascontiguousarray(pairs))
+
+
+class DeepseekV2(CausalLM):
+    """A DeepSeek-V2 model (MLA, mixture of experts) whose forward pass runs entirely on tilekit kernels."""
+
+    weights = weights
+    config_class = DeepseekV2Config
+
+    def __init__(self, config: DeepseekV2Config, *, dtype: str = "bfloat16", seed: int = 0,
+                 state: dict[str, np.ndarray] | None = None, empty: bool = False, meta: bool = False):
+        """Weights from `state` (our names and layout, weights.py; any float dtype, checked against the config),
+        or random ones drawn on the GPU from `seed`, or uninitialised (empty=True: from_pretrained streams them
+        in). meta=True: MetaArray weights (no GPU, no memory), for tracing the kernels the model runs."""
+        if not isinstance(config, DeepseekV2Config):
+            raise TypeError(f"config must be a DeepseekV2Config, got {type(config).__name__}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        self.config, self.dtype, self.meta = config, dtype, meta
+        self._init_runtime()
+        fused = self._allocate()
+        self._init_weights(state, seed, empty)
+        c, w = config, self.params
+        self.embed = w[EMBEDDING]
+        self.norm = w["model.norm.weight"]
+        self.head = self.embed if c.tie_word_embeddings else w["lm_head.weight"]
+        H, R, C, dn = c.n_head, c.kv_lora_rank, c.n_embd, c.qk_nope_head_dim
+        self.blocks = []
+        for i in range(c.n_layer):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            kv_a, kv_b = w[a + "kv_a_proj_with_mqa.weight"], w[a + "kv_b_proj.weight"]
+            heads = kv_b.reshape(H, dn + c.v_head_dim, R)
+            lora = c.q_lora_rank is not None
+            if c.is_moe_layer(i):
+                mlp = (w[p + "mlp.gate.weight"], w[p + "mlp.experts.gate_up_proj"], w[p + "mlp.experts.down_proj"])
+            else:
+                down = w[p + "mlp.down_proj.weight"]
+                mlp = (w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], down.reshape(1, *down.shape))
+            self.blocks.append(Block(
+                w[p + "input_layernorm.weight"], kv_a[:R], kv_a[R:], None if lora else fused[i][R:],
+                w.get(a + "q_a_proj.weight"), w.get(a + "q_a_layernorm.weight"), w.get(a + "q_b_proj.weight"),
+                w[a + "kv_a_layernorm.weight"], kv_b, heads[:, :dn], heads[:, dn:],
+                w[a + "o_proj.weight"].reshape(C, H, c.v_head_dim).transpose(1, 0, 2),
+                w[p + "post_attention_layernorm.weight"], *mlp, c.is_moe_layer(i)))
+        positions = min(c.block_size, ROPE_TABLE_LIMIT)
+        if meta:
+            self.cos = self.sin = MetaArray((positions, c.qk_rope_head_dim // 2), "float32")
+        else:
+            import cupy
+            factor = 1.0 if c.rope_scaling is None else c.rope_scaling.cos_sin_factor
+            inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
+            self.cos, self.sin = (cupy.asarray(t * np.float32(factor)) for t in rope_tables(positions, inv_freq))
+
+    def _allocate(self) -> list:
+        """self.params: every weight, uninitialised, under its name; without query compression a layer's
+        kv_a_proj_with_mqa and q_proj are row views of one matrix (latent rows, rotary rows, query rows), so that
+        one GEMM makes the rotary key and the queries. Returns the fused matrices (None with query compression)."""
+        shapes, new = weights.state_dict_shapes(self.config), Arrays(self.meta).empty
+        fused, views = [], {}
+        for i in range(self.config.n_layer):
+            a = f"model.layers.{i}.self_attn."
+            if self.config.q_lora_rank is not None:
+                fused.append(None)
+                continue
+            kv, q = shapes[a + "kv_a_proj_with_mqa.weight"], shapes[a + "q_proj.weight"]
+            fused.append(new((kv[0] + q[0], self.config.n_embd), self.dtype))
+            views[a + "kv_a_proj_with_mqa.weight"], views[a + "q_proj.weight"] = fused[-1][:kv[0]], fused[-1][kv[0]:]
+        self.params = {name: views[name] if name in views else new(shape, self.dtype)
+                       for name, shape in shapes.items()}
+        return fused
+
+    # -- the math ---------------------------------------------------------------------------------
+    def meta_twin(self) -> "DeepseekV2":
+        """This model with MetaArray weights: what a dry run of its kernels needs."""
+        return DeepseekV2(self.config, dtype=self.dtype, meta=True)
+
+    def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
+        return Activations(self.config, batch, tokens, self.dtype, arrays)
+
+    def new_cache(self, batch: int, capacity: int, arrays: Arrays) -> LatentCache:
+        return LatentCache(self.config, batch, capacity, self.dtype, arrays)
+
+    def forward_attend(self):
+        """Plain MLA over whole prompts, no cache."""
+        return self._prompt_attention
+
+    def prefill_attend(self, cache: LatentCache, start):
+        """Plain MLA over the prompts, their latent entries written into the cache at `start`."""
+        def attend(i, blk, acts):
+            c, pe = cache.latent_chunks(i)           # one array as keys and values: a row copy
+            write_kv(acts.c_chunks, acts.c_chunks, c, c, start)
+            write_kv(acts.pe_chunks, acts.pe_chunks, pe, pe, start)
+            return self._prompt_attention(i, blk, acts)
+        return attend
+
+    def decode_attend(self, cache: LatentCache, positions):
+        """Absorbed MLA of each sequence's newest token over its latent cache, the token's entry written at
+        `positions`."""
+        cfg = self.config
+
+        def attend(i, blk, acts):
+            c, pe = cache.latent(i)
+            B, R = acts.heads.shape[0], cfg.kv_lora_rank
+            M, H = acts.q_nope.shape[:2]
+            head_linear(acts.q_nope, blk.w_uk, out=acts.q_c.reshape(M, H, R), weight_layout="kn")
+            mla_decode_attention(acts.q_c.transpose(0, 2, 1, 3), acts.q_pe, c, pe, positions,
+                                 scale=cfg.softmax_scale, new_c=acts.cn.reshape(B, 1, R),
+                                 new_pe=acts.k_pe_heads[:, 0], length_offset=1,
+                                 out=acts.latent_out.transpose(0, 2, 1, 3))
+            head_linear(acts.latent_out.reshape(M, H, R), blk.w_uv, out=acts.y.transpose(1, 0, 2),
+                        weight_layout="nk")
+            return acts.y.reshape(H * M, cfg.v_head_dim)
+        return attend
+
+    def _prompt_attention(self, i, blk, acts):
+        """Keys and values from the latents (kv_b_proj, mla_kv), causal attention; returns the head-major output
+        rows (H * M, dv)."""
+        cfg = self.config
+        M, H = acts.q_nope.shape[:2]
+        linear(acts.cn, blk.kv_b, weight_layout="out_in", out=acts.kv)
+        mla_kv(acts.kv.reshape(M, H, cfg.qk_nope_head_dim + cfg.v_head_dim), acts.k_pe, acts.k, acts.v,
+               dn=cfg.qk_nope_head_dim)
+        B, T = acts.heads.shape[0], acts.heads.shape[2]
+        k, v = (a.reshape(B, T, H, cfg.qk_head_dim).transpose(0, 2, 1, 3) for a in (acts.k, acts.v))
+        attention(acts.heads, k, v, causal=True, scale=cfg.softmax_scale, out=acts.o_heads)
+        return acts.o_rows
+
+    def hidden(self, acts: Activations, ids, positions, attend):
+        """Token embeddings through every block; returns the residual stream (B*T, C) as floats.
+
+        positions: int32 (B*T,) position of each token (RoPE); attend(layer, block, acts) runs one layer's
+        attention from the normed latents acts.cn, the rotary key and the roped query heads in acts.q, filling the
+        cache where there is one, and returns the head-major output rows (H * M, dv)."""
+        cfg = self.config
+        x = acts.x
+        embedding(ids, self.embed, out=x)
+        for i, blk in enumerate(self.blocks):
+            self._norm(acts, blk.attn_norm)
+            linear(acts.h, blk.kv_c, weight_layout="out_in", out=acts.c)
+            rms_norm(acts.c, blk.kv_norm, LORA_NORM_EPS, out=acts.cn)
+            if blk.pe_q is not None:
+                linear(acts.h, blk.pe_q, weight_layout="out_in", out=acts.pe_q)
+            else:
+                linear(acts.h, blk.q_a, weight_layout="out_in", out=acts.qa)
+                rms_norm(acts.qa, blk.q_a_norm, LORA_NORM_EPS, out=acts.qan)
+                linear(acts.qan, blk.q_b, weight_layout="out_in", out=acts.q_out)
+                linear(acts.h, blk.kv_pe, weight_layout="out_in", out=acts.k_pe)
+            apply_rope(acts.q_pe, positions, self.cos, self.sin)
+            apply_rope(acts.k_pe_heads, positions, self.cos, self.sin)
+            rows = attend(i, blk, acts)
+            weights_, offsets, pairs = acts.head_routing
+            moe_down_combine(rows, blk.o_proj, weights_, offsets, pairs, x)
+            self._norm(acts, blk.mlp_norm)
+            if blk.moe:
+                moe_router(acts.h, blk.gate, cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor,
+                           shared=cfg.n_shared_experts, topk_ids=acts.topk_ids, topk_weights=acts.topk_weights)
+                moe_permute(acts.topk_ids, cfg.n_routed_experts + cfg.n_shared_experts, offsets=acts.offsets,
+                            sorted_pairs=acts.sorted_pairs)
+                moe_gate_up(acts.h, blk.up, acts.offsets, acts.sorted_pairs, out=acts.act)
+                moe_down_combine(acts.act, blk.down, acts.topk_weights, acts.offsets, acts.sorted_pairs, x)
+            else:
+                swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
+                moe_down_combine(acts.f, blk.down, *acts.dense_routing, x)
+        return fixed_cast(x, acts.xf)
+
+    def _norm(self, acts: Activations, weight) -> None:
+        """acts.h = RMSNorm of the residual stream (read through fixed_cast)."""
+        fixed_cast(acts.x, acts.xf)
+        rms_norm(acts.xf, weight, self.config.rms_norm_eps, out=acts.h)
+
+    def final_norm(self, x, out, rows=None) -> None:
+        """The final RMSNorm of x (of the rows `rows` only, when given) into out."""
+        rms_norm(x, self.norm, self.config.rms_norm_eps, rows=rows, out=out)
+
+    def lm_head(self, h, out=None):
+        """Logits h @ W^T, W the LM head or, when tied, the token embedding."""
+        return linear(h, self.head, weight_layout="out_in", out=out)

@@ -1,0 +1,176 @@
+"""DeepSeek-V2's weights in Hugging Face checkpoints: tensor names and shapes, loading, saving, random weights.
+
+Our names are transformers 5.17's DeepseekV2ForCausalLM parameters ("model.layers.1.self_attn.kv_b_proj.weight"),
+weights nn.Linear's [out, in], in the layout the kernels read, which differs from the files' in two ways:
+- each MoE layer's experts are fused as transformers keeps the routed ones, the shared MLP (width S * I) appended
+  as S more experts of width I: mlp.experts.gate_up_proj [E + S, 2I, C] (each expert's gate rows, then its up
+  rows) and mlp.experts.down_proj [E + S, C, I]; there is no mlp.shared_experts tensor;
+- the rotary rows of q_proj (q_b_proj) and kv_a_proj_with_mqa are half-split (pairs 2i, 2i + 1 of a head's
+  rotary features -> i, i + P/2), so that tilekit's RoPE kernel rotates what transformers' interleaved RoPE does.
+Files keep the routed experts one by one (the hub, save_pretrained's default: mlp.experts.{j}.gate_proj/up_proj/
+down_proj.weight) or fused (save_pretrained(save_original_format=False)); both load, converted on the device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tilekit.models import hf
+from tilekit.models.deepseek_v2.config import DeepseekV2Config
+
+HUB_ORGS = ("deepseek-ai",)
+PREFIX = ""
+EMBEDDING = "model.embed_tokens.weight"
+BUFFER_SUFFIXES = ()
+
+
+def state_dict_shapes(config: DeepseekV2Config) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of this config (our layout; lm_head only when untied)."""
+    return hf.decoder_shapes(config, block_shapes, EMBEDDING)
+
+
+def block_shapes(config: DeepseekV2Config, i: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the tensors of decoder layer i."""
+    C, H, R, dq = config.n_embd, config.n_head, config.kv_lora_rank, config.qk_head_dim
+    E, I = config.n_routed_experts + config.n_shared_experts, config.moe_intermediate_size
+    p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+    shapes = {p + "input_layernorm.weight": (C,)}
+    if config.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (H * dq, C)
+    else:
+        Q = config.q_lora_rank
+        shapes.update({a + "q_a_proj.weight": (Q, C), a + "q_a_layernorm.weight": (Q,),
+                       a + "q_b_proj.weight": (H * dq, Q)})
+    shapes.update({a + "kv_a_proj_with_mqa.weight": (R + config.qk_rope_head_dim, C), a + "kv_a_layernorm.weight": (R,),
+                   a + "kv_b_proj.weight": (H * (config.qk_nope_head_dim + config.v_head_dim), R),
+                   a + "o_proj.weight": (C, H * config.v_head_dim), p + "post_attention_layernorm.weight": (C,)})
+    if config.is_moe_layer(i):
+        shapes.update({p + "mlp.gate.weight": (config.n_routed_experts, C), p + "mlp.experts.gate_up_proj": (E, 2 * I, C),
+                       p + "mlp.experts.down_proj": (E, C, I)})
+    else:
+        J = config.intermediate_size
+        shapes.update({p + "mlp.gate_proj.weight": (J, C), p + "mlp.up_proj.weight": (J, C),
+                       p + "mlp.down_proj.weight": (C, J)})
+    return shapes
+
+
+def weight_stats(config: DeepseekV2Config, name: str) -> tuple[float, float]:
+    """(mean, standard deviation) of random weights for tensor `name`: RMSNorm weights N(1, 0.1); the router
+    N(0, 1/sqrt(n_embd)), so that its logits are of unit scale and its top-k choices well apart; projections
+    into the residual stream (o_proj, down projections) N(0, 0.02/sqrt(2 n_layer)); the rest N(0, 0.02)."""
+    if name.endswith("norm.weight"):
+        return 1.0, 0.1
+    if name.endswith("mlp.gate.weight"):
+        return 0.0, 1 / math.sqrt(config.n_embd)
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+        return 0.0, 0.02 / math.sqrt(2 * config.n_layer)
+    return 0.0, 0.02
+
+
+# -- our layout <-> the files' ---------------------------------------------------------------------------------
+
+def _rotary(config: DeepseekV2Config, name: str) -> tuple[int, int] | None:
+    """(rows per group, first rotary row of a group) of a tensor whose rotary rows are half-split in our layout."""
+    if name.endswith(("q_proj.weight", "q_b_proj.weight")):
+        return config.qk_head_dim, config.qk_nope_head_dim
+    if name.endswith("kv_a_proj_with_mqa.weight"):
+        return config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank
+    return None
+
+
+def _half_split(config: DeepseekV2Config, name: str):
+    """The load transform of a tensor with rotary rows: interleaved pairs (file) -> half-split (ours)."""
+    group, first = _rotary(config, name)
+    half = config.qk_rope_head_dim // 2
+
+    def transform(src, out):
+        src, out = src.reshape(-1, group, src.shape[-1]), out.reshape(-1, group, out.shape[-1])
+        hf.convert(src[:, :first], out[:, :first])
+        hf.convert(src[:, first::2], out[:, first:first + half])
+        hf.convert(src[:, first + 1::2], out[:, first + half:])
+    return transform
+
+
+def _interleaved(config: DeepseekV2Config, name: str, w):
+    """Our half-split rotary rows of `w` back in the file's interleaved order (a copy, NumPy or device)."""
+    group, first = _rotary(config, name)
+    half = config.qk_rope_head_dim // 2
+    out = w.copy()
+    src, dst = w.reshape(-1, group, w.shape[-1]), out.reshape(-1, group, w.shape[-1])
+    dst[:, first::2] = src[:, first:first + half]
+    dst[:, first + 1::2] = src[:, first + half:]
+    return out
+
+
+def _experts(config: DeepseekV2Config, i: int, fused: bool) -> dict[str, hf.Piece]:
+    """File name -> Piece of layer i's experts: the routed ones one by one or fused, and the shared MLP's slices."""
+    C, E, S, I = config.n_embd, config.n_routed_experts, config.n_shared_experts, config.moe_intermediate_size
+    p = f"model.layers.{i}.mlp."
+    gate_up, down = p + "experts.gate_up_proj", p + "experts.down_proj"
+    if fused:
+        pieces = {gate_up: hf.Piece(gate_up, (E, 2 * I, C), np.s_[:E]), down: hf.Piece(down, (E, C, I), np.s_[:E])}
+    else:
+        pieces = {}
+        for j in range(E):
+            pieces.update({f"{p}experts.{j}.gate_proj.weight": hf.Piece(gate_up, (I, C), np.s_[j, :I]),
+                           f"{p}experts.{j}.up_proj.weight": hf.Piece(gate_up, (I, C), np.s_[j, I:]),
+                           f"{p}experts.{j}.down_proj.weight": hf.Piece(down, (C, I), np.s_[j])})
+
+    def rows(src, out):               # (S * I, C) -> (S, I, C)
+        hf.convert(src.reshape(out.shape), out)
+
+    def columns(src, out):            # (C, S * I) -> (S, C, I)
+        hf.convert(src.reshape(C, S, I).transpose(1, 0, 2), out)
+    pieces.update({p + "shared_experts.gate_proj.weight": hf.Piece(gate_up, (S * I, C), np.s_[E:, :I], rows),
+                   p + "shared_experts.up_proj.weight": hf.Piece(gate_up, (S * I, C), np.s_[E:, I:], rows),
+                   p + "shared_experts.down_proj.weight": hf.Piece(down, (C, S * I), np.s_[E:], columns)})
+    return pieces
+
+
+def stored(config: DeepseekV2Config, names: set[str]) -> dict[str, hf.Piece]:
+    """File name -> Piece of every tensor a file keeps in another form than ours (CheckpointLayout.stored): the
+    experts (each layer's routed ones fused if the file holds them so, else one by one) and the tensors with
+    rotary rows."""
+    pieces = {}
+    for name, shape in state_dict_shapes(config).items():
+        if _rotary(config, name):
+            pieces[name] = hf.Piece(name, shape, (), _half_split(config, name))
+    for i in range(config.n_layer):
+        if config.is_moe_layer(i):
+            pieces.update(_experts(config, i, f"model.layers.{i}.mlp.experts.gate_up_proj" in names))
+    return pieces
+
+
+def to_file(config: DeepseekV2Config, state, fused_experts: bool = False) -> dict:
+    """Our tensors (NumPy or device arrays) in a file's layout: rotary rows interleaved, the shared experts as one
+    MLP, the routed experts one by one as on the hub (or fused). Views where the layouts agree, else copies."""
+    E, S, I, C = config.n_routed_experts, config.n_shared_experts, config.moe_intermediate_size, config.n_embd
+    out = {}
+    for name, w in state.items():
+        if _rotary(config, name):
+            out[name] = _interleaved(config, name, w)
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            p = name.removesuffix("experts.gate_up_proj")
+            down = state[p + "experts.down_proj"]
+            if fused_experts:
+                out.update({name: w[:E], p + "experts.down_proj": down[:E]})
+            else:
+                for j in range(E):
+                    out.update({f"{p}experts.{j}.gate_proj.weight": w[j, :I], f"{p}experts.{j}.up_proj.weight": w[j, I:],
+                                f"{p}experts.{j}.down_proj.weight": down[j]})
+            out.update({p + "shared_experts.gate_proj.weight": w[E:, :I].reshape(S * I, C),
+                        p + "shared_experts.up_proj.weight": w[E:, I:].reshape(S * I, C),
+                        p + "shared_experts.down_proj.weight": down[E:].transpose(1, 0, 2).reshape(C, S * I)})
+        elif not name.endswith("mlp.experts.down_proj"):
+            out[name] = w
+    return out
+
+
+# The family's resolve / load / load_state_dict / save_state_dict / check_state_dict / random_state_dict
+LAYOUT = hf.CheckpointLayout(DeepseekV2Config, state_dict_shapes, weight_stats, EMBEDDING, PREFIX, BUFFER_SUFFIXES,
+                             HUB_ORGS, stored, to_file)
+resolve, load, check_state_dict = LAYOUT.resolve, LAYOUT.load, LAYOUT.check_state_dict
+load_state_dict, save_state_dict = LAYOUT.load_state_dict, LAYOUT.save_state_dict
+random_state_dict = LAYOUT.random_state_dict

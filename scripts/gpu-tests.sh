@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # On a GPU host (the device tool's machine): every test marked `gpu` (the kernels against their references,
 # every op's self-check, the models, tuning, patched HF models, the benchmark smoke tests), in parallel
-# processes (kernel compiles dominate; a fresh H100 runs them in about 5 minutes with 12). Logs go to $OUT.
+# processes (kernel compiles dominate; a fresh H100 runs them in about 5 minutes with 12), spread over the
+# host's GPUs where it has several. Logs go to $OUT.
 #   source .gpu/setup.sh && scripts/gpu-tests.sh [test paths and pytest args; default: tests]   (WORKERS=N, default 12)
 set -uo pipefail
 out="${OUT:-/tmp/tilekit-gpu}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
+gpus=$(nvidia-smi -L | grep -c "^GPU")
+[ "$gpus" -gt 1 ] && export TESTS_SPREAD_OVER_GPUS="$gpus"    # xdist workers take the GPUs in turn
 # -v logs each test's outcome as it finishes, so a run cut short by a time limit still names its failures.
 python3 -m pytest -v -n "${WORKERS:-12}" -m gpu -p no:cacheprovider "${@:-tests}" > "$out/gpu-tests.log" 2>&1
 status=$?

@@ -77,8 +77,9 @@ def test_every_gate_up_tile_shape_for_decode():
 
 
 def test_every_split_agrees():
-    """Each split rounds its partial sums to 2**-32 on its own: the bits may differ between configs, by a few
-    units per element, and every config matches the reference."""
+    """Every config matches the reference, and the configs agree with each other to fp32 rounding: each sums its
+    own split of the inner dimension in fp32 before the exact fixed-point combine, so the bits may differ by a few
+    units in the last place of an fp32 output."""
     M, slots, E, I, C = 2, 8, 66, 1408, 2048
     rng = np.random.default_rng(5)
     ids, offsets, order = routed(M, slots, E, rng)
@@ -94,4 +95,5 @@ def test_every_split_agrees():
         results.append(fixed_to_float(host(acc)) - start)
         assert_close(results[-1], ref, 1e-4, f"moe_down_combine {config}")
     assert len(results) > 1
-    assert all(np.abs(r - results[0]).max() < 1e-7 for r in results)
+    ulp = np.finfo(np.float32).eps * np.abs(ref).max()
+    assert all(np.abs(r - results[0]).max() <= 16 * ulp for r in results)

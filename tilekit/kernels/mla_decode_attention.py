@@ -44,8 +44,9 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
     Q: (B, H, nq, R) absorbed queries, Qpe: (B, H, nq, P) rotary queries; C: (B, capacity, R) latents, Kpe:
     (B, capacity, P) rotary keys; Lengths[b] + length_offset = valid positions, the last nq of which are the
     queries' own (causal among them). With NEW_KV those nq entries come from Cnew (B, nq, R), Pnew (B, nq, P)
-    and the split holding the last position writes them into C, Kpe. Row r of the query tile is head
-    g * H / GROUPS + r // nq, token r % nq. With SPLITS == 1 the program writes O (B, H, nq, R); otherwise its
+    and the split holding the last position folds them in first (folded after a loop of more than one cached
+    tile, the results were wrong at R = 512 with tileiras 13.4, on an H200) and writes them into C, Kpe. Row r
+    of the query tile is head g * H / GROUPS + r // nq, token r % nq. With SPLITS == 1 the program writes O (B, H, nq, R); otherwise its
     partial state goes to Opart (B, GROUPS, S, QP, R), Mpart, Lpart (B, GROUPS, S, QP) for the merge.
     """
     sync_with_previous_kernel()
@@ -69,14 +70,6 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
     m_i = ct.full((QP, 1), -math.inf, dtype=ct.float32)
     l_i = ct.zeros((QP, 1), dtype=ct.float32)
     acc = ct.zeros((QP, R), dtype=ct.float32)
-    for j in range(start // BN, ct.cdiv(end, BN)):
-        c = ct.load(C, (b, j, 0), (1, BN, R), padding_mode=ZERO).reshape((BN, R))
-        k_pe = ct.load(Kpe, (b, j, 0), (1, BN, P), padding_mode=ZERO).reshape((BN, P))
-        s = ct.mma(q, ct.transpose(c), ct.zeros((QP, BN), dtype=ct.float32))
-        s = ct.mma(q_pe, ct.transpose(k_pe), s) * qk_scale
-        k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
-        s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, c)
     if NEW_KV:
         if split == (length - 1) // CHUNK:
             t = ct.arange(NP, dtype=ct.int32).reshape((NP, 1))
@@ -88,6 +81,14 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
             m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, c_new)
             ct.scatter(C, (b, t + first_new, latent), c_new, mask=t < nq)
             ct.scatter(Kpe, (b, t + first_new, rope), pe_new, mask=t < nq)
+    for j in range(start // BN, ct.cdiv(end, BN)):
+        c = ct.load(C, (b, j, 0), (1, BN, R), padding_mode=ZERO).reshape((BN, R))
+        k_pe = ct.load(Kpe, (b, j, 0), (1, BN, P), padding_mode=ZERO).reshape((BN, P))
+        s = ct.mma(q, ct.transpose(c), ct.zeros((QP, BN), dtype=ct.float32))
+        s = ct.mma(q_pe, ct.transpose(k_pe), s) * qk_scale
+        k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
+        s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, c)
     if SPLITS == 1:
         ct.scatter(O, (b, head, token, latent), (acc / l_i).astype(O.dtype))
     else:

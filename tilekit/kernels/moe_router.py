@@ -53,7 +53,7 @@ def moe_router_kernel(X, W, Ids, Weights, Partial, Counter, scale: float, TM: ct
     rows = (ct.arange(TM, dtype=ct.int32) + tile * TM).reshape((TM, 1))
     cols = ct.arange(EP, dtype=ct.int32).reshape((1, EP))
     if SPLIT_K > 1:
-        ct.store(Partial, (split, tile, 0), logits.reshape((1, TM, EP)))
+        ct.scatter(Partial, (split, rows, cols), logits)      # plain stores, which the release below orders
         arrived = ct.atomic_add(Counter, tile, 1)       # acq_rel: our partial before it, theirs after
         last = arrived == SPLIT_K - 1
         rows = ct.where(last, rows, M)                   # other programs address no row at all

@@ -102,9 +102,9 @@ def quant_linear_kernel(X, Xs, W, Ws, Bias, Res, Y, Partial, Counter,
             up = add_k_tile(up, a, W, Xs, Ws, 1, k, rows, cols, pid_n, TM, TN, TK, FP8, BLOCK, XQ, Y.dtype)
 
     if SPLIT_K > 1:
-        ct.store(Partial, (split, 0, pid_m, pid_n), gate.reshape((1, 1, TM, TN)))
+        ct.scatter(Partial, (split, 0, rows, cols), gate)      # plain stores, which the release below orders
         if SWIGLU:
-            ct.store(Partial, (split, 1, pid_m, pid_n), up.reshape((1, 1, TM, TN)))
+            ct.scatter(Partial, (split, 1, rows, cols), up)
         arrived = ct.atomic_add(Counter, tile, 1)       # acq_rel: our partial before it, theirs after
         last = arrived == SPLIT_K - 1
         rows = ct.where(last, rows, M)                   # other programs address no row at all

@@ -56,6 +56,32 @@ def test_logits_match_reference_at_v2_lite_shapes():
         assert err <= MODEL_TOL[dtype], (dtype, err)
 
 
+def test_logits_match_hugging_face_at_v2_lite_shapes(tmp_path):
+    """V2-Lite's layer shapes (the dense layer and one MoE layer: 64 experts, top-6, 2 shared, YaRN; a smaller
+    vocabulary) written by transformers' DeepseekV2ForCausalLM (random weights, the router's scaled up so the top-6
+    margins stay clear of bf16 rounding) and loaded by tilekit: logits against transformers' float32 run on the GPU."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = DEEPSEEK_V2_PRESETS["deepseek-v2-lite"].replace(n_layer=2, vocab_size=1031, bos_token_id=1,
+                                                             eos_token_id=2)
+    torch.manual_seed(0)
+    hf_model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**config.to_hf_dict()))
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20)
+    hf_model.save_pretrained(tmp_path)
+    hf_model = hf_model.float().cuda().eval()
+    ids = np.random.default_rng(3).integers(0, config.vocab_size, (2, 37))
+    with torch.no_grad():
+        expected = hf_model(torch.as_tensor(ids).cuda()).logits.double().cpu().numpy()
+    del hf_model
+    for dtype in ("float32", "bfloat16"):
+        model = DeepseekV2.from_pretrained(tmp_path, dtype=dtype)
+        err = rel_err(cupy.asnumpy(model(ids)).astype(np.float64), expected)
+        assert err <= MODEL_TOL[dtype], (dtype, err)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return DeepseekV2.from_pretrained(DATA / "tiny-deepseek-v2", dtype="float32")

@@ -396,20 +396,21 @@ class CausalLM(TextGeneration):
             self.quantized = quantization.linear_names(self.weights.state_dict_shapes(self.config),
                                                        self.weights.QUANTIZED)
 
-    def _allocate_params(self, groups: Sequence[Sequence[str]]) -> list[tuple]:
+    def _allocate_params(self, groups: Sequence[Sequence[str]], halves: Sequence[Sequence[str]] = ()) -> tuple:
         """self.params: every weight of the family's state_dict_shapes, uninitialised, under its name, in the
         model's dtype or, for self.quantized, as 8-bit codes with fp32 scales under quantization.scale_key names.
-        Each of `groups` (names of weights of one input width, all quantized or none) becomes row views of one
-        fused matrix, and so do their scales; returns each group's (matrix, scales or None)."""
+        Each of `groups` (names of weights of one input width, all quantized or none; one GEMM) and of `halves`
+        (a quantized SwiGLU's [gate; up], each half with its own block grid) becomes row views of one fused
+        matrix, and so do their scales; returns each group's and each halves' (matrix, scales or None)."""
         shapes, new, quant = self.weights.state_dict_shapes(self.config), Arrays(self.meta).empty, self.quant
         fused, views = [], {}
-        for names in groups:
+        for names, own_grids in [(g, False) for g in groups] + [(h, True) for h in halves]:
             rows, K = [shapes[n][0] for n in names], shapes[names[0]][1]
             coded = quant is not None and names[0] in self.quantized
             matrix = new((sum(rows), K), WEIGHT_DTYPES[quant.weight] if coded else self.dtype)
             scales, per = None, rows
             if coded:
-                if quant.scale == "block" and any(r % QBLOCK for r in rows[:-1]):
+                if quant.scale == "block" and not own_grids and any(r % QBLOCK for r in rows[:-1]):
                     raise ValueError(f"block-scaled {', '.join(names)} need multiples of {QBLOCK} rows to share one "
                                      f"matrix, got {rows}")
                 per = rows if quant.scale == "channel" else [-(-r // QBLOCK) for r in rows]
@@ -432,7 +433,7 @@ class CausalLM(TextGeneration):
                 self.params[name] = new(shape, self.dtype)
             if quantization.scale_key(name) in views:
                 self.params[quantization.scale_key(name)] = views[quantization.scale_key(name)]
-        return fused
+        return fused[:len(groups)], fused[len(groups):]
 
     def fp8_groups(self, rows: int) -> int:
         """Activation scales per row when `rows` rows run in FP8 (W8A8): 1, or one per 128 columns of the widest

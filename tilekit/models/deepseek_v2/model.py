@@ -252,19 +252,19 @@ class DeepseekV2(CausalLM):
         kv_a_proj_with_mqa and q_proj are row views of one matrix (latent rows, rotary rows, query rows), so that
         one GEMM makes the rotary key and the queries; quantized, the dense layer's gate and up are row views of one
         [gate; up]. Returns each layer's fused (matrix, scales), or None."""
-        groups, layers = [], []
+        groups, halves, layers = [], [], []
         for i in range(self.config.n_layer):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             if self.config.q_lora_rank is None and not self.quant:
                 groups.append([a + "kv_a_proj_with_mqa.weight", a + "q_proj.weight"])
+                layers.append(("group", len(groups) - 1))
             elif self.quant and not self.config.is_moe_layer(i):
-                groups.append([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                halves.append([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                layers.append(("halves", len(halves) - 1))
             else:
                 layers.append(None)
-                continue
-            layers.append(len(groups) - 1)
-        fused = self._allocate_params(groups)
-        return [None if g is None else fused[g] for g in layers]
+        fused = dict(zip(("group", "halves"), self._allocate_params(groups, halves)))
+        return [None if at is None else fused[at[0]][at[1]] for at in layers]
 
     def _quantized_block(self, blk: Block, i: int, fused) -> None:
         """A quantized layer's codes and scales in its Block: kv_a's latent and rotary rows (and their scales) as

@@ -119,16 +119,14 @@ class Llama(CausalLM):
     def _allocate(self) -> list:
         """self.params (runtime's _allocate_params): q, k and v of a layer row views of one fused matrix, and
         quantized also gate and up; returns each layer's (qkv, its scales, [gate; up], its scales)."""
-        groups = []
+        groups, halves = [], []
         for i in range(self.config.n_layer):
             p = f"model.layers.{i}."
             groups.append([f"{p}self_attn.{n}_proj.weight" for n in "qkv"])
             if self.quant:
-                groups.append([f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")])
-        fused = self._allocate_params(groups)
-        if not self.quant:
-            return [qkv + (None, None) for qkv in fused]
-        return [fused[2 * i] + fused[2 * i + 1] for i in range(self.config.n_layer)]
+                halves.append([f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")])
+        qkv, gate_up = self._allocate_params(groups, halves)
+        return [q + (gate_up[i] if self.quant else (None, None)) for i, q in enumerate(qkv)]
 
     # -- the math ---------------------------------------------------------------------------------
     def meta_twin(self) -> "Llama":

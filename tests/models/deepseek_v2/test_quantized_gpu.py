@@ -113,3 +113,21 @@ def test_v2_lite_layer_shapes(kind):
         assert err <= tol, (tokens, err)
     out = model.generate([[5, 6, 7]], 4, temperature=0)[0]
     assert len(out) == 7
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_tuning_workload_is_what_forward_and_generate_request(kind):
+    """What `tilekit tune --model ... --quantize` tunes (kernel_problems on MetaArrays) is what the quantized model
+    asks for, W8A8 prefill included."""
+    from tilekit.autotune.op import recording
+    model = DeepseekV2(CONFIG, state=weights.random_state_dict(CONFIG, seed=7), quantize=kind)
+    T = W8A8_MIN_ROWS + 1
+    with recording() as calls:
+        model(np.ones((1, T), np.int64), use_graph=False)
+    assert {(op.name, op.problem_key(p)[1]) for op, p in calls} == \
+        {(op.name, op.problem_key(p)[1]) for op, p in model.kernel_problems(1, T)}
+    with recording() as calls:
+        model.generate([[1, 2, 3, 4, 5]], 3, temperature=0, use_graph=False)
+        model.generate([[1, 2, 3, 4, 5]], 3, temperature=1.0, top_k=50, use_graph=False)
+    assert {(op.name, op.problem_key(p)[1]) for op, p in calls} == \
+        {(op.name, op.problem_key(p)[1]) for op, p in model.kernel_problems(1, 5, 3)}

@@ -33,6 +33,14 @@ def test_calls_make_the_expected_problems():
                               act="none", bias=0, res=1))]
 
 
+def test_out_may_be_a_column_slice():
+    """Rows of out may be strided (DeepSeek-V2 writes its queries after the rotary key in one buffer)."""
+    wide = a((2, 100))
+    with recording() as calls:
+        y = quant_linear(a((2, 64)), a((32, 64), "int8"), a((32,), "float32"), weight_dtype="int8", out=wide[:, 10:42])
+    assert y.shape == (2, 32) and calls[0][1]["N"] == 32
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda: quant_linear(a((2, 64)), a((32, 64), "int8"), a((32,), "float32"), weight_dtype="int4"), ValueError,
      "weight_dtype must be"),

@@ -675,7 +675,7 @@ def _model_args(p, default_model=None):
     p.add_argument("--new-tokens", type=_positive, default=128,
                    help="tokens generate() adds after each prompt in the workload (default 128)")
     p.add_argument("--quantize", choices=("int8", "fp8"),
-                   help="the workload of the model with its linears quantized (Llama family)")
+                   help="the workload of the model with its linears quantized (Llama and DeepSeek-V2 families)")
 
 
 def _generation_args(p) -> None:

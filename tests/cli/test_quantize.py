@@ -26,3 +26,13 @@ def test_db_explain_lists_the_quantized_workload(capsys):
                      "--seq-lens", "128", "--gpu", "NVIDIA H100 80GB HBM3"]) == 0
     out = capsys.readouterr().out
     assert "quant_linear/" in out and "quantize_fp8/" in out and "swiglu_linear/" not in out
+
+
+def test_db_explain_lists_deepseek_v2_lites_quantized_workload(capsys):
+    """tune --model deepseek-v2-lite --quantize fp8 tunes this workload: quant_linear at the attention's and the
+    dense layer's shapes (the experts keep moe_gate_up / moe_down_combine)."""
+    assert cli.main(["db", "explain", "--model", "deepseek-v2-lite", "--quantize", "fp8", "--batch-sizes", "1",
+                     "--seq-lens", "128", "--gpu", "NVIDIA H100 80GB HBM3"]) == 0
+    out = capsys.readouterr().out
+    assert "quant_linear/" in out and "quantize_fp8/" in out and "moe_gate_up/" in out
+    assert "swiglu_linear/" not in out

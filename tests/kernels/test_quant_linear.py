@@ -87,6 +87,23 @@ def test_every_split_k_of_a_decode_shape():
             check_quant_linear(2, 320, 2112, "bfloat16", "fp8", "block", swiglu=True)
 
 
+@pytest.mark.parametrize("M", [1, 200])
+def test_row_strided_out(M):
+    """out a column slice of a wider buffer (DeepSeek-V2 writes the queries after its rotary key so): the columns
+    around it stay as they were, split-K (few rows) and whole tiles alike."""
+    import cupy
+    rng = np.random.default_rng()
+    w, s = random_weight(300, 256, "fp8", "block", rng)
+    x, wide = rand((M, 256), "bfloat16"), poisoned((M, 64 + 300 + 40), "bfloat16")
+    before = cupy.asnumpy(wide.view(cupy.uint16))
+    y = quant_linear(x, cupy.asarray(w), cupy.asarray(s), weight_dtype="fp8", out=wide[:, 64:364])
+    ref = quant_linear_reference(host(x), w, s, weight_dtype="fp8")
+    assert_close(host(y), ref, TOL["bfloat16"], f"quant_linear strided out M{M}")
+    after = cupy.asnumpy(wide.view(cupy.uint16))
+    np.testing.assert_array_equal(after[:, :64], before[:, :64])
+    np.testing.assert_array_equal(after[:, 364:], before[:, 364:])
+
+
 def test_bad_arguments_name_themselves():
     import cupy
     x = rand((2, 64), "bfloat16")

@@ -83,7 +83,7 @@ def load_host(directory, quantize=None):
             outs[name] = np.empty(shape, np.float32)
     weights.LAYOUT.load(checkpoint, CONFIG, dtype="float32", outs=outs, device=hf.HostDevice(),
                         ignore=scheme.ignored,
-                        rewrite=lambda plan, o: quantization.rewrite_plan(plan, LINEARS, scheme, o))
+                        rewrite=lambda plan, o, _: quantization.rewrite_plan(plan, LINEARS, scheme, o))
     return scheme, outs
 
 

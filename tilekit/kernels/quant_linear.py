@@ -282,8 +282,9 @@ def _bind(a: list, flags: tuple) -> Binding:
             raise ValueError(f"residual must have shape {out_shape}, got {res.shape}")
         arrays.check_contiguous(res, "residual")
         views["res"] = (5, None if len(out_shape) == 2 else (M, N))
-    if out is not None:
-        arrays.check_out(out, "out", like, out_shape)
+    if out is not None:                  # rows may be strided (a model's column slice of a wider buffer)
+        arrays.check_out(out, "out", like, out_shape, contiguous=False)
+        arrays.check_rows(out, "out")
     problem = dict(dtype=dtype, M=M, N=N, K=K, wq=weight, scale=scale_kind, xq="none" if x_scale is None else "fp8",
                    act=activation or "none", bias=int(bias is not None), res=int(res is not None))
     return Binding(problem=problem, arrays=views, returns=6, output=(6, arrays.allocator(x.kind, x.device, out_shape,

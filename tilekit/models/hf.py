@@ -750,7 +750,7 @@ class Piece:
 def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], *, dtype: str, outs=None,
                  prefix: str = "", tied: str | None = None, ignore: tuple[str, ...] = (), device=None,
                  expected: str = "the model", stored: Callable | None = None,
-                 rewrite: Callable[[dict, Mapping | None], dict] | None = None) -> dict:
+                 rewrite: Callable[[dict, Mapping | None, Mapping[str, str]], dict] | None = None) -> dict:
     """A model's weights from a checkpoint, under the names of `shapes`: load_tensors with a family's rules.
 
     The file names every tensor with `prefix` before it or none without (GPT2LMHeadModel's names or GPT2Model's).
@@ -759,20 +759,23 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
     buffers, skipped. `outs`: our name -> the array to fill, or a function returning that mapping, called once
     the headers have been checked (so nothing is allocated for a file that does not match); None: new arrays of
     `dtype`. `stored(names in the file)`: file name -> Piece, for tensors the file keeps in another form than ours
-    (ours is then made whole from its pieces). `rewrite(plan, outs)`: the plan (our names, whole tensors) as some
-    tensors are really stored or converted (e.g. quantized weights and their scales, tilekit.models.quantization),
-    called before and after `outs` exist (None before). Returns our name -> array."""
+    (ours is then made whole from its pieces). `rewrite(plan, outs, dtypes)`: the plan (file names; a piece's
+    target keeps its transform) as some tensors are really stored or converted (e.g. quantized weights and their
+    scales, tilekit.models.quantization), given the file's safetensors dtypes by name; called before and after
+    `outs` exist (None before). Returns our name -> array."""
     with checkpoint.tensor_files() as files:
         p = prefix if prefix and any(name.startswith(prefix) for name in files.tensors) else ""
         pieces = stored(set(files.tensors)) if stored else {}
         whole = {name: shape for name, shape in shapes.items() if name not in {q.ours for q in pieces.values()}}
 
+        dtypes = {name: info.dtype for name, info in files.tensors.items()}
+
         def plan_for(outs) -> dict:
-            plan = {name: Target(shape, dtype, None if outs is None else outs[name]) for name, shape in whole.items()}
-            plan = rewrite(plan, outs) if rewrite is not None else plan
-            return {**{p + name: target for name, target in plan.items()},
-                    **{name: Target(q.shape, dtype) if outs is None else
-                       Target(q.shape, dtype, outs[q.ours][q.index], q.transform) for name, q in pieces.items()}}
+            plan = {p + name: Target(shape, dtype, None if outs is None else outs[name])
+                    for name, shape in whole.items()}
+            plan.update({name: Target(q.shape, dtype) if outs is None else
+                         Target(q.shape, dtype, outs[q.ours][q.index], q.transform) for name, q in pieces.items()})
+            return rewrite(plan, outs, dtypes) if rewrite is not None else plan
         plan = plan_for(None)
         if tied is not None:
             plan[LM_HEAD] = Target(shapes[tied], dtype, optional=True)

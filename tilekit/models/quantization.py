@@ -14,7 +14,10 @@ W ~ codes * scale (tilekit.kernels.quant_linear). Checkpoints read:
 * DeepSeek-style block FP8 (`quant_method: fp8`, `weight_block_size: [128, 128]`): `weight` +
   `weight_scale_inv` (blocks; despite the name a multiplier, as DeepSeek-V3 dequantizes).
 
-Per-tensor scales become per-channel ones. Any other scheme (GPTQ, AWQ, bitsandbytes, int4 packings, modules
+Per-tensor scales become per-channel ones. A family may keep some linears in its float dtype (weights.DEQUANTIZED:
+name patterns, e.g. DeepSeek-V2's routed experts, which no quantized kernel reads): a checkpoint's codes of those are
+dequantized as they load (in fp32, rounded once to the model's dtype), and the file may store them either way (its
+headers decide) and list them unquantized. Any other scheme (GPTQ, AWQ, bitsandbytes, int4 packings, modules
 left unquantized other than the LM head) is a ModelFileError naming the scheme and the file. Load-time
 quantization (`quantize="int8" | "fp8"`) quantizes each tensor on the GPU as it arrives (one tensor at a time,
 never a bf16 copy of the model on the host): scale = absmax of the output channel / 127 (int8) or / 448 (e4m3).
@@ -22,7 +25,9 @@ never a bf16 copy of the model on the host): scale = absmax of the output channe
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -77,26 +82,30 @@ def _unsupported(fields: hf.Fields, key: str, what: str = "a scheme tilekit does
     return fields.error(key, f"is {hf.json_shown(fields.d.get(key))}: {what}; {READ}")
 
 
-def _only_lm_head(fields: hf.Fields, key: str) -> None:
-    """A list of modules left unquantized may name the LM head only (tilekit quantizes every block linear)."""
+def _only_lm_head(fields: hf.Fields, key: str, mixed: bool) -> None:
+    """A list of modules left unquantized may name the LM head only (tilekit quantizes every block linear), or,
+    for a family that keeps some linears in its float dtype (`mixed`), anything: the headers decide there."""
     names = fields.d.get(key)
     if names is None:
         return
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise fields.error(key, "must be a list of module names")
+    if mixed:
+        return
     others = [n for n in names if n not in LM_HEAD_NAMES and not n.endswith(".lm_head")]
     if others:
         raise fields.error(key, f"leaves modules other than the LM head unquantized ({', '.join(map(quoted, others[:3]))}"
                                 f"{', ...' if len(others) > 3 else ''}), which tilekit does not support")
 
 
-def scheme_of(checkpoint: hf.Checkpoint) -> Scheme | None:
-    """The quantization scheme of a checkpoint's linears, or None for a plain float checkpoint."""
+def scheme_of(checkpoint: hf.Checkpoint, mixed: bool = False) -> Scheme | None:
+    """The quantization scheme of a checkpoint's linears, or None for a plain float checkpoint. `mixed`: the
+    family keeps some linears in its float dtype (their modules may be listed unquantized)."""
     q = checkpoint.config().object("quantization_config", None)
     if q is None:
         if checkpoint.has(QUANT_CONFIG):
             path = checkpoint.directory / QUANT_CONFIG
-            return _modelopt(hf.Fields(checkpoint.read_json(QUANT_CONFIG), path).object("quantization"))
+            return _modelopt(hf.Fields(checkpoint.read_json(QUANT_CONFIG), path).object("quantization"), mixed)
         return None
     method = q.d.get("quant_method")
     if not isinstance(method, str):
@@ -105,10 +114,10 @@ def scheme_of(checkpoint: hf.Checkpoint) -> Scheme | None:
                "fp8": _block_fp8}
     if method not in readers:
         raise _unsupported(q, "quant_method")
-    return readers[method](q)
+    return readers[method](q, mixed)
 
 
-def _compressed_tensors(q: hf.Fields) -> Scheme:
+def _compressed_tensors(q: hf.Fields, mixed: bool) -> Scheme:
     fmt = q.d.get("format")
     if fmt not in ("float-quantized", "int-quantized", "naive-quantized"):
         raise _unsupported(q, "format")
@@ -128,74 +137,160 @@ def _compressed_tensors(q: hf.Fields) -> Scheme:
                                              "strategy are read")
     if strategy == "block" and w.d.get("block_structure") != [QBLOCK, QBLOCK]:
         raise w.error("block_structure", f"must be [{QBLOCK}, {QBLOCK}]")
-    _only_lm_head(q, "ignore")
+    _only_lm_head(q, "ignore", mixed)
     return Scheme(kind, "block" if strategy == "block" else "channel", "compressed-tensors",
                   {"channel": "out1", "tensor": "one", "block": "blocks"}[strategy],
                   ignored=(".input_scale", ".weight_zero_point", ".input_zero_point"))
 
 
-def _fbgemm(q: hf.Fields) -> Scheme:
-    _only_lm_head(q, "modules_to_not_convert")
+def _fbgemm(q: hf.Fields, mixed: bool) -> Scheme:
+    _only_lm_head(q, "modules_to_not_convert", mixed)
     return Scheme("fp8", "channel", "fbgemm_fp8", "out1", ignored=(".input_scale_ub",))
 
 
-def _modelopt(q: hf.Fields) -> Scheme:
+def _modelopt(q: hf.Fields, mixed: bool) -> Scheme:
     algo = q.d.get("quant_algo")
     shapes = {"FP8": ("channel", "scalar"), "FP8_PER_CHANNEL_PER_TOKEN": ("channel", "out1"),
               "FP8_PB_WO": ("block", "blocks")}
     if not isinstance(algo, str) or algo.upper() not in shapes:
         raise _unsupported(q, "quant_algo")
-    _only_lm_head(q, "exclude_modules")
+    _only_lm_head(q, "exclude_modules", mixed)
     scale, shape = shapes[algo.upper()]
     return Scheme("fp8", scale, "ModelOpt " + algo.upper(), shape,
                   ignored=(".input_scale", ".k_scale", ".v_scale"))
 
 
-def _block_fp8(q: hf.Fields) -> Scheme:
+def _block_fp8(q: hf.Fields, mixed: bool) -> Scheme:
     if q.d.get("weight_block_size") != [QBLOCK, QBLOCK]:
         raise _unsupported(q, "weight_block_size", f"not [{QBLOCK}, {QBLOCK}]")
     if q.d.get("fmt", "e4m3") != "e4m3" or q.d.get("activation_scheme", "dynamic") != "dynamic":
         key = "fmt" if q.d.get("fmt", "e4m3") != "e4m3" else "activation_scheme"
         raise _unsupported(q, key, "block FP8 with fmt 'e4m3' and dynamic activations is read")
-    _only_lm_head(q, "modules_to_not_convert")
+    _only_lm_head(q, "modules_to_not_convert", mixed)
     return Scheme("fp8", "block", "block FP8", "blocks", "weight_scale_inv")
 
 
 # -- load plans ----------------------------------------------------------------------------------------------
 
-def scale_into(out) -> Callable:
+def scale_into(out, transform: Callable | None = None) -> Callable:
     """A transform writing a file's scale tensor (any float dtype, per channel [out, 1], per tensor or blocks)
-    into the model's fp32 scales `out`."""
-    def transform(src, _):
-        out[...] = src.reshape(out.shape) if src.size == out.size else src.reshape(())
-    return transform
+    into the model's fp32 scales `out`; per channel through the weight's own `transform` (a row permutation), so
+    that each scale follows its row."""
+    def into(src, _):
+        if transform is None or out.ndim != 1:
+            out[...] = src.reshape(out.shape) if src.size == out.size else src.reshape(())
+            return
+        rows = out.reshape(-1, 1)
+        column = rows.copy()
+        column[...] = src.reshape(-1, 1) if src.size == out.size else src.reshape(())
+        transform(column, rows)
+    return into
 
 
-def quantizing(kind: str, scale) -> Callable:
-    """A transform quantizing a file's float weight per output channel into the codes `out`, scales into `scale`."""
-    def transform(src, out):
+def quantizing(kind: str, scale, transform: Callable | None = None) -> Callable:
+    """A transform quantizing a file's float weight per output channel into the codes `out`, scales into `scale`
+    (after the weight's own `transform` into our layout, a row permutation, if it has one)."""
+    def into(src, out):
+        if transform is not None:
+            ours = src.astype(np.float32)
+            transform(src, ours)
+            src = ours
         quantize_into(src, out, scale, kind)
-    return transform
+    return into
 
 
-def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme: Scheme, outs) -> dict:
-    """A load plan with every linear weight of `plan` (names in `linears`) read as `scheme` stores it: codes and
-    scales from a quantized checkpoint, or float weights quantized as they arrive (load-time quantization).
+@functools.cache
+def _fp8_values() -> np.ndarray:
+    """The fp32 value of each of the 256 FP8 e4m3 bit patterns."""
+    import ml_dtypes
+    return np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def code_values(codes, kind: str):
+    """fp32 values of int8 codes or FP8 e4m3 bits (uint8), NumPy or CuPy (exact; 0x7F / 0xFF are NaN)."""
+    if kind == "int8":
+        return codes.astype(np.float32)
+    if isinstance(codes, np.ndarray):
+        return _fp8_values()[codes]
+    import cupy
+    return cupy.asarray(_fp8_values())[codes]
+
+
+def expand_scale(scale, shape: tuple[int, int], layout: str):
+    """A file's scale tensor (Scheme.scale_shape `layout`: [out, 1], [1], [] or 128x128 blocks) as fp32 [out, in]
+    (NumPy or CuPy, as `scale`)."""
+    s = scale.astype(np.float32)
+    if layout == "blocks":
+        return s.repeat(QBLOCK, 0).repeat(QBLOCK, 1)[:shape[0], :shape[1]]
+    column = s.reshape(-1, 1) if layout == "out1" else s.reshape(1, 1).repeat(shape[0], 0)
+    return column.repeat(shape[1], 1)
+
+
+class Dequantizing:
+    """The two transforms that write a checkpoint's quantized weight into our float array `out` (a view), in fp32
+    rounded once: its codes (as values, through the weight's own `transform` into our layout) and its scale. Files
+    may keep either first; whichever arrives second scales the values in place, so nothing waits on the side."""
+
+    def __init__(self, scheme: Scheme, shape: tuple[int, int], out, transform: Callable | None):
+        self.scheme, self.shape, self.out, self.transform = scheme, shape, out, transform or hf.convert
+        self.scale, self.values = None, False
+
+    def codes(self, src, _) -> None:
+        self.transform(code_values(src, self.scheme.weight), self.out)
+        self.values = True
+        self._finish()
+
+    def scales(self, src, _) -> None:
+        self.scale = src.copy()
+        self._finish()
+
+    def _finish(self) -> None:
+        if self.scale is None or not self.values:
+            return
+        full = expand_scale(self.scale, self.shape, self.scheme.scale_shape)
+        ours = self.out.astype(np.float32)
+        factor = ours.copy()
+        self.transform(full, factor)
+        self.out[...] = ours * factor
+        self.scale = None
+
+
+def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme: Scheme, outs,
+                 dtypes: Mapping[str, str] | None = None, dequantized: tuple[str, ...] = ()) -> dict:
+    """A load plan (file names; hf.load_weights) with every linear weight of `plan` (names in `linears`) read as
+    `scheme` stores it: codes and scales from a quantized checkpoint, or float weights quantized as they arrive
+    (load-time quantization). A target's own transform (a family's layout, a row permutation) still applies.
     `outs`: our name -> array (codes under the weight's name, fp32 scales under NAME_scale), or None before the
-    headers are checked."""
+    headers are checked. From a quantized checkpoint, the weights matching `dequantized` (a family's
+    DEQUANTIZED patterns) that `dtypes` (file name -> safetensors dtype) shows as codes are dequantized into
+    their float targets, with their scales."""
     plan = dict(plan)
     loading = scheme.source == "load-time quantization"
     for name in linears:
-        shape = plan[name].shape
+        target = plan[name]
+        shape = target.shape
         out = outs[name] if outs is not None else None
         scale = outs[scale_key(name)] if outs is not None else None
         if loading:
-            plan[name] = hf.Target(shape, out=out, transform=quantizing(scheme.weight, scale))
+            plan[name] = hf.Target(shape, out=out, transform=quantizing(scheme.weight, scale, target.transform))
             continue
-        plan[name] = hf.Target(shape, out=out, transform=hf.convert, accept=(FILE_DTYPES[scheme.weight],))
-        file_scale = name[:-len("weight")] + scheme.scale_name
-        plan[file_scale] = hf.Target(scheme.scale_file_shape(shape), "float32", out=scale,
-                                     transform=None if scale is None else scale_into(scale))
+        plan[name] = hf.Target(shape, out=out, transform=target.transform or hf.convert,
+                               accept=(FILE_DTYPES[scheme.weight],))
+        plan[name[:-len("weight")] + scheme.scale_name] = hf.Target(
+            scheme.scale_file_shape(shape), "float32", out=scale,
+            transform=None if scale is None else scale_into(scale, target.transform))
+    if loading or not dequantized:
+        return plan
+    pattern = re.compile(rf"\.(?:{'|'.join(dequantized)})\.weight")
+    code = FILE_DTYPES[scheme.weight]
+    for name, target in list(plan.items()):
+        if (dtypes or {}).get(name) != code or not pattern.search(name) or not name.endswith(".weight") \
+                or len(target.shape) != 2 or name in linears:
+            continue
+        into = Dequantizing(scheme, target.shape, target.out, target.transform)
+        plan[name] = hf.Target(target.shape, target.dtype, target.out, into.codes, accept=(code,))
+        plan[name[:-len("weight")] + scheme.scale_name] = hf.Target(scheme.scale_file_shape(target.shape),
+                                                                    "float32", transform=into.scales)
     return plan
 
 
@@ -204,12 +299,12 @@ def linear_names(shapes: Mapping[str, tuple], modules: tuple[str, ...]) -> tuple
     return tuple(name for name in shapes if name.endswith(tuple(f".{m}.weight" for m in modules)))
 
 
-def scheme_for(checkpoint: hf.Checkpoint, quantize: str | None) -> Scheme | None:
+def scheme_for(checkpoint: hf.Checkpoint, quantize: str | None, mixed: bool = False) -> Scheme | None:
     """The scheme a model loaded from `checkpoint` with `quantize` (None, "int8" or "fp8") holds: the checkpoint's
-    own, or load-time per-channel quantization of a float checkpoint."""
+    own, or load-time per-channel quantization of a float checkpoint (`mixed`: as scheme_of)."""
     if quantize is not None and quantize not in KINDS:
         raise ValueError(f"quantize must be None, 'int8' or 'fp8', got {quantize!r}")
-    scheme = scheme_of(checkpoint)
+    scheme = scheme_of(checkpoint, mixed)
     if scheme is None:
         return None if quantize is None else Scheme(quantize)
     if quantize not in (None, scheme.weight):
@@ -258,9 +353,10 @@ def quantize_weight(w, kind: str) -> tuple[np.ndarray, np.ndarray]:
 
 # -- writing -------------------------------------------------------------------------------------------------
 
-def compressed_tensors_config(scheme: Scheme) -> dict:
+def compressed_tensors_config(scheme: Scheme, dequantized: tuple[str, ...] = ()) -> dict:
     """The quantization_config save_pretrained writes: compressed-tensors, weights as the model holds them,
-    activations dynamic per token."""
+    activations dynamic per token; the LM head and the modules of `dequantized` (a family's DEQUANTIZED
+    patterns, written in the model's dtype) listed unquantized."""
     weights = {"num_bits": 8, "type": "float" if scheme.weight == "fp8" else "int", "symmetric": True,
                "strategy": scheme.scale, "dynamic": False}
     if scheme.scale == "block":
@@ -268,7 +364,7 @@ def compressed_tensors_config(scheme: Scheme) -> dict:
     return {"quant_method": "compressed-tensors",
             "format": "float-quantized" if scheme.weight == "fp8" else "int-quantized",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
-            "ignore": ["lm_head"]}
+            "ignore": ["lm_head"] + [f"re:.*\\.{p}$" for p in dequantized]}
 
 
 def file_tensors(state: Mapping, linears: tuple[str, ...], scheme: Scheme) -> tuple[dict, dict]:

@@ -22,15 +22,16 @@ import numpy as np
 
 from tilekit.autotune.arrays import MetaArray, numpy_dtype, release_scratch
 from tilekit.autotune.op import recording
-from tilekit.kernels import attention, decode_attention, next_token, write_kv
+from tilekit.kernels import attention, decode_attention, linear, next_token, quant_linear, quantize_fp8, write_kv
 from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candidate_slots, pack_params
-from tilekit.kernels.quant_linear import dequantize_reference
+from tilekit.kernels.quant_linear import QBLOCK, WEIGHT_DTYPES, dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
 from tilekit.models import quantization
 from tilekit.models.hf import Checkpoint, convert, write_checkpoint
 
 PAD = 64          # prompts pad to, and KV caches grow in, multiples of this many positions
 LOGIT_ROW_ALIGN = 64   # forward()'s logits rows are padded to multiples of this many entries
+W8A8_MIN_ROWS = 128    # FP8 weights: from this many rows (prefill) the activations go to FP8 too
 
 
 class Arrays:
@@ -60,6 +61,20 @@ class Arrays:
 
 
 META = Arrays(meta=True)
+
+
+class FP8Activations:
+    """Room for a pass's activations quantized to FP8 (W8A8): codes of `rows` rows of the widest quantized
+    linear's input, and `groups` fp32 scales per row (1, or one per 128 columns with block-scaled weights)."""
+
+    def __init__(self, rows: int, widest: int, groups: int, arrays: Arrays):
+        self.codes = arrays.empty((rows * widest,), "uint8")
+        self.scales = arrays.empty((rows * groups,), "float32")
+
+    def views(self, x, groups: int):
+        """Buffers for x (M, K) quantized to FP8: codes (M, K) and scales (M, groups)."""
+        M, K = x.shape
+        return self.codes[:M * K].reshape(M, K), self.scales[:M * groups].reshape(M, groups)
 
 
 class KVCache:
@@ -331,6 +346,7 @@ class CausalLM(TextGeneration):
     config_class: type
     quant: quantization.Scheme | None = None     # quantized linears: how (a subclass that supports it sets it)
     quantized: tuple[str, ...] = ()              # their weights' names (codes; fp32 scales under scale_key(name))
+    widest_input: int = 0                        # the widest input (K) of the quantized linears
     max_prefill_graphs = 4
     max_generations = 2
 
@@ -363,6 +379,89 @@ class CausalLM(TextGeneration):
     def forward_attend(self) -> Callable:
         """hidden()'s attend for forward(): causal attention over whole prompts, no cache."""
         return lambda i, q, k, v, out: attention(q, k, v, causal=True, out=out)
+
+    # -- quantized linears (tilekit.models.quantization) -----------------------------------------
+    def _init_quant(self, quantize, building: bool) -> None:
+        """self.quant from a constructor's `quantize` (None, "int8", "fp8" or a checkpoint's Scheme) and
+        self.quantized: the weights of the family's QUANTIZED modules. Block scales come from checkpoints only
+        (`building`: the model is built empty or meta for one)."""
+        if isinstance(quantize, str) or quantize is None:
+            if quantize not in (None, *quantization.KINDS):
+                raise ValueError(f"quantize must be None, 'int8' or 'fp8', got {quantize!r}")
+            quantize = quantize and quantization.Scheme(quantize)
+        if quantize and quantize.scale == "block" and not building:
+            raise ValueError("block-scaled weights come from a checkpoint (from_pretrained)")
+        self.quant = quantize
+        if quantize:
+            self.quantized = quantization.linear_names(self.weights.state_dict_shapes(self.config),
+                                                       self.weights.QUANTIZED)
+
+    def _allocate_params(self, groups: Sequence[Sequence[str]], halves: Sequence[Sequence[str]] = ()) -> tuple:
+        """self.params: every weight of the family's state_dict_shapes, uninitialised, under its name, in the
+        model's dtype or, for self.quantized, as 8-bit codes with fp32 scales under quantization.scale_key names.
+        Each of `groups` (names of weights of one input width, all quantized or none; one GEMM) and of `halves`
+        (a quantized SwiGLU's [gate; up], each half with its own block grid) becomes row views of one fused
+        matrix, and so do their scales; returns each group's and each halves' (matrix, scales or None)."""
+        shapes, new, quant = self.weights.state_dict_shapes(self.config), Arrays(self.meta).empty, self.quant
+        fused, views = [], {}
+        for names, own_grids in [(g, False) for g in groups] + [(h, True) for h in halves]:
+            rows, K = [shapes[n][0] for n in names], shapes[names[0]][1]
+            coded = quant is not None and names[0] in self.quantized
+            matrix = new((sum(rows), K), WEIGHT_DTYPES[quant.weight] if coded else self.dtype)
+            scales, per = None, rows
+            if coded:
+                if quant.scale == "block" and not own_grids and any(r % QBLOCK for r in rows[:-1]):
+                    raise ValueError(f"block-scaled {', '.join(names)} need multiples of {QBLOCK} rows to share one "
+                                     f"matrix, got {rows}")
+                per = rows if quant.scale == "channel" else [-(-r // QBLOCK) for r in rows]
+                scales = new((sum(per),) if quant.scale == "channel" else (sum(per), -(-K // QBLOCK)), "float32")
+            start = first = 0
+            for n, r, b in zip(names, rows, per):
+                views[n], start = matrix[start:start + r], start + r
+                if coded:
+                    views[quantization.scale_key(n)], first = scales[first:first + b], first + b
+            fused.append((matrix, scales))
+        self.params = {}
+        for name, shape in shapes.items():
+            if name in views:
+                self.params[name] = views[name]
+            elif name in self.quantized:
+                self.params[name] = new(shape, WEIGHT_DTYPES[quant.weight])
+                views[quantization.scale_key(name)] = new(quantization.model_scale_shape(quant.scale, shape),
+                                                          "float32")
+            else:
+                self.params[name] = new(shape, self.dtype)
+            if quantization.scale_key(name) in views:
+                self.params[quantization.scale_key(name)] = views[quantization.scale_key(name)]
+        return fused[:len(groups)], fused[len(groups):]
+
+    def fp8_groups(self, rows: int) -> int:
+        """Activation scales per row when `rows` rows run in FP8 (W8A8): 1, or one per 128 columns of the widest
+        input with block scales; 0 when they do not (not FP8 weights, or fewer than W8A8_MIN_ROWS rows)."""
+        if not self.quant or self.quant.weight != "fp8" or rows < W8A8_MIN_ROWS:
+            return 0
+        return 1 if self.quant.scale == "channel" else -(-self.widest_input // QBLOCK)
+
+    def fp8_activations(self, rows: int, arrays: Arrays) -> FP8Activations | None:
+        """A pass's FP8Activations for `rows` rows, or None when they stay in the model's dtype."""
+        groups = self.fp8_groups(rows)
+        return FP8Activations(rows, self.widest_input, groups, arrays) if groups else None
+
+    def project(self, fp8: FP8Activations | None, x, w, scale, *, out, residual=None, activation=None):
+        """x @ w^T (+ residual) into out: kernels.linear in the model's dtype; quant_linear when quantized, with
+        the activations quantized to FP8 into `fp8` (W8A8) for prefill rows of FP8 weights. activation='swiglu'
+        (quantized only): w is [gate; up]."""
+        if not self.quant:
+            return linear(x, w, weight_layout="out_in", residual=residual, out=out)
+        x_scale = None
+        groups = self.fp8_groups(x.shape[0])
+        if groups:
+            block = self.quant.scale == "block"
+            codes, x_scale = fp8.views(x, -(-x.shape[1] // QBLOCK) if block else 1)
+            quantize_fp8(x, codes, x_scale, group=QBLOCK if block else None)
+            x = codes
+        return quant_linear(x, w, scale, weight_dtype=self.quant.weight, x_scale=x_scale, activation=activation,
+                            residual=residual, out=out)
 
     # -- weights and checkpoints ----------------------------------------------------------------
     def _init_weights(self, state: dict | None, seed: int, empty: bool) -> None:
@@ -401,10 +500,12 @@ class CausalLM(TextGeneration):
         safetensors headers match the config, the model's device arrays are allocated and the tensors streamed
         into them in `dtype`, never the whole checkpoint on the host. An FP8 / INT8 checkpoint
         (tilekit.models.quantization) loads quantized; quantize="int8" | "fp8" quantizes a float one per channel
-        as it streams in. kwargs go to the constructor."""
+        as it streams in; linears the family keeps in its dtype (weights.DEQUANTIZED) are dequantized as they
+        load. kwargs go to the constructor."""
         checkpoint = cls.weights.resolve(path_or_name)
         config = cls.config_class.from_fields(checkpoint.config())
-        scheme = quantization.scheme_for(checkpoint, quantize)
+        dequantized = getattr(cls.weights, "DEQUANTIZED", ())
+        scheme = quantization.scheme_for(checkpoint, quantize, mixed=bool(dequantized))
         modules = getattr(cls.weights, "QUANTIZED", None)
         if scheme is not None and modules is None:
             raise ValueError(f"{cls.__name__} has no quantized linears ({scheme.source})")
@@ -417,7 +518,8 @@ class CausalLM(TextGeneration):
             made.append(cls(config, dtype=dtype, empty=True, **kwargs))
             return made[0].params
         cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate, ignore=scheme.ignored if scheme else (),
-                         rewrite=scheme and (lambda plan, outs: quantization.rewrite_plan(plan, linears, scheme, outs)))
+                         rewrite=scheme and (lambda plan, outs, dtypes: quantization.rewrite_plan(
+                             plan, linears, scheme, outs, dtypes, dequantized)))
         made[0].checkpoint = checkpoint
         return made[0]
 
@@ -435,13 +537,17 @@ class CausalLM(TextGeneration):
     def save_pretrained(self, directory) -> None:
         """Write config.json and model.safetensors in the model's dtype, as Hugging Face's save_pretrained does
         (one tensor at a time through the host); a quantized model's linears as a compressed-tensors checkpoint
-        (codes and fp32 scales), which from_pretrained reads back."""
+        (codes and fp32 scales; the family's layout as its files keep it, weights.LAYOUT.to_file), which
+        from_pretrained reads back."""
         if not self.quant:
             self.weights.save_state_dict(directory, self.config, self.params, dtype=self.dtype)
             return
         tensors, raw = quantization.file_tensors(self.params, self.quantized, self.quant)
+        if self.weights.LAYOUT.to_file is not None:
+            tensors = self.weights.LAYOUT.to_file(self.config, tensors)
+        dequantized = getattr(self.weights, "DEQUANTIZED", ())
         hf_config = dict(self.config.to_hf_dict(), torch_dtype=self.dtype,
-                         quantization_config=quantization.compressed_tensors_config(self.quant))
+                         quantization_config=quantization.compressed_tensors_config(self.quant, dequantized))
         prefix = self.weights.PREFIX
         write_checkpoint(directory, hf_config, {prefix + n: a for n, a in tensors.items()}, dtype=self.dtype,
                          raw={prefix + n: code for n, code in raw.items()})

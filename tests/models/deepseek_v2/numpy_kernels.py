@@ -11,6 +11,8 @@ from tilekit.kernels.mla_decode_attention import mla_decode_attention_reference
 from tilekit.kernels.mla_kv import mla_kv_reference
 from tilekit.kernels.moe_permute import moe_permute_reference
 from tilekit.kernels.moe_router import moe_router_reference
+from tilekit.kernels.quant_linear import quant_linear_reference
+from tilekit.kernels.quantize_fp8 import quantize_fp8_reference
 from tilekit.kernels.rms_norm import rms_norm_reference
 from tilekit.kernels.swiglu_linear import swiglu_reference
 from tilekit.kernels.tiles import fixed_to_float, float_to_fixed
@@ -30,8 +32,8 @@ def rms_norm(x, weight, eps, *, rows=None, out):
     out[...] = rms_norm_reference(x if rows is None else x[rows], weight, eps)
 
 
-def linear(x, weight, *, weight_layout, out=None):
-    assert weight_layout == "out_in"
+def linear(x, weight, *, weight_layout, residual=None, out=None):
+    assert weight_layout == "out_in" and residual is None
     y = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
     if out is None:
         return y.astype(x.dtype)
@@ -110,6 +112,18 @@ def swiglu_linear(x, gate_weight, up_weight, *, out):
     out[...] = swiglu_reference(x @ np.asarray(gate_weight, np.float64).T, x @ np.asarray(up_weight, np.float64).T)
 
 
+def quant_linear(x, weight, weight_scale, *, weight_dtype, x_scale, activation, residual, out):
+    out[...] = quant_linear_reference(x, weight, weight_scale, weight_dtype=weight_dtype, x_scale=x_scale,
+                                      activation=activation, residual=residual)
+    return out
+
+
+def quantize_fp8(x, codes, scale, *, group=None):
+    codes[...], scale[...] = quantize_fp8_reference(x, group)
+
+
+# runtime.project's kernels (the quantized linears) go with them
+RUNTIME_KERNELS = ("linear", "quant_linear", "quantize_fp8")
 KERNELS = ("embedding", "fixed_cast", "rms_norm", "linear", "apply_rope", "write_kv", "mla_kv", "attention",
            "head_linear", "mla_decode_attention", "moe_router", "moe_permute", "moe_gate_up", "moe_down_combine",
            "swiglu_linear")

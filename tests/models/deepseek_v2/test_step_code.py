@@ -17,6 +17,7 @@ from tilekit.kernels.checks import rel_err
 from tilekit.models import DeepseekV2, DeepseekV2Config, families
 from tilekit.models.deepseek_v2 import model as model_module
 from tilekit.models.deepseek_v2 import patch as patch_rules
+from tilekit.models import runtime
 from tilekit.models.runtime import Arrays, PromptBuffers, capacity_for, forward_hidden
 from tilekit.models.workload import model_problems
 
@@ -31,6 +32,8 @@ def cpu(numpy_cupy, monkeypatch):
         setattr(numpy_cupy, name, getattr(np, name))
     for name in numpy_kernels.KERNELS:
         monkeypatch.setattr(model_module, name, getattr(numpy_kernels, name))
+    for name in numpy_kernels.RUNTIME_KERNELS:
+        monkeypatch.setattr(runtime, name, getattr(numpy_kernels, name))
 
 
 def forward(model, ids: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama
-from tilekit.models.llama.model import W8A8_MIN_ROWS
+from tilekit.models.runtime import W8A8_MIN_ROWS
 from tilekit.models.llama.weights import random_state_dict, save_state_dict
 
 CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, intermediate_size=384, vocab_size=1031,

@@ -16,6 +16,16 @@ tilekit's causal attention runs over them. RoPE is tilekit's half-split kernel o
 (weights.py), its tables times YaRN's cos/sin factor. Without query compression, one GEMM makes the rotary key and
 the queries ([kv_a_proj_with_mqa's rotary rows; q_proj], rows of one fused matrix) and one the latent; with it,
 q_a_proj, its norm and q_b_proj. Names follow transformers' DeepseekV2ForCausalLM.
+
+Quantized (`quantize=`, or an FP8 / INT8 checkpoint; tilekit.models.quantization), weights.QUANTIZED run on
+kernels.quant_linear: kv_a_proj_with_mqa (its latent and rotary rows as two row slices), q_proj or q_a_proj and
+q_b_proj (the rotary key and the queries as two GEMMs then: a block-scaled matrix cannot share the fused one's
+block grid) and the dense layer's [gate; up] with the SwiGLU in the epilogue. The rest stays in the model's dtype,
+dequantized as it loads from a quantized checkpoint (weights.DEQUANTIZED): the routed and shared experts (no 8-bit
+grouped GEMM: moe_gate_up / moe_down_combine read the model's dtype, so an FP8 checkpoint runs correctly but its
+experts without the halved bytes), o_proj and the dense down projection (moe_down_combine adds them into the
+fixed-point residual stream, which quant_linear's float epilogue does not), and kv_b_proj (head_linear and mla_kv
+read it as strided per-head views, W_UK and W_UV).
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ from tilekit.kernels import (apply_rope, attention, embedding, fixed_cast, head_
                              mla_kv, moe_down_combine, moe_gate_up, moe_permute, moe_router, rms_norm, swiglu_linear,
                              write_kv)
 from tilekit.kernels.apply_rope import rope_tables
+from tilekit.kernels.quant_linear import QBLOCK
 from tilekit.kernels.tiles import FIXED_DTYPE
+from tilekit.models import quantization
 from tilekit.models.deepseek_v2 import weights
 from tilekit.models.deepseek_v2.config import LORA_NORM_EPS, DeepseekV2Config, rope_inv_freq
 from tilekit.models.deepseek_v2.weights import EMBEDDING
@@ -62,6 +74,14 @@ class Block:
     up: object              # MoE: experts.gate_up_proj [E + S, 2I, C]; dense: up_proj
     down: object            # MoE: experts.down_proj [E + S, C, I]; dense: down_proj as one expert [1, C, J]
     moe: bool
+    q: object = None        # quantized without query compression: q_proj alone (pe_q is None)
+    kv_c_scale: object = None   # quantized: fp32 scales of kv_c, kv_pe, q, q_a and q_b,
+    kv_pe_scale: object = None
+    q_scale: object = None
+    q_a_scale: object = None
+    q_b_scale: object = None
+    gate_up: object = None      # and the dense layer's [gate; up] codes (gate and up are row views of it)
+    gate_up_scale: object = None
 
 
 def chunk(config: DeepseekV2Config) -> int:
@@ -99,8 +119,9 @@ class Activations:
     q holds per token [pad | rotary key k_pe] then the H query heads, dq = qk_head_dim wide each, so that the heads
     are a view and one GEMM writes k_pe and the queries."""
 
-    def __init__(self, config: DeepseekV2Config, batch: int, tokens: int, dtype: str, arrays: Arrays):
+    def __init__(self, config: DeepseekV2Config, batch: int, tokens: int, dtype: str, arrays: Arrays, fp8=None):
         c = config
+        self.fp8 = fp8          # FP8 activations (W8A8, runtime.FP8Activations) or None
         M, C, H, R, P = batch * tokens, c.n_embd, c.n_head, c.kv_lora_rank, c.qk_rope_head_dim
         dn, dv, dq = c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim
         slots = c.num_experts_per_tok + c.n_shared_experts
@@ -155,6 +176,19 @@ def _routing(arrays: Arrays, M: int, experts: int) -> tuple:
             cupy.ascontiguousarray(pairs))
 
 
+def _check_block_rows(config: DeepseekV2Config) -> None:
+    """Block-scaled weights (128x128 scales) need kv_a_proj_with_mqa's latent rows to end on a block (its latent
+    and rotary rows run as two row slices) and each head's rotary rows inside one block (they are reordered on
+    load, weights.py, and each row keeps its block's scales)."""
+    R, P, dq, dn = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_head_dim, config.qk_nope_head_dim
+    if R % QBLOCK:
+        raise ValueError(f"block-scaled weights need kv_lora_rank to be a multiple of {QBLOCK}, got {R}")
+    starts = [R] + [h * dq + dn for h in range(config.n_head)]
+    if any(s // QBLOCK != (s + P - 1) // QBLOCK for s in starts):
+        raise ValueError(f"block-scaled weights need each head's {P} rotary rows inside one {QBLOCK}-row block "
+                         f"(qk_nope_head_dim {dn}, qk_head_dim {dq})")
+
+
 class DeepseekV2(CausalLM):
     """A DeepSeek-V2 model (MLA, mixture of experts) whose forward pass runs entirely on tilekit kernels."""
 
@@ -162,15 +196,21 @@ class DeepseekV2(CausalLM):
     config_class = DeepseekV2Config
 
     def __init__(self, config: DeepseekV2Config, *, dtype: str = "bfloat16", seed: int = 0,
-                 state: dict[str, np.ndarray] | None = None, empty: bool = False, meta: bool = False):
+                 state: dict[str, np.ndarray] | None = None, empty: bool = False, meta: bool = False,
+                 quantize: str | quantization.Scheme | None = None):
         """Weights from `state` (our names and layout, weights.py; any float dtype, checked against the config),
         or random ones drawn on the GPU from `seed`, or uninitialised (empty=True: from_pretrained streams them
-        in). meta=True: MetaArray weights (no GPU, no memory), for tracing the kernels the model runs."""
+        in). meta=True: MetaArray weights (no GPU, no memory), for tracing the kernels the model runs. quantize:
+        "int8" or "fp8" (weights.QUANTIZED quantized per channel), or a checkpoint's quantization.Scheme."""
         if not isinstance(config, DeepseekV2Config):
             raise TypeError(f"config must be a DeepseekV2Config, got {type(config).__name__}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         self.config, self.dtype, self.meta = config, dtype, meta
+        self._init_quant(quantize, empty or meta)
+        if self.quant and self.quant.scale == "block":
+            _check_block_rows(config)
+        self.widest_input = max(config.n_embd, config.q_lora_rank or 0)
         self._init_runtime()
         fused = self._allocate()
         self._init_weights(state, seed, empty)
@@ -191,11 +231,13 @@ class DeepseekV2(CausalLM):
                 down = w[p + "mlp.down_proj.weight"]
                 mlp = (w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], down.reshape(1, *down.shape))
             self.blocks.append(Block(
-                w[p + "input_layernorm.weight"], kv_a[:R], kv_a[R:], None if lora else fused[i][R:],
+                w[p + "input_layernorm.weight"], kv_a[:R], kv_a[R:], None if lora or self.quant else fused[i][0][R:],
                 w.get(a + "q_a_proj.weight"), w.get(a + "q_a_layernorm.weight"), w.get(a + "q_b_proj.weight"),
                 w[a + "kv_a_layernorm.weight"], kv_b, heads[:, :dn], heads[:, dn:],
                 w[a + "o_proj.weight"].reshape(C, H, c.v_head_dim).transpose(1, 0, 2),
                 w[p + "post_attention_layernorm.weight"], *mlp, c.is_moe_layer(i)))
+            if self.quant:
+                self._quantized_block(self.blocks[-1], i, fused[i])
         positions = min(c.block_size, ROPE_TABLE_LIMIT)
         if meta:
             self.cos = self.sin = MetaArray((positions, c.qk_rope_head_dim // 2), "float32")
@@ -206,30 +248,47 @@ class DeepseekV2(CausalLM):
             self.cos, self.sin = (cupy.asarray(t * np.float32(factor)) for t in rope_tables(positions, inv_freq))
 
     def _allocate(self) -> list:
-        """self.params: every weight, uninitialised, under its name; without query compression a layer's
+        """self.params (runtime's _allocate_params); without query compression and unquantized, a layer's
         kv_a_proj_with_mqa and q_proj are row views of one matrix (latent rows, rotary rows, query rows), so that
-        one GEMM makes the rotary key and the queries. Returns the fused matrices (None with query compression)."""
-        shapes, new = weights.state_dict_shapes(self.config), Arrays(self.meta).empty
-        fused, views = [], {}
+        one GEMM makes the rotary key and the queries; quantized, the dense layer's gate and up are row views of one
+        [gate; up]. Returns each layer's fused (matrix, scales), or None."""
+        groups, halves, layers = [], [], []
         for i in range(self.config.n_layer):
-            a = f"model.layers.{i}.self_attn."
-            if self.config.q_lora_rank is not None:
-                fused.append(None)
-                continue
-            kv, q = shapes[a + "kv_a_proj_with_mqa.weight"], shapes[a + "q_proj.weight"]
-            fused.append(new((kv[0] + q[0], self.config.n_embd), self.dtype))
-            views[a + "kv_a_proj_with_mqa.weight"], views[a + "q_proj.weight"] = fused[-1][:kv[0]], fused[-1][kv[0]:]
-        self.params = {name: views[name] if name in views else new(shape, self.dtype)
-                       for name, shape in shapes.items()}
-        return fused
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            if self.config.q_lora_rank is None and not self.quant:
+                groups.append([a + "kv_a_proj_with_mqa.weight", a + "q_proj.weight"])
+                layers.append(("group", len(groups) - 1))
+            elif self.quant and not self.config.is_moe_layer(i):
+                halves.append([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                layers.append(("halves", len(halves) - 1))
+            else:
+                layers.append(None)
+        fused = dict(zip(("group", "halves"), self._allocate_params(groups, halves)))
+        return [None if at is None else fused[at[0]][at[1]] for at in layers]
+
+    def _quantized_block(self, blk: Block, i: int, fused) -> None:
+        """A quantized layer's codes and scales in its Block: kv_a's latent and rotary rows (and their scales) as
+        row slices, q_proj (q_a_proj, q_b_proj), and the dense layer's [gate; up]."""
+        w, a, R = self.params, f"model.layers.{i}.self_attn.", self.config.kv_lora_rank
+        scale = quantization.scale_key
+        kv_scale = w[scale(a + "kv_a_proj_with_mqa.weight")]
+        split = R if self.quant.scale == "channel" else R // QBLOCK
+        blk.kv_c_scale, blk.kv_pe_scale = kv_scale[:split], kv_scale[split:]
+        if self.config.q_lora_rank is None:
+            blk.q, blk.q_scale = w[a + "q_proj.weight"], w[scale(a + "q_proj.weight")]
+        else:
+            blk.q_a_scale, blk.q_b_scale = w[scale(a + "q_a_proj.weight")], w[scale(a + "q_b_proj.weight")]
+        if not blk.moe:
+            blk.gate_up, blk.gate_up_scale = fused
 
     # -- the math ---------------------------------------------------------------------------------
     def meta_twin(self) -> "DeepseekV2":
         """This model with MetaArray weights: what a dry run of its kernels needs."""
-        return DeepseekV2(self.config, dtype=self.dtype, meta=True)
+        return DeepseekV2(self.config, dtype=self.dtype, meta=True, quantize=self.quant)
 
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
-        return Activations(self.config, batch, tokens, self.dtype, arrays)
+        return Activations(self.config, batch, tokens, self.dtype, arrays,
+                           self.fp8_activations(batch * tokens, arrays))
 
     def new_cache(self, batch: int, capacity: int, arrays: Arrays) -> LatentCache:
         return LatentCache(self.config, batch, capacity, self.dtype, arrays)
@@ -290,15 +349,18 @@ class DeepseekV2(CausalLM):
         embedding(ids, self.embed, out=x)
         for i, blk in enumerate(self.blocks):
             self._norm(acts, blk.attn_norm)
-            linear(acts.h, blk.kv_c, weight_layout="out_in", out=acts.c)
+            self.project(acts.fp8, acts.h, blk.kv_c, blk.kv_c_scale, out=acts.c)
             rms_norm(acts.c, blk.kv_norm, LORA_NORM_EPS, out=acts.cn)
             if blk.pe_q is not None:
-                linear(acts.h, blk.pe_q, weight_layout="out_in", out=acts.pe_q)
+                self.project(acts.fp8, acts.h, blk.pe_q, None, out=acts.pe_q)
             else:
-                linear(acts.h, blk.q_a, weight_layout="out_in", out=acts.qa)
-                rms_norm(acts.qa, blk.q_a_norm, LORA_NORM_EPS, out=acts.qan)
-                linear(acts.qan, blk.q_b, weight_layout="out_in", out=acts.q_out)
-                linear(acts.h, blk.kv_pe, weight_layout="out_in", out=acts.k_pe)
+                if blk.q_a is None:
+                    self.project(acts.fp8, acts.h, blk.q, blk.q_scale, out=acts.q_out)
+                else:
+                    self.project(acts.fp8, acts.h, blk.q_a, blk.q_a_scale, out=acts.qa)
+                    rms_norm(acts.qa, blk.q_a_norm, LORA_NORM_EPS, out=acts.qan)
+                    self.project(acts.fp8, acts.qan, blk.q_b, blk.q_b_scale, out=acts.q_out)
+                self.project(acts.fp8, acts.h, blk.kv_pe, blk.kv_pe_scale, out=acts.k_pe)
             apply_rope(acts.q_pe, positions, self.cos, self.sin)
             apply_rope(acts.k_pe_heads, positions, self.cos, self.sin)
             rows = attend(i, blk, acts)
@@ -313,7 +375,10 @@ class DeepseekV2(CausalLM):
                 moe_gate_up(acts.h, blk.up, acts.offsets, acts.sorted_pairs, out=acts.act)
                 moe_down_combine(acts.act, blk.down, acts.topk_weights, acts.offsets, acts.sorted_pairs, x)
             else:
-                swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
+                if self.quant:
+                    self.project(acts.fp8, acts.h, blk.gate_up, blk.gate_up_scale, out=acts.f, activation="swiglu")
+                else:
+                    swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
                 moe_down_combine(acts.f, blk.down, *acts.dense_routing, x)
         return fixed_cast(x, acts.xf)
 

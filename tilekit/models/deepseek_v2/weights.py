@@ -24,6 +24,14 @@ HUB_ORGS = ("deepseek-ai",)
 PREFIX = ""
 EMBEDDING = "model.embed_tokens.weight"
 BUFFER_SUFFIXES = ()
+# Quantized (tilekit.models.quantization): the linears a quantized model holds in 8 bits and runs on quant_linear
+QUANTIZED = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+             "mlp.gate_proj", "mlp.up_proj")
+# and those it keeps in its dtype, dequantized as they load from a quantized checkpoint (name patterns): the experts
+# and the projections into the residual stream (moe_down_combine, which has no 8-bit variant), kv_b_proj (read as
+# strided per-head views by head_linear and mla_kv, no 8-bit variant either), and the router
+DEQUANTIZED = (r"self_attn\.kv_b_proj", r"self_attn\.o_proj", r"mlp\.down_proj", r"mlp\.gate",
+               r"mlp\.shared_experts\.(?:gate|up|down)_proj", r"mlp\.experts\.\d+\.(?:gate|up|down)_proj")
 
 
 def state_dict_shapes(config: DeepseekV2Config) -> dict[str, tuple[int, ...]]:
@@ -144,13 +152,17 @@ def stored(config: DeepseekV2Config, names: set[str]) -> dict[str, hf.Piece]:
 
 
 def to_file(config: DeepseekV2Config, state, fused_experts: bool = False) -> dict:
-    """Our tensors (NumPy or device arrays) in a file's layout: rotary rows interleaved, the shared experts as one
-    MLP, the routed experts one by one as on the hub (or fused). Views where the layouts agree, else copies."""
+    """Our tensors (NumPy or device arrays) in a file's layout: rotary rows interleaved (and a quantized weight's
+    per-channel scales, NAME_scale, with them), the shared experts as one MLP, the routed experts one by one as on
+    the hub (or fused). Views where the layouts agree, else copies."""
     E, S, I, C = config.n_routed_experts, config.n_shared_experts, config.moe_intermediate_size, config.n_embd
     out = {}
     for name, w in state.items():
+        weight = name.removesuffix("_scale")
         if _rotary(config, name):
             out[name] = _interleaved(config, name, w)
+        elif weight != name and _rotary(config, weight) and w.shape[0] == state[weight].shape[0]:
+            out[name] = _interleaved(config, weight, w.reshape(-1, 1)).reshape(w.shape)   # per-channel scales
         elif name.endswith("mlp.experts.gate_up_proj"):
             p = name.removesuffix("experts.gate_up_proj")
             down = state[p + "experts.down_proj"]

@@ -9,7 +9,7 @@ all three. Names follow Hugging Face's LlamaForCausalLM.
 
 Quantized (`quantize=`, or an FP8 / INT8 checkpoint; tilekit.models.quantization), the seven linears of a block
 hold 8-bit codes and fp32 scales and run on kernels.quant_linear: the gate and up projections as one [gate; up]
-matrix with the SwiGLU in the kernel's epilogue; with FP8 weights and at least W8A8_MIN_ROWS rows (prefill) the
+matrix with the SwiGLU in the kernel's epilogue; with FP8 weights and at least runtime.W8A8_MIN_ROWS rows (prefill) the
 activations are quantized per token (per 128-column group with block scales) and multiplied in FP8.
 """
 
@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tilekit.autotune.arrays import MetaArray
-from tilekit.kernels import apply_rope, embedding, linear, quant_linear, quantize_fp8, rms_norm, swiglu_linear
+from tilekit.kernels import apply_rope, embedding, linear, rms_norm, swiglu_linear
 from tilekit.kernels.apply_rope import rope_tables
-from tilekit.kernels.quant_linear import QBLOCK, WEIGHT_DTYPES
 from tilekit.models import quantization
 from tilekit.models.llama import weights
 from tilekit.models.llama.config import LlamaConfig, rope_inv_freq
@@ -31,7 +30,6 @@ from tilekit.models.runtime import Arrays, CausalLM
 
 DTYPES = ("bfloat16", "float16", "float32")
 ROPE_TABLE_LIMIT = 1 << 17      # rotary tables cover min(context, this) positions (128K, Llama 3.1's context)
-W8A8_MIN_ROWS = 128             # FP8 weights: from this many rows (prefill) the activations go to FP8 too
 
 
 @dataclass
@@ -57,8 +55,7 @@ class Activations:
     allocates nothing and can be captured as a CUDA graph); q, k, v, the query-and-key heads `qk` and the
     attention output `heads` are (B, heads, T, D) views."""
 
-    def __init__(self, config: LlamaConfig, batch: int, tokens: int, dtype: str, arrays: Arrays,
-                 fp8_groups: int = 0):
+    def __init__(self, config: LlamaConfig, batch: int, tokens: int, dtype: str, arrays: Arrays, fp8=None):
         M, C, H, Hkv, D = batch * tokens, config.n_embd, config.n_head, config.n_kv_head, config.head_dim
         self.x, self.other, self.h = (arrays.empty((M, C), dtype) for _ in range(3))
         self.qkv = arrays.empty((M, (H + 2 * Hkv) * D), dtype)
@@ -67,15 +64,7 @@ class Activations:
         heads = self.qkv.reshape(batch, tokens, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
         self.q, self.k, self.v, self.qk = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:], heads[:, :H + Hkv]
         self.heads = self.y.reshape(batch, tokens, H, D).transpose(0, 2, 1, 3)
-        if fp8_groups:      # FP8 activations (W8A8): codes of the widest input, scales per row or group
-            self.widest = max(C, H * D, config.intermediate_size)
-            self.x8 = arrays.empty((M * self.widest,), "uint8")
-            self.s8 = arrays.empty((M * fp8_groups,), "float32")
-
-    def fp8(self, x, groups: int):
-        """Buffers for x (M, K) quantized to FP8: codes (M, K) and scales (M, groups), views of x8 and s8."""
-        M, K = x.shape
-        return self.x8[:M * K].reshape(M, K), self.s8[:M * groups].reshape(M, groups)
+        self.fp8 = fp8          # FP8 activations (W8A8, runtime.FP8Activations) or None
 
 
 class Llama(CausalLM):
@@ -96,15 +85,9 @@ class Llama(CausalLM):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        if isinstance(quantize, str) or quantize is None:
-            if quantize not in (None, *quantization.KINDS):
-                raise ValueError(f"quantize must be None, 'int8' or 'fp8', got {quantize!r}")
-            quantize = quantize and quantization.Scheme(quantize)
-        if quantize and quantize.scale == "block" and not (empty or meta):
-            raise ValueError("block-scaled weights come from a checkpoint (from_pretrained)")
-        self.config, self.dtype, self.meta, self.quant = config, dtype, meta, quantize
-        if quantize:
-            self.quantized = quantization.linear_names(weights.state_dict_shapes(config), weights.QUANTIZED)
+        self.config, self.dtype, self.meta = config, dtype, meta
+        self._init_quant(quantize, empty or meta)
+        self.widest_input = max(config.n_embd, config.n_head * config.head_dim, config.intermediate_size)
         self._init_runtime()
         qkv = self._allocate()
         self._init_weights(state, seed, empty)
@@ -134,47 +117,16 @@ class Llama(CausalLM):
             self.cos, self.sin = (cupy.asarray(t) for t in rope_tables(positions, inv_freq))
 
     def _allocate(self) -> list:
-        """self.params: every weight, uninitialised, under its Hugging Face name, the q, k and v projections of a
-        layer as row views of one fused matrix (quantized: also gate and up, and each fused matrix's scales, under
-        quantization.scale_key names); returns each layer's (qkv, its scales, [gate; up], its scales)."""
-        shapes, new = weights.state_dict_shapes(self.config), Arrays(self.meta).empty
-        quant = self.quant
-        fused, views = [], {}
-
-        def fuse(names: list[str]) -> tuple:
-            rows = [shapes[n][0] for n in names]
-            K = shapes[names[0]][1]
-            matrix = new((sum(rows), K), WEIGHT_DTYPES[quant.weight] if quant else self.dtype)
-            scales = None
-            if quant:
-                per = [r if quant.scale == "channel" else -(-r // QBLOCK) for r in rows]
-                if quant.scale == "block" and len(names) == 3 and any(r % QBLOCK for r in rows[:-1]):
-                    raise ValueError(f"block-scaled q and k projections need multiples of {QBLOCK} rows, got {rows}")
-                scales = new((sum(per),) if quant.scale == "channel" else (sum(per), -(-K // QBLOCK)), "float32")
-            start = first = 0
-            for n, r, b in zip(names, rows, per if quant else rows):
-                views[n], start = matrix[start:start + r], start + r
-                if quant:
-                    views[quantization.scale_key(n)], first = scales[first:first + b], first + b
-            return matrix, scales
+        """self.params (runtime's _allocate_params): q, k and v of a layer row views of one fused matrix, and
+        quantized also gate and up; returns each layer's (qkv, its scales, [gate; up], its scales)."""
+        groups, halves = [], []
         for i in range(self.config.n_layer):
             p = f"model.layers.{i}."
-            qkv = fuse([f"{p}self_attn.{n}_proj.weight" for n in "qkv"])
-            gate_up = fuse([f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]) if quant else (None, None)
-            fused.append(qkv + gate_up)
-        self.params = {}
-        for name, shape in shapes.items():
-            if name in views:
-                self.params[name] = views[name]
-            elif name in self.quantized:
-                self.params[name] = new(shape, WEIGHT_DTYPES[quant.weight])
-                views[quantization.scale_key(name)] = new(quantization.model_scale_shape(quant.scale, shape),
-                                                          "float32")
-            else:
-                self.params[name] = new(shape, self.dtype)
-            if quantization.scale_key(name) in views:
-                self.params[quantization.scale_key(name)] = views[quantization.scale_key(name)]
-        return fused
+            groups.append([f"{p}self_attn.{n}_proj.weight" for n in "qkv"])
+            if self.quant:
+                halves.append([f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")])
+        qkv, gate_up = self._allocate_params(groups, halves)
+        return [q + (gate_up[i] if self.quant else (None, None)) for i, q in enumerate(qkv)]
 
     # -- the math ---------------------------------------------------------------------------------
     def meta_twin(self) -> "Llama":
@@ -182,31 +134,8 @@ class Llama(CausalLM):
         return Llama(self.config, dtype=self.dtype, meta=True, quantize=self.quant)
 
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
-        return Activations(self.config, batch, tokens, self.dtype, arrays, self._fp8_groups(batch * tokens))
-
-    def _fp8_groups(self, rows: int) -> int:
-        """Activation scales per row when `rows` rows run in FP8 (W8A8): 1, or one per 128 columns of the widest
-        input with block scales; 0 when they do not."""
-        if not self.quant or self.quant.weight != "fp8" or rows < W8A8_MIN_ROWS:
-            return 0
-        C, I = self.config.n_embd, self.config.intermediate_size
-        return 1 if self.quant.scale == "channel" else -(-max(C, I, self.config.n_head * self.config.head_dim)
-                                                          // QBLOCK)
-
-    def project(self, acts: Activations, x, w, scale, *, out, residual=None, activation=None):
-        """x @ w^T (+ residual) into out: kernels.linear in the model's dtype; quant_linear when quantized, with
-        FP8 activations (W8A8) for prefill rows of FP8 weights. activation='swiglu' (quantized only): w is
-        [gate; up]."""
-        if not self.quant:
-            return linear(x, w, weight_layout="out_in", residual=residual, out=out)
-        x_scale = None
-        if self._fp8_groups(x.shape[0]):
-            block = self.quant.scale == "block"
-            codes, x_scale = acts.fp8(x, -(-x.shape[1] // QBLOCK) if block else 1)
-            quantize_fp8(x, codes, x_scale, group=QBLOCK if block else None)
-            x = codes
-        return quant_linear(x, w, scale, weight_dtype=self.quant.weight, x_scale=x_scale, activation=activation,
-                            residual=residual, out=out)
+        return Activations(self.config, batch, tokens, self.dtype, arrays,
+                           self.fp8_activations(batch * tokens, arrays))
 
     def cache_dims(self) -> tuple[int, int, int]:
         """(layers, key/value heads, head_dim) of the KV cache."""
@@ -222,17 +151,17 @@ class Llama(CausalLM):
         embedding(ids, self.embed, out=x)
         for i, blk in enumerate(self.blocks):
             rms_norm(x, blk.attn_norm, eps, out=acts.h)
-            self.project(acts, acts.h, blk.qkv, blk.qkv_scale, out=acts.qkv)
+            self.project(acts.fp8, acts.h, blk.qkv, blk.qkv_scale, out=acts.qkv)
             apply_rope(acts.qk, positions, self.cos, self.sin)
             attend(i, acts.q, acts.k, acts.v, acts.heads)
-            self.project(acts, acts.y, blk.o_proj, blk.o_scale, residual=x, out=other)
+            self.project(acts.fp8, acts.y, blk.o_proj, blk.o_scale, residual=x, out=other)
             x, other = other, x
             rms_norm(x, blk.mlp_norm, eps, out=acts.h)
             if self.quant:
-                self.project(acts, acts.h, blk.gate_up, blk.gate_up_scale, out=acts.f, activation="swiglu")
+                self.project(acts.fp8, acts.h, blk.gate_up, blk.gate_up_scale, out=acts.f, activation="swiglu")
             else:
                 swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
-            self.project(acts, acts.f, blk.down, blk.down_scale, residual=x, out=other)
+            self.project(acts.fp8, acts.f, blk.down, blk.down_scale, residual=x, out=other)
             x, other = other, x
         return x                  # an even number of swaps: acts.x
 

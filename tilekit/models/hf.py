@@ -650,7 +650,10 @@ class Target:
     larger one is fine, e.g. rows of a fused weight), a function returning one (called when the tensor is
     reached), or None for a new `dtype` array of `shape`. `transform(src, out)`, on the device, instead of
     convert(src, out): src is the file's tensor as a device array (FP8 as uint8 bits), valid only during the
-    call. `accept`: the safetensors dtypes allowed. `optional`: the file may lack it."""
+    call. `accept`: the safetensors dtypes allowed. `optional`: the file may lack it. `part`: (axis, start, stop),
+    only that slice of the file's tensor is loaded (a tensor-parallel shard; `out` has the slice's shape): rows
+    (axis 0) are read alone, being contiguous in the file; a slice of another axis reads the tensor and keeps the
+    slice in the device conversion (only the slice is allocated)."""
 
     shape: tuple[int, ...]
     dtype: str = "bfloat16"
@@ -658,6 +661,32 @@ class Target:
     transform: Callable | None = None
     accept: tuple[str, ...] = FLOATS
     optional: bool = False
+    part: tuple[int, int, int] | None = None
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape of what is written: `shape`, or its `part`."""
+        if self.part is None:
+            return tuple(self.shape)
+        axis, start, stop = self.part
+        return tuple(self.shape[:axis]) + (stop - start,) + tuple(self.shape[axis + 1:])
+
+
+def _narrowed(info: TensorInfo, target: Target) -> tuple[TensorInfo, Target]:
+    """A job of a sliced target as one of a whole one: rows as a shorter tensor of the file; another axis as the
+    whole tensor whose transform (or conversion) takes the slice."""
+    if target.part is None:
+        return info, target
+    axis, start, stop = target.part
+    if axis == 0:
+        row = info.nbytes // info.shape[0] if info.shape[0] else 0
+        shape = (stop - start,) + info.shape[1:]
+        return (TensorInfo(info.name, info.dtype, shape, info.file, info.start + start * row, info.start + stop * row),
+                dataclasses.replace(target, shape=shape, part=None))
+    index = (slice(None),) * axis + (slice(start, stop),)
+    inner = target.transform or convert
+    return info, dataclasses.replace(target, shape=target.out_shape, part=None,
+                                     transform=lambda src, out: inner(src[index], out))
 
 
 def convert(src, out) -> None:
@@ -696,11 +725,16 @@ def _check_target(name: str, t: Target, out=None) -> None:
         raise ValueError(f"plan for {quoted(name)}: dtype must be one of {TARGET_DTYPES}, got {t.dtype!r}")
     if t.transform is None and any(d.startswith("F8") for d in t.accept):
         raise ValueError(f"plan for {quoted(name)}: accepting FP8 needs a transform (FP8 arrives as uint8 bits)")
+    if t.part is not None:
+        axis, start, stop = t.part
+        if not (0 <= axis < len(t.shape) and 0 <= start < stop <= t.shape[axis]):
+            raise ValueError(f"plan for {quoted(name)}: part {t.part} is not a slice (axis, start, stop) of shape "
+                             f"{tuple(t.shape)}")
     out = t.out if out is None else out
     if out is not None and not callable(out) and t.transform is None and (
-            tuple(out.shape) != tuple(t.shape) or str(out.dtype) != t.dtype):
+            tuple(out.shape) != t.out_shape or str(out.dtype) != t.dtype):
         raise ValueError(f"plan for {quoted(name)}: out is {out.dtype} {tuple(out.shape)}, expected {t.dtype} "
-                         f"{tuple(t.shape)}")
+                         f"{t.out_shape}")
 
 
 def load_tensors(files: TensorFiles, plan: Mapping[str, Target], *, device=None, ignore: tuple[str, ...] = (),
@@ -726,7 +760,7 @@ def load_tensors(files: TensorFiles, plan: Mapping[str, Target], *, device=None,
     if buffers < 1 or buffer_bytes < 1:
         raise ValueError(f"buffers and buffer_bytes must be positive, got {buffers} and {buffer_bytes}")
     order = {id(f): i for i, f in enumerate(files.files)}
-    jobs = sorted(((files.tensors[n], plan[n]) for n in plan if n in files.tensors),
+    jobs = sorted((_narrowed(files.tensors[n], plan[n]) for n in plan if n in files.tensors),
                   key=lambda job: (order[id(job[0].file)], job[0].start))
     label = f"loading {shown(files.source.parent, 200)}"
     return _Stream(jobs, device, buffers, buffer_bytes, Progress(label, progress)).run()
@@ -750,7 +784,8 @@ class Piece:
 def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], *, dtype: str, outs=None,
                  prefix: str = "", tied: str | None = None, ignore: tuple[str, ...] = (), device=None,
                  expected: str = "the model", stored: Callable | None = None,
-                 rewrite: Callable[[dict, Mapping | None], dict] | None = None) -> dict:
+                 rewrite: Callable[[dict, Mapping | None], dict] | None = None,
+                 parts: Mapping[str, tuple[int, int, int]] | None = None) -> dict:
     """A model's weights from a checkpoint, under the names of `shapes`: load_tensors with a family's rules.
 
     The file names every tensor with `prefix` before it or none without (GPT2LMHeadModel's names or GPT2Model's).
@@ -761,14 +796,20 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
     `dtype`. `stored(names in the file)`: file name -> Piece, for tensors the file keeps in another form than ours
     (ours is then made whole from its pieces). `rewrite(plan, outs)`: the plan (our names, whole tensors) as some
     tensors are really stored or converted (e.g. quantized weights and their scales, tilekit.models.quantization),
-    called before and after `outs` exist (None before). Returns our name -> array."""
+    called before and after `outs` exist (None before). `parts`: our name -> (axis, start, stop), the slice of the
+    file's tensor to load (Target.part: a tensor-parallel rank's shard; its array has the slice's shape). Returns
+    our name -> array."""
+    parts = parts or {}
+    if parts and (stored or rewrite):
+        raise ValueError("parts (sharded loading) do not combine with stored pieces or a rewrite")
     with checkpoint.tensor_files() as files:
         p = prefix if prefix and any(name.startswith(prefix) for name in files.tensors) else ""
         pieces = stored(set(files.tensors)) if stored else {}
         whole = {name: shape for name, shape in shapes.items() if name not in {q.ours for q in pieces.values()}}
 
         def plan_for(outs) -> dict:
-            plan = {name: Target(shape, dtype, None if outs is None else outs[name]) for name, shape in whole.items()}
+            plan = {name: Target(shape, dtype, None if outs is None else outs[name], part=parts.get(name))
+                    for name, shape in whole.items()}
             plan = rewrite(plan, outs) if rewrite is not None else plan
             return {**{p + name: target for name, target in plan.items()},
                     **{name: Target(q.shape, dtype) if outs is None else
@@ -848,13 +889,13 @@ class CheckpointLayout:
         return find_checkpoint(path_or_name, self.hub_orgs)
 
     def load(self, checkpoint: Checkpoint, config, *, dtype: str, outs=None, device=None, rewrite=None,
-             ignore: tuple[str, ...] = ()) -> dict:
+             ignore: tuple[str, ...] = (), parts: Mapping | None = None) -> dict:
         """The checkpoint's weights as arrays of `dtype` under our names (load_weights: `outs`, `device`,
-        `rewrite`); a tied model's lm_head.weight, if the file has one, checked and dropped. BF16, FP16 and FP32
-        tensors load, from one file or from shards; names ending in one of `ignore` are read past."""
+        `rewrite`, `parts`); a tied model's lm_head.weight, if the file has one, checked and dropped. BF16, FP16
+        and FP32 tensors load, from one file or from shards; names ending in one of `ignore` are read past."""
         return load_weights(checkpoint, self.shapes(config), dtype=dtype, outs=outs, device=device,
                             prefix=self.prefix, tied=self.embedding if config.tie_word_embeddings else None,
-                            ignore=self.buffers + ignore, expected=str(config), rewrite=rewrite,
+                            ignore=self.buffers + ignore, expected=str(config), rewrite=rewrite, parts=parts,
                             stored=self.stored and (lambda names: self.stored(config, names)))
 
     def load_state_dict(self, path_or_name, dtype=np.float32) -> tuple:

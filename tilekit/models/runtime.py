@@ -331,6 +331,7 @@ class CausalLM(TextGeneration):
     config_class: type
     quant: quantization.Scheme | None = None     # quantized linears: how (a subclass that supports it sets it)
     quantized: tuple[str, ...] = ()              # their weights' names (codes; fp32 scales under scale_key(name))
+    parts: dict = {}           # tensor-parallel: name -> (axis, start, stop), the slice of it this rank holds
     max_prefill_graphs = 4
     max_generations = 2
 
@@ -383,7 +384,9 @@ class CausalLM(TextGeneration):
             if name in scales:
                 continue
             if state is not None:
-                src = cupy.asarray(np.ascontiguousarray(state[name]))
+                part = self.parts.get(name)
+                host = state[name] if part is None else state[name][(slice(None),) * part[0] + (slice(*part[1:]),)]
+                src = cupy.asarray(np.ascontiguousarray(host))
             else:
                 mean, std = self.weights.weight_stats(self.config, name)
                 src = rng.standard_normal(out.shape, dtype=cupy.float32) * std + mean
@@ -401,7 +404,8 @@ class CausalLM(TextGeneration):
         safetensors headers match the config, the model's device arrays are allocated and the tensors streamed
         into them in `dtype`, never the whole checkpoint on the host. An FP8 / INT8 checkpoint
         (tilekit.models.quantization) loads quantized; quantize="int8" | "fp8" quantizes a float one per channel
-        as it streams in. kwargs go to the constructor."""
+        as it streams in. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this rank's
+        slices of the tensors are read (the family's weights.shard_parts)."""
         checkpoint = cls.weights.resolve(path_or_name)
         config = cls.config_class.from_fields(checkpoint.config())
         scheme = quantization.scheme_for(checkpoint, quantize)
@@ -411,13 +415,23 @@ class CausalLM(TextGeneration):
         if scheme is not None:
             kwargs["quantize"] = scheme
         linears = () if scheme is None else quantization.linear_names(cls.weights.state_dict_shapes(config), modules)
+        comm = kwargs.get("comm")
+        parts = None
+        if comm is not None and comm.world_size > 1:
+            if not hasattr(cls.weights, "shard_parts"):
+                raise ValueError(f"{cls.__name__} models have no tensor parallelism")
+            if scheme is not None:
+                raise ValueError(f"tensor parallelism does not take quantized linears yet ({scheme.source})")
+            parts = cls.weights.shard_parts(config, comm.rank, comm.world_size)
         made = []
 
         def allocate() -> dict:
             made.append(cls(config, dtype=dtype, empty=True, **kwargs))
             return made[0].params
+        options = {} if parts is None else {"parts": parts}
         cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate, ignore=scheme.ignored if scheme else (),
-                         rewrite=scheme and (lambda plan, outs: quantization.rewrite_plan(plan, linears, scheme, outs)))
+                         rewrite=scheme and (lambda plan, outs: quantization.rewrite_plan(plan, linears, scheme, outs)),
+                         **options)
         made[0].checkpoint = checkpoint
         return made[0]
 
@@ -567,7 +581,7 @@ class CausalLM(TextGeneration):
             return [np.asarray(p, np.int64) for p in prompts]
         capacity, T = capacity_for(self, int(lengths.max()), new)
         picker = Picker.for_rows(rows, eos)
-        seeds = np.random.SeedSequence(settings.seed).generate_state(B)
+        seeds = np.random.SeedSequence(self.shared_seed(settings.seed)).generate_state(B)
         fparams, iparams = pack_params(param_arrays(rows), lengths + settings.min_new_tokens - 1, seeds)
         padded = np.zeros((B, T), np.int32)
         for b, p in enumerate(prompts):
@@ -607,6 +621,10 @@ class CausalLM(TextGeneration):
                     break
                 stops.update(history[np.arange(B), lengths + i])
         return [history[b, :lengths[b] + stops.lengths[b]].astype(np.int64) for b in range(B)]
+
+    def shared_seed(self, seed: int | None) -> int | None:
+        """The seed generate() samples with (a tensor-parallel model makes it the same on every rank)."""
+        return seed
 
     # -- the workload ---------------------------------------------------------------------------
     def kernel_problems(self, batch: int, seq_len: int, new_tokens: int | None = None) -> list[tuple]:

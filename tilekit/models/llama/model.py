@@ -11,6 +11,16 @@ Quantized (`quantize=`, or an FP8 / INT8 checkpoint; tilekit.models.quantization
 hold 8-bit codes and fp32 scales and run on kernels.quant_linear: the gate and up projections as one [gate; up]
 matrix with the SwiGLU in the kernel's epilogue; with FP8 weights and at least W8A8_MIN_ROWS rows (prefill) the
 activations are quantized per token (per 128-column group with block scales) and multiplied in FP8.
+
+Tensor-parallel (`comm=`, a tilekit.parallel.Communicator of world size N; weights.shard_parts says what each rank
+holds): a rank runs its share of the query and key/value heads and of the MLP's columns; the output and down
+projections are row-parallel, each rank's partial product summed by one all-reduce of the residual stream (two
+per layer), the residual added on rank 0 only, in the projection's epilogue, so it is counted once. The LM head
+holds a vocabulary slice: each rank writes its logits into its columns of a (B, V) buffer zeroed elsewhere and one
+all-reduce fills in the rest (x + 0 is exact, so every rank holds the same logits and its next-token kernel picks
+the same token, sampling included, with no broadcast; an all-gather would move half the bytes, B x V x 2 on each
+rank, but land the slices rank-major, not as the (B, V) rows the pick reads). Every collective is on the current
+stream, so the captured decode step, all-reduces included, stays one CUDA graph replay per rank.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tilekit import parallel
 from tilekit.autotune.arrays import MetaArray
 from tilekit.kernels import apply_rope, embedding, linear, quant_linear, quantize_fp8, rms_norm, swiglu_linear
 from tilekit.kernels.apply_rope import rope_tables
@@ -58,12 +69,14 @@ class Activations:
     attention output `heads` are (B, heads, T, D) views."""
 
     def __init__(self, config: LlamaConfig, batch: int, tokens: int, dtype: str, arrays: Arrays,
-                 fp8_groups: int = 0):
-        M, C, H, Hkv, D = batch * tokens, config.n_embd, config.n_head, config.n_kv_head, config.head_dim
+                 fp8_groups: int = 0, heads: tuple[int, int, int] | None = None):
+        """heads: (query heads, key/value heads, MLP columns) of this rank (default: the config's, all of them)."""
+        H, Hkv, I = heads or (config.n_head, config.n_kv_head, config.intermediate_size)
+        M, C, D = batch * tokens, config.n_embd, config.head_dim
         self.x, self.other, self.h = (arrays.empty((M, C), dtype) for _ in range(3))
         self.qkv = arrays.empty((M, (H + 2 * Hkv) * D), dtype)
         self.y = arrays.empty((M, H * D), dtype)
-        self.f = arrays.empty((M, config.intermediate_size), dtype)
+        self.f = arrays.empty((M, I), dtype)
         heads = self.qkv.reshape(batch, tokens, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
         self.q, self.k, self.v, self.qk = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:], heads[:, :H + Hkv]
         self.heads = self.y.reshape(batch, tokens, H, D).transpose(0, 2, 1, 3)
@@ -86,12 +99,13 @@ class Llama(CausalLM):
 
     def __init__(self, config: LlamaConfig, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, empty: bool = False, meta: bool = False,
-                 quantize: str | quantization.Scheme | None = None):
+                 quantize: str | quantization.Scheme | None = None, comm: parallel.Communicator | None = None):
         """Weights from `state` (Hugging Face names, any float dtype, checked against the config), or random ones
         drawn on the GPU from `seed` (as weights.random_state_dict scales them), or uninitialised (empty=True:
         from_pretrained streams them in). meta=True: MetaArray weights (no GPU, no memory), for tracing the
         kernels the model runs. quantize: "int8" or "fp8" (the linears quantized per channel), or a checkpoint's
-        quantization.Scheme."""
+        quantization.Scheme. comm: this rank's Communicator of a tensor-parallel group (its weights then come from
+        `state` or a checkpoint, sliced to its shard; parallel.ShapeOnly with meta=True traces a rank's kernels)."""
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
         if dtype not in DTYPES:
@@ -103,6 +117,7 @@ class Llama(CausalLM):
         if quantize and quantize.scale == "block" and not (empty or meta):
             raise ValueError("block-scaled weights come from a checkpoint (from_pretrained)")
         self.config, self.dtype, self.meta, self.quant = config, dtype, meta, quantize
+        self._init_shard(comm, state is not None or empty or meta)
         if quantize:
             self.quantized = quantization.linear_names(weights.state_dict_shapes(config), weights.QUANTIZED)
         self._init_runtime()
@@ -111,7 +126,8 @@ class Llama(CausalLM):
         w = self.params
         self.embed = w[EMBEDDING]
         self.norm = w["model.norm.weight"]
-        self.head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.head = w["lm_head.weight"] if not config.tie_word_embeddings else \
+            self.embed[self.vocab[0]:self.vocab[1]] if self.comm else self.embed
         self.blocks = []
         for i in range(config.n_layer):
             p = f"model.layers.{i}."
@@ -133,11 +149,33 @@ class Llama(CausalLM):
             inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
             self.cos, self.sin = (cupy.asarray(t) for t in rope_tables(positions, inv_freq))
 
+    def _init_shard(self, comm: parallel.Communicator | None, weights_given: bool) -> None:
+        """self.comm (None for one rank), self.parts (what this rank holds of each tensor), its head and column
+        counts and vocabulary slice."""
+        world = 1 if comm is None else comm.world_size
+        C = self.config
+        self.comm = comm if world > 1 else None
+        self.parts = weights.shard_parts(C, comm.rank, world) if self.comm else {}
+        if self.comm and self.quant:
+            raise ValueError("tensor parallelism does not take quantized linears yet (quantize, or an FP8 / INT8 "
+                             "checkpoint)")
+        if self.comm and not weights_given:
+            raise ValueError("a tensor-parallel model's weights come from state= or a checkpoint (from_pretrained), "
+                             "not from a seed: each rank holds a slice of the same weights")
+        rank = 0 if comm is None else comm.rank
+        h0, h1 = parallel.even_span(C.n_head, rank, world, "n_head")
+        g0, g1 = parallel.kv_head_span(C.n_kv_head, C.n_head, rank, world)
+        i0, i1 = parallel.even_span(C.intermediate_size, rank, world, "intermediate_size")
+        self.heads = (h1 - h0, g1 - g0, i1 - i0)
+        self.vocab = parallel.span(C.vocab_size, rank, world)
+
     def _allocate(self) -> list:
         """self.params: every weight, uninitialised, under its Hugging Face name, the q, k and v projections of a
         layer as row views of one fused matrix (quantized: also gate and up, and each fused matrix's scales, under
         quantization.scale_key names); returns each layer's (qkv, its scales, [gate; up], its scales)."""
         shapes, new = weights.state_dict_shapes(self.config), Arrays(self.meta).empty
+        for name, (axis, start, stop) in self.parts.items():
+            shapes[name] = shapes[name][:axis] + (stop - start,) + shapes[name][axis + 1:]
         quant = self.quant
         fused, views = [], {}
 
@@ -179,10 +217,12 @@ class Llama(CausalLM):
     # -- the math ---------------------------------------------------------------------------------
     def meta_twin(self) -> "Llama":
         """This model with MetaArray weights: what a dry run of its kernels needs."""
-        return Llama(self.config, dtype=self.dtype, meta=True, quantize=self.quant)
+        comm = self.comm and parallel.ShapeOnly(self.comm.rank, self.comm.world_size)
+        return Llama(self.config, dtype=self.dtype, meta=True, quantize=self.quant, comm=comm)
 
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
-        return Activations(self.config, batch, tokens, self.dtype, arrays, self._fp8_groups(batch * tokens))
+        return Activations(self.config, batch, tokens, self.dtype, arrays, self._fp8_groups(batch * tokens),
+                           self.heads)
 
     def _fp8_groups(self, rows: int) -> int:
         """Activation scales per row when `rows` rows run in FP8 (W8A8): 1, or one per 128 columns of the widest
@@ -210,7 +250,7 @@ class Llama(CausalLM):
 
     def cache_dims(self) -> tuple[int, int, int]:
         """(layers, key/value heads, head_dim) of the KV cache."""
-        return self.config.n_layer, self.config.n_kv_head, self.config.head_dim
+        return self.config.n_layer, self.heads[1], self.config.head_dim
 
     def hidden(self, acts: Activations, ids, positions, attend):
         """Token embeddings through every block; returns the residual stream (B*T, C) before the final norm.
@@ -219,20 +259,23 @@ class Llama(CausalLM):
         layer's attention into out (B, H, T, D) and fills the KV cache where there is one."""
         eps = self.config.rms_norm_eps
         x, other = acts.x, acts.other
+        lead = self.comm is None or self.comm.rank == 0     # the rank that adds the residual
         embedding(ids, self.embed, out=x)
         for i, blk in enumerate(self.blocks):
             rms_norm(x, blk.attn_norm, eps, out=acts.h)
             self.project(acts, acts.h, blk.qkv, blk.qkv_scale, out=acts.qkv)
             apply_rope(acts.qk, positions, self.cos, self.sin)
             attend(i, acts.q, acts.k, acts.v, acts.heads)
-            self.project(acts, acts.y, blk.o_proj, blk.o_scale, residual=x, out=other)
+            self.project(acts, acts.y, blk.o_proj, blk.o_scale, residual=x if lead else None, out=other)
+            self._sum(other)
             x, other = other, x
             rms_norm(x, blk.mlp_norm, eps, out=acts.h)
             if self.quant:
                 self.project(acts, acts.h, blk.gate_up, blk.gate_up_scale, out=acts.f, activation="swiglu")
             else:
                 swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
-            self.project(acts, acts.f, blk.down, blk.down_scale, residual=x, out=other)
+            self.project(acts, acts.f, blk.down, blk.down_scale, residual=x if lead else None, out=other)
+            self._sum(other)
             x, other = other, x
         return x                  # an even number of swaps: acts.x
 
@@ -240,6 +283,37 @@ class Llama(CausalLM):
         """The final RMSNorm of x (of the rows `rows` only, when given) into out."""
         rms_norm(x, self.norm, self.config.rms_norm_eps, rows=rows, out=out)
 
+    def _sum(self, x) -> None:
+        """A row-parallel projection's partial products summed over the ranks, in place (one rank: nothing)."""
+        if self.comm:
+            self.comm.all_reduce(x)
+
     def lm_head(self, h, out=None):
-        """Logits h @ W^T, W the LM head or, when tied, the token embedding."""
-        return linear(h, self.head, weight_layout="out_in", out=out)
+        """Logits h @ W^T, W the LM head or, when tied, the token embedding. Tensor-parallel: every rank's vocabulary
+        slice into its columns of `out` (C-contiguous, the rest zeroed), summed over the ranks."""
+        if not self.comm:
+            return linear(h, self.head, weight_layout="out_in", out=out)
+        v0, v1 = self.vocab
+        if out is None:
+            out = Arrays(self.meta).empty((h.shape[0], self.config.vocab_size), self.dtype)
+        if not self.meta:
+            out[:, :v0] = 0
+            out[:, v1:] = 0
+        linear(h, self.head, weight_layout="out_in", out=out[:, v0:v1])
+        return self.comm.all_reduce(out)
+
+    def logits(self, h, arrays: Arrays):
+        """CausalLM.logits; tensor-parallel, into an unpadded (rows, vocab_size) array (the all-reduce needs it
+        contiguous)."""
+        if not self.comm:
+            return super().logits(h, arrays)
+        return self.lm_head(h, out=arrays.empty((h.shape[0], self.config.vocab_size), self.dtype))
+
+    def shared_seed(self, seed: int | None) -> int | None:
+        """generate()'s seed, the same on every rank: unseeded, rank 0 draws one and the others receive it."""
+        if seed is not None or not self.comm:
+            return seed
+        import cupy
+        value = int(np.random.SeedSequence().entropy) % (1 << 62) if self.comm.rank == 0 else 0
+        agreed = self.comm.all_reduce(cupy.asarray(np.array([value], np.int64)))
+        return int(cupy.asnumpy(agreed)[0])

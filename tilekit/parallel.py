@@ -439,11 +439,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world_size: int, argv: Sequence[str], *, quiet_ranks: bool = True, grace: float = 10.0) -> int:
-    """Run `python -m tilekit argv` as world_size ranks on this host (torchrun's variables set, MASTER_ADDR
-    127.0.0.1 and a free port); rank 0's output is shown, the others' stdout dropped when quiet_ranks. When a rank
-    exits with an error the others are stopped (SIGTERM, then SIGKILL after `grace` s) and its status returned,
-    after a line naming it; 0 when all succeed."""
+def launch(world_size: int, argv: Sequence[str], *, quiet_ranks: bool = True, grace: float = 10.0,
+           program: Sequence[str] = (sys.executable, "-m", "tilekit")) -> int:
+    """Run `program argv` (`python -m tilekit argv`) as world_size ranks on this host (torchrun's variables set,
+    MASTER_ADDR 127.0.0.1 and a free port); rank 0's output is shown, the others' stdout dropped when quiet_ranks.
+    When a rank exits with an error the others are stopped (SIGTERM, then SIGKILL after `grace` s) and its status
+    returned, after a line naming it; 0 when all succeed."""
     if world_size < 1:
         raise ValueError(f"the tensor-parallel size must be positive, got {world_size}")
     port = free_port()
@@ -452,10 +453,10 @@ def launch(world_size: int, argv: Sequence[str], *, quiet_ranks: bool = True, gr
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
         stdout = subprocess.DEVNULL if rank and quiet_ranks else None
-        procs.append(subprocess.Popen([sys.executable, "-m", "tilekit", *argv], env=env, stdout=stdout))
+        procs.append(subprocess.Popen([*program, *argv], env=env, stdout=stdout))
     status = 0
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):
             failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode not in (None, 0)]
             if failed:
                 rank, status = failed[0]

@@ -17,6 +17,7 @@ from tilekit.kernels.checks import rel_err
 from tilekit.models import Llama, LlamaConfig, hf, runtime
 from tilekit.models.llama import model as model_module
 from tilekit.models.llama import weights
+from tilekit.models.workload import model_problems
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 FIXTURES = ["tiny-llama", "tiny-llama-tied"]   # H 4, Hkv 2, untied, sharded files; H 4, Hkv 1 (MQA), tied
@@ -178,3 +179,11 @@ def test_sliced_targets_read_rows_and_columns(tmp_path):
             hf.load_tensors(files, {"a": hf.Target((5, 7), "float32", out=np.empty((5, 7), np.float32),
                                                    part=(0, 1, 4))}, device=hf.HostDevice(), ignore=("b",),
                             progress=False)
+
+
+def test_the_tp_workload_holds_every_ranks_shapes():
+    """An odd vocabulary splits unevenly: `tilekit tune --tp 2` tunes both ranks' LM heads."""
+    config, _ = weights.load_state_dict(DATA / "tiny-llama")
+    heads = {(p["N"], p["K"]) for op, p in model_problems(config, batch_sizes=(1,), seq_lens=(16,), new_tokens=4,
+                                                          tp=2) if op.name == "linear" and p["K"] == 64}
+    assert {(130, 64), (129, 64)} <= heads and (259, 64) not in heads

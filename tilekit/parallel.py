@@ -290,7 +290,10 @@ class Link:
         """Wait on the peers' connections; a drop without goodbye is a lost rank."""
         socks = dict(self.socks)
         while socks:
-            ready, _, _ = select.select(list(socks.values()), [], [], 0.5)
+            try:
+                ready, _, _ = select.select(list(socks.values()), [], [], 0.5)
+            except (OSError, ValueError):       # closed by close(): this rank is leaving
+                return
             for sock in ready:
                 peer = next(r for r, s in socks.items() if s is sock)
                 try:

@@ -650,10 +650,11 @@ class Target:
     larger one is fine, e.g. rows of a fused weight), a function returning one (called when the tensor is
     reached), or None for a new `dtype` array of `shape`. `transform(src, out)`, on the device, instead of
     convert(src, out): src is the file's tensor as a device array (FP8 as uint8 bits), valid only during the
-    call. `accept`: the safetensors dtypes allowed. `optional`: the file may lack it. `part`: (axis, start, stop),
-    only that slice of the file's tensor is loaded (a tensor-parallel shard; `out` has the slice's shape): rows
-    (axis 0) are read alone, being contiguous in the file; a slice of another axis reads the tensor and keeps the
-    slice in the device conversion (only the slice is allocated)."""
+    call. `accept`: the safetensors dtypes allowed. `optional`: the file may lack it. `part`: (axis, start, stop)
+    or (axis, start, stop, groups), only that slice of the file's tensor is loaded (a tensor-parallel shard; `out`
+    has the slice's shape; with groups g the axis is g equal blocks, e.g. a fused [q, k, v], and start:stop is
+    taken from each): rows (axis 0, one group) are read alone, being contiguous in the file; another slice reads
+    the tensor and keeps the slice in the device conversion (only the slice is allocated)."""
 
     shape: tuple[int, ...]
     dtype: str = "bfloat16"
@@ -661,32 +662,58 @@ class Target:
     transform: Callable | None = None
     accept: tuple[str, ...] = FLOATS
     optional: bool = False
-    part: tuple[int, int, int] | None = None
+    part: tuple[int, ...] | None = None
 
     @property
     def out_shape(self) -> tuple[int, ...]:
         """The shape of what is written: `shape`, or its `part`."""
-        if self.part is None:
-            return tuple(self.shape)
-        axis, start, stop = self.part
-        return tuple(self.shape[:axis]) + (stop - start,) + tuple(self.shape[axis + 1:])
+        return tuple(self.shape) if self.part is None else part_shape(self.shape, self.part)
+
+
+def _part(part: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(axis, start, stop, groups) of a part."""
+    return (*part, 1) if len(part) == 3 else tuple(part)
+
+
+def part_problem(shape: tuple[int, ...], part: tuple[int, ...]) -> str | None:
+    """Why `part` is not a slice (axis, start, stop[, groups]) of an array of `shape`, or None."""
+    if len(part) not in (3, 4) or not all(isinstance(v, int) for v in part):
+        return "not (axis, start, stop[, groups])"
+    axis, start, stop, groups = _part(part)
+    if not 0 <= axis < len(shape) or groups < 1 or shape[axis] % groups or not \
+            0 <= start < stop <= shape[axis] // groups:
+        return f"not a slice (axis, start, stop[, groups]) of shape {tuple(shape)}"
+    return None
+
+
+def part_shape(shape: tuple[int, ...], part: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of `part` of an array of `shape`."""
+    axis, start, stop, groups = _part(part)
+    return tuple(shape[:axis]) + (groups * (stop - start),) + tuple(shape[axis + 1:])
+
+
+def take_part(array, part: tuple[int, ...]):
+    """`part` of a NumPy or CuPy array (a view for one group, else a copy)."""
+    axis, start, stop, groups = _part(part)
+    shape = array.shape
+    blocks = array.reshape(shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
+    return blocks[(slice(None),) * (axis + 1) + (slice(start, stop),)].reshape(part_shape(shape, part))
 
 
 def _narrowed(info: TensorInfo, target: Target) -> tuple[TensorInfo, Target]:
-    """A job of a sliced target as one of a whole one: rows as a shorter tensor of the file; another axis as the
+    """A job of a sliced target as one of a whole one: rows as a shorter tensor of the file; another slice as the
     whole tensor whose transform (or conversion) takes the slice."""
     if target.part is None:
         return info, target
-    axis, start, stop = target.part
-    if axis == 0:
+    axis, start, stop, groups = _part(target.part)
+    if axis == 0 and groups == 1:
         row = info.nbytes // info.shape[0] if info.shape[0] else 0
         shape = (stop - start,) + info.shape[1:]
         return (TensorInfo(info.name, info.dtype, shape, info.file, info.start + start * row, info.start + stop * row),
                 dataclasses.replace(target, shape=shape, part=None))
-    index = (slice(None),) * axis + (slice(start, stop),)
-    inner = target.transform or convert
+    inner, part = target.transform or convert, target.part
     return info, dataclasses.replace(target, shape=target.out_shape, part=None,
-                                     transform=lambda src, out: inner(src[index], out))
+                                     transform=lambda src, out: inner(take_part(src, part), out))
 
 
 def convert(src, out) -> None:
@@ -725,11 +752,9 @@ def _check_target(name: str, t: Target, out=None) -> None:
         raise ValueError(f"plan for {quoted(name)}: dtype must be one of {TARGET_DTYPES}, got {t.dtype!r}")
     if t.transform is None and any(d.startswith("F8") for d in t.accept):
         raise ValueError(f"plan for {quoted(name)}: accepting FP8 needs a transform (FP8 arrives as uint8 bits)")
-    if t.part is not None:
-        axis, start, stop = t.part
-        if not (0 <= axis < len(t.shape) and 0 <= start < stop <= t.shape[axis]):
-            raise ValueError(f"plan for {quoted(name)}: part {t.part} is not a slice (axis, start, stop) of shape "
-                             f"{tuple(t.shape)}")
+    problem = t.part is not None and part_problem(tuple(t.shape), tuple(t.part))
+    if problem:
+        raise ValueError(f"plan for {quoted(name)}: part {t.part} is {problem}")
     out = t.out if out is None else out
     if out is not None and not callable(out) and t.transform is None and (
             tuple(out.shape) != t.out_shape or str(out.dtype) != t.dtype):

@@ -27,7 +27,7 @@ from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candid
 from tilekit.kernels.quant_linear import dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
 from tilekit.models import quantization
-from tilekit.models.hf import Checkpoint, convert, write_checkpoint
+from tilekit.models.hf import Checkpoint, convert, take_part, write_checkpoint
 
 PAD = 64          # prompts pad to, and KV caches grow in, multiples of this many positions
 LOGIT_ROW_ALIGN = 64   # forward()'s logits rows are padded to multiples of this many entries
@@ -332,6 +332,8 @@ class CausalLM(TextGeneration):
     quant: quantization.Scheme | None = None     # quantized linears: how (a subclass that supports it sets it)
     quantized: tuple[str, ...] = ()              # their weights' names (codes; fp32 scales under scale_key(name))
     parts: dict = {}           # tensor-parallel: name -> (axis, start, stop), the slice of it this rank holds
+    comm = None                # tensor-parallel: this rank's tilekit.parallel.Communicator (None: one process)
+    vocab: tuple[int, int] = (0, 0)   # tensor-parallel: the vocabulary rows [start, stop) of this rank's LM head
     max_prefill_graphs = 4
     max_generations = 2
 
@@ -385,7 +387,7 @@ class CausalLM(TextGeneration):
                 continue
             if state is not None:
                 part = self.parts.get(name)
-                host = state[name] if part is None else state[name][(slice(None),) * part[0] + (slice(*part[1:]),)]
+                host = state[name] if part is None else take_part(np.asarray(state[name]), part)
                 src = cupy.asarray(np.ascontiguousarray(host))
             else:
                 mean, std = self.weights.weight_stats(self.config, name)
@@ -490,8 +492,11 @@ class CausalLM(TextGeneration):
     def logits(self, h, arrays: Arrays):
         """The LM head of the rows h into a fresh (rows, vocab_size) array: a view of a buffer whose rows
         are padded to a multiple of LOGIT_ROW_ALIGN entries (scratch), so that an odd vocabulary's rows
-        (GPT-2's 50257) start aligned and store faster (the LM head 1.08-1.10x, H200)."""
+        (GPT-2's 50257) start aligned and store faster (the LM head 1.08-1.10x, H200). Tensor-parallel: an
+        unpadded array (the all-reduce sums whole buffers)."""
         vocab = self.config.vocab_size
+        if self.comm:
+            return self.lm_head(h, out=arrays.empty((h.shape[0], vocab), self.dtype))
         padded = arrays.empty((h.shape[0], -(-vocab // LOGIT_ROW_ALIGN) * LOGIT_ROW_ALIGN), self.dtype)
         return self.lm_head(h, out=padded[:, :vocab])
 
@@ -622,9 +627,31 @@ class CausalLM(TextGeneration):
                 stops.update(history[np.arange(B), lengths + i])
         return [history[b, :lengths[b] + stops.lengths[b]].astype(np.int64) for b in range(B)]
 
+    # -- tensor parallelism ---------------------------------------------------------------------
+    def vocab_parallel(self, h, out, project):
+        """A vocabulary-sharded LM head: project(h, columns) writes this rank's logits into its columns of out
+        (C-contiguous (rows, vocab_size); None: a new array), the other columns are zeroed, and one all-reduce fills
+        them in. x + 0 is exact, so every rank then holds the same logits and its next-token kernel picks the same
+        token, sampling included, with no broadcast; an all-gather would move half the bytes but land the slices
+        rank-major, not as the (rows, V) the pick reads. On the current stream: a captured step holds it."""
+        v0, v1 = self.vocab
+        if out is None:
+            out = Arrays(self.meta).empty((h.shape[0], self.config.vocab_size), self.dtype)
+        if not self.meta:
+            out[:, :v0] = 0
+            out[:, v1:] = 0
+        project(h, out[:, v0:v1])
+        return self.comm.all_reduce(out)
+
     def shared_seed(self, seed: int | None) -> int | None:
-        """The seed generate() samples with (a tensor-parallel model makes it the same on every rank)."""
-        return seed
+        """The seed generate() samples with; tensor-parallel and unseeded, rank 0 draws one and the others
+        receive it (through an all-reduce), so that every rank samples the same tokens."""
+        if seed is not None or not self.comm:
+            return seed
+        import cupy
+        value = int(np.random.SeedSequence().entropy) % (1 << 62) if self.comm.rank == 0 else 0
+        agreed = self.comm.all_reduce(cupy.asarray(np.array([value], np.int64)))
+        return int(cupy.asnumpy(agreed)[0])
 
     # -- the workload ---------------------------------------------------------------------------
     def kernel_problems(self, batch: int, seq_len: int, new_tokens: int | None = None) -> list[tuple]:

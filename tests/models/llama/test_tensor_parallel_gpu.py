@@ -1,4 +1,4 @@
-"""Tensor-parallel Llama on two GPUs of one host: the ranks are processes started by parallel.launch
+"""Tensor-parallel Llama and GPT-2 on two GPUs of one host: the ranks are processes started by parallel.launch
 (tp_worker.py), joined through NCCL. TP=2 logits equal TP=1's within the dtype's tolerance (and transformers'),
 greedy tokens agree over 32 steps, graph and eager agree, every rank holds the same logits and tokens (an unseeded
 sampled run included: the ranks agree on its seed), and a rank that dies makes the other exit instead of hanging
@@ -15,7 +15,7 @@ from tilekit.kernels.checks import rel_err
 cupy = pytest.importorskip("cupy")
 
 from tilekit import parallel  # noqa: E402
-from tilekit.models import Llama, LlamaConfig  # noqa: E402
+from tilekit.models import LlamaConfig, families  # noqa: E402
 from tilekit.models.llama import weights  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -52,14 +52,15 @@ def wide(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, dtype", [("tiny-llama", "float32"), ("tiny-llama-tied", "float32"),
-                                         ("tiny-llama", "bfloat16"), ("wide", "bfloat16"), ("wide", "float32")])
+                                         ("tiny-llama", "bfloat16"), ("wide", "bfloat16"), ("wide", "float32"),
+                                         ("tiny-gpt2", "float32"), ("tiny-gpt2", "bfloat16")])
 def test_two_ranks_equal_one(request, tmp_path, name, dtype):
     checkpoint = request.getfixturevalue("wide") if name == "wide" else DATA / name
     per_rank = ranks(checkpoint, dtype, tmp_path)
     for key in per_rank[0]:
         np.testing.assert_array_equal(per_rank[1][key], per_rank[0][key], err_msg=key)   # the ranks agree
     got = per_rank[0]
-    one = Llama.from_pretrained(checkpoint, dtype=dtype)
+    one = families.load_model(checkpoint, dtype=dtype)
     ids = np.load(checkpoint / "input_ids.npy") if name != "wide" else \
         np.random.default_rng(0).integers(0, one.config.vocab_size, (2, 19))
     logits = cupy.asnumpy(one(ids)).astype(np.float64)
@@ -70,7 +71,7 @@ def test_two_ranks_equal_one(request, tmp_path, name, dtype):
     np.testing.assert_array_equal(got["greedy_eager"], got["greedy"])
     if dtype == "float32":          # bf16 rounding of the all-reduced sums may flip a near tie: fp32 must agree
         np.testing.assert_array_equal(got["greedy"], np.stack(one.generate(ids, 32, temperature=0, eos_token_id=[])))
-        if name != "wide":
+        if (checkpoint / "greedy_ids.npy").exists():
             expected = np.load(checkpoint / "greedy_ids.npy")
             np.testing.assert_array_equal(got["greedy"][:, :expected.shape[1]], expected)
 
@@ -92,3 +93,14 @@ def test_a_dead_rank_stops_the_other(tmp_path):
             p.kill()
     assert procs[0].returncode == parallel.EXIT_PEER_LOST, err
     assert "rank 0: rank 1 exited without closing the group" in err, err
+
+
+def test_generate_tp_prints_what_one_gpu_prints(tmp_path):
+    """`tilekit generate --tp 2` (rank 0 prints) against one GPU, greedy, on the tiny GPT-2 and its tokenizer."""
+    import subprocess
+    argv = [sys.executable, "-m", "tilekit", "generate", "--model", str(DATA / "tiny-gpt2"), "--prompt", "the quick",
+            "--max-new-tokens", "24", "--temperature", "0", "--dtype", "fp32"]
+    one = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    two = subprocess.run(argv + ["--tp", "2"], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    assert two.stdout == one.stdout and one.stdout.startswith("the quick")

@@ -2,7 +2,7 @@
 
     python -m tests.models.llama.tp_worker CHECKPOINT DTYPE OUT_DIR [die]
 
-loads its shard of CHECKPOINT, and writes OUT_DIR/rank<R>.npz: forward() logits with and without graphs, greedy
+loads its shard of CHECKPOINT (of any family with tensor parallelism), and writes OUT_DIR/rank<R>.npz: forward() logits with and without graphs, greedy
 tokens of generate() (32 new) with and without graphs, and seeded sampled tokens. `die`: rank 1 exits right after
 joining while rank 0 all-reduces until the watchdog stops it (the test of a dead rank)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from tilekit import parallel
-from tilekit.models import Llama
+from tilekit.models import families
 
 
 def main(checkpoint: str, dtype: str, out: str, mode: str = "") -> None:
@@ -29,7 +29,7 @@ def main(checkpoint: str, dtype: str, out: str, mode: str = "") -> None:
             comm.all_reduce(x)
             cupy.cuda.get_current_stream().synchronize()
         return
-    model = Llama.from_pretrained(checkpoint, dtype=dtype, comm=comm)
+    model = families.load_model(checkpoint, dtype=dtype, comm=comm)
     ids = np.load(Path(checkpoint) / "input_ids.npy") if (Path(checkpoint) / "input_ids.npy").exists() else \
         np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 19))
     result = dict(

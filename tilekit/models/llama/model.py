@@ -34,7 +34,7 @@ from tilekit.autotune.arrays import MetaArray
 from tilekit.kernels import apply_rope, embedding, linear, quant_linear, quantize_fp8, rms_norm, swiglu_linear
 from tilekit.kernels.apply_rope import rope_tables
 from tilekit.kernels.quant_linear import QBLOCK, WEIGHT_DTYPES
-from tilekit.models import quantization
+from tilekit.models import hf, quantization
 from tilekit.models.llama import weights
 from tilekit.models.llama.config import LlamaConfig, rope_inv_freq
 from tilekit.models.llama.weights import EMBEDDING
@@ -174,8 +174,8 @@ class Llama(CausalLM):
         layer as row views of one fused matrix (quantized: also gate and up, and each fused matrix's scales, under
         quantization.scale_key names); returns each layer's (qkv, its scales, [gate; up], its scales)."""
         shapes, new = weights.state_dict_shapes(self.config), Arrays(self.meta).empty
-        for name, (axis, start, stop) in self.parts.items():
-            shapes[name] = shapes[name][:axis] + (stop - start,) + shapes[name][axis + 1:]
+        for name, part in self.parts.items():
+            shapes[name] = hf.part_shape(shapes[name], part)
         quant = self.quant
         fused, views = [], {}
 
@@ -289,31 +289,7 @@ class Llama(CausalLM):
             self.comm.all_reduce(x)
 
     def lm_head(self, h, out=None):
-        """Logits h @ W^T, W the LM head or, when tied, the token embedding. Tensor-parallel: every rank's vocabulary
-        slice into its columns of `out` (C-contiguous, the rest zeroed), summed over the ranks."""
+        """Logits h @ W^T, W the LM head or, when tied, the token embedding (tensor-parallel: vocab_parallel)."""
         if not self.comm:
             return linear(h, self.head, weight_layout="out_in", out=out)
-        v0, v1 = self.vocab
-        if out is None:
-            out = Arrays(self.meta).empty((h.shape[0], self.config.vocab_size), self.dtype)
-        if not self.meta:
-            out[:, :v0] = 0
-            out[:, v1:] = 0
-        linear(h, self.head, weight_layout="out_in", out=out[:, v0:v1])
-        return self.comm.all_reduce(out)
-
-    def logits(self, h, arrays: Arrays):
-        """CausalLM.logits; tensor-parallel, into an unpadded (rows, vocab_size) array (the all-reduce needs it
-        contiguous)."""
-        if not self.comm:
-            return super().logits(h, arrays)
-        return self.lm_head(h, out=arrays.empty((h.shape[0], self.config.vocab_size), self.dtype))
-
-    def shared_seed(self, seed: int | None) -> int | None:
-        """generate()'s seed, the same on every rank: unseeded, rank 0 draws one and the others receive it."""
-        if seed is not None or not self.comm:
-            return seed
-        import cupy
-        value = int(np.random.SeedSequence().entropy) % (1 << 62) if self.comm.rank == 0 else 0
-        agreed = self.comm.all_reduce(cupy.asarray(np.array([value], np.int64)))
-        return int(cupy.asnumpy(agreed)[0])
+        return self.vocab_parallel(h, out, lambda h, o: linear(h, self.head, weight_layout="out_in", out=o))

@@ -637,9 +637,10 @@ class CausalLM(TextGeneration):
         v0, v1 = self.vocab
         if out is None:
             out = Arrays(self.meta).empty((h.shape[0], self.config.vocab_size), self.dtype)
-        if not self.meta:
-            out[:, :v0] = 0
-            out[:, v1:] = 0
+        if not self.meta:           # zero bits are +0 in every float dtype: an integer fill, for any dtype
+            bits = out.view(f"u{out.dtype.itemsize}")
+            bits[:, :v0] = 0
+            bits[:, v1:] = 0
         project(h, out[:, v0:v1])
         return self.comm.all_reduce(out)
 

@@ -2,9 +2,10 @@
 
     python -m tests.models.llama.tp_worker CHECKPOINT DTYPE OUT_DIR [die]
 
-loads its shard of CHECKPOINT (of any family with tensor parallelism), and writes OUT_DIR/rank<R>.npz: forward() logits with and without graphs, greedy
-tokens of generate() (32 new) with and without graphs, and seeded sampled tokens. `die`: rank 1 exits right after
-joining while rank 0 all-reduces until the watchdog stops it (the test of a dead rank)."""
+loads its shard of CHECKPOINT (of any family with tensor parallelism), and writes OUT_DIR/rank<R>.npz: forward()
+logits with and without graphs, greedy tokens of generate() (32 new) with and without graphs, and sampled tokens,
+seeded and not. `die`: rank 1 exits right after joining while rank 0 all-reduces until the watchdog stops it (the
+test of a dead rank)."""
 
 import os
 import sys

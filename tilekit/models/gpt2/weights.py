@@ -63,7 +63,8 @@ def shard_parts(config: GPTConfig, rank: int, world: int) -> dict[str, tuple[int
     i0, i1 = parallel.even_span(4 * C, rank, world, "the MLP width (4 n_embd)")
     parts = {}
     for i in range(config.n_layer):
-        parts.update({f"h.{i}.attn.c_attn.weight": (1, h0 * D, h1 * D, 3), f"h.{i}.attn.c_attn.bias": (0, h0 * D, h1 * D, 3),
+        parts.update({f"h.{i}.attn.c_attn.weight": (1, h0 * D, h1 * D, 3),
+                      f"h.{i}.attn.c_attn.bias": (0, h0 * D, h1 * D, 3),
                       f"h.{i}.attn.c_proj.weight": (0, h0 * D, h1 * D), f"h.{i}.mlp.c_fc.weight": (1, i0, i1),
                       f"h.{i}.mlp.c_fc.bias": (0, i0, i1), f"h.{i}.mlp.c_proj.weight": (0, i0, i1)})
     return parts

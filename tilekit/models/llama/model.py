@@ -16,11 +16,8 @@ Tensor-parallel (`comm=`, a tilekit.parallel.Communicator of world size N; weigh
 holds): a rank runs its share of the query and key/value heads and of the MLP's columns; the output and down
 projections are row-parallel, each rank's partial product summed by one all-reduce of the residual stream (two
 per layer), the residual added on rank 0 only, in the projection's epilogue, so it is counted once. The LM head
-holds a vocabulary slice: each rank writes its logits into its columns of a (B, V) buffer zeroed elsewhere and one
-all-reduce fills in the rest (x + 0 is exact, so every rank holds the same logits and its next-token kernel picks
-the same token, sampling included, with no broadcast; an all-gather would move half the bytes, B x V x 2 on each
-rank, but land the slices rank-major, not as the (B, V) rows the pick reads). Every collective is on the current
-stream, so the captured decode step, all-reduces included, stays one CUDA graph replay per rank.
+holds a vocabulary slice (CausalLM.vocab_parallel). Every collective is on the current stream, so the captured
+decode step, all-reduces included, stays one CUDA graph replay per rank.
 """
 
 from __future__ import annotations

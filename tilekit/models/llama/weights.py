@@ -65,8 +65,10 @@ def shard_parts(config: LlamaConfig, rank: int, world: int) -> dict[str, tuple[i
     parts = {}
     for i in range(config.n_layer):
         p = f"model.layers.{i}."
-        parts.update({p + "self_attn.q_proj.weight": (0, h0 * D, h1 * D), p + "self_attn.k_proj.weight": (0, g0 * D, g1 * D),
-                      p + "self_attn.v_proj.weight": (0, g0 * D, g1 * D), p + "self_attn.o_proj.weight": (1, h0 * D, h1 * D),
+        parts.update({p + "self_attn.q_proj.weight": (0, h0 * D, h1 * D),
+                      p + "self_attn.k_proj.weight": (0, g0 * D, g1 * D),
+                      p + "self_attn.v_proj.weight": (0, g0 * D, g1 * D),
+                      p + "self_attn.o_proj.weight": (1, h0 * D, h1 * D),
                       p + "mlp.gate_proj.weight": (0, i0, i1), p + "mlp.up_proj.weight": (0, i0, i1),
                       p + "mlp.down_proj.weight": (1, i0, i1)})
     if not config.tie_word_embeddings:

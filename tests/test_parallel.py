@@ -146,3 +146,21 @@ def test_the_launcher_stops_the_others_when_a_rank_fails():
     code = "import os, sys, time\nif os.environ['RANK'] == '2': sys.exit(5)\ntime.sleep(60)"
     assert parallel.launch(3, ["-c", code], program=[sys.executable], grace=5) == 5
     assert time.monotonic() - start < 30
+
+
+def test_no_nccl_is_one_clear_error(tmp_path, monkeypatch):
+    """CuPy's binding unusable here (no libnccl): the wheel's library is looked for under site-packages/nvidia, and a
+    broken one is named."""
+    pytest.importorskip("cupy")
+    from cupy.cuda import nccl
+    if getattr(nccl, "available", False):
+        pytest.skip("this host has a working NCCL")
+    import importlib.util
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libnccl.so.2").write_bytes(b"not a library")
+    spec = importlib.util.spec_from_loader("nvidia", loader=None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path / "nvidia")]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "nvidia" else None)
+    with pytest.raises(RuntimeError, match=r"libnccl.so.2 could not be loaded"):
+        parallel.load_nccl()

@@ -647,6 +647,14 @@ def cmd_generate(args) -> int:
         if args.device != "cuda":
             raise UsageError("--tp needs --device cuda")
         from tilekit import parallel
+        from tilekit.device import gpu_unavailable_reason
+        reason = gpu_unavailable_reason()
+        if reason:
+            raise UsageError(f"--tp needs GPUs: {reason}")
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() < args.tp:
+            raise UsageError(f"--tp {args.tp} needs {args.tp} GPUs, this host shows "
+                             f"{cupy.cuda.runtime.getDeviceCount()}")
         return parallel.launch(args.tp, args.argv)
     if dist is None or dist.world_size == 1:
         return _generate(args, _load(args), prompts, options, print)

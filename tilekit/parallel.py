@@ -356,9 +356,10 @@ NCCL_SUM = 0
 
 def load_nccl() -> tuple[object, str]:
     """(cupy.cuda.nccl, how it was found): CuPy's binding as it loads, else after preloading the libnccl.so.2 that
-    PyTorch's wheels ship (site-packages/nvidia/nccl/lib) with RTLD_GLOBAL. RuntimeError naming both tries if
-    neither works."""
+    PyTorch's nvidia-nccl wheels ship (site-packages/nvidia/nccl/lib or nvidia/cu13/lib) with RTLD_GLOBAL.
+    RuntimeError naming both tries if neither works."""
     import ctypes
+    import glob
     import importlib
     import importlib.util
     try:
@@ -368,18 +369,25 @@ def load_nccl() -> tuple[object, str]:
         first = "cupy.cuda.nccl.available is False"
     except ImportError as e:
         first = str(e)
-    spec = importlib.util.find_spec("nvidia.nccl") if importlib.util.find_spec("nvidia") else None
+    spec = importlib.util.find_spec("nvidia")
     roots = list(spec.submodule_search_locations or []) if spec else []
-    libraries = [os.path.join(root, "lib", "libnccl.so.2") for root in roots]
-    found = [path for path in libraries if os.path.isfile(path)]
+    found = sorted(path for root in roots       # nvidia/nccl/lib (cu12 wheels), nvidia/cu13/lib
+                   for path in glob.glob(os.path.join(root, "*", "lib", "libnccl.so.2")))
     if not found:
-        raise RuntimeError(f"NCCL is not available: CuPy's binding failed ({first}) and no libnccl.so.2 of the "
-                           "nvidia-nccl wheel (installed with PyTorch) was found; install nvidia-nccl-cu12 or NCCL")
-    ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+        raise RuntimeError(f"NCCL is not available: CuPy's binding failed ({first}) and no libnccl.so.2 of an "
+                           "nvidia-nccl wheel (PyTorch installs one) was found under site-packages/nvidia; install "
+                           "nvidia-nccl-cu13 (or -cu12, matching CuPy's CUDA) or NCCL")
+    try:
+        ctypes.CDLL(found[0], mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise RuntimeError(f"NCCL is not available: CuPy's binding failed ({first}), and {found[0]} could not be "
+                           f"loaded ({e})") from None
     for name in [n for n in sys.modules if n.startswith("cupy.cuda.nccl") or n.endswith("libs.nccl")]:
         del sys.modules[name]
     try:
         nccl = importlib.import_module("cupy.cuda.nccl")
+        if not getattr(nccl, "available", True):
+            raise ImportError("cupy.cuda.nccl.available is False")
     except ImportError as e:
         raise RuntimeError(f"NCCL is not available: CuPy's binding failed ({first}), and again after preloading "
                            f"{found[0]} ({e})") from None

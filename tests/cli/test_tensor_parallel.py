@@ -53,3 +53,10 @@ def test_missing_master_addr_is_named(monkeypatch, capsys):
 ])
 def test_tune_tp_misuse(capsys, argv, message):
     assert message in misuse(argv, capsys)
+
+
+def test_tp_without_gpus_says_so_before_starting_ranks(capsys):
+    from tilekit.device import gpu_unavailable_reason
+    if gpu_unavailable_reason() is None:
+        pytest.skip("checks the message on a machine without a GPU")
+    assert "--tp needs GPUs" in misuse(GENERATE + ["--tp", "2"], capsys)

@@ -690,6 +690,10 @@ def _generate(args, model, prompts: list[str], options: dict, show) -> int:
 def cmd_chat(args) -> int:
     """An interactive conversation: each line read is a user turn; the reply streams; an empty line or EOF ends."""
     options = _generation_options(args)
+    from tilekit import env
+    dist = env.distributed()
+    if dist is not None and dist.world_size > 1:
+        raise UsageError(f"chat does not run tensor-parallel (WORLD_SIZE={dist.world_size}); use generate --chat")
     model = _load(args)
     model.chat_template()       # a checkpoint without one is refused before the first turn
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -60,3 +60,8 @@ def test_tp_without_gpus_says_so_before_starting_ranks(capsys):
     if gpu_unavailable_reason() is None:
         pytest.skip("checks the message on a machine without a GPU")
     assert "--tp needs GPUs" in misuse(GENERATE + ["--tp", "2"], capsys)
+
+
+def test_chat_refuses_to_run_as_a_rank(monkeypatch, capsys):
+    torchrun(monkeypatch, 0, 2)
+    assert "chat does not run tensor-parallel (WORLD_SIZE=2)" in misuse(["chat", "--model", str(TINY)], capsys)

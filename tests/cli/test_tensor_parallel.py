@@ -23,7 +23,8 @@ def torchrun(monkeypatch, rank, world):
 
 
 def test_tp_needs_the_gpu(capsys):
-    assert misuse(GENERATE + ["--tp", "2", "--device", "cpu"], capsys) == "tilekit: --tp needs --device cuda"
+    message = misuse(GENERATE + ["--tp", "2", "--device", "cpu"], capsys)
+    assert message == "tilekit: tensor parallelism (--tp or WORLD_SIZE) needs --device cuda"
 
 
 def test_tp_must_agree_with_world_size(monkeypatch, capsys):
@@ -59,7 +60,7 @@ def test_tp_without_gpus_says_so_before_starting_ranks(capsys):
     from tilekit.device import gpu_unavailable_reason
     if gpu_unavailable_reason() is None:
         pytest.skip("checks the message on a machine without a GPU")
-    assert "--tp needs GPUs" in misuse(GENERATE + ["--tp", "2"], capsys)
+    assert "tensor parallelism needs GPUs" in misuse(GENERATE + ["--tp", "2"], capsys)
 
 
 def test_chat_refuses_to_run_as_a_rank(monkeypatch, capsys):

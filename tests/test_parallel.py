@@ -52,6 +52,11 @@ def test_bad_torchrun_variables_are_named(monkeypatch, values, message):
 
 def test_splits():
     assert [parallel.span(259, r, 2) for r in range(2)] == [(0, 130), (130, 259)]
+    assert [parallel.vocab_span(259, r, 4) for r in range(4)] == [(0, 128), (128, 192), (192, 256), (256, 259)]
+    assert [parallel.vocab_span(128256, r, 2) for r in range(2)] == [(0, 64128), (64128, 128256)]
+    assert parallel.vocab_span(50257, 1, 2) == (25152, 50257)
+    with pytest.raises(ValueError, match=r"vocab_size \(100\) has fewer blocks of 64 than the tensor-parallel size 4"):
+        parallel.vocab_span(100, 3, 4)
     assert [parallel.kv_head_span(2, 8, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [parallel.kv_head_span(8, 32, r, 2) for r in range(2)] == [(0, 4), (4, 8)]
 

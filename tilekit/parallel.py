@@ -48,6 +48,20 @@ def span(n: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
+VOCAB_GRANULE = 64     # vocabulary slices start at multiples of this many entries
+
+
+def vocab_span(vocab: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, stop) of rank's vocabulary rows: span() of whole VOCAB_GRANULE blocks, so that each rank's columns
+    of the logits start 128-byte aligned (bf16) however odd the vocabulary (GPT-2's 50257)."""
+    blocks = -(-vocab // VOCAB_GRANULE)
+    if blocks < world:
+        raise ValueError(f"vocab_size ({vocab}) has fewer blocks of {VOCAB_GRANULE} than the tensor-parallel size "
+                         f"{world}")
+    start, stop = span(blocks, rank, world)
+    return min(vocab, start * VOCAB_GRANULE), min(vocab, stop * VOCAB_GRANULE)
+
+
 def even_span(n: int, rank: int, world: int, what: str) -> tuple[int, int]:
     """span() of n items that must split evenly; ValueError naming `what` otherwise."""
     if n % world:

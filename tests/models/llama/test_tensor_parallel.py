@@ -102,8 +102,8 @@ def test_each_rank_loads_its_slices(cpu):
         np.testing.assert_array_equal(o, state[p + "self_attn.o_proj.weight"][:, rank * 2 * D:(rank + 1) * 2 * D])
         np.testing.assert_array_equal(model.params[p + "mlp.down_proj.weight"],
                                       state[p + "mlp.down_proj.weight"][:, rank * I // 2:(rank + 1) * I // 2])
-        v0, v1 = parallel.span(V, rank, 2)
-        assert (v0, v1) == ((0, 130), (130, 259))[rank]          # an odd vocabulary splits unevenly
+        v0, v1 = parallel.vocab_span(V, rank, 2)
+        assert (v0, v1) == ((0, 192), (192, 259))[rank]     # an odd vocabulary splits unevenly, in blocks of 64
         np.testing.assert_array_equal(model.head, state["lm_head.weight"][v0:v1])
         np.testing.assert_array_equal(model.embed, state["model.embed_tokens.weight"])   # whole: see shard_parts
         assert model.cache_dims() == (config.n_layer, 1, D)
@@ -115,8 +115,8 @@ def test_mqa_replicates_the_key_value_head(cpu):
         model = Llama(config, dtype="float32", state=state, comm=parallel.ShapeOnly(rank, 4))
         np.testing.assert_array_equal(model.params["model.layers.0.self_attn.v_proj.weight"],
                                       state["model.layers.0.self_attn.v_proj.weight"])
-        np.testing.assert_array_equal(model.head, state["model.embed_tokens.weight"][parallel.span(259, rank, 4)[0]:
-                                                                                      parallel.span(259, rank, 4)[1]])
+        v0, v1 = parallel.vocab_span(259, rank, 4)
+        np.testing.assert_array_equal(model.head, state["model.embed_tokens.weight"][v0:v1])
 
 
 @pytest.mark.parametrize("changes, world, message", [
@@ -193,4 +193,4 @@ def test_the_tp_workload_holds_every_ranks_shapes():
     config, _ = weights.load_state_dict(DATA / "tiny-llama")
     heads = {(p["N"], p["K"]) for op, p in model_problems(config, batch_sizes=(1,), seq_lens=(16,), new_tokens=4,
                                                           tp=2) if op.name == "linear" and p["K"] == 64}
-    assert {(130, 64), (129, 64)} <= heads and (259, 64) not in heads
+    assert {(192, 64), (67, 64)} <= heads and (259, 64) not in heads

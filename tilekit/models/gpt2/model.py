@@ -108,7 +108,7 @@ class GPT(CausalLM):
             raise ValueError("a tensor-parallel model's weights come from state= or a checkpoint (from_pretrained), "
                              "not from a seed: each rank holds a slice of the same weights")
         self.ranks = world
-        self.vocab = parallel.span(config.vocab_size, 0 if comm is None else comm.rank, world)
+        self.vocab = parallel.vocab_span(config.vocab_size, 0 if comm is None else comm.rank, world)
         self._init_runtime()
         new = Arrays(meta).empty
         self.params = w = {name: new(hf.part_shape(shape, self.parts[name]) if name in self.parts else shape, dtype)

@@ -164,7 +164,7 @@ class Llama(CausalLM):
         g0, g1 = parallel.kv_head_span(C.n_kv_head, C.n_head, rank, world)
         i0, i1 = parallel.even_span(C.intermediate_size, rank, world, "intermediate_size")
         self.heads = (h1 - h0, g1 - g0, i1 - i0)
-        self.vocab = parallel.span(C.vocab_size, rank, world)
+        self.vocab = parallel.vocab_span(C.vocab_size, rank, world)
 
     def _allocate(self) -> list:
         """self.params: every weight, uninitialised, under its Hugging Face name, the q, k and v projections of a

@@ -72,7 +72,7 @@ def shard_parts(config: LlamaConfig, rank: int, world: int) -> dict[str, tuple[i
                       p + "mlp.gate_proj.weight": (0, i0, i1), p + "mlp.up_proj.weight": (0, i0, i1),
                       p + "mlp.down_proj.weight": (1, i0, i1)})
     if not config.tie_word_embeddings:
-        parts[hf.LM_HEAD] = (0, *parallel.span(config.vocab_size, rank, world))
+        parts[hf.LM_HEAD] = (0, *parallel.vocab_span(config.vocab_size, rank, world))
     return parts
 
 

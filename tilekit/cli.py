@@ -129,6 +129,8 @@ def cmd_tune(args) -> int:
         raise UsageError("tune needs exactly one of --model, --kernel or --stale")
     if args.quantize is not None and args.model is None:
         raise UsageError("--quantize goes with --model")
+    if args.tp != 1 and args.model is None:
+        raise UsageError("--tp goes with --model")
     if args.kernel is not None:
         ops = registered_ops()
         if args.kernel not in ops:
@@ -139,7 +141,7 @@ def cmd_tune(args) -> int:
     elif args.model is not None:
         from tilekit.models.workload import model_problems
         items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens,
-                               args.new_tokens, args.quantize)
+                               args.new_tokens, args.quantize, args.tp)
     reason = gpu_unavailable_reason()
     if reason:
         raise UsageError(f"tuning needs a GPU: {reason}")
@@ -406,7 +408,7 @@ def _db_explain(args) -> int:
     from tilekit.device import DeviceInfo, device_info, gpu_unavailable_reason
     from tilekit.models.workload import model_problems
     items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens, args.new_tokens,
-                           args.quantize)
+                           args.quantize, args.tp)
     if args.gpu:
         device = DeviceInfo(args.gpu, args.arch, 0)
     elif gpu_unavailable_reason() is None:
@@ -607,39 +609,88 @@ def _read_text(name: str, what: str, limit: int) -> str:
         raise UsageError(f"{what} {_shown(name)} is not UTF-8 text (byte {e.start})") from None
 
 
-def _load(args):
-    """The model of --model on --device: tilekit's on the GPU, or the family's NumPy reference on the CPU."""
+def _load(args, comm=None):
+    """The model of --model on --device: tilekit's on the GPU (`comm`: this tensor-parallel rank's shard), or the
+    family's NumPy reference on the CPU."""
     from tilekit.models import families
     if args.device == "cuda":
         from tilekit.device import gpu_unavailable_reason
         reason = gpu_unavailable_reason()
         if reason:   # before loading any weights
             raise UsageError(f"{args.command} needs a GPU: {reason} (--device cpu runs the NumPy reference, slowly)")
-        return families.load_model(args.model, dtype=args.dtype, quantize=args.quantize)
+        return families.load_model(args.model, dtype=args.dtype, quantize=args.quantize, comm=comm)
     if args.quantize:
         raise UsageError("--quantize needs --device cuda (the NumPy reference computes in float)")
     return families.load_reference(args.model)
 
 
+def _tensor_parallel(args):
+    """(this process's place among tensor-parallel ranks or None, whether to start the ranks here): --tp N alone
+    starts N ranks; under torchrun's variables this process is one rank, and --tp, if given, must agree. Either
+    needs --device cuda and a GPU (--tp N: N of them), checked before any rank starts."""
+    from tilekit import env
+    from tilekit.device import gpu_unavailable_reason
+    dist = env.distributed()
+    if dist is not None and args.tp is not None and args.tp != dist.world_size:
+        raise UsageError(f"--tp {args.tp} but WORLD_SIZE={dist.world_size}: a rank runs with as many ranks as "
+                         "the launcher started")
+    start = dist is None and args.tp is not None and args.tp > 1
+    if not start and (dist is None or dist.world_size == 1):
+        return None, False
+    if args.device != "cuda":
+        raise UsageError("tensor parallelism (--tp or WORLD_SIZE) needs --device cuda")
+    reason = gpu_unavailable_reason()
+    if reason:
+        raise UsageError(f"tensor parallelism needs GPUs: {reason}")
+    if start:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+        if count < args.tp:
+            raise UsageError(f"--tp {args.tp} needs {args.tp} GPUs, this host shows {count}")
+    return dist, start
+
+
 def cmd_generate(args) -> int:
     options = _generation_options(args)
     prompts = _prompts(args)
-    model = _load(args)
+    dist, start_ranks = _tensor_parallel(args)
+    if start_ranks:
+        from tilekit import parallel
+        return parallel.launch(args.tp, args.argv)
+    if dist is None:
+        return _generate(args, _load(args), prompts, options, print)
+    from tilekit import parallel
+    comm = parallel.NcclCommunicator(dist)
+    try:
+        shown = print if dist.rank == 0 else (lambda *a, **k: None)    # rank 0 prints; every rank computes
+        status = _generate(args, _load(args, comm), prompts, options, shown)
+    except BaseException:
+        comm.close(failed=True)
+        raise
+    comm.close()
+    return status
+
+
+def _generate(args, model, prompts: list[str], options: dict, show) -> int:
     if len(prompts) == 1:
         if not args.chat:
-            print(prompts[0], end="", flush=True)
+            show(prompts[0], end="", flush=True)
         model.generate_text(prompts[0], args.max_new_tokens, chat=args.chat,
-                            stream_to=lambda s: print(s, end="", flush=True), **options)
-        print()
+                            stream_to=lambda s: show(s, end="", flush=True), **options)
+        show()
         return 0
     for text in model.generate_text(prompts, args.max_new_tokens, chat=args.chat, **options):
-        print(json.dumps(text, ensure_ascii=False))
+        show(json.dumps(text, ensure_ascii=False))
     return 0
 
 
 def cmd_chat(args) -> int:
     """An interactive conversation: each line read is a user turn; the reply streams; an empty line or EOF ends."""
     options = _generation_options(args)
+    from tilekit import env
+    dist = env.distributed()
+    if dist is not None and dist.world_size > 1:
+        raise UsageError(f"chat does not run tensor-parallel (WORLD_SIZE={dist.world_size}); use generate --chat")
     model = _load(args)
     model.chat_template()       # a checkpoint without one is refused before the first turn
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -676,6 +727,9 @@ def _model_args(p, default_model=None):
                    help="tokens generate() adds after each prompt in the workload (default 128)")
     p.add_argument("--quantize", choices=("int8", "fp8"),
                    help="the workload of the model with its linears quantized (Llama and DeepSeek-V2 families)")
+    p.add_argument("--tp", type=_positive, default=1,
+                   help="the workload of each rank of the model split over this many GPUs (tensor parallelism; "
+                        "Llama and GPT-2 families)")
 
 
 def _generation_args(p) -> None:
@@ -794,6 +848,11 @@ def build_parser() -> argparse.ArgumentParser:
                                             "printed as a JSON string on its own line")
     gen.add_argument("--chat", action="store_true",
                      help="send each prompt as a user message through the checkpoint's chat template")
+    gen.add_argument("--tp", type=_positive,
+                     help="split the model over this many GPUs of this host (tensor parallelism; Llama and GPT-2 "
+                          "families): "
+                          "starts one process per GPU; under torchrun (RANK, WORLD_SIZE, ... set) each process is "
+                          "one rank and --tp may be left out")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="talk with a checkpoint through its chat template (multi-turn, from stdin)")

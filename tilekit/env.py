@@ -1,11 +1,13 @@
 """The environment variables tilekit reads, each read here and checked: a bad value is an error naming the
 variable. TILEKIT_AUTOTUNE, TILEKIT_DEPENDENT_LAUNCH, TILEKIT_CACHE_DIR and TILEKIT_SHIPPED_DB for the kernels'
-tuning; HF_HUB_CACHE, HF_HOME and XDG_CACHE_HOME for the Hugging Face hub cache. check() reads them all, for a
-command line to refuse a bad environment before doing anything."""
+tuning; HF_HUB_CACHE, HF_HOME and XDG_CACHE_HOME for the Hugging Face hub cache; RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT (torchrun's, also set by Slurm or mpirun wrappers) for tensor parallelism. check() reads
+them all, for a command line to refuse a bad environment before doing anything."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from tilekit.untrusted import quoted
@@ -74,6 +76,55 @@ def hub_cache_dir() -> tuple[Path, str]:
     return cache / "huggingface" / "hub", "XDG_CACHE_HOME or ~/.cache"
 
 
+def integer(name: str, low: int, high: int | None = None) -> int | None:
+    """Variable `name` as an integer in [low, high] (None when unset or empty); ValueError naming it otherwise."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return None
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()) or int(text) < low or (high is not None and int(text) > high):
+        raise ValueError(f"{name}={quoted(raw)} is not an integer in [{low}, {'...' if high is None else high}]")
+    return int(text)
+
+
+DISTRIBUTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """This process's place among the ranks of one tensor-parallel model (torchrun's variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def distributed() -> Distributed | None:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, checked; None when none of them is set (one
+    process). Set partly, or inconsistently (RANK >= WORLD_SIZE, ...), is a ValueError naming the variable."""
+    if not any(os.environ.get(name, "").strip() for name in DISTRIBUTED):
+        return None
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if not os.environ.get(name, "").strip()]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} unset: a tensor-parallel rank needs RANK, WORLD_SIZE, MASTER_ADDR "
+                         "and MASTER_PORT (as torchrun sets them), or none of them for one process")
+    world = integer("WORLD_SIZE", 1, 1 << 16)
+    rank = integer("RANK", 0)
+    if rank >= world:
+        raise ValueError(f"RANK={rank} is not below WORLD_SIZE={world}")
+    local = integer("LOCAL_RANK", 0)
+    local = rank if local is None else local
+    if local > rank:
+        raise ValueError(f"LOCAL_RANK={local} is above RANK={rank}")
+    addr = os.environ["MASTER_ADDR"].strip()
+    if not all(c.isalnum() or c in ".-:[]_" for c in addr) or not addr.isascii():
+        raise ValueError(f"MASTER_ADDR={quoted(addr)} is not a host name or address")
+    return Distributed(rank, world, local, addr, integer("MASTER_PORT", 1, 65535))
+
+
 def check() -> None:
     """Read every variable above; the first bad one raises (ValueError or FileNotFoundError, naming it)."""
     autotune_mode()
@@ -81,3 +132,4 @@ def check() -> None:
     cache_dir()
     shipped_dir()
     hub_cache_dir()
+    distributed()

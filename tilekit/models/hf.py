@@ -650,7 +650,11 @@ class Target:
     larger one is fine, e.g. rows of a fused weight), a function returning one (called when the tensor is
     reached), or None for a new `dtype` array of `shape`. `transform(src, out)`, on the device, instead of
     convert(src, out): src is the file's tensor as a device array (FP8 as uint8 bits), valid only during the
-    call. `accept`: the safetensors dtypes allowed. `optional`: the file may lack it."""
+    call. `accept`: the safetensors dtypes allowed. `optional`: the file may lack it. `part`: (axis, start, stop)
+    or (axis, start, stop, groups), only that slice of the file's tensor is loaded (a tensor-parallel shard; `out`
+    has the slice's shape; with groups g the axis is g equal blocks, e.g. a fused [q, k, v], and start:stop is
+    taken from each): rows (axis 0, one group) are read alone, being contiguous in the file; another slice reads
+    the tensor and keeps the slice in the device conversion (only the slice is allocated)."""
 
     shape: tuple[int, ...]
     dtype: str = "bfloat16"
@@ -658,6 +662,58 @@ class Target:
     transform: Callable | None = None
     accept: tuple[str, ...] = FLOATS
     optional: bool = False
+    part: tuple[int, ...] | None = None
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape of what is written: `shape`, or its `part`."""
+        return tuple(self.shape) if self.part is None else part_shape(self.shape, self.part)
+
+
+def _part(part: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(axis, start, stop, groups) of a part."""
+    return (*part, 1) if len(part) == 3 else tuple(part)
+
+
+def part_problem(shape: tuple[int, ...], part: tuple[int, ...]) -> str | None:
+    """Why `part` is not a slice (axis, start, stop[, groups]) of an array of `shape`, or None."""
+    if len(part) not in (3, 4) or not all(isinstance(v, int) for v in part):
+        return "not (axis, start, stop[, groups])"
+    axis, start, stop, groups = _part(part)
+    if not 0 <= axis < len(shape) or groups < 1 or shape[axis] % groups or not \
+            0 <= start < stop <= shape[axis] // groups:
+        return f"not a slice (axis, start, stop[, groups]) of shape {tuple(shape)}"
+    return None
+
+
+def part_shape(shape: tuple[int, ...], part: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of `part` of an array of `shape`."""
+    axis, start, stop, groups = _part(part)
+    return tuple(shape[:axis]) + (groups * (stop - start),) + tuple(shape[axis + 1:])
+
+
+def take_part(array, part: tuple[int, ...]):
+    """`part` of a NumPy or CuPy array (a view for one group, else a copy)."""
+    axis, start, stop, groups = _part(part)
+    shape = array.shape
+    blocks = array.reshape(shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
+    return blocks[(slice(None),) * (axis + 1) + (slice(start, stop),)].reshape(part_shape(shape, part))
+
+
+def _narrowed(info: TensorInfo, target: Target) -> tuple[TensorInfo, Target]:
+    """A job of a sliced target as one of a whole one: rows as a shorter tensor of the file; another slice as the
+    whole tensor whose transform (or conversion) takes the slice."""
+    if target.part is None:
+        return info, target
+    axis, start, stop, groups = _part(target.part)
+    if axis == 0 and groups == 1:
+        row = info.nbytes // info.shape[0] if info.shape[0] else 0
+        shape = (stop - start,) + info.shape[1:]
+        return (TensorInfo(info.name, info.dtype, shape, info.file, info.start + start * row, info.start + stop * row),
+                dataclasses.replace(target, shape=shape, part=None))
+    inner, part = target.transform or convert, target.part
+    return info, dataclasses.replace(target, shape=target.out_shape, part=None,
+                                     transform=lambda src, out: inner(take_part(src, part), out))
 
 
 def convert(src, out) -> None:
@@ -696,11 +752,14 @@ def _check_target(name: str, t: Target, out=None) -> None:
         raise ValueError(f"plan for {quoted(name)}: dtype must be one of {TARGET_DTYPES}, got {t.dtype!r}")
     if t.transform is None and any(d.startswith("F8") for d in t.accept):
         raise ValueError(f"plan for {quoted(name)}: accepting FP8 needs a transform (FP8 arrives as uint8 bits)")
+    problem = t.part is not None and part_problem(tuple(t.shape), tuple(t.part))
+    if problem:
+        raise ValueError(f"plan for {quoted(name)}: part {t.part} is {problem}")
     out = t.out if out is None else out
     if out is not None and not callable(out) and t.transform is None and (
-            tuple(out.shape) != tuple(t.shape) or str(out.dtype) != t.dtype):
+            tuple(out.shape) != t.out_shape or str(out.dtype) != t.dtype):
         raise ValueError(f"plan for {quoted(name)}: out is {out.dtype} {tuple(out.shape)}, expected {t.dtype} "
-                         f"{tuple(t.shape)}")
+                         f"{t.out_shape}")
 
 
 def load_tensors(files: TensorFiles, plan: Mapping[str, Target], *, device=None, ignore: tuple[str, ...] = (),
@@ -726,7 +785,7 @@ def load_tensors(files: TensorFiles, plan: Mapping[str, Target], *, device=None,
     if buffers < 1 or buffer_bytes < 1:
         raise ValueError(f"buffers and buffer_bytes must be positive, got {buffers} and {buffer_bytes}")
     order = {id(f): i for i, f in enumerate(files.files)}
-    jobs = sorted(((files.tensors[n], plan[n]) for n in plan if n in files.tensors),
+    jobs = sorted((_narrowed(files.tensors[n], plan[n]) for n in plan if n in files.tensors),
                   key=lambda job: (order[id(job[0].file)], job[0].start))
     label = f"loading {shown(files.source.parent, 200)}"
     return _Stream(jobs, device, buffers, buffer_bytes, Progress(label, progress)).run()
@@ -750,7 +809,8 @@ class Piece:
 def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], *, dtype: str, outs=None,
                  prefix: str = "", tied: str | None = None, ignore: tuple[str, ...] = (), device=None,
                  expected: str = "the model", stored: Callable | None = None,
-                 rewrite: Callable[[dict, Mapping | None, Mapping[str, str]], dict] | None = None) -> dict:
+                 rewrite: Callable[[dict, Mapping | None, Mapping[str, str]], dict] | None = None,
+                 parts: Mapping[str, tuple[int, int, int]] | None = None) -> dict:
     """A model's weights from a checkpoint, under the names of `shapes`: load_tensors with a family's rules.
 
     The file names every tensor with `prefix` before it or none without (GPT2LMHeadModel's names or GPT2Model's).
@@ -762,7 +822,11 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
     (ours is then made whole from its pieces). `rewrite(plan, outs, dtypes)`: the plan (file names; a piece's
     target keeps its transform) as some tensors are really stored or converted (e.g. quantized weights and their
     scales, tilekit.models.quantization), given the file's safetensors dtypes by name; called before and after
-    `outs` exist (None before). Returns our name -> array."""
+    `outs` exist (None before). `parts`: our name -> (axis, start, stop), the slice of the file's tensor to load
+    (Target.part: a tensor-parallel rank's shard; its array has the slice's shape). Returns our name -> array."""
+    parts = parts or {}
+    if parts and (stored or rewrite):
+        raise ValueError("parts (sharded loading) do not combine with stored pieces or a rewrite")
     with checkpoint.tensor_files() as files:
         p = prefix if prefix and any(name.startswith(prefix) for name in files.tensors) else ""
         pieces = stored(set(files.tensors)) if stored else {}
@@ -771,7 +835,8 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
         dtypes = {name: info.dtype for name, info in files.tensors.items()}
 
         def plan_for(outs) -> dict:
-            plan = {p + name: Target(shape, dtype, None if outs is None else outs[name])
+            plan = {p + name: Target(shape, dtype, None if outs is None else outs[name],
+                                   part=parts.get(name))
                     for name, shape in whole.items()}
             plan.update({name: Target(q.shape, dtype) if outs is None else
                          Target(q.shape, dtype, outs[q.ours][q.index], q.transform) for name, q in pieces.items()})
@@ -851,13 +916,13 @@ class CheckpointLayout:
         return find_checkpoint(path_or_name, self.hub_orgs)
 
     def load(self, checkpoint: Checkpoint, config, *, dtype: str, outs=None, device=None, rewrite=None,
-             ignore: tuple[str, ...] = ()) -> dict:
+             ignore: tuple[str, ...] = (), parts: Mapping | None = None) -> dict:
         """The checkpoint's weights as arrays of `dtype` under our names (load_weights: `outs`, `device`,
-        `rewrite`); a tied model's lm_head.weight, if the file has one, checked and dropped. BF16, FP16 and FP32
-        tensors load, from one file or from shards; names ending in one of `ignore` are read past."""
+        `rewrite`, `parts`); a tied model's lm_head.weight, if the file has one, checked and dropped. BF16, FP16
+        and FP32 tensors load, from one file or from shards; names ending in one of `ignore` are read past."""
         return load_weights(checkpoint, self.shapes(config), dtype=dtype, outs=outs, device=device,
                             prefix=self.prefix, tied=self.embedding if config.tie_word_embeddings else None,
-                            ignore=self.buffers + ignore, expected=str(config), rewrite=rewrite,
+                            ignore=self.buffers + ignore, expected=str(config), rewrite=rewrite, parts=parts,
                             stored=self.stored and (lambda names: self.stored(config, names)))
 
     def load_state_dict(self, path_or_name, dtype=np.float32) -> tuple:

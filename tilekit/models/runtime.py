@@ -27,7 +27,7 @@ from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candid
 from tilekit.kernels.quant_linear import QBLOCK, WEIGHT_DTYPES, dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
 from tilekit.models import quantization
-from tilekit.models.hf import Checkpoint, convert, write_checkpoint
+from tilekit.models.hf import Checkpoint, convert, part_shape, take_part, write_checkpoint
 
 PAD = 64          # prompts pad to, and KV caches grow in, multiples of this many positions
 LOGIT_ROW_ALIGN = 64   # forward()'s logits rows are padded to multiples of this many entries
@@ -347,6 +347,9 @@ class CausalLM(TextGeneration):
     quant: quantization.Scheme | None = None     # quantized linears: how (a subclass that supports it sets it)
     quantized: tuple[str, ...] = ()              # their weights' names (codes; fp32 scales under scale_key(name))
     widest_input: int = 0                        # the widest input (K) of the quantized linears
+    parts: dict = {}           # tensor-parallel: name -> (axis, start, stop), the slice of it this rank holds
+    comm = None                # tensor-parallel: this rank's tilekit.parallel.Communicator (None: one process)
+    vocab: tuple[int, int] = (0, 0)   # tensor-parallel: the vocabulary rows [start, stop) of this rank's LM head
     max_prefill_graphs = 4
     max_generations = 2
 
@@ -397,12 +400,15 @@ class CausalLM(TextGeneration):
                                                        self.weights.QUANTIZED)
 
     def _allocate_params(self, groups: Sequence[Sequence[str]], halves: Sequence[Sequence[str]] = ()) -> tuple:
-        """self.params: every weight of the family's state_dict_shapes, uninitialised, under its name, in the
+        """self.params: every weight of the family's state_dict_shapes (this rank's slice of those in self.parts),
+        uninitialised, under its name, in the
         model's dtype or, for self.quantized, as 8-bit codes with fp32 scales under quantization.scale_key names.
         Each of `groups` (names of weights of one input width, all quantized or none; one GEMM) and of `halves`
         (a quantized SwiGLU's [gate; up], each half with its own block grid) becomes row views of one fused
         matrix, and so do their scales; returns each group's and each halves' (matrix, scales or None)."""
-        shapes, new, quant = self.weights.state_dict_shapes(self.config), Arrays(self.meta).empty, self.quant
+        shapes = {name: part_shape(shape, self.parts[name]) if name in self.parts else shape
+                  for name, shape in self.weights.state_dict_shapes(self.config).items()}
+        new, quant = Arrays(self.meta).empty, self.quant
         fused, views = [], {}
         for names, own_grids in [(g, False) for g in groups] + [(h, True) for h in halves]:
             rows, K = [shapes[n][0] for n in names], shapes[names[0]][1]
@@ -482,7 +488,9 @@ class CausalLM(TextGeneration):
             if name in scales:
                 continue
             if state is not None:
-                src = cupy.asarray(np.ascontiguousarray(state[name]))
+                part = self.parts.get(name)
+                host = state[name] if part is None else take_part(np.asarray(state[name]), part)
+                src = cupy.asarray(np.ascontiguousarray(host))
             else:
                 mean, std = self.weights.weight_stats(self.config, name)
                 src = rng.standard_normal(out.shape, dtype=cupy.float32) * std + mean
@@ -501,7 +509,8 @@ class CausalLM(TextGeneration):
         into them in `dtype`, never the whole checkpoint on the host. An FP8 / INT8 checkpoint
         (tilekit.models.quantization) loads quantized; quantize="int8" | "fp8" quantizes a float one per channel
         as it streams in; linears the family keeps in its dtype (weights.DEQUANTIZED) are dequantized as they
-        load. kwargs go to the constructor."""
+        load. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this rank's
+        slices of the tensors are read (the family's weights.shard_parts)."""
         checkpoint = cls.weights.resolve(path_or_name)
         config = cls.config_class.from_fields(checkpoint.config())
         dequantized = getattr(cls.weights, "DEQUANTIZED", ())
@@ -512,14 +521,24 @@ class CausalLM(TextGeneration):
         if scheme is not None:
             kwargs["quantize"] = scheme
         linears = () if scheme is None else quantization.linear_names(cls.weights.state_dict_shapes(config), modules)
+        comm = kwargs.get("comm")
+        parts = None
+        if comm is not None and comm.world_size > 1:
+            if not hasattr(cls.weights, "shard_parts"):
+                raise ValueError(f"{cls.__name__} models have no tensor parallelism")
+            if scheme is not None:
+                raise ValueError(f"tensor parallelism does not take quantized linears yet ({scheme.source})")
+            parts = cls.weights.shard_parts(config, comm.rank, comm.world_size)
         made = []
 
         def allocate() -> dict:
             made.append(cls(config, dtype=dtype, empty=True, **kwargs))
             return made[0].params
+        options = {} if parts is None else {"parts": parts}
         cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate, ignore=scheme.ignored if scheme else (),
                          rewrite=scheme and (lambda plan, outs, dtypes: quantization.rewrite_plan(
-                             plan, linears, scheme, outs, dtypes, dequantized)))
+                             plan, linears, scheme, outs, dtypes, dequantized)),
+                         **options)
         made[0].checkpoint = checkpoint
         return made[0]
 
@@ -582,8 +601,11 @@ class CausalLM(TextGeneration):
     def logits(self, h, arrays: Arrays):
         """The LM head of the rows h into a fresh (rows, vocab_size) array: a view of a buffer whose rows
         are padded to a multiple of LOGIT_ROW_ALIGN entries (scratch), so that an odd vocabulary's rows
-        (GPT-2's 50257) start aligned and store faster (the LM head 1.08-1.10x, H200)."""
+        (GPT-2's 50257) start aligned and store faster (the LM head 1.08-1.10x, H200). Tensor-parallel: an
+        unpadded array (the all-reduce sums whole buffers)."""
         vocab = self.config.vocab_size
+        if self.comm:
+            return self.lm_head(h, out=arrays.empty((h.shape[0], vocab), self.dtype))
         padded = arrays.empty((h.shape[0], -(-vocab // LOGIT_ROW_ALIGN) * LOGIT_ROW_ALIGN), self.dtype)
         return self.lm_head(h, out=padded[:, :vocab])
 
@@ -673,7 +695,7 @@ class CausalLM(TextGeneration):
             return [np.asarray(p, np.int64) for p in prompts]
         capacity, T = capacity_for(self, int(lengths.max()), new)
         picker = Picker.for_rows(rows, eos)
-        seeds = np.random.SeedSequence(settings.seed).generate_state(B)
+        seeds = np.random.SeedSequence(self.shared_seed(settings.seed)).generate_state(B)
         fparams, iparams = pack_params(param_arrays(rows), lengths + settings.min_new_tokens - 1, seeds)
         padded = np.zeros((B, T), np.int32)
         for b, p in enumerate(prompts):
@@ -713,6 +735,33 @@ class CausalLM(TextGeneration):
                     break
                 stops.update(history[np.arange(B), lengths + i])
         return [history[b, :lengths[b] + stops.lengths[b]].astype(np.int64) for b in range(B)]
+
+    # -- tensor parallelism ---------------------------------------------------------------------
+    def vocab_parallel(self, h, out, project):
+        """A vocabulary-sharded LM head: project(h, columns) writes this rank's logits into its columns of out
+        (C-contiguous (rows, vocab_size); None: a new array), the other columns are zeroed, and one all-reduce fills
+        them in. x + 0 is exact, so every rank then holds the same logits and its next-token kernel picks the same
+        token, sampling included, with no broadcast; an all-gather would move half the bytes but land the slices
+        rank-major, not as the (rows, V) the pick reads. On the current stream: a captured step holds it."""
+        v0, v1 = self.vocab
+        if out is None:
+            out = Arrays(self.meta).empty((h.shape[0], self.config.vocab_size), self.dtype)
+        if not self.meta:           # zero bits are +0 in every float dtype: an integer fill, for any dtype
+            bits = out.view(f"u{out.dtype.itemsize}")
+            bits[:, :v0] = 0
+            bits[:, v1:] = 0
+        project(h, out[:, v0:v1])
+        return self.comm.all_reduce(out)
+
+    def shared_seed(self, seed: int | None) -> int | None:
+        """The seed generate() samples with; tensor-parallel and unseeded, rank 0 draws one and the others
+        receive it (through an all-reduce), so that every rank samples the same tokens."""
+        if seed is not None or not self.comm:
+            return seed
+        import cupy
+        value = int(np.random.SeedSequence().entropy) % (1 << 62) if self.comm.rank == 0 else 0
+        agreed = self.comm.all_reduce(cupy.asarray(np.array([value], np.int64)))
+        return int(cupy.asnumpy(agreed)[0])
 
     # -- the workload ---------------------------------------------------------------------------
     def kernel_problems(self, batch: int, seq_len: int, new_tokens: int | None = None) -> list[tuple]:

@@ -8,20 +8,25 @@ from __future__ import annotations
 
 import inspect
 
+from tilekit import parallel
 from tilekit.models.families import family_of_config
 
 NEW_TOKENS = 128       # generate()'s continuation length in the tuning workload
 
 
-def meta_model(config, dtype: str, quantize: str | None = None):
+def meta_model(config, dtype: str, quantize: str | None = None, rank: int = 0, tp: int = 1):
     """A model of `config` (a config of any family) with shapes and no memory; `quantize`: its linears in
-    "int8" or "fp8" (families that support it)."""
+    "int8" or "fp8" (families that support it); tp > 1: tensor-parallel rank `rank` of tp (its shard's shapes)."""
     cls = family_of_config(config).model_class
-    if quantize is None:
-        return cls(config, dtype=dtype, meta=True)
-    if "quantize" not in inspect.signature(cls).parameters:
-        raise ValueError(f"{cls.__name__} models have no quantized linears")
-    return cls(config, dtype=dtype, meta=True, quantize=quantize)
+    options = {}
+    for name, value, what in (("quantize", quantize, "quantized linears"), ("comm", tp > 1, "tensor parallelism")):
+        if value and name not in inspect.signature(cls).parameters:
+            raise ValueError(f"{cls.__name__} models have no {what}")
+    if quantize is not None:
+        options["quantize"] = quantize
+    if tp > 1:
+        options["comm"] = parallel.ShapeOnly(rank, tp)
+    return cls(config, dtype=dtype, meta=True, **options)
 
 
 def forward_problems(config, dtype: str, batch: int, seq: int) -> list[tuple]:
@@ -35,19 +40,23 @@ def generate_problems(config, dtype: str, batch: int, prompt_len: int, new_token
 
 
 def model_problems(config, dtype: str = "bfloat16", batch_sizes=(1, 8), seq_lens=(128, 1024),
-                   new_tokens: int = NEW_TOKENS, quantize: str | None = None) -> list[tuple]:
+                   new_tokens: int = NEW_TOKENS, quantize: str | None = None, tp: int = 1) -> list[tuple]:
     """Distinct (op, problem) keys of forward() on B x T ids and of generate() adding new_tokens to
     B prompts of T tokens (shortened to fit the context), for every B and T (with `quantize`: of the model
-    with quantized linears)."""
-    model = meta_model(config, dtype, quantize)
+    with quantized linears; tp > 1: of every rank of the model split over tp GPUs, each running its shard's
+    shapes; no communication is needed to tune them)."""
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    models = [meta_model(config, dtype, quantize, rank, tp) for rank in range(tp)]
     P = config.block_size
     found: dict[tuple, tuple] = {}
-    for B in batch_sizes:
-        for T in seq_lens:
-            T = min(T, P)
-            calls = model.kernel_problems(B, T)
-            new = min(new_tokens, P - 1)
-            calls += model.kernel_problems(B, max(1, min(T, P - new)), new)
-            for op, problem in calls:
-                found.setdefault((op.name, op.problem_key(problem)[1]), (op, problem))
+    for model in models:
+        for B in batch_sizes:
+            for T in seq_lens:
+                T = min(T, P)
+                calls = model.kernel_problems(B, T)
+                new = min(new_tokens, P - 1)
+                calls += model.kernel_problems(B, max(1, min(T, P - new)), new)
+                for op, problem in calls:
+                    found.setdefault((op.name, op.problem_key(problem)[1]), (op, problem))
     return list(found.values())

@@ -9,6 +9,12 @@ With few rows (a decode step) the residual stream is fixed point (kernels/tiles.
 attention and MLP output projections add into it in place, their K split over many programs. With
 many rows it is an array of the model's dtype and each of them writes the sum into the other of two
 buffers.
+
+Tensor-parallel (`comm=`; weights.shard_parts): a rank runs its share of the heads and of the MLP's columns; each
+output projection's partial product is summed by one all-reduce (two per layer), the bias and the residual counted
+once: in fixed point the other ranks zero their copy of the stream before adding their partial into it (the
+integer sum is exact, in any order), in the model's dtype only rank 0 adds the residual and the bias. The LM head
+is a row view of wte per rank (CausalLM.vocab_parallel).
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tilekit import parallel
 from tilekit.kernels import embedding, layer_norm, linear, residual_linear
 from tilekit.kernels.tiles import FIXED_DTYPE
+from tilekit.models import hf
 from tilekit.models.gpt2 import weights
 from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models.runtime import Arrays, CausalLM
@@ -55,14 +63,18 @@ class Activations:
     heads are the (B, H, T, D) views attention reads and writes. x is the residual stream: fixed point
     for up to `fixed_rows` rows, else the model's dtype with `other` as the second buffer."""
 
-    def __init__(self, config: GPTConfig, batch: int, tokens: int, dtype: str, arrays: Arrays, fixed_rows: int):
-        M, C, H, D = batch * tokens, config.n_embd, config.n_head, config.head_dim
+    def __init__(self, config: GPTConfig, batch: int, tokens: int, dtype: str, arrays: Arrays, fixed_rows: int,
+                 ranks: int = 1):
+        """ranks: the tensor-parallel size (this rank's heads and MLP columns are 1 / ranks of the config's)."""
+        M, C, D = batch * tokens, config.n_embd, config.head_dim
+        H = config.n_head // ranks
         self.fixed = M <= fixed_rows
         self.x = arrays.empty((M, C), FIXED_DTYPE if self.fixed else dtype)
         self.other = None if self.fixed else arrays.empty((M, C), dtype)
-        self.h, self.y = (arrays.empty((M, C), dtype) for _ in range(2))
-        self.qkv = arrays.empty((M, 3 * C), dtype)
-        self.f = arrays.empty((M, 4 * C), dtype)
+        self.h = arrays.empty((M, C), dtype)
+        self.y = arrays.empty((M, H * D), dtype)
+        self.qkv = arrays.empty((M, 3 * H * D), dtype)
+        self.f = arrays.empty((M, 4 * C // ranks), dtype)
         self.q, self.k, self.v = (self.qkv.reshape(batch, tokens, 3, H, D)[:, :, j].transpose(0, 2, 1, 3)
                                   for j in range(3))
         self.heads = self.y.reshape(batch, tokens, H, D).transpose(0, 2, 1, 3)
@@ -77,10 +89,11 @@ class GPT(CausalLM):
 
     def __init__(self, config: GPTConfig, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, empty: bool = False, allow_tf32: bool = False,
-                 meta: bool = False):
+                 meta: bool = False, comm: parallel.Communicator | None = None):
         """Random GPT-2 initialisation drawn on the GPU from `seed`, or the given state dict (Hugging Face names,
         any float dtype), or uninitialised weights (empty=True: from_pretrained streams them in).
-        meta=True: MetaArray weights (no GPU, no memory), for tracing the kernels the model runs."""
+        meta=True: MetaArray weights (no GPU, no memory), for tracing the kernels the model runs. comm: this rank's
+        Communicator of a tensor-parallel group (weights from `state` or a checkpoint, sliced to its shard)."""
         if not isinstance(config, GPTConfig):
             raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         if dtype not in DTYPES:
@@ -88,25 +101,36 @@ class GPT(CausalLM):
         if allow_tf32 and dtype != "float32":
             raise ValueError("allow_tf32 applies to dtype='float32' only")
         self.config, self.dtype, self.allow_tf32, self.meta = config, dtype, allow_tf32, meta
+        world = 1 if comm is None else comm.world_size
+        self.comm = comm if world > 1 else None
+        self.parts = weights.shard_parts(config, comm.rank, world) if self.comm else {}
+        if self.comm and not (state is not None or empty or meta):
+            raise ValueError("a tensor-parallel model's weights come from state= or a checkpoint (from_pretrained), "
+                             "not from a seed: each rank holds a slice of the same weights")
+        self.ranks = world
+        self.vocab = parallel.vocab_span(config.vocab_size, 0 if comm is None else comm.rank, world)
         self._init_runtime()
         new = Arrays(meta).empty
-        self.params = w = {name: new(shape, dtype) for name, shape in weights.state_dict_shapes(config).items()}
+        self.params = w = {name: new(hf.part_shape(shape, self.parts[name]) if name in self.parts else shape, dtype)
+                           for name, shape in weights.state_dict_shapes(config).items()}
         self._init_weights(state, seed, empty)
         self.wte, self.wpe = w["wte.weight"], w["wpe.weight"]
+        self.head = self.wte[self.vocab[0]:self.vocab[1]] if self.comm else self.wte
         self.ln_f_w, self.ln_f_b = w["ln_f.weight"], w["ln_f.bias"]
         self.blocks = [Block(*(w[f"h.{i}.{n}"] for n in BLOCK_PARAMS)) for i in range(config.n_layer)]
 
     # -- the math ---------------------------------------------------------------------------------
     def meta_twin(self) -> "GPT":
         """This model with MetaArray weights: what a dry run of its kernels needs."""
-        return GPT(self.config, dtype=self.dtype, allow_tf32=self.allow_tf32, meta=True)
+        comm = self.comm and parallel.ShapeOnly(self.comm.rank, self.comm.world_size)
+        return GPT(self.config, dtype=self.dtype, allow_tf32=self.allow_tf32, meta=True, comm=comm)
 
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
-        return Activations(self.config, batch, tokens, self.dtype, arrays, self.fixed_point_rows)
+        return Activations(self.config, batch, tokens, self.dtype, arrays, self.fixed_point_rows, self.ranks)
 
     def cache_dims(self) -> tuple[int, int, int]:
         """(layers, key/value heads, head_dim) of the KV cache."""
-        return self.config.n_layer, self.config.n_head, self.config.head_dim
+        return self.config.n_layer, self.config.n_head // self.ranks, self.config.head_dim
 
     def hidden(self, acts: Activations, ids, positions, attend):
         """Token plus position embeddings through every block; returns the residual stream (B*T, C).
@@ -130,17 +154,27 @@ class GPT(CausalLM):
         layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon, rows=rows, out=out)
 
     def lm_head(self, h, out=None):
-        """Logits h @ wte^T through the LM head tied to the token embedding."""
-        return self._linear(h, self.wte, weight_layout="out_in", out=out)
+        """Logits h @ wte^T through the LM head tied to the token embedding (tensor-parallel: vocab_parallel)."""
+        if not self.comm:
+            return self._linear(h, self.wte, weight_layout="out_in", out=out)
+        return self.vocab_parallel(h, out, lambda h, o: self._linear(h, self.head, weight_layout="out_in", out=o))
 
     def _linear(self, x, w, b=None, **kw):
         return linear(x, w, b, allow_tf32=self.allow_tf32, **kw)
 
     def _add_linear(self, acts: Activations, a, w, b) -> None:
         """The residual stream acts.x += a @ w + b: in place when fixed point, else into acts.other,
-        which then becomes acts.x."""
+        which then becomes acts.x. Tensor-parallel: a is this rank's share of the input rows of w; the partial
+        sums are all-reduced, the residual and the bias counted once (see the module doc)."""
+        lead = self.comm is None or self.comm.rank == 0
         if acts.fixed:
-            residual_linear(acts.x, a, w, b)
+            if not lead and not self.meta:
+                acts.x.fill(0)
+            residual_linear(acts.x, a, w, b if lead else None)
+            if self.comm:
+                self.comm.all_reduce(acts.x)
         else:
-            self._linear(a, w, b, residual=acts.x, out=acts.other)
+            self._linear(a, w, b if lead else None, residual=acts.x if lead else None, out=acts.other)
+            if self.comm:
+                self.comm.all_reduce(acts.other)
             acts.x, acts.other = acts.other, acts.x

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from tilekit import parallel
 from tilekit.models import hf
 from tilekit.models.gpt2.config import GPTConfig
 
@@ -50,6 +51,23 @@ def block_shapes(config: GPTConfig, i: int) -> dict[str, tuple[int, ...]]:
         f"h.{i}.mlp.c_fc.weight": (C, 4 * C), f"h.{i}.mlp.c_fc.bias": (4 * C,),
         f"h.{i}.mlp.c_proj.weight": (4 * C, C), f"h.{i}.mlp.c_proj.bias": (C,),
     }
+
+
+def shard_parts(config: GPTConfig, rank: int, world: int) -> dict[str, tuple[int, ...]]:
+    """Name -> (axis, start, stop[, groups]): the slice of each tensor tensor-parallel rank `rank` of `world` holds
+    (hf.Target.part). Weights are [in, out]: c_attn (its q, k and v column blocks alike) and c_fc split by
+    columns (column-parallel), both c_proj by rows (row-parallel; their biases whole, added by rank 0). wte (also
+    the tied LM head, of which each rank uses a row view), wpe and the LayerNorms stay whole."""
+    C, D = config.n_embd, config.head_dim
+    h0, h1 = parallel.even_span(config.n_head, rank, world, "n_head")
+    i0, i1 = parallel.even_span(4 * C, rank, world, "the MLP width (4 n_embd)")
+    parts = {}
+    for i in range(config.n_layer):
+        parts.update({f"h.{i}.attn.c_attn.weight": (1, h0 * D, h1 * D, 3),
+                      f"h.{i}.attn.c_attn.bias": (0, h0 * D, h1 * D, 3),
+                      f"h.{i}.attn.c_proj.weight": (0, h0 * D, h1 * D), f"h.{i}.mlp.c_fc.weight": (1, i0, i1),
+                      f"h.{i}.mlp.c_fc.bias": (0, i0, i1), f"h.{i}.mlp.c_proj.weight": (0, i0, i1)})
+    return parts
 
 
 # The family's resolve / load / load_state_dict / save_state_dict / check_state_dict / random_state_dict

@@ -11,6 +11,13 @@ Quantized (`quantize=`, or an FP8 / INT8 checkpoint; tilekit.models.quantization
 hold 8-bit codes and fp32 scales and run on kernels.quant_linear: the gate and up projections as one [gate; up]
 matrix with the SwiGLU in the kernel's epilogue; with FP8 weights and at least runtime.W8A8_MIN_ROWS rows (prefill) the
 activations are quantized per token (per 128-column group with block scales) and multiplied in FP8.
+
+Tensor-parallel (`comm=`, a tilekit.parallel.Communicator of world size N; weights.shard_parts says what each rank
+holds): a rank runs its share of the query and key/value heads and of the MLP's columns; the output and down
+projections are row-parallel, each rank's partial product summed by one all-reduce of the residual stream (two
+per layer), the residual added on rank 0 only, in the projection's epilogue, so it is counted once. The LM head
+holds a vocabulary slice (CausalLM.vocab_parallel). Every collective is on the current stream, so the captured
+decode step, all-reduces included, stays one CUDA graph replay per rank.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tilekit import parallel
 from tilekit.autotune.arrays import MetaArray
 from tilekit.kernels import apply_rope, embedding, linear, rms_norm, swiglu_linear
 from tilekit.kernels.apply_rope import rope_tables
@@ -55,12 +63,15 @@ class Activations:
     allocates nothing and can be captured as a CUDA graph); q, k, v, the query-and-key heads `qk` and the
     attention output `heads` are (B, heads, T, D) views."""
 
-    def __init__(self, config: LlamaConfig, batch: int, tokens: int, dtype: str, arrays: Arrays, fp8=None):
-        M, C, H, Hkv, D = batch * tokens, config.n_embd, config.n_head, config.n_kv_head, config.head_dim
+    def __init__(self, config: LlamaConfig, batch: int, tokens: int, dtype: str, arrays: Arrays, fp8=None,
+                 heads: tuple[int, int, int] | None = None):
+        """heads: (query heads, key/value heads, MLP columns) of this rank (default: the config's, all of them)."""
+        H, Hkv, I = heads or (config.n_head, config.n_kv_head, config.intermediate_size)
+        M, C, D = batch * tokens, config.n_embd, config.head_dim
         self.x, self.other, self.h = (arrays.empty((M, C), dtype) for _ in range(3))
         self.qkv = arrays.empty((M, (H + 2 * Hkv) * D), dtype)
         self.y = arrays.empty((M, H * D), dtype)
-        self.f = arrays.empty((M, config.intermediate_size), dtype)
+        self.f = arrays.empty((M, I), dtype)
         heads = self.qkv.reshape(batch, tokens, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
         self.q, self.k, self.v, self.qk = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:], heads[:, :H + Hkv]
         self.heads = self.y.reshape(batch, tokens, H, D).transpose(0, 2, 1, 3)
@@ -75,12 +86,13 @@ class Llama(CausalLM):
 
     def __init__(self, config: LlamaConfig, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, empty: bool = False, meta: bool = False,
-                 quantize: str | quantization.Scheme | None = None):
+                 quantize: str | quantization.Scheme | None = None, comm: parallel.Communicator | None = None):
         """Weights from `state` (Hugging Face names, any float dtype, checked against the config), or random ones
         drawn on the GPU from `seed` (as weights.random_state_dict scales them), or uninitialised (empty=True:
         from_pretrained streams them in). meta=True: MetaArray weights (no GPU, no memory), for tracing the
         kernels the model runs. quantize: "int8" or "fp8" (the linears quantized per channel), or a checkpoint's
-        quantization.Scheme."""
+        quantization.Scheme. comm: this rank's Communicator of a tensor-parallel group (its weights then come from
+        `state` or a checkpoint, sliced to its shard; parallel.ShapeOnly with meta=True traces a rank's kernels)."""
         if not isinstance(config, LlamaConfig):
             raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
         if dtype not in DTYPES:
@@ -88,13 +100,15 @@ class Llama(CausalLM):
         self.config, self.dtype, self.meta = config, dtype, meta
         self._init_quant(quantize, empty or meta)
         self.widest_input = max(config.n_embd, config.n_head * config.head_dim, config.intermediate_size)
+        self._init_shard(comm, state is not None or empty or meta)
         self._init_runtime()
         qkv = self._allocate()
         self._init_weights(state, seed, empty)
         w = self.params
         self.embed = w[EMBEDDING]
         self.norm = w["model.norm.weight"]
-        self.head = self.embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self.head = w["lm_head.weight"] if not config.tie_word_embeddings else \
+            self.embed[self.vocab[0]:self.vocab[1]] if self.comm else self.embed
         self.blocks = []
         for i in range(config.n_layer):
             p = f"model.layers.{i}."
@@ -116,6 +130,26 @@ class Llama(CausalLM):
             inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
             self.cos, self.sin = (cupy.asarray(t) for t in rope_tables(positions, inv_freq))
 
+    def _init_shard(self, comm: parallel.Communicator | None, weights_given: bool) -> None:
+        """self.comm (None for one rank), self.parts (what this rank holds of each tensor), its head and column
+        counts and vocabulary slice."""
+        world = 1 if comm is None else comm.world_size
+        C = self.config
+        self.comm = comm if world > 1 else None
+        self.parts = weights.shard_parts(C, comm.rank, world) if self.comm else {}
+        if self.comm and self.quant:
+            raise ValueError("tensor parallelism does not take quantized linears yet (quantize, or an FP8 / INT8 "
+                             "checkpoint)")
+        if self.comm and not weights_given:
+            raise ValueError("a tensor-parallel model's weights come from state= or a checkpoint (from_pretrained), "
+                             "not from a seed: each rank holds a slice of the same weights")
+        rank = 0 if comm is None else comm.rank
+        h0, h1 = parallel.even_span(C.n_head, rank, world, "n_head")
+        g0, g1 = parallel.kv_head_span(C.n_kv_head, C.n_head, rank, world)
+        i0, i1 = parallel.even_span(C.intermediate_size, rank, world, "intermediate_size")
+        self.heads = (h1 - h0, g1 - g0, i1 - i0)
+        self.vocab = parallel.vocab_span(C.vocab_size, rank, world)
+
     def _allocate(self) -> list:
         """self.params (runtime's _allocate_params): q, k and v of a layer row views of one fused matrix, and
         quantized also gate and up; returns each layer's (qkv, its scales, [gate; up], its scales)."""
@@ -131,15 +165,16 @@ class Llama(CausalLM):
     # -- the math ---------------------------------------------------------------------------------
     def meta_twin(self) -> "Llama":
         """This model with MetaArray weights: what a dry run of its kernels needs."""
-        return Llama(self.config, dtype=self.dtype, meta=True, quantize=self.quant)
+        comm = self.comm and parallel.ShapeOnly(self.comm.rank, self.comm.world_size)
+        return Llama(self.config, dtype=self.dtype, meta=True, quantize=self.quant, comm=comm)
 
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
         return Activations(self.config, batch, tokens, self.dtype, arrays,
-                           self.fp8_activations(batch * tokens, arrays))
+                           self.fp8_activations(batch * tokens, arrays), self.heads)
 
     def cache_dims(self) -> tuple[int, int, int]:
         """(layers, key/value heads, head_dim) of the KV cache."""
-        return self.config.n_layer, self.config.n_kv_head, self.config.head_dim
+        return self.config.n_layer, self.heads[1], self.config.head_dim
 
     def hidden(self, acts: Activations, ids, positions, attend):
         """Token embeddings through every block; returns the residual stream (B*T, C) before the final norm.
@@ -148,20 +183,23 @@ class Llama(CausalLM):
         layer's attention into out (B, H, T, D) and fills the KV cache where there is one."""
         eps = self.config.rms_norm_eps
         x, other = acts.x, acts.other
+        lead = self.comm is None or self.comm.rank == 0     # the rank that adds the residual
         embedding(ids, self.embed, out=x)
         for i, blk in enumerate(self.blocks):
             rms_norm(x, blk.attn_norm, eps, out=acts.h)
             self.project(acts.fp8, acts.h, blk.qkv, blk.qkv_scale, out=acts.qkv)
             apply_rope(acts.qk, positions, self.cos, self.sin)
             attend(i, acts.q, acts.k, acts.v, acts.heads)
-            self.project(acts.fp8, acts.y, blk.o_proj, blk.o_scale, residual=x, out=other)
+            self.project(acts.fp8, acts.y, blk.o_proj, blk.o_scale, residual=x if lead else None, out=other)
+            self._sum(other)
             x, other = other, x
             rms_norm(x, blk.mlp_norm, eps, out=acts.h)
             if self.quant:
                 self.project(acts.fp8, acts.h, blk.gate_up, blk.gate_up_scale, out=acts.f, activation="swiglu")
             else:
                 swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
-            self.project(acts.fp8, acts.f, blk.down, blk.down_scale, residual=x, out=other)
+            self.project(acts.fp8, acts.f, blk.down, blk.down_scale, residual=x if lead else None, out=other)
+            self._sum(other)
             x, other = other, x
         return x                  # an even number of swaps: acts.x
 
@@ -169,6 +207,13 @@ class Llama(CausalLM):
         """The final RMSNorm of x (of the rows `rows` only, when given) into out."""
         rms_norm(x, self.norm, self.config.rms_norm_eps, rows=rows, out=out)
 
+    def _sum(self, x) -> None:
+        """A row-parallel projection's partial products summed over the ranks, in place (one rank: nothing)."""
+        if self.comm:
+            self.comm.all_reduce(x)
+
     def lm_head(self, h, out=None):
-        """Logits h @ W^T, W the LM head or, when tied, the token embedding."""
-        return linear(h, self.head, weight_layout="out_in", out=out)
+        """Logits h @ W^T, W the LM head or, when tied, the token embedding (tensor-parallel: vocab_parallel)."""
+        if not self.comm:
+            return linear(h, self.head, weight_layout="out_in", out=out)
+        return self.vocab_parallel(h, out, lambda h, o: linear(h, self.head, weight_layout="out_in", out=o))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from tilekit import parallel
 from tilekit.models import hf
 from tilekit.models.llama.config import LlamaConfig
 
@@ -48,6 +49,31 @@ def block_shapes(config: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
         p + "post_attention_layernorm.weight": (C,),
         p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C), p + "mlp.down_proj.weight": (C, I),
     }
+
+
+def shard_parts(config: LlamaConfig, rank: int, world: int) -> dict[str, tuple[int, int, int]]:
+    """Name -> (axis, start, stop): the slice of each tensor that tensor-parallel rank `rank` of `world` holds
+    (hf.Target.part). Query heads split evenly, key/value heads too or, when fewer than the ranks, each rank holds
+    the one its query heads share; q, k, v, gate and up split by rows (column-parallel), o_proj and down_proj by
+    columns (row-parallel); an untied LM head by vocabulary rows. The embedding and the norms stay whole: a lookup
+    reads B rows of the table, so a whole one costs memory (1 GiB at Llama-3.1-8B, 2 GiB at 70B, bf16) but no
+    collective, and a tied LM head is then a row view of it."""
+    H, Hkv, D, I = config.n_head, config.n_kv_head, config.head_dim, config.intermediate_size
+    h0, h1 = parallel.even_span(H, rank, world, "n_head")
+    g0, g1 = parallel.kv_head_span(Hkv, H, rank, world)
+    i0, i1 = parallel.even_span(I, rank, world, "intermediate_size")
+    parts = {}
+    for i in range(config.n_layer):
+        p = f"model.layers.{i}."
+        parts.update({p + "self_attn.q_proj.weight": (0, h0 * D, h1 * D),
+                      p + "self_attn.k_proj.weight": (0, g0 * D, g1 * D),
+                      p + "self_attn.v_proj.weight": (0, g0 * D, g1 * D),
+                      p + "self_attn.o_proj.weight": (1, h0 * D, h1 * D),
+                      p + "mlp.gate_proj.weight": (0, i0, i1), p + "mlp.up_proj.weight": (0, i0, i1),
+                      p + "mlp.down_proj.weight": (1, i0, i1)})
+    if not config.tie_word_embeddings:
+        parts[hf.LM_HEAD] = (0, *parallel.vocab_span(config.vocab_size, rank, world))
+    return parts
 
 
 # The family's resolve / load / load_state_dict / save_state_dict / check_state_dict / random_state_dict

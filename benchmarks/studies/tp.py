@@ -1,0 +1,223 @@
+"""Tensor parallelism on one multi-GPU host: a Llama-3.1-8B-shape model (random bf16 weights, written once as a
+Hugging Face checkpoint under /tmp) at TP=1 and TP=N in the same run, each TP a fresh set of rank processes
+(tilekit.parallel.launch) reading the same checkpoint.
+
+    source .gpu/setup.sh && python -m benchmarks.studies.tp --out $OUT [--tp 2] [--layers 32]
+
+Rows: decode B1 and B8 (the replayed decode graph, all-reduces included, after a 128-token prompt: ms/token),
+prefill B8 T1024 (generate()'s replayed prompt-prefill graph: every block over 8 x 1024 tokens and the last
+tokens' logits), and, at TP=N, one all-reduce of the decode step's residual stream (B x 4096 bf16; two per layer)
+timed as 64 of them captured in a graph, plus the bus bandwidth of a 256 MiB all-reduce against the NVLink's
+(H100 SXM: 450 GB/s per direction). The greedy tokens of TP=N are compared with TP=1's (bf16: the all-reduced sums
+round differently, so a near tie may flip late tokens). Prints a table (TP=N rows labelled "tp=N ...") and writes
+tp.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESET = "llama-3.1-8b"
+CHECKPOINT = Path(tempfile.gettempdir()) / "tilekit-tp-llama-3.1-8b"
+PROMPT, NEW = 128, 128
+NVLINK_GBS = {"H100": 450.0, "H200": 450.0}     # NVLink 4, per direction per GPU (SXM)
+
+
+def model_config(layers: int):
+    from tilekit.models.families import preset_config
+    config = preset_config(PRESET)
+    return config if layers == config.n_layer else config.replace(n_layer=layers)
+
+
+def write_checkpoint(path: Path, config, log=print) -> None:
+    """Random weights of `config` (drawn on the GPU, seed 0) saved as a bf16 checkpoint, unless already there."""
+    from tilekit.models.families import family_of_config
+    if (path / "config.json").exists() and json.loads((path / "config.json").read_text()).get(
+            "num_hidden_layers") == config.n_layer:
+        log(f"checkpoint {path} (kept from an earlier run)")
+        return
+    start = time.perf_counter()
+    model = family_of_config(config).model_class(config, dtype="bfloat16", seed=0)
+    model.save_pretrained(path)
+    del model
+    import cupy
+    cupy.get_default_memory_pool().free_all_blocks()     # the ranks start on these GPUs next
+    log(f"checkpoint {path} written in {time.perf_counter() - start:.0f} s")
+
+
+# -- one rank ---------------------------------------------------------------------------------------------
+
+def replay_ms(graph, stream, reps: int) -> float:
+    import cupy
+    graph.launch(stream)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    for _ in range(reps):
+        graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) / reps
+
+
+def all_reduce_rows(comm, batches=(1, 8), width: int = 4096, count: int = 64) -> list[dict]:
+    """One decode all-reduce (B x width bf16) timed as `count` of them in a captured graph; and the bus bandwidth
+    of a 256 MiB one (NCCL's busbw: 2 (n - 1) / n x bytes / time)."""
+    import cupy
+
+    from tilekit.autotune.arrays import numpy_dtype
+    rows = []
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for B in batches:
+        x = cupy.zeros((B, width), numpy_dtype("bfloat16"))      # the values do not change the time
+        with stream:
+            comm.all_reduce(x)
+            stream.begin_capture()
+            for _ in range(count):
+                comm.all_reduce(x)
+            graph = stream.end_capture()
+        ms = min(replay_ms(graph, stream, 10) for _ in range(3)) / count
+        rows.append(dict(kind="all_reduce", batch=B, bytes=x.nbytes, us=ms * 1e3))
+    big = cupy.zeros((128 << 20,), cupy.float16)
+    with stream:
+        comm.all_reduce(big)
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(5):
+            comm.all_reduce(big)
+        end.record(stream)
+        end.synchronize()
+    ms = cupy.cuda.get_elapsed_time(start, end) / 5
+    n = comm.world_size
+    rows.append(dict(kind="all_reduce", batch=None, bytes=big.nbytes, us=ms * 1e3,
+                     busbw_gbs=2 * (n - 1) / n * big.nbytes / (ms * 1e-3) / 1e9))
+    return rows
+
+
+def rank_main(args) -> int:
+    """A rank: load the checkpoint's shard, time decode, prefill and the all-reduces; rank 0 writes the JSON."""
+    import cupy
+    import numpy as np
+
+    from tilekit import env, parallel
+    from tilekit.models.families import load_model
+    dist = env.distributed()
+    comm = parallel.NcclCommunicator(dist) if dist.world_size > 1 else None
+    cupy.cuda.Device(dist.local_rank).use()
+    start = time.perf_counter()
+    model = load_model(CHECKPOINT, dtype="bfloat16", comm=comm)
+    cupy.cuda.runtime.deviceSynchronize()
+    rows = [dict(kind="load", seconds=time.perf_counter() - start)]
+    rng = np.random.default_rng(0)
+    V = model.config.vocab_size
+    tokens = None
+    for B in (1, 8):
+        model.forget_graphs()
+        prompt = rng.integers(0, V, (B, PROMPT))
+        out = model.generate(prompt, NEW, temperature=0, eos_token_id=[])
+        tokens = tokens if tokens is not None else np.stack(out)[:, PROMPT:].tolist()
+        (gen,) = model._generations.values()
+        times = [replay_ms(gen.decode_graph, gen.stream, 50) for _ in range(3)]
+        rows.append(dict(kind="decode", batch=B, ms=float(np.median(times)), rounds=times))
+    model.forget_graphs()
+    ids = rng.integers(0, V, (8, 1024))
+    for _ in range(2):       # a prompt length seen twice: its prefill is captured
+        model.generate(ids, 2, temperature=0, eos_token_id=[])
+    (gen,) = model._generations.values()
+    buf = gen.prompts[1024]
+    times = [replay_ms(buf.graph, gen.stream, 3) for _ in range(3)]
+    rows.append(dict(kind="prefill", batch=8, tokens=1024, ms=float(np.median(times)), rounds=times))
+    model.forget_graphs()
+    if comm is not None:
+        rows += all_reduce_rows(comm)
+    if dist.rank == 0:
+        Path(args.result).write_text(json.dumps(dict(tp=dist.world_size, rows=rows, tokens=tokens)))
+    if comm is not None:
+        comm.close()
+    return 0
+
+
+# -- the study --------------------------------------------------------------------------------------------
+
+def run(tp: int, layers: int, out: Path | None, log=print) -> dict:
+    import cupy
+
+    from tilekit import parallel
+    from tilekit.device import device_info
+    gpus = cupy.cuda.runtime.getDeviceCount()
+    if gpus < tp:
+        raise SystemExit(f"tp.py: --tp {tp} needs {tp} GPUs, this host shows {gpus}")
+    config = model_config(layers)
+    write_checkpoint(CHECKPOINT, config, log)
+    name = device_info().name
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (1, tp):
+            result = Path(tmp) / f"tp{world}.json"
+            start = time.perf_counter()
+            status = parallel.launch(world, ["-m", "benchmarks.studies.tp", "--rank", "--layers", str(layers),
+                                             "--result", str(result)], program=[sys.executable], quiet_ranks=False)
+            if status:
+                raise SystemExit(f"tp.py: the TP={world} ranks failed (status {status})")
+            results[world] = json.loads(result.read_text())
+            log(f"TP={world}: {time.perf_counter() - start:.0f} s")
+    nvlink = next((v for k, v in NVLINK_GBS.items() if k in name), None)
+    table = format_table(results, tp, config, nvlink)
+    log(f"\n{name} x{tp}, {PRESET} shape ({layers} layers), bf16, random weights\n" + table)
+    report = dict(gpu=name, preset=PRESET, layers=layers, tp=tp, results=results, nvlink_gbs=nvlink)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tp.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "tp.md").write_text(table + "\n")
+    return report
+
+
+def format_table(results: dict, tp: int, config, nvlink) -> str:
+    def row(world, kind, batch):
+        return next((r for r in results[world]["rows"] if r["kind"] == kind and r.get("batch") == batch), None)
+    lines = ["| run | ms | vs tp=1 |", "|---|---:|---:|"]
+    for kind, batch, label, per in (("decode", 1, "decode B1 ms/token", 1), ("decode", 8, "decode B8 ms/token", 1),
+                                    ("prefill", 8, "prefill B8 T1024 ms", 1)):
+        base = row(1, kind, batch)["ms"]
+        for world in sorted(results):
+            ms = row(world, kind, batch)["ms"]
+            lines.append(f"| tp={world} {label} | {ms:.3f} | {ms / base:.2f}x |")
+    L = config.n_layer
+    for B in (1, 8):
+        r = row(tp, "all_reduce", B)
+        step = row(tp, "decode", B)["ms"]
+        lines.append(f"| tp={tp} all-reduce B{B} ({r['bytes']} B): {r['us']:.1f} us, {2 * r['us']:.1f} us/layer, "
+                     f"{2 * L * r['us'] / 1e3:.3f} ms/step ({100 * 2 * L * r['us'] / 1e3 / step:.0f}% of the step) "
+                     "| | |")
+    big = row(tp, "all_reduce", None)
+    lines.append(f"| tp={tp} all-reduce 256 MiB: bus bandwidth {big['busbw_gbs']:.0f} GB/s"
+                 + (f" ({100 * big['busbw_gbs'] / nvlink:.0f}% of NVLink's {nvlink:.0f} GB/s)" if nvlink else "")
+                 + " | | |")
+    one, many = results[1]["tokens"], results[tp]["tokens"]
+    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one, many)]
+    lines.append(f"| tp={tp} greedy B1 tokens agreeing with tp=1: {min(agree)} of {len(one[0])} | | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.tp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=2, help="ranks of the parallel run (default 2)")
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, Llama-3.1-8B's)")
+    p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                   help="where tp.json goes (default $OUT)")
+    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rank:
+        return rank_main(args)
+    run(args.tp, args.layers, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

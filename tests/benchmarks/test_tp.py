@@ -1,0 +1,24 @@
+"""benchmarks.studies.tp without a GPU: its table from rank results (rows labelled "tp=N ...", ratios to TP=1, the
+all-reduce per layer and its share of the step, bus bandwidth against NVLink, greedy agreement)."""
+
+from benchmarks.studies import tp
+from tilekit.models.families import preset_config
+
+
+def test_table_rows():
+    config = preset_config("llama-3.1-8b")
+    results = {1: dict(rows=[dict(kind="decode", batch=1, ms=6.0), dict(kind="decode", batch=8, ms=7.0),
+                             dict(kind="prefill", batch=8, ms=300.0)], tokens=[[5, 6, 7, 8]]),
+               2: dict(rows=[dict(kind="decode", batch=1, ms=3.6), dict(kind="decode", batch=8, ms=4.2),
+                             dict(kind="prefill", batch=8, ms=160.0),
+                             dict(kind="all_reduce", batch=1, bytes=8192, us=9.0),
+                             dict(kind="all_reduce", batch=8, bytes=65536, us=10.0),
+                             dict(kind="all_reduce", batch=None, bytes=1 << 28, us=900.0, busbw_gbs=300.0)],
+                        tokens=[[5, 6, 9, 8]])}
+    table = tp.format_table(results, 2, config, 450.0).splitlines()
+    assert "| tp=2 decode B1 ms/token | 3.600 | 0.60x |" in table
+    assert "| tp=1 prefill B8 T1024 ms | 300.000 | 1.00x |" in table
+    assert any(line.startswith("| tp=2 all-reduce B1 (8192 B): 9.0 us, 18.0 us/layer, 0.576 ms/step (16% of the step)")
+               for line in table)
+    assert any("bus bandwidth 300 GB/s (67% of NVLink's 450 GB/s)" in line for line in table)
+    assert any("greedy B1 tokens agreeing with tp=1: 2 of 4" in line for line in table)

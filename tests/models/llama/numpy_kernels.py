@@ -1,0 +1,41 @@
+"""The kernels Llama's model.py and the shared runtime call, as NumPy functions with the ops' semantics (outputs
+written into the given views, caches updated in place), each from the op's float64 reference: with `cupy` standing
+for NumPy (tests/_numpy_cupy.py), the model's own step code (its fused QKV views, KV cache, and, tensor-parallel,
+its shards and all-reduces) runs on the CPU."""
+
+import numpy as np
+
+from tests.models.deepseek_v2.numpy_kernels import apply_rope, rms_norm, swiglu_linear, write_kv
+from tilekit.kernels.attention import attention_reference
+from tilekit.kernels.decode_attention import decode_attention_reference
+from tilekit.kernels.embedding import embedding_reference
+
+
+def embedding(ids, wte, *, out):
+    out[...] = embedding_reference(ids, wte)
+
+
+def linear(x, weight, *, weight_layout, residual=None, out=None):
+    assert weight_layout == "out_in"
+    y = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
+    if residual is not None:
+        y += residual
+    if out is None:
+        return y.astype(x.dtype)
+    out[...] = y
+    return out
+
+
+def attention(q, k, v, *, causal, out):
+    out[...] = attention_reference(q, k, v, causal=causal)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, new_k, new_v, length_offset, out):
+    nq = q.shape[2]
+    for b, n in enumerate(np.asarray(lengths) + length_offset):
+        k_cache[b, :, n - nq:n], v_cache[b, :, n - nq:n] = new_k[b], new_v[b]
+    out[...] = decode_attention_reference(q, k_cache, v_cache, lengths, length_offset=length_offset)
+
+
+MODEL_KERNELS = ("embedding", "rms_norm", "linear", "apply_rope", "swiglu_linear")
+RUNTIME_KERNELS = ("attention", "decode_attention", "write_kv", "linear")

@@ -1,0 +1,171 @@
+"""tilekit.parallel's processes: torchrun's variables checked (errors name the variable), the rendezvous (a wrong
+world size or a missing rank is an error on every rank, within a timeout), the watchdog (a rank that dies makes
+the others exit, even ones that would wait forever), and the launcher (a dying rank stops the others)."""
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from tilekit import env, parallel
+from tilekit.env import Distributed
+
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch):
+    for name in TORCHRUN:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_unset_means_one_process():
+    assert env.distributed() is None
+
+
+def test_torchrun_variables_are_read(monkeypatch):
+    for name, value in zip(TORCHRUN, ("3", "4", "1", "node7", "29500")):
+        monkeypatch.setenv(name, value)
+    assert env.distributed() == Distributed(3, 4, 1, "node7", 29500)
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(RANK="0", WORLD_SIZE="2", MASTER_PORT="1"), r"MASTER_ADDR unset"),
+    (dict(RANK="2", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="1"), r"RANK=2 is not below WORLD_SIZE=2"),
+    (dict(RANK="0", WORLD_SIZE="zwei", MASTER_ADDR="h", MASTER_PORT="1"), r"WORLD_SIZE='zwei' is not an integer"),
+    (dict(RANK="0", WORLD_SIZE="0", MASTER_ADDR="h", MASTER_PORT="1"), r"WORLD_SIZE='0' is not an integer in \[1"),
+    (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="70000"), r"MASTER_PORT='70000'"),
+    (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="h;rm", MASTER_PORT="1"), r"MASTER_ADDR='h;rm' is not a host"),
+    (dict(RANK="1", LOCAL_RANK="3", WORLD_SIZE="4", MASTER_ADDR="h", MASTER_PORT="1"), r"LOCAL_RANK=3 is above"),
+])
+def test_bad_torchrun_variables_are_named(monkeypatch, values, message):
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        env.distributed()
+    with pytest.raises(ValueError, match=message):
+        env.check()
+
+
+def test_splits():
+    assert [parallel.span(259, r, 2) for r in range(2)] == [(0, 130), (130, 259)]
+    assert [parallel.vocab_span(259, r, 4) for r in range(4)] == [(0, 128), (128, 192), (192, 256), (256, 259)]
+    assert [parallel.vocab_span(128256, r, 2) for r in range(2)] == [(0, 64128), (64128, 128256)]
+    assert parallel.vocab_span(50257, 1, 2) == (25152, 50257)
+    with pytest.raises(ValueError, match=r"vocab_size \(100\) has fewer blocks of 64 than the tensor-parallel size 4"):
+        parallel.vocab_span(100, 3, 4)
+    assert [parallel.kv_head_span(2, 8, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [parallel.kv_head_span(8, 32, r, 2) for r in range(2)] == [(0, 4), (4, 8)]
+
+
+def rendezvous(dists, timeout=10.0, payload="id"):
+    """Link.connect for each Distributed on its own thread: {rank: Link or the exception}; on_lost records."""
+    out, lost = {}, []
+
+    def body(d):
+        try:
+            out[d.rank] = parallel.Link.connect(d, payload if d.rank == 0 else None, timeout=timeout,
+                                                on_lost=lost.append)
+        except Exception as e:   # noqa: BLE001 - handed back to the test
+            out[d.rank] = e
+    threads = [threading.Thread(target=body, args=(d,), daemon=True) for d in dists]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(3 * timeout)
+    assert not any(t.is_alive() for t in threads), "hung"
+    return out, lost
+
+
+def test_ranks_meet_and_part():
+    port = parallel.free_port()
+    links, lost = rendezvous([Distributed(r, 3, r, "127.0.0.1", port) for r in range(3)])
+    assert all(link.payload == "id" for link in links.values())
+    closers = [threading.Thread(target=links[r].close) for r in range(3)]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(20)
+    time.sleep(0.6)
+    assert lost == []
+
+
+def test_a_world_size_mismatch_fails_every_rank():
+    port = parallel.free_port()
+    out, _ = rendezvous([Distributed(0, 2, 0, "127.0.0.1", port), Distributed(1, 3, 1, "127.0.0.1", port)])
+    for rank in (0, 1):
+        assert isinstance(out[rank], parallel.RankError)
+        assert "rank 1 has WORLD_SIZE=3 but rank 0 has WORLD_SIZE=2" in str(out[rank])
+
+
+def test_missing_ranks_time_out():
+    port = parallel.free_port()
+    out, _ = rendezvous([Distributed(0, 3, 0, "127.0.0.1", port), Distributed(2, 3, 2, "127.0.0.1", port)],
+                        timeout=1.0)
+    assert "rank 0: ranks [1] did not arrive at MASTER_ADDR=127.0.0.1" in str(out[0])
+    assert "rank 2: ranks [1] did not arrive" in str(out[2])          # told by rank 0, at once
+    out, _ = rendezvous([Distributed(1, 2, 1, "127.0.0.1", parallel.free_port())], timeout=1.0)
+    assert "rank 1: rank 0 did not answer at MASTER_ADDR=127.0.0.1" in str(out[1])
+
+
+def test_a_failing_rank_is_named_on_the_others():
+    port = parallel.free_port()
+    links, lost = rendezvous([Distributed(r, 2, r, "127.0.0.1", port) for r in range(2)])
+    links[1].close(failed="out of memory")
+    deadline = time.monotonic() + 10
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost == ["rank 0: rank 1 failed: out of memory"]
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import sys, time, os
+    from tilekit import env, parallel
+    link = parallel.Link.connect(env.distributed(), timeout=20)
+    if link.dist.rank == 1:
+        os._exit(3)          # dies without closing
+    time.sleep(60)           # rank 0: as if blocked in a collective
+""")
+
+
+def test_a_dead_rank_makes_the_others_exit():
+    """Real processes through the launcher: rank 1 dies; rank 0, which would sleep for a minute, exits at once
+    (the watchdog) and the launcher reports the first failure."""
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from tilekit import parallel
+        sys.exit(parallel.launch(2, ["-c", {RANK_SCRIPT!r}], program=[sys.executable], grace=5))
+    """)], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - start < 30
+    assert result.returncode in (3, parallel.EXIT_PEER_LOST), result.stderr
+    assert "rank 1 exited with status 3" in result.stderr or "rank 0: rank 1 exited without closing" in \
+        result.stderr, result.stderr
+
+
+def test_the_launcher_stops_the_others_when_a_rank_fails():
+    start = time.monotonic()
+    code = "import os, sys, time\nif os.environ['RANK'] == '2': sys.exit(5)\ntime.sleep(60)"
+    assert parallel.launch(3, ["-c", code], program=[sys.executable], grace=5) == 5
+    assert time.monotonic() - start < 30
+
+
+def test_no_nccl_is_one_clear_error(tmp_path, monkeypatch):
+    """CuPy's binding unusable here (no libnccl): the wheel's library is looked for under site-packages/nvidia, and a
+    broken one is named."""
+    pytest.importorskip("cupy")
+    from cupy.cuda import nccl
+    if getattr(nccl, "available", False):
+        pytest.skip("this host has a working NCCL")
+    import importlib.util
+    lib = tmp_path / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libnccl.so.2").write_bytes(b"not a library")
+    spec = importlib.util.spec_from_loader("nvidia", loader=None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path / "nvidia")]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "nvidia" else None)
+    with pytest.raises(RuntimeError, match=r"libnccl.so.2 could not be loaded"):
+        parallel.load_nccl()

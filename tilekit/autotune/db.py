@@ -189,7 +189,7 @@ class Match:
     layer: str           # "user" or "shipped"
     device_rule: str     # "exact-gpu" or "same-arch (<other GPU>)"
     rule: str            # keys.RULES: "exact", "nearest bucket" or "nearest shape"
-    distance: tuple = (0, 0.0, 0.0)   # keys.key_distance from the problem: smaller is closer
+    distance: tuple      # keys.key_distance from the problem: smaller is closer
 
     @property
     def exact(self) -> bool:

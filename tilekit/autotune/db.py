@@ -180,6 +180,23 @@ def entry_problem(key: str, entry: dict) -> str | None:
     return None
 
 
+def _near(entries: dict, path: Path, op: str, problem: Mapping, buckets: Buckets, sizes) -> list[tuple[tuple, str]]:
+    """(distance, key) of every sound entry of `op` in one file's entries that may answer `problem`, closest
+    first (keys.key_distance, then the key)."""
+    near = []
+    for key, entry in entries.items():
+        if not key.startswith(op + "/"):
+            continue
+        shape_problem = entry_problem(key, entry)
+        if shape_problem:
+            warn_once(f"tilekit: ignoring entry {key} in {path}: {shape_problem}")
+            continue
+        distance = key_distance(problem, parse_key(key)[1], buckets, sizes)
+        if distance is not None:
+            near.append((distance, key))
+    return sorted(near)
+
+
 @dataclass(frozen=True)
 class Match:
     """A stored entry that answers a lookup, and how it was found."""
@@ -357,10 +374,13 @@ class TuningDB:
         own = self.file_for(device)
         tiers = [(own, "exact-gpu")] + [
             (f, f"same-arch ({f.path.stem})") for f in self.device_files(device.arch) if f.path != own.path]
-        ranked = [(dfile, device_rule, dfile.read(), self._near(dfile, op, problem, buckets, sizes))
-                  for dfile, device_rule in tiers]
+        ranked: dict[Path, tuple[dict, list]] = {}     # a file is read only when the search reaches it
         for shape in (False, True):
-            for dfile, device_rule, entries, near in ranked:
+            for dfile, device_rule in tiers:
+                if dfile.path not in ranked:
+                    entries = dfile.read()
+                    ranked[dfile.path] = entries, _near(entries, dfile.path, op, problem, buckets, sizes)
+                entries, near = ranked[dfile.path]
                 for distance, key in near:
                     if (RULES[distance[0]] == NEAREST_SHAPE) != shape:
                         continue
@@ -373,22 +393,6 @@ class TuningDB:
                         continue
                     return Match(key, entries[key], self.layer, device_rule, RULES[distance[0]], distance)
         return None
-
-    @staticmethod
-    def _near(dfile: DeviceFile, op: str, problem: Mapping, buckets: Buckets, sizes) -> list[tuple[tuple, str]]:
-        """(distance, key) of every sound entry of `op` in the file that may answer `problem`, closest first."""
-        near = []
-        for key, entry in dfile.read().items():
-            if not key.startswith(op + "/"):
-                continue
-            shape_problem = entry_problem(key, entry)
-            if shape_problem:
-                warn_once(f"tilekit: ignoring entry {key} in {dfile.path}: {shape_problem}")
-                continue
-            distance = key_distance(problem, parse_key(key)[1], buckets, sizes)
-            if distance is not None:
-                near.append((distance, key))
-        return sorted(near)
 
     def store(self, device: DeviceInfo, updates: Mapping[str, dict]) -> None:
         """Merge entries into the device's file (PermissionError in a read-only layer, TuningDBError

@@ -179,7 +179,7 @@ def _pending(items, force: bool):
     dev = device_info()
     for op, problem in items:
         r = op.resolve(problem, dev, mode="cached")
-        exact = r.match is not None and r.match.device_rule == "exact-gpu" and r.match.bucket_rule == "exact"
+        exact = r.match is not None and r.match.device_rule == "exact-gpu" and r.match.exact
         (cached if exact and not force else todo).append((op, problem))
     return todo, cached
 
@@ -417,11 +417,20 @@ def _db_explain(args) -> int:
         raise UsageError("no GPU here: name one with --gpu NAME --arch sm_XX")
     from tilekit.env import autotune_mode
     mode = autotune_mode()            # what a model would do here; a bogus value is refused, naming it
-    print(f"{device.name} ({device.arch}), TILEKIT_AUTOTUNE={mode}"
-          + (" (a missing key would be tuned on first use)" if mode == "auto" else ""))
+    shapes = []
     for op, problem in items:
         r = op.resolve(problem, device, mode="off" if mode == "off" else "cached")
-        print(f"{op.problem_key(problem)[1]:<90} {r.describe()}")
+        m = r.match
+        shapes.append({"key": op.problem_key(problem)[1], "rule": m.rule if m else r.source,
+                       "layer": m and m.layer, "device_rule": m and m.device_rule, "entry": m and m.key,
+                       "config": r.config, "how": r.describe()})
+    if args.json:
+        print(json.dumps({"device": device.as_dict(), "autotune": mode, "shapes": shapes}, indent=1))
+        return 0
+    print(f"{device.name} ({device.arch}), TILEKIT_AUTOTUNE={mode}"
+          + (" (a missing key would be tuned on first use)" if mode == "auto" else ""))
+    for shape in shapes:
+        print(f"{shape['key']:<90} {shape['how']}")
     return 0
 
 
@@ -815,10 +824,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="only GPUs whose name contains this, e.g. H100")
     p = dbs.add_parser("show", help="print one entry")
     p.add_argument("key", help="the entry's key as `db list` prints it")
-    p = dbs.add_parser("explain", help="which layer and rule answers each shape a model uses")
+    p = dbs.add_parser("explain", help="which layer and rule (exact, nearest bucket, nearest shape, "
+                                      "default) answers each shape a model uses")
     _model_args(p, "gpt2")
     p.add_argument("--gpu", help="explain for this GPU name instead of the local one")
     p.add_argument("--arch", type=_arch, default="sm_90", help="compute capability with --gpu (default sm_90)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object: per shape its key, rule (exact, nearest bucket, nearest shape or "
+                        "default), layer, device rule, the entry it borrowed from and the config")
     p = dbs.add_parser("export", help="write tuning entries to one portable JSON file")
     p.add_argument("file", help="the file to write (replaced atomically; its directory must exist)")
     p.add_argument("--layer", choices=("user", "shipped", "all"), default="user",

@@ -19,10 +19,10 @@ DEFAULT_AXES = ("attention:LONGEST_FIRST",)
 def op_problem(case: Case) -> tuple[str, dict] | None:
     """(op name, problem) that tilekit's side of a kernel-suite case runs, or None for other kinds."""
     p = case.params
-    if case.kind in ("linear", "epilogue"):
+    if case.kind in ("linear", "linear_nk", "epilogue"):
         _, _, M, K, N = p
-        fused = case.kind == "epilogue"
-        return "linear", dict(dtype="bfloat16", M=M, N=N, K=K, wt="nk" if p[1] == "lm_head" else "kn", bias=int(fused),
+        fused, nk = case.kind == "epilogue", case.kind == "linear_nk" or p[1] == "lm_head"
+        return "linear", dict(dtype="bfloat16", M=M, N=N, K=K, wt="nk" if nk else "kn", bias=int(fused),
                               act="gelu" if fused else "none", res=int(fused), tf32=0)
     if case.kind == "attention":
         B, H, T, D = p

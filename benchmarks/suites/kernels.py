@@ -31,7 +31,7 @@ COMPILE_MODE = {"quick": "default", "full": "max-autotune-no-cudagraphs"}
 
 @dataclass(frozen=True)
 class Case:
-    kind: str          # linear | epilogue | attention | layer_norm | gelu | decode_attention
+    kind: str          # linear | linear_nk | epilogue | attention | layer_norm | gelu | decode_attention
     params: tuple      # kind-specific, see build()
 
 
@@ -76,6 +76,9 @@ class Built:
 def describe(case: Case) -> tuple[str, str]:
     """(table label, full shape) of a case, without touching the GPU."""
     p = case.params
+    if case.kind == "linear_nk":
+        preset, layer, M, K, N = p
+        return f"lin {preset} {layer} M{M}", f"M={M} K={K} N={N}, W [N, K]"
     if case.kind == "linear":
         preset, layer, M, K, N = p
         label = f"linear {preset} {layer} {K}x{N}"
@@ -101,7 +104,7 @@ def describe(case: Case) -> tuple[str, str]:
 def work_of(case: Case, itemsize: int = 2) -> tuple[str, float, str]:
     """(unit, flops or bytes of one call, roofline key) of a case."""
     p = case.params
-    if case.kind in ("linear", "epilogue"):
+    if case.kind in ("linear", "linear_nk", "epilogue"):
         _, _, M, K, N = p
         return "TFLOP/s", 2.0 * M * N * K, "matmul_peak_tflops"
     if case.kind == "attention":
@@ -169,6 +172,10 @@ def build(case: Case, compile_mode: str = "default") -> Built:
     def randn(*shape, scale=1.0, mean=0.0):
         return (torch.randn(*shape, device=dev, dtype=torch.float32) * scale + mean).to(bf16)
 
+    if case.kind == "linear_nk":      # x @ W^T with W [N, K] = [out, in], as nn.Linear stores it
+        _, _, M, K, N = p
+        x, w = randn(M, K), randn(N, K, scale=1 / math.sqrt(K))
+        return Built(lambda: tk.linear(x, w, weight_layout="out_in"), [("torch.matmul", lambda: torch.matmul(x, w.T))])
     if case.kind in ("linear", "epilogue"):
         _, _, M, K, N = p
         if case.kind == "linear" and p[1] == "lm_head":

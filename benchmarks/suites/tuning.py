@@ -71,8 +71,8 @@ def config_sources(config, batch: int, seq: int, *, prefill: bool) -> str:
     counts = Counter()
     for op, problem in problems:
         found = op.resolve(problem, device, "cached")
-        nearest = found.match is not None and found.match.bucket_rule != "exact"
-        counts[found.source + (" (nearest bucket)" if nearest else "")] += 1
+        nearest = found.match is not None and not found.match.exact
+        counts[found.source + (f" ({found.match.rule})" if nearest else "")] += 1
     return ", ".join(f"{n} {source}" for source, n in counts.most_common())
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from tests._autotune_fakes import B200, DEFAULT, H100, H100_PCIE, H200, entry, make_op, problem
 from tilekit.autotune import store
+from tilekit.autotune.keys import pow2_bucket
+from tilekit.autotune.space import SearchSpace
 from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, TuningDBError, TuningDBWarning, device_file_name
 from tilekit.device import DeviceInfo
 
@@ -58,7 +60,7 @@ def test_store_then_lookup_exact():
     for M in (513, 1000, 1024):   # every M of the bucket
         r = op.resolve(problem(M=M), H100)
         assert (r.source, r.config) == ("user", {"A": 4, "occupancy": 2})
-        assert (r.match.layer, r.match.device_rule, r.match.bucket_rule) == ("user", "exact-gpu", "exact")
+        assert (r.match.layer, r.match.device_rule, r.match.rule) == ("user", "exact-gpu", "exact")
         assert r.describe() == "user db, exact-gpu, exact bucket"
     r = op.resolve(problem(M=1000), H100, mode="off")
     assert (r.source, r.config, r.describe()) == ("default", DEFAULT, "heuristic default")
@@ -97,13 +99,13 @@ def test_nearest_bucket_in_log_space():
     store.user_db().store(H100, {key_of(op, M=1024): entry(op, {"A": 1, "occupancy": 2}),
                                  key_of(op, M=8192): entry(op, {"A": 4, "occupancy": 2})})
     r = op.resolve(problem(M=2048), H100)   # log2 distances 1 and 2
-    assert r.config["A"] == 1 and r.match.bucket_rule == "nearest (M=1024,N=768,dtype=bfloat16)"
-    assert r.describe() == "user db, exact-gpu, nearest (M=1024,N=768,dtype=bfloat16) bucket"
+    assert r.config["A"] == 1 and r.match.rule == "nearest bucket" and r.match.key == key_of(op, M=1024)
+    assert r.describe() == "user db, exact-gpu, nearest bucket (M=1024,N=768,dtype=bfloat16)"
     assert op.resolve(problem(M=3000), H100).config["A"] == 4     # bucket 4096: distances 2 and 1
     assert op.resolve(problem(M=1), H100).config["A"] == 1
     assert op.resolve(problem(M=10**6), H100).config["A"] == 4
-    # Never across an unbucketed field.
-    assert op.resolve(problem(M=1024, N=1024), H100).source == "default"
+    # Another N is a nearest shape (below), another dtype is never borrowed.
+    assert op.resolve(problem(M=1024, N=1024), H100).match.rule == "nearest shape"
     assert op.resolve(problem(M=1024, dtype="float16"), H100).source == "default"
 
 
@@ -129,7 +131,7 @@ def test_same_arch_when_own_file_lacks_a_compatible_entry():
     store.user_db().store(H100_PCIE, {key_of(op): entry(op, {"A": 2, "occupancy": 2}, device=H100_PCIE)})
     r = op.resolve(problem(), H200)
     assert r.config == {"A": 2, "occupancy": 2}
-    assert r.match.device_rule == "same-arch (NVIDIA_H100_PCIe)" and r.match.bucket_rule == "exact"
+    assert r.match.device_rule == "same-arch (NVIDIA_H100_PCIe)" and r.match.rule == "exact"
 
 
 def test_other_arch_file_never_used(shipped):
@@ -233,8 +235,8 @@ def test_corrupt_entries_are_skipped_others_still_work():
             for M in (2048, 4096, 8192, 16384):
                 r = op.resolve(problem(M=M), H100)
                 assert r.config == good["config"]
-                assert r.match.bucket_rule == "nearest (M=1024,N=768,dtype=bfloat16)"
-            assert op.resolve(problem(M=1024), H100).match.bucket_rule == "exact"
+                assert r.match.describe().endswith("nearest bucket (M=1024,N=768,dtype=bfloat16)")
+            assert op.resolve(problem(M=1024), H100).match.exact
     joined = "\n".join(got)
     for M in (2048, 4096, 8192, 16384):
         assert f"{key_of(op, M=M)} " in joined
@@ -292,7 +294,7 @@ def test_stale_hash_is_not_used(field, why, shipped):
     store.user_db().store(H100, {key_of(op, M=2048): entry(op, {"A": 2, "occupancy": 1})})
     with tuning_warnings():
         r = op.resolve(problem(), H100)
-    assert r.config["A"] == 2 and r.match.bucket_rule.startswith("nearest")
+    assert r.config["A"] == 2 and r.match.rule == "nearest bucket"
 
 
 def test_changed_kernel_source_invalidates():
@@ -341,6 +343,135 @@ def test_exact_shipped_beats_a_distant_user_guess(shipped):
     store.user_db().store(H100_PCIE, {key_of(op, M=16): entry(op, {"A": 1, "occupancy": 1}, device=H100_PCIE)})
     r = op.resolve(problem(M=8192), H100)
     assert r.describe() == "shipped db, exact-gpu, exact bucket"
+
+
+# -- untuned shapes: the nearest tuned shape of the same op, dtype and flags ----------------------
+
+def fits_a(c, p):
+    """A config of A tiles fits rows of at least 256 A."""
+    return c["A"] * 256 <= p["N"]
+
+
+SHAPED = dict(key=dict(dtype=None, M=pow2_bucket, N=None, K=None, act=None), choices=dict(act=("none", "gelu")),
+              space=SearchSpace(fits_a, A=(1, 2, 4), occupancy=(1, 2)))
+
+
+def shaped(M=1024, N=2048, K=4096, act="none", dtype="bfloat16"):
+    return {"dtype": dtype, "M": M, "N": N, "K": K, "act": act}
+
+
+def store_shaped(op, db=None, device=H100, **configs):
+    """configs: 'M_N_K_act' -> A (occupancy 1)."""
+    updates = {}
+    for name, a in configs.items():
+        M, N, K, act = name.split("_")
+        updates[op.problem_key(shaped(int(M), int(N), int(K), act))[1]] = entry(op, {"A": a, "occupancy": 1}, device)
+    (db or store.user_db()).store(device, updates)
+
+
+def test_the_sizes_of_a_key_are_its_fields_without_choices():
+    assert make_op(**SHAPED).sizes == {"M", "N", "K"}
+    assert make_op().sizes == {"M", "N"}
+
+
+def test_rules_in_order_exact_then_nearest_bucket_then_nearest_shape():
+    op = make_op(**SHAPED)
+    store_shaped(op, **{"1024_4096_4096_none": 1, "16_2048_4096_none": 2})
+    r = op.resolve(shaped(M=1024), H100)   # M=16 is 6 buckets away, still before another N
+    assert (r.config["A"], r.match.rule) == (2, "nearest bucket")
+    store_shaped(op, **{"1024_2048_4096_none": 4})
+    r = op.resolve(shaped(M=1000), H100)
+    assert (r.config["A"], r.match.rule, r.describe()) == (4, "exact", "user db, exact-gpu, exact bucket")
+    r = op.resolve(shaped(M=4096, N=3000), H100)  # no entry of N=3000: the nearest N (4096 beats 2048)
+    assert (r.config["A"], r.match.rule) == (1, "nearest shape")
+    assert r.describe() == "user db, exact-gpu, nearest shape (K=4096,M=1024,N=4096,act=none,dtype=bfloat16)"
+    assert op.resolve(shaped(K=64), H100).source == "user"   # K is a size too
+    assert op.resolve(shaped(), H100, mode="off").describe() == "heuristic default"
+
+
+def test_nearest_shape_is_nearest_in_the_unbucketed_sizes_then_in_the_buckets():
+    op = make_op(**SHAPED)
+    store_shaped(op, **{"8192_4096_4096_none": 1, "1024_8192_4096_none": 2})
+    r = op.resolve(shaped(M=1024, N=2048), H100)   # N one octave away at M 8x off beats N two octaves away
+    assert r.config["A"] == 1 and r.match.distance == (2, 1.0, 3.0)
+    store_shaped(op, **{"1_4096_4096_none": 2})     # the same N, M 10 octaves away: M decides between them
+    assert op.resolve(shaped(M=1024, N=2048), H100).config["A"] == 1
+    assert op.resolve(shaped(M=2, N=2048), H100).config["A"] == 2
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_ties_are_broken_by_the_key(reverse):
+    op = make_op(**SHAPED)
+    configs = {"1024_1024_4096_none": 1, "1024_4096_4096_none": 2}    # N=2048 lies one octave from both
+    store_shaped(op, **dict(reversed(configs.items())) if reverse else configs)
+    r = op.resolve(shaped(N=2048), H100)
+    assert r.match.key == op.problem_key(shaped(N=1024))[1] and r.config["A"] == 1
+
+
+def test_another_dtype_or_flag_is_never_borrowed():
+    op = make_op(**SHAPED)
+    store_shaped(op, **{"1024_2048_4096_gelu": 2})
+    assert op.resolve(shaped(act="none"), H100).source == "default"
+    assert op.resolve(shaped(act="none", N=4096), H100).source == "default"
+    assert op.resolve(shaped(act="gelu", dtype="float16"), H100).source == "default"
+    assert op.resolve(shaped(act="gelu", N=4096), H100).config["A"] == 2
+    other = make_op(**SHAPED)            # nor another op's entries
+    assert other.resolve(shaped(act="gelu"), H100).source == "default"
+
+
+def test_a_borrowed_config_that_does_not_fit_is_skipped():
+    op = make_op(**SHAPED)
+    store_shaped(op, **{"1024_1024_4096_none": 4, "1024_256_4096_none": 1})
+    r = op.resolve(shaped(N=512), H100)    # A=4 needs N >= 1024: the next nearest shape instead
+    assert r.config == {"A": 1, "occupancy": 1} and r.match.key == op.problem_key(shaped(N=256))[1]
+    assert op.resolve(shaped(N=2048), H100).config["A"] == 4
+    store_shaped(op, **{"1024_256_4096_none": 2})    # nothing that fits N=300: the default
+    assert op.resolve(shaped(N=300), H100).source == "default"
+    # the nearest bucket is checked too, an exact entry is the tuner's own choice for its key
+    store_shaped(op, **{"64_300_4096_none": 4})
+    assert op.resolve(shaped(N=300, M=128), H100).source == "default"
+    assert op.resolve(shaped(N=300, M=64), H100).config["A"] == 4
+
+
+def test_validity_is_judged_on_the_bucketed_problem():
+    seen = []
+    op = make_op(key=SHAPED["key"], choices=SHAPED["choices"],
+                 space=SearchSpace(lambda c, p: seen.append(dict(p)) or True, A=(1, 2, 4), occupancy=(1, 2)))
+    store_shaped(op, **{"1024_1024_4096_none": 4})
+    assert op.resolve(shaped(M=1000, N=2000), H100).config["A"] == 4
+    assert seen == [shaped(M=1024, N=2000)]
+
+
+def test_any_gpu_of_the_arch_before_a_nearest_shape_then_own_gpu_first(shipped):
+    op = make_op(**SHAPED)
+    store_shaped(op, device=H100_PCIE, **{"1024_2048_4096_none": 2})
+    store_shaped(op, device=H100, **{"1024_8192_4096_none": 1, "1024_16384_4096_none": 4})
+    r = op.resolve(shaped(), H100)   # another GPU's exact key before the own GPU's nearest shape
+    assert (r.config["A"], r.match.device_rule, r.match.rule) == (2, "same-arch (NVIDIA_H100_PCIe)", "exact")
+    r = op.resolve(shaped(N=16000), H100_PCIE)   # the own GPU's nearest shape before a closer one elsewhere
+    assert (r.config["A"], r.match.device_rule, r.match.rule) == (2, "exact-gpu", "nearest shape")
+    r = op.resolve(shaped(N=16000), H200)        # no file of its own: the nearest shape of the same-arch files
+    assert (r.config["A"], r.match.device_rule) == (4, "same-arch (NVIDIA_H100_80GB_HBM3)")
+    assert op.resolve(shaped(N=16000), B200).source == "default"
+
+    store_shaped(op, db=shipped, device=H200, **{"1024_16384_4096_none": 1})
+    r = op.resolve(shaped(N=16000), H200)        # the shipped file of its own, over the user's other GPU
+    assert (r.source, r.config["A"], r.match.device_rule) == ("shipped", 1, "exact-gpu")
+    store_shaped(op, db=shipped, device=H100, **{"1024_4096_4096_none": 2})
+    r = op.resolve(shaped(N=5000), H100)    # the closer shape wins across layers ...
+    assert (r.source, r.config["A"]) == ("shipped", 2)
+    store_shaped(op, device=H100, **{"1024_4096_4096_none": 1})
+    r = op.resolve(shaped(N=5000), H100)    # ... and the user layer only breaks a tie
+    assert (r.source, r.config["A"]) == ("user", 1)
+
+
+def test_stale_entries_are_not_borrowed():
+    op = make_op(**SHAPED)
+    key = op.problem_key(shaped(N=4096))[1]
+    store.user_db().store(H100, {key: entry(op, {"A": 4, "occupancy": 1}, kernel_hash="0123456789abcdef")})
+    with tuning_warnings() as got:
+        assert op.resolve(shaped(), H100).source == "default"
+    assert len(got) == 1 and "stale" in got[0]
 
 
 # -- untrusted files: paths, strict JSON, the read-only shipped layer, file modes, leftovers ----

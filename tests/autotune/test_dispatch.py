@@ -9,7 +9,7 @@ import tilekit.autotune.op as op_module
 from tests._autotune_fakes import DEFAULT, H100, call_config, entry, make_op, problem
 from tilekit.autotune import store, tuner
 from tilekit.autotune.arrays import MetaArray
-from tilekit.autotune.db import TuningDBWarning
+from tilekit.autotune.db import TuningDB, TuningDBWarning
 
 TUNED = {"A": 4, "occupancy": 2}
 
@@ -80,6 +80,19 @@ def test_plan_is_cached_per_call_signature(op, monkeypatch):
                   MetaArray((1000, 768), "bfloat16", device=1), x.transpose(1, 0).transpose(1, 0)[::2]]:
         with pytest.raises(AssertionError, match="consulted"):   # another signature: the slow path
             op.plan_for((other,))
+
+
+def test_a_nearest_shape_is_resolved_once_per_plan(op, monkeypatch):
+    """An untuned shape borrows the nearest tuned one on the plan's first call; later calls only hit the cache."""
+    lookups, lookup = [], TuningDB.lookup
+    monkeypatch.setattr(TuningDB, "lookup", lambda db, *a, **k: lookups.append(db.layer) or lookup(db, *a, **k))
+    first = op.plan_for((MetaArray((1000, 1024), "bfloat16", device=0),))[0]
+    assert first.config == TUNED and lookups == ["user", "shipped"]
+    assert op.resolve(problem(M=1000, N=1024), H100).match.rule == "nearest shape"
+    monkeypatch.setattr(store, "layers", _no_io)
+    monkeypatch.setattr(op_module, "device_info", _no_io)
+    for _ in range(3):
+        assert op.plan_for((MetaArray((1000, 1024), "bfloat16", device=0),))[0] is first
 
 
 def test_dry_run_arrays_record_without_consulting_anything(op, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from tilekit.autotune.keys import bucket_distance, bucket_problem, key_string, parse_key, pow2_bucket
+from tilekit.autotune.keys import bucket_problem, key_distance, key_string, parse_key, pow2_bucket
 from tilekit.autotune.space import SearchSpace, pow2_ceil, split_hints
 
 settings.register_profile("tilekit", deadline=None, max_examples=150)
@@ -87,36 +87,52 @@ bucketed_problems = st.fixed_dictionaries({"M": dims, "K": dims, "L": dims, "N":
 BUCKETS = {"M": pow2_bucket, "K": pow2_bucket, "L": pow2_bucket}
 
 
+SIZES = {"N"}
+
+
+def total(d):
+    return d[1] + d[2]
+
+
 @given(bucketed_problems, bucketed_problems)
-def test_bucket_distance_symmetric_and_zero_iff_equal(a, b):
-    b = dict(reversed({**b, "N": a["N"], "dtype": a["dtype"]}.items()))   # another field order
-    d = bucket_distance(a, b, BUCKETS)
-    assert d is not None and d >= 0
-    assert d == bucket_distance(b, a, BUCKETS)
-    assert (d == 0) == (a == b)
+def test_key_distance_symmetric_and_zero_iff_equal(a, b):
+    b = dict(reversed({**b, "dtype": a["dtype"]}.items()))   # another field order
+    d = key_distance(a, b, BUCKETS, SIZES)
+    assert d is not None and d[1] >= 0 and d[2] >= 0
+    assert d == key_distance(b, a, BUCKETS, SIZES)
+    assert (d == (0, 0.0, 0.0)) == (a == b)
+    assert d[0] == (0 if a == b else 1 if a["N"] == b["N"] else 2)
+    assert (d[1] == 0) == (a["N"] == b["N"])
 
 
 @given(bucketed_problems, bucketed_problems, bucketed_problems)
-def test_bucket_distance_triangle(a, b, c):
-    b = {**b, "N": a["N"], "dtype": a["dtype"]}
-    c = {**c, "N": a["N"], "dtype": a["dtype"]}
-    ab, bc, ac = (bucket_distance(x, y, BUCKETS) for x, y in ((a, b), (b, c), (a, c)))
-    assert ac <= ab + bc + 1e-9
+def test_key_distance_triangle(a, b, c):
+    b = {**b, "dtype": a["dtype"]}
+    c = {**c, "dtype": a["dtype"]}
+    ab, bc, ac = (key_distance(x, y, BUCKETS, SIZES) for x, y in ((a, b), (b, c), (a, c)))
+    for part in (1, 2):
+        assert ac[part] <= ab[part] + bc[part] + 1e-9
 
 
 @given(bucketed_problems, bucketed_problems)
-def test_bucket_distance_none_when_unbucketed_field_differs(a, b):
+def test_key_distance_none_when_another_field_differs(a, b):
     assume(a["N"] != b["N"] or a["dtype"] != b["dtype"])
-    assert bucket_distance(a, b, BUCKETS) is None
-    assert bucket_distance(b, a, BUCKETS) is None
+    assert key_distance(a, b, BUCKETS) is None          # N is no size here
+    assert key_distance(b, a, BUCKETS) is None
+    assume(a["dtype"] != b["dtype"])
+    assert key_distance(a, b, BUCKETS, SIZES) is None
 
 
-def test_bucket_distance_edges():
-    assert bucket_distance({"M": 1024}, {"M": 4096}, BUCKETS) == 2
-    assert bucket_distance({"M": 1, "x": 1}, {"M": 1}, BUCKETS) is None        # other fields
-    assert bucket_distance({"M": 0}, {"M": 1}, BUCKETS) is None                 # no log of 0
-    assert bucket_distance({"M": "a"}, {"M": 1}, BUCKETS) is None
-    assert bucket_distance({}, {}, BUCKETS) == 0
+def test_key_distance_edges():
+    assert key_distance({"M": 1024}, {"M": 4096}, BUCKETS) == (1, 0.0, 2.0)
+    assert key_distance({"M": 1024, "N": 8}, {"M": 4096, "N": 2}, BUCKETS, SIZES) == (2, 2.0, 2.0)
+    assert key_distance({"M": 1, "x": 1}, {"M": 1}, BUCKETS) is None        # other fields
+    assert key_distance({"M": 0}, {"M": 1}, BUCKETS) is None                 # no log of 0
+    assert key_distance({"N": 0}, {"N": 1}, BUCKETS, SIZES) is None
+    assert key_distance({"N": True}, {"N": 2}, BUCKETS, SIZES) is None
+    assert key_distance({"M": "a"}, {"M": 1}, BUCKETS) is None
+    assert key_distance({"N": "a"}, {"N": "a"}, BUCKETS, SIZES) == (0, 0.0, 0.0)
+    assert key_distance({}, {}, BUCKETS) == (0, 0.0, 0.0)
 
 
 @given(st.dictionaries(st.sampled_from("MNK"), st.integers(0, 2**20), min_size=1))
@@ -184,3 +200,11 @@ def test_search_space_rejects_bad_params():
     for bad in ((), (1.0,), (True,), ("a",)):
         with pytest.raises(ValueError):
             SearchSpace(A=bad)
+
+
+@pytest.mark.parametrize("problem", [{"N": 1}, {"N": 3}, {"N": 64}])
+def test_space_admits_exactly_its_candidates(problem):
+    space = SearchSpace(lambda c, p: c["A"] * c["B"] <= p["N"], A=(1, 2, 4), B=(1, 8))
+    others = [{"A": 3, "B": 1}, {"A": 1}, {"A": 1, "B": 1, "C": 1}, {"A": 1.0, "B": 1}, {"A": True, "B": 1}]
+    assert [c for c in [*space, *others] if space.admits(c, problem)] == space.candidates(problem)
+    assert SearchSpace(A=(1, 2)).admits({"A": 2}, problem)

@@ -121,5 +121,5 @@ def test_another_sm90_gpu_uses_a_shipped_sm90_file(model, device, monkeypatch):
     store.reset()
     for op, problem in model_problems(_config(model), "bfloat16", (1, 8), (128, 1024)):
         found = op.resolve(problem, device, "cached")
-        assert found.source == "shipped" and found.match.bucket_rule == "exact", (op.name, problem)
+        assert found.source == "shipped" and found.match.exact, (op.name, problem)
         assert found.match.device_rule.startswith("same-arch (NVIDIA_H"), found.describe()

@@ -138,4 +138,4 @@ def test_auto_mode_through_public_ops_in_process(isolated_cache, monkeypatch):
     y = layer_norm(x, w, b)
     assert_close(host(y), layer_norm_reference(host(x), host(w), host(b)), TOL["float32"], "auto layer_norm")
     r = LAYER_NORM.resolve(dict(dtype="float32", M=777, N=333, gather=0, fixed=0), device_info())
-    assert r.source == "user" and r.match.bucket_rule == "exact"
+    assert r.source == "user" and r.match.exact

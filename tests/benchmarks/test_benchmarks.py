@@ -300,6 +300,30 @@ def test_kernel_rows_say_where_tilekit_configs_came_from(monkeypatch):
     store.reset()
 
 
+def test_untuned_study_measures_nearest_shapes_of_the_shipped_database(monkeypatch):
+    """benchmarks.studies.untuned: Llama-3.1-8B MLP linears at M 1024..4096, W [N, K]; the shipped H100 and H200
+    files lack these keys, so each resolves through the nearest-shape rule (the rows it times), never the default."""
+    import tilekit.kernels  # noqa: F401  (declares the ops)
+    from benchmarks.studies import space_ab, untuned
+    from tilekit.autotune import store
+    from tilekit.autotune.registry import registered_ops
+    from tilekit.device import DeviceInfo
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(ROOT / "tuning_db"))
+    store.reset()
+    cases = untuned.cases()
+    assert [c.params[2:] for c in cases] == [(M, K, N) for M in (1024, 2048, 4096)
+                                             for K, N in ((4096, 14336), (14336, 4096))]
+    assert kernels.describe(cases[1]) == ("lin llama-3.1-8b mlp.down_proj M1024", "M=1024 K=14336 N=4096, W [N, K]")
+    assert kernels.work_of(cases[1])[1] == 2 * 1024 * 14336 * 4096
+    for gpu in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        for case in cases:
+            name, problem = space_ab.op_problem(case)
+            assert problem["wt"] == "nk" and problem["bias"] == 0
+            found = registered_ops()[name].resolve(problem, DeviceInfo(gpu, "sm_90", 132), "cached")
+            assert found.source == "shipped" and found.match.rule == "nearest shape", found.describe()
+    store.reset()
+
+
 def test_space_ab_cases_and_axes():
     """space_ab tunes the suite's matmul and attention cases under the keys tilekit runs, groups the
     tuner's timings by an axis value, and refuses an --axis that names no op or no axis of it."""
@@ -632,9 +656,11 @@ def test_config_sources_count_the_workload(monkeypatch):
             return problem
 
     def found(source, rule):
-        return SimpleNamespace(source=source, match=None if rule is None else SimpleNamespace(bucket_rule=rule))
+        match = None if rule is None else SimpleNamespace(rule=rule, exact=rule == "exact")
+        return SimpleNamespace(source=source, match=match)
     problems = [(Op(), found("shipped", "exact")), (Op(), found("shipped", "exact")),
-                (Op(), found("shipped", "pow2")), (Op(), found("default", None))]
+                (Op(), found("shipped", "nearest bucket")), (Op(), found("shipped", "nearest shape")),
+                (Op(), found("default", None))]
     calls = []
     monkeypatch.setattr(workload, "forward_problems", lambda *a: calls.append(("forward",) + a) or problems,
                         raising=False)
@@ -642,7 +668,8 @@ def test_config_sources_count_the_workload(monkeypatch):
                         raising=False)
     monkeypatch.setattr(tilekit.device, "device_info", lambda: "this GPU")
     config = GPTConfig.preset("gpt2")
-    assert tuning.config_sources(config, 8, 1024, prefill=True) == "2 shipped, 1 shipped (nearest bucket), 1 default"
+    assert tuning.config_sources(config, 8, 1024, prefill=True) == (
+        "2 shipped, 1 shipped (nearest bucket), 1 shipped (nearest shape), 1 default")
     assert tuning.config_sources(config, 1, 128, prefill=False) == "1 shipped"
     assert calls == [("forward", config, "bfloat16", 8, 1024), ("generate", config, "bfloat16", 1, 128, 128)]
 

@@ -261,7 +261,7 @@ def test_db_export_clear_import_round_trip(tmp_path, capsys):
         data = json.loads(store.user_db().file_for(device).path.read_text())
         assert data["device"] == device.as_dict()
     r = LINEAR.resolve(linear_problem(M=8000), H100, mode="cached")   # and dispatch uses the entries
-    assert (r.source, r.config, r.match.bucket_rule) == ("user", LINEAR_CONFIG, "exact")
+    assert (r.source, r.config, r.match.rule) == ("user", LINEAR_CONFIG, "exact")
 
     rc, out, _ = run(["db", "import", str(export)], capsys)   # importing twice changes nothing
     assert rc == 0 and user_entries() == before
@@ -520,6 +520,38 @@ def test_explain_prefers_the_user_db_for_its_gpu(monkeypatch, capsys):
     store.reset()
     lines = explain("NVIDIA H800", capsys)
     assert sum(line.endswith("user db, exact-gpu, exact bucket") for line in lines) == 1
+
+
+def test_explain_names_each_rule_and_the_entry_it_borrowed(capsys):
+    """Exact, nearest bucket, nearest shape (another N of the same flags) and default, as text and as JSON."""
+    h800 = DeviceInfo("NVIDIA H800", "sm_90", 132)
+    c_attn = next(p for op, p in GPT2_SHAPES if op is LINEAR and p["N"] == 2304 and p["M"] == 128)
+    ln = next(p for op, p in GPT2_SHAPES if op is LAYER_NORM and p["M"] == 128)
+    near = {**c_attn, "N": 2048}
+    config = next(c for c in LINEAR.space.candidates(LINEAR.tuning_problem(near))
+                  if LINEAR.space.admits(c, LINEAR.tuning_problem(c_attn)))
+    ln_config = next(c for c in LAYER_NORM.space.candidates(LAYER_NORM.tuning_problem(ln))
+                     if LAYER_NORM.space.admits(c, LAYER_NORM.tuning_problem({**ln, "M": 8192})))
+    near_key, ln_key = LINEAR.problem_key(near)[1], LAYER_NORM.problem_key(ln)[1]
+    store.user_db().store(h800, {near_key: entry(LINEAR, config, h800), ln_key: entry(LAYER_NORM, ln_config, h800)})
+    store.reset()
+    rc, out, err = run(["db", "explain", "--model", "gpt2", "--gpu", "NVIDIA H800", "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["device"]["name"] == "NVIDIA H800" and doc["autotune"] == "cached"
+    shapes = {s["key"]: s for s in doc["shapes"]}
+    assert [s["key"] for s in doc["shapes"]] == [op.problem_key(p)[1] for op, p in GPT2_SHAPES]
+    got = shapes[LINEAR.problem_key(c_attn)[1]]
+    assert (got["rule"], got["layer"], got["device_rule"], got["entry"], got["config"]) == (
+        "nearest shape", "user", "exact-gpu", near_key, config)
+    assert shapes[ln_key]["rule"] == "exact" and shapes[ln_key]["entry"] == ln_key
+    ln_8192 = LAYER_NORM.problem_key({**ln, "M": 8192})[1]
+    assert (shapes[ln_8192]["rule"], shapes[ln_8192]["entry"]) == ("nearest bucket", ln_key)
+    others = [s for s in doc["shapes"] if s["key"].split("/")[0] not in ("linear", "layer_norm")]
+    assert others and all((s["rule"], s["layer"], s["entry"]) == ("default", None, None) for s in others)
+    lines = explain("NVIDIA H800", capsys)
+    assert any(line.split()[0] == LINEAR.problem_key(c_attn)[1] and
+               line.endswith(f"user db, exact-gpu, nearest shape ({near_key.partition('/')[2]})") for line in lines)
 
 
 # -- tune --devices: the plan of worker processes (the GPU run itself is in the closing notes) -----

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tilekit.autotune import store
 from tilekit.device import device_info
 from tilekit.kernels import linear
 from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
@@ -116,3 +117,24 @@ def test_persistent_programs_cover_every_tile(TK):
         for layout in ("in_out", "out_in"):
             check_linear(3000, 2500, 777, "bfloat16", layout, bias=True, act="gelu", res=True)
             check_linear(2049, 1031, 1600, "float16", layout, bias=False)
+
+
+@pytest.mark.parametrize("M, N, K, layout, bias, act, res", [
+    (5, 2000, 1000, "out_in", False, None, False), (300, 14000, 4000, "out_in", False, None, False),
+    (2500, 3000, 1000, "out_in", False, None, True), (700, 2000, 700, "in_out", True, "gelu", False)])
+def test_an_untuned_shape_runs_the_nearest_tuned_config(M, N, K, layout, bias, act, res, monkeypatch):
+    """Shapes the shipped database lacks borrow the nearest tuned config of the same flags (this GPU's file or
+    another sm_90 GPU's), a config the space admits for them, and compute the right thing with it."""
+    monkeypatch.delenv("TILEKIT_SHIPPED_DB", raising=False)
+    monkeypatch.delenv("TILEKIT_AUTOTUNE", raising=False)
+    store.reset()
+    problem = dict(dtype="bfloat16", M=M, N=N, K=K, wt="nk" if layout == "out_in" else "kn", bias=int(bias),
+                   act=act or "none", res=int(res), tf32=0)
+    found = LINEAR.resolve(problem, device_info(), "cached")
+    assert found.source == "shipped" and found.match.rule == "nearest shape", found.describe()
+    assert LINEAR.space.admits(found.config, LINEAR.tuning_problem(problem))
+    x = rand((M, K), "bfloat16")
+    w = rand((K, N) if layout == "in_out" else (N, K), "bfloat16", 1 / math.sqrt(K))
+    plan, _ = LINEAR.plan_for((x, w, None, None, None), (act, layout, False))
+    assert plan.config == found.config
+    check_linear(M, N, K, "bfloat16", layout, bias, act, res)

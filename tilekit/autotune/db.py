@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Mapping
 
 from filelock import FileLock
 
-from tilekit.autotune.keys import Buckets, bucket_distance, parse_key
+from tilekit.autotune.keys import EXACT, NEAREST_SHAPE, RULES, Buckets, key_distance, parse_key
 from tilekit.device import DeviceInfo
 from tilekit.untrusted import parse_json
 
@@ -180,6 +180,23 @@ def entry_problem(key: str, entry: dict) -> str | None:
     return None
 
 
+def _near(entries: dict, path: Path, op: str, problem: Mapping, buckets: Buckets, sizes) -> list[tuple[tuple, str]]:
+    """(distance, key) of every sound entry of `op` in one file's entries that may answer `problem`, closest
+    first (keys.key_distance, then the key)."""
+    near = []
+    for key, entry in entries.items():
+        if not key.startswith(op + "/"):
+            continue
+        shape_problem = entry_problem(key, entry)
+        if shape_problem:
+            warn_once(f"tilekit: ignoring entry {key} in {path}: {shape_problem}")
+            continue
+        distance = key_distance(problem, parse_key(key)[1], buckets, sizes)
+        if distance is not None:
+            near.append((distance, key))
+    return sorted(near)
+
+
 @dataclass(frozen=True)
 class Match:
     """A stored entry that answers a lookup, and how it was found."""
@@ -188,10 +205,22 @@ class Match:
     entry: dict
     layer: str           # "user" or "shipped"
     device_rule: str     # "exact-gpu" or "same-arch (<other GPU>)"
-    bucket_rule: str     # "exact" or "nearest (<key>)"
+    rule: str            # keys.RULES: "exact", "nearest bucket" or "nearest shape"
+    distance: tuple      # keys.key_distance from the problem: smaller is closer
+
+    @property
+    def exact(self) -> bool:
+        """The entry was tuned for this very key."""
+        return self.rule == EXACT
+
+    def rank(self) -> tuple:
+        """Smaller is better: a nearest shape last, then the own GPU before others of its arch, then the
+        closer key (the order TuningDB.lookup searches in)."""
+        return self.rule == NEAREST_SHAPE, self.device_rule != "exact-gpu", self.distance
 
     def describe(self) -> str:
-        return f"{self.layer} db, {self.device_rule}, {self.bucket_rule} bucket"
+        how = "exact bucket" if self.exact else f"{self.rule} ({self.key.partition('/')[2]})"
+        return f"{self.layer} db, {self.device_rule}, {how}"
 
 
 class DeviceFile:
@@ -332,38 +361,37 @@ class TuningDB:
         return None
 
     def lookup(self, op: str, problem: Mapping, device: DeviceInfo, buckets: Buckets,
-               usable: Callable[[str, dict], str | None]) -> Match | None:
-        """Best usable entry: exact GPU then same arch; exact bucket then nearest bucket.
+               usable: Callable[[str, dict], str | None], sizes: frozenset | set = frozenset(),
+               fits: Callable[[dict], bool] | None = None) -> Match | None:
+        """Best usable entry, by keys.key_distance: the exact key or the nearest bucket on the exact GPU,
+        then on another GPU of its arch; then the nearest shape (other `sizes` fields) likewise. Within
+        one GPU's file the closest key wins, the key string breaking ties.
 
         `usable(key, entry)` returns None for an entry this kernel may use, else why not
-        (entries.entry_reason is the rule).
+        (entries.entry_reason is the rule). `fits(config)` says whether a borrowed config (any rule
+        but exact) is valid for this problem; entries whose config does not fit are skipped.
         """
         own = self.file_for(device)
         tiers = [(own, "exact-gpu")] + [
             (f, f"same-arch ({f.path.stem})") for f in self.device_files(device.arch) if f.path != own.path]
-        for dfile, device_rule in tiers:
-            entries = dfile.read()
-            best: tuple[float, str] | None = None
-            for key, entry in entries.items():
-                if not key.startswith(op + "/"):
-                    continue
-                shape_problem = entry_problem(key, entry)
-                if shape_problem:
-                    warn_once(f"tilekit: ignoring entry {key} in {dfile.path}: {shape_problem}")
-                    continue
-                distance = bucket_distance(problem, parse_key(key)[1], buckets)
-                if distance is None or (best is not None and (distance, key) >= best):
-                    continue
-                why_not = usable(key, entry)
-                if why_not:
-                    warn_once(f"tilekit: not using {self.layer} entries of {dfile.path}: {why_not} "
-                              f"(`tilekit db verify` lists them)")
-                    continue
-                best = (distance, key)
-            if best is not None:
-                distance, key = best
-                rule = "exact" if distance == 0 else f"nearest ({key.partition('/')[2]})"
-                return Match(key, entries[key], self.layer, device_rule, rule)
+        ranked: dict[Path, tuple[dict, list]] = {}     # a file is read only when the search reaches it
+        for shape in (False, True):
+            for dfile, device_rule in tiers:
+                if dfile.path not in ranked:
+                    entries = dfile.read()
+                    ranked[dfile.path] = entries, _near(entries, dfile.path, op, problem, buckets, sizes)
+                entries, near = ranked[dfile.path]
+                for distance, key in near:
+                    if (RULES[distance[0]] == NEAREST_SHAPE) != shape:
+                        continue
+                    why_not = usable(key, entries[key])
+                    if why_not:
+                        warn_once(f"tilekit: not using {self.layer} entries of {dfile.path}: {why_not} "
+                                  f"(`tilekit db verify` lists them)")
+                        continue
+                    if distance[0] and fits is not None and not fits(entries[key]["config"]):
+                        continue
+                    return Match(key, entries[key], self.layer, device_rule, RULES[distance[0]], distance)
         return None
 
     def store(self, device: DeviceInfo, updates: Mapping[str, dict]) -> None:

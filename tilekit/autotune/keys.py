@@ -45,19 +45,35 @@ def parse_key(key: str) -> tuple[str, dict]:
     return op, problem
 
 
-def bucket_distance(a: Mapping, b: Mapping, buckets: Buckets) -> float | None:
-    """Log2 distance between two bucketed problems, or None when a non-bucketed field differs."""
+EXACT, NEAREST_BUCKET, NEAREST_SHAPE = "exact", "nearest bucket", "nearest shape"
+RULES = (EXACT, NEAREST_BUCKET, NEAREST_SHAPE)     # the lookup's rules, best first
+
+
+def key_distance(a: Mapping, b: Mapping, buckets: Buckets, sizes: frozenset | set = frozenset()) -> tuple | None:
+    """How far stored key fields `b` lie from a problem's key fields `a`, or None when one may not answer the other.
+
+    (rule index into RULES, log2 distance over the unbucketed size fields, log2 distance over the bucketed ones):
+    every field other than a size (bucketed fields and `sizes`) must be equal, and differing sizes must be positive
+    ints. Comparing these tuples orders answers exact, then nearest bucket (nearest first), then nearest shape
+    (nearest unbucketed sizes first, e.g. N and K, then the nearest bucket, e.g. M).
+    """
     if set(a) != set(b):
         return None
-    distance = 0.0
+    shape = bucket = 0.0
     for k in sorted(a):  # one summation order, so that the distance is symmetric
-        if k in buckets:
-            if not (isinstance(a[k], int) and isinstance(b[k], int) and a[k] > 0 and b[k] > 0):
-                return None
-            distance += abs(math.log2(a[k]) - math.log2(b[k]))
-        elif a[k] != b[k]:
+        if a[k] == b[k]:
+            continue
+        if k not in buckets and k not in sizes:
             return None
-    return distance
+        if not all(type(v) is int and v > 0 for v in (a[k], b[k])):
+            return None
+        d = abs(math.log2(a[k]) - math.log2(b[k]))
+        if k in buckets:
+            bucket += d
+        else:
+            shape += d
+    rule = 0 if shape == bucket == 0 else 1 if shape == 0 else 2
+    return rule, shape, bucket
 
 
 def pow2_bucket(n: int) -> int:

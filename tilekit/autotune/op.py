@@ -7,7 +7,8 @@ launch's grid and arguments follow from (problem, config). From that one declara
 * the launch path: `op(arrays, flags, scalars)` looks up a launch plan keyed by what validation
   depends on (dtype, shape, strides and device of every array, the flags). A hit goes straight to
   `ct.launch` with the prebuilt grid and constants. A miss validates (the op's `bind`), resolves the
-  config (user db -> shipped db -> default, steered by TILEKIT_AUTOTUNE) and builds the plan;
+  config (user db -> shipped db: exact key, nearest bucket, nearest shape -> default, steered by
+  TILEKIT_AUTOTUNE) and builds the plan;
 * the tuner's benchmark case and the ahead-of-time compile signatures, from the declared arrays;
 * the workload: under `recording()` every call records its problem, and calls with MetaArrays
   (a dry run of a model's step code) record without launching.
@@ -151,7 +152,7 @@ _tuning = _Tuning()
 def _stored_config(op: "Op", problem: Problem, device: DeviceInfo) -> Config | None:
     """The config another thread's tuning just stored for `problem` on `device`, if any."""
     found = op.resolve(problem, device, mode="cached")
-    return found.config if found.match is not None and found.match.bucket_rule == "exact" else None
+    return found.config if found.match is not None and found.match.exact else None
 
 
 class Plan:
@@ -197,8 +198,9 @@ class Op:
     optional: the public function's array arguments that may be None (the others must be arrays).
     bind(infos, flags): validates one call (raising errors that name the argument) -> Binding.
     choices: key fields that are not sizes -> the values a problem may give them (a tuple, or a range of ints;
-    dtype: the float dtypes unless given); every other key field is a size, a positive int. cli_defaults: values the command line
-    fills in for fields it was not given.
+    dtype: the float dtypes unless given); every other key field is a size, a positive int, which an untuned
+    problem may borrow a config across (the nearest-shape rule; choices must be equal). cli_defaults: values the
+    command line fills in for fields it was not given.
     """
 
     def __init__(self, name: str, *, args: tuple[str, ...], optional: tuple[str, ...] = (),
@@ -221,6 +223,7 @@ class Op:
         self.kernel = self.tuned_launch.kernel
         self.field_defaults = dict(cli_defaults or {})
         self.choices = {"dtype": arr.FLOAT_DTYPES, **(choices or {})}
+        self.sizes = frozenset(f for f in self.fields if f not in self.choices)   # what a nearest shape may change
         self._plans: dict[tuple, Plan] = {}
         self._generation = 0                  # bumped by forget(): a plan built before it is not kept
         self._hinted: dict[tuple, Any] = {}
@@ -383,11 +386,13 @@ class Op:
         if mode == "off":
             return Resolution(self.default(self.complete(problem)), "default")
         bucketed, key = self.problem_key(problem)
+        tuning = self.tuning_problem(problem)
         found = [m for db in store.layers()
                  if (m := db.lookup(self.name, bucketed, device, self.buckets,
-                                    lambda k, e, layer=db.layer: entry_reason(k, e, layer)))]
-        best = min(found, key=lambda m: (m.device_rule != "exact-gpu", m.bucket_rule != "exact"), default=None)
-        exact = best is not None and best.device_rule == "exact-gpu" and best.bucket_rule == "exact"
+                                    lambda k, e, layer=db.layer: entry_reason(k, e, layer), self.sizes,
+                                    lambda config: self.space.admits(config, tuning)))]
+        best = min(found, key=lambda m: m.rank(), default=None)   # on a tie, the user layer's
+        exact = best is not None and best.device_rule == "exact-gpu" and best.exact
         if mode == "auto" and not exact:
             try:
                 config = _tuning.tune(self, problem, key, device)

@@ -45,6 +45,10 @@ class SearchSpace:
         """Every configuration that the constraint admits for `problem`."""
         return [c for c in self if self.constraint is None or self.constraint(c, problem)]
 
+    def admits(self, config: Mapping, problem: Problem) -> bool:
+        """Whether `config` is one of candidates(problem): in the space and admitted by the constraint."""
+        return self.contains(config) and (self.constraint is None or bool(self.constraint(dict(config), problem)))
+
     def contains(self, config: Mapping) -> bool:
         """True when `config` names exactly this space's parameters with declared values."""
         return (isinstance(config, Mapping) and set(config) == set(self.params)

@@ -222,7 +222,9 @@ def decode_row(model, hf, preset: str, batch: int, copy_gbs: float, log=print) -
     from benchmarks.suites.model import decode_verdict
     config = model.config
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, (batch, PROMPT))    # _decode_generation's
-    gen = _decode_generation(model, batch)
+    first = time.perf_counter()
+    gen = _decode_generation(model, batch)            # compiles what precompiling missed, captures the graphs
+    first = time.perf_counter() - first
     tokens = np.stack(model.generate(prompt, NEW_TOKENS, temperature=0, eos_token_id=[]))   # its graphs replayed
     gen_ms = timing.wall_time(lambda: model.generate(prompt, NEW_TOKENS, temperature=0, eos_token_id=[]),
                               warmup=0, runs=3)["median_ms"] / NEW_TOKENS
@@ -235,7 +237,7 @@ def decode_row(model, hf, preset: str, batch: int, copy_gbs: float, log=print) -
     floor = (weights + cache) / (copy_gbs * 1e9) * 1e3
     row = dict(preset=preset, batch=batch, prompt=PROMPT, new_tokens=NEW_TOKENS, step_ms=step_ms,
                floor_ms=floor, pct_floor=100 * floor / step_ms, weight_bytes=weights, kv_bytes=cache,
-               routed_experts_per_layer=routed / moe_layers(config), generate_ms_per_token=gen_ms,
+               routed_experts_per_layer=routed / moe_layers(config), generate_ms_per_token=gen_ms, first_generate_s=first,
                anchor=None, anchor_ms_per_token=None, speedup=None, status="no anchor", note="")
     if hf is not None:
         row["anchor"] = anchor_label(hf)
@@ -261,7 +263,7 @@ def decode_row(model, hf, preset: str, batch: int, copy_gbs: float, log=print) -
             row["status"], row["note"] = "failed", f"anchor: {type(e).__name__}: {e}"
     log(f"decode {preset} B{batch:<3d} step {step_ms:7.3f} ms = {row['pct_floor']:4.0f}% of the {floor:.3f} ms floor "
         f"({weights / 1e9:.2f} GB weights, {row['routed_experts_per_layer']:.1f} routed experts/layer, "
-        f"{cache / 1e6:.1f} MB cache); generate {gen_ms:.3f} ms/token"
+        f"{cache / 1e6:.1f} MB cache); generate {gen_ms:.3f} ms/token (first call {first:.1f} s)"
         + (f"; {row['anchor']} {row['anchor_ms_per_token']:.3f} ms/token ({row['speedup']:.1f}x)"
            if row["speedup"] else f"; {row['status']}: {row['note']}"))
     model.forget_graphs()

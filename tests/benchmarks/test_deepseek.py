@@ -123,7 +123,7 @@ def test_gpu_every_row_at_a_tiny_config():
     pytest.importorskip("transformers")
     results, failed = bench.run(TINY, "tiny", [1, 2], 64)
     assert failed == 0, results
-    assert results["cache"]["values_per_token_layer"] == 32 + 16 and results["cache"]["ratio"] == 4 * 48 / 48
+    assert results["cache"]["values_per_token_layer"] == 32 + 16 and results["cache"]["ratio"] == 4 * (16 + 16 + 16) / 48
     for r in results["decode"]:
         assert r["status"] == "ok" and r["speedup"] > 0 and r["logits_error"] < 5e-2, r
         assert 0 < r["pct_floor"] and r["step_ms"] > 0 and r["generate_ms_per_token"] > 0

@@ -117,8 +117,9 @@ def _row_params(FP, IP, Positions, b):
 def next_token_scan_kernel(Logits, Seen, Out, Eos, FP, IP, Positions, CMax, CSum, CBestY, CBestZ, CBestI,
                            CCount, CKey, CandZ, CandI, CH: ct.Constant[int], KS: ct.Constant[int],
                            E: ct.Constant[int], PEN: ct.Constant[bool]):
-    """Chunk ct.bid(1) of row ct.bid(0): max and sum of exp of its scores; for a top-k row its local
-    k-th largest score key and its scores >= it in slots [c*KS, c*KS + KS); else its Gumbel-max draw."""
+    """Chunk ct.bid(1) of row ct.bid(0): max and sum of exp of its scores; for a top-k row a key with between
+    k and KS of its scores >= it (_select; INT_MIN when fewer than k are valid) and those scores in slots
+    [c*KS, c*KS + KS); else its Gumbel-max draw."""
     sync_with_previous_kernel()
     b = ct.bid(0)
     c = ct.bid(1)

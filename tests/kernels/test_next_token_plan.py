@@ -9,9 +9,10 @@ from tilekit.autotune.space import pow2_ceil
 from tilekit.kernels.next_token import MAX_SLOTS, NEXT_TOKEN, TILE_SLOTS, _bench_rows, candidate_slots
 
 
-@pytest.mark.parametrize("top_ks, slots", [([], 0), ([0, 0], 0), ([1], 16), ([16], 16), ([17], 32), ([50], 64),
-                                           ([50, 64, 0], 64), ([65], 128), ([256], 256), ([300], MAX_SLOTS)])
-def test_slots_per_chunk_are_the_largest_k_as_a_power_of_two(top_ks, slots):
+@pytest.mark.parametrize("top_ks, slots", [([], 0), ([0, 0], 0), ([1], 16), ([14], 16), ([15], 32), ([16], 32),
+                                           ([50], 64), ([50, 40, 0], 64), ([56], 64), ([57], 128), ([64], 128),
+                                           ([200], 256), ([256], 256), ([300], MAX_SLOTS)])
+def test_slots_per_chunk_are_a_power_of_two_with_room_for_ties_above_the_largest_k(top_ks, slots):
     assert candidate_slots(top_ks) == slots
 
 

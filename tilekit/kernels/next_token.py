@@ -15,7 +15,7 @@ bits, so a token more than ~19 nats below the best never wins (its probability i
 
 Three kernels, no sort. `scan` (batch x vocabulary chunks) processes the logits and keeps per chunk
 the max and sum of exp; for a top-k row it finds a bound of the chunk's scores with between k and KS
-(= pow2(k)) scores above it (a few bisection passes on the score; at the latest the chunk's own k-th
+(candidate_slots: a power of two a little above k) scores above it (a few bisection passes on the score; at the latest the chunk's own k-th
 largest) and copies those scores into fixed candidate slots: every token of the global top-k is above
 the largest of these bounds, and every score above it is a candidate. For any other row it keeps the
 chunk's Gumbel-max draw. `check` (only when a row has top-p without top-k) sums the mass above that
@@ -229,7 +229,7 @@ def _value(key):
 def _select(Logits, Seen, Out, Eos, cand, b, M, rep, pres, freq, inv_t, banned, k, W, NT, CH: ct.Constant[int],
             E: ct.Constant[int], PEN: ct.Constant[bool], FULL: ct.Constant[bool]):
     """A key t of the row's NT tiles (see _tile) with k <= (valid keys >= t) <= W, or else the k-th largest
-    valid key (INT_MIN when fewer than k are valid, or when k > W: no t exists then).
+    valid key; INT_MIN when fewer than k are valid; the smallest valid key when k > W (no such t exists).
 
     Bisection on the score between two valid keys, lo (at least k keys >= it) and hi - 1 (fewer than k above
     it): each pass counts the keys >= the midpoint and snaps lo up to the smallest key above it or hi down to
@@ -525,11 +525,12 @@ NEXT_TOKEN = Op(
 
 
 def candidate_slots(top_ks) -> int:
-    """The candidate slots per chunk for rows with these top_k values (0 for none): the largest k (a chunk
-    holds at most k of the row's top k) as a power of two in 16..MAX_SLOTS; rows with a larger k take the
-    exact whole-row path."""
+    """The candidate slots per chunk for rows with these top_k values (0 for none): a power of two in
+    16..MAX_SLOTS above the largest k (a chunk holds at most k of the row's top k) by at least k / 8 + 1, so
+    that a chunk whose bound lands on tied scores rarely overflows its slots (bf16 logits tie often; an
+    overflow runs the exact whole-row path). Rows with a larger k take that path."""
     k = max((int(v) for v in top_ks), default=0)
-    return 0 if k <= 0 else min(MAX_SLOTS, max(16, pow2_ceil(k)))
+    return 0 if k <= 0 else min(MAX_SLOTS, max(16, pow2_ceil(k + k // 8 + 1)))
 
 
 def next_token(logits, fparams, iparams, eos, tokens, positions, history, finished, *, seen=None, out_counts=None,

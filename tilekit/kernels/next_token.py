@@ -231,10 +231,10 @@ def _select(Logits, Seen, Out, Eos, cand, b, M, rep, pres, freq, inv_t, banned, 
     """A key t of the row's NT tiles (see _tile) with k <= (valid keys >= t) <= W, or else the k-th largest
     valid key; INT_MIN when fewer than k are valid; the smallest valid key when k > W (no such t exists).
 
-    Bisection on the score between two valid keys, lo (at least k keys >= it) and hi - 1 (fewer than k above
-    it): each pass counts the keys >= the midpoint and snaps lo up to the smallest key above it or hi down to
-    the largest key below it, and stops once the count lies in [k, W]. The interval shrinks every pass, so it
-    ends, at the latest, at the exact k-th largest key; with W = k it always returns that key."""
+    Bisection on the score between lo, a valid key with at least k keys >= it, and hi, a bound with fewer
+    than k: each pass counts the keys >= the midpoint, then snaps lo up to the smallest key above the
+    midpoint or moves hi down to it, and stops once the count lies in [k, W]. The interval shrinks every
+    pass, so it ends, at the latest, at the exact k-th largest key; with W = k it always returns that key."""
     n = ct.full((), 0, ct.int32)
     lo = ct.full((), INT_MAX, ct.int32)
     hi = ct.full((), INT_MIN, ct.int32)
@@ -251,17 +251,15 @@ def _select(Logits, Seen, Out, Eos, cand, b, M, rep, pres, freq, inv_t, banned, 
         mid = ct.minimum(ct.maximum(middle, lo + 1), hi - 1)
         count = ct.full((), 0, ct.int32)
         above = ct.full((), INT_MAX, ct.int32)
-        below = ct.full((), INT_MIN, ct.int32)
         for t in range(NT):
             z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
                                           CH, E, PEN, FULL)
             up = valid & (key >= mid)
             count = count + ct.sum(ct.where(up, 1, 0))
             above = ct.minimum(above, ct.min(ct.where(up, key, INT_MAX)))
-            below = ct.maximum(below, ct.max(ct.where(valid & (key < mid), key, INT_MIN)))
         ok = count >= k
         lo = ct.where(ok, above, lo)
-        hi = ct.where(ok, ct.where(count <= W, above + 1, hi), below + 1)
+        hi = ct.where(ok, ct.where(count <= W, above + 1, hi), mid)
     return lo
 
 

@@ -139,3 +139,20 @@ def test_auto_mode_through_public_ops_in_process(isolated_cache, monkeypatch):
     assert_close(host(y), layer_norm_reference(host(x), host(w), host(b)), TOL["float32"], "auto layer_norm")
     r = LAYER_NORM.resolve(dict(dtype="float32", M=777, N=333, gather=0, fixed=0), device_info())
     assert r.source == "user" and r.match.exact
+
+
+def test_an_op_tuned_whole_times_all_its_launches(isolated_cache):
+    """next_token (tune_whole): every candidate is measured over scan and finish together, and a sampled key's
+    time exceeds the scan alone of the same config."""
+    import cuda.tile as ct
+
+    from tilekit.autotune.space import split_hints
+    from tilekit.kernels.next_token import NEXT_TOKEN
+    problem = NEXT_TOKEN.tuning_problem(dict(dtype="bfloat16", B=1, V=50257, pen=0, KS=64, check=0))
+    result = tune(NEXT_TOKEN, problem)
+    assert result.measured == result.candidates and NEXT_TOKEN.space.contains(result.config)
+    case = NEXT_TOKEN.bench_case(problem)
+    assert [k for k, _, _ in case.launches(result.config)][0] is NEXT_TOKEN.hinted(result.config)
+    scan = ct.tune.exhaustive_search([result.config], cupy.cuda.get_current_stream(), case.grid, NEXT_TOKEN.kernel,
+                                     case.args, lambda c: split_hints(c)[1], quiet=True)
+    assert result.time_us > scan.best.mean_us

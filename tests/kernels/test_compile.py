@@ -40,6 +40,7 @@ PROBLEMS = {
     "write_kv": [dict(dtype="bfloat16", B=8, H=12, T=1024, capacity=1024, D=64),
                  dict(dtype="float32", B=1, H=2, T=1, capacity=100, D=80)],
     "next_token": [dict(dtype="bfloat16", B=8, V=128256, pen=1, KS=128, check=1, E=2),
+                   dict(dtype="bfloat16", B=1, V=50257, pen=0, KS=64, check=0, E=1),
                    dict(dtype="float32", B=1, V=1031, pen=0, KS=0, check=0)],
     "moe_router": [dict(dtype="bfloat16", M=1, E=64, C=2048, K=6, shared=2, renorm=0),
                    dict(dtype="bfloat16", M=8192, E=160, C=5120, K=6, shared=2, renorm=1),

@@ -90,20 +90,21 @@ COMBOS = [  # temperature, top_k, top_p, min_p, repetition, presence, frequency:
 ]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_sampled_tokens_stay_in_the_kept_set_and_follow_its_softmax(dtype):
+def check_sampling(logits, combos, reps, draws, label):
+    """Draw `draws` tokens for `reps` rows of each combo on its own logits row (the same penalties every draw):
+    every token within the reference's kept set, frequencies within chi-square at 1e-4 of its softmax."""
     import cupy
 
-    from tilekit.kernels.checks import host, rand
+    from tilekit.kernels.checks import host
     from tilekit.kernels.next_token import next_token_reference
-    V, reps, draws = 3001, 4, 1500
-    B = len(COMBOS) * reps
-    logits = cupy.repeat(rand((len(COMBOS), V), dtype, 1.5), reps, axis=0)
+    V = logits.shape[1]
+    B = len(combos) * reps
+    logits = cupy.repeat(logits, reps, axis=0)
     rng = np.random.default_rng()
-    seen_rows = rng.integers(0, 2, (len(COMBOS), V)).astype(np.int32)
+    seen_rows = rng.integers(0, 2, (len(combos), V)).astype(np.int32)
     seen = cupy.asarray(np.repeat(seen_rows, reps, axis=0))
     out_counts = seen.copy()
-    rows = [(*c, 0, int(rng.integers(1 << 30))) for c in COMBOS for _ in range(reps)]
+    rows = [(*c, 0, int(rng.integers(1 << 30))) for c in combos for _ in range(reps)]
     ref, fp, ip = params(rows)
     ref_z = next_token_reference(host(logits), host(seen), host(out_counts), ref, np.zeros(B, bool), [-1])
     kept = ref_z > -np.inf
@@ -112,10 +113,10 @@ def test_sampled_tokens_stay_in_the_kept_set_and_follow_its_softmax(dtype):
         seen_before, out_before = seen.copy(), out_counts.copy()   # the same penalties for every draw
         run(logits, fp, ip, [-1], state, seen=seen_before, out_counts=out_before)
     samples = host(state.history)[:, 1:draws + 1]
-    for i, combo in enumerate(COMBOS):
+    for i, combo in enumerate(combos):
         got = samples[i * reps:(i + 1) * reps].ravel()
         keep = kept[i * reps]
-        assert keep[got].all(), f"{combo}: tokens outside the kept set: {sorted(set(got[~keep[got]]))[:10]}"
+        assert keep[got].all(), f"{combo} {label}: tokens outside the kept set: {sorted(set(got[~keep[got]]))[:10]}"
         z = ref_z[i * reps]
         p = np.where(keep, np.exp(z - z[keep].max()), 0.0)
         p /= p.sum()
@@ -129,7 +130,33 @@ def test_sampled_tokens_stay_in_the_kept_set_and_follow_its_softmax(dtype):
         e, o = (e, o) if e[-1] >= 5 else (e[:-1], o[:-1])
         stat = float(((o - e) ** 2 / e).sum())
         df = max(1, len(e) - 1)
-        assert stat < chi2_limit(df), f"{combo} {dtype}: chi-square {stat:.1f} over {df} dof"
+        assert stat < chi2_limit(df), f"{combo} {label}: chi-square {stat:.1f} over {df} dof"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_sampled_tokens_stay_in_the_kept_set_and_follow_its_softmax(dtype):
+    from tilekit.kernels.checks import rand
+    check_sampling(rand((len(COMBOS), 3001), dtype, 1.5), COMBOS, 4, 1500, dtype)
+
+
+def test_tied_scores_keep_the_top_k_and_top_p_sets_exact():
+    """Logits on a coarse grid: many tokens tie at the k-th score and at the top-p cut (HF keeps the ties of the
+    k-th score); ties past a chunk's slots take the whole-row path."""
+    import cupy
+    rng = np.random.default_rng()
+    logits = cupy.asarray((np.round(rng.standard_normal((4, 3001)) * 2) / 2).astype(np.float32))
+    combos = [(1.0, 50, 1.0, 0, 1.0, 0, 0), (0.8, 50, 0.95, 0, 1.0, 0, 0), (1.0, 10, 0.5, 0, 1.0, 0, 0),
+              (0.7, 16, 1.0, 0.3, 1.0, 0, 0)]
+    check_sampling(logits, combos, 4, 1200, "tied float32")
+
+
+@pytest.mark.parametrize("top_k", [50, 256])
+def test_top_k_over_a_large_vocabulary_within_the_candidate_bound(top_k):
+    """Llama's vocabulary: k = 50 fills a 2048-slot candidate tile (32 chunks x 64), k = 256 the fewest slots
+    8192-wide chunks allow; both stay exact."""
+    from tilekit.kernels.checks import rand
+    combos = [(0.8, top_k, 0.95, 0, 1.0, 0, 0), (1.2, top_k, 1.0, 0, 1.1, 0.2, 0)]
+    check_sampling(rand((2, 128256), "bfloat16", 2.0), combos, 3, 600, f"V128256 k{top_k}")
 
 
 def test_same_seed_same_tokens_eager_and_graph():

@@ -45,7 +45,7 @@ class ArraySpec:
     role: str = "in"                         # in | out | absent (placeholder) | scratch | zeros (scratch)
     high: int | None = None                  # integer inputs: benchmark values in [0, high)
     fill: int | None = None                  # integer inputs: benchmark value everywhere
-    values: tuple[int, ...] | None = None    # integer inputs: the benchmark's exact contents (e.g. offsets)
+    values: tuple | None = None              # inputs: the benchmark's exact contents (offsets, parameters)
     aligned16: bool = True                   # allocations are 256-byte aligned
 
     def element_strides(self) -> tuple[int, ...]:

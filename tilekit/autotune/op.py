@@ -95,6 +95,7 @@ class BenchCase:
 
     grid: Callable[[Config], tuple]
     args: Callable[[Config], tuple]
+    launches: Callable[[Config], list] | None = None   # tune_whole ops: [(kernel, grid, args)] of every launch
 
 
 _ARRAY, _VIEW, _FIXED, _WORK, _SCALAR = range(5)
@@ -201,6 +202,8 @@ class Op:
     dtype: the float dtypes unless given); every other key field is a size, a positive int, which an untuned
     problem may borrow a config across (the nearest-shape rule; choices must be equal). cli_defaults: values the
     command line fills in for fields it was not given.
+    tune_whole: the tuner times every launch of a config in order (the op's whole cost), not the hinted one
+    alone; for ops whose later launches' work depends on the config.
     """
 
     def __init__(self, name: str, *, args: tuple[str, ...], optional: tuple[str, ...] = (),
@@ -210,7 +213,8 @@ class Op:
                  bind: Callable[[list, tuple], Binding], scratch: Callable | None = None,
                  scalars: Callable[[Problem], dict] | None = None,
                  extras: Mapping[str, Callable[[Problem], Any]] | None = None,
-                 choices: Mapping[str, tuple] | None = None, cli_defaults: Mapping | None = None):
+                 choices: Mapping[str, tuple] | None = None, cli_defaults: Mapping | None = None,
+                 tune_whole: bool = False):
         self.name, self.args, self.bind = name, tuple(args), bind
         self.required = tuple(a not in optional for a in args)
         self.fields = tuple(key)
@@ -219,6 +223,7 @@ class Op:
         self.space, self.default = space, default
         self.arrays, self.scratch, self.scalars = arrays, scratch, scalars
         self.launches = tuple(launches)
+        self.tune_whole = tune_whole
         (self.tuned_launch,) = [launch for launch in self.launches if launch.hinted]
         self.kernel = self.tuned_launch.kernel
         self.field_defaults = dict(cli_defaults or {})
@@ -441,18 +446,24 @@ class Op:
         import cupy
         p = self.complete(problem)
         device, rng, launch = cupy.cuda.runtime.getDevice(), cupy.random.default_rng(), self.tuned_launch
-        values = {n: arr.bench_array(s, device, rng) for n, s in self.arrays(p).items() if n in launch.args}
+        used = {n for each in (self.launches if self.tune_whole else (launch,)) for n in each.args}
+        values = {n: arr.bench_array(s, device, rng) for n, s in self.arrays(p).items() if n in used}
         values.update(self.scalars(p) if self.scalars else {})
         work: dict[tuple, object] = {}
 
-        def args(c: Config) -> tuple:
+        def args(c: Config, each: Launch = launch) -> tuple:
             for n, s in (self.scratch(p, c) if self.scratch else {}).items():
                 if (n, s) not in work:
                     work[n, s] = arr.bench_array(s, device, rng)
                 values[n] = work[n, s]
-            return tuple(values[n] for n in launch.args) + tuple(launch.constants(p, c))
+            return tuple(values[n] for n in each.args) + tuple(each.constants(p, c))
 
-        return BenchCase(grid=lambda c: tuple(launch.grid(p, c)), args=args)
+        def launches(c: Config) -> list:
+            return [(self.hinted(c) if each.hinted else each.kernel, tuple(each.grid(p, c)), args(c, each))
+                    for each in self.launches if 0 not in tuple(each.grid(p, c))]
+
+        return BenchCase(grid=lambda c: tuple(launch.grid(p, c)), args=args,
+                         launches=launches if self.tune_whole else None)
 
     def compile_args(self, problem: Problem, config: Config) -> list[tuple[Any, tuple]]:
         """(kernel, arguments with ArraySpecs for arrays) of every launch, for export_kernel."""

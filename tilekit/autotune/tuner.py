@@ -98,9 +98,12 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
             continue
         notify("measure", op=op.name, key=key, n=len(configs), index=i, count=len(plans))
         case = op.bench_case(bucketed)
-        found = ct.tune.exhaustive_search(
-            configs, stream, case.grid, op.kernel, case.args,
-            lambda c: split_hints(c)[1], quiet=True)
+        if case.launches is not None:
+            found = measure_launches(configs, stream, case.launches)
+        else:
+            found = ct.tune.exhaustive_search(
+                configs, stream, case.grid, op.kernel, case.args,
+                lambda c: split_hints(c)[1], quiet=True)
         stream.synchronize()
         timings = {_freeze(m.config): m.mean_us for m in found.successes}
         best = dict(found.best.config)
@@ -115,6 +118,46 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
         notify("tuned", result=result)
         results.append(result)
     return results
+
+
+def measure_launches(configs: Sequence[Config], stream, launches: Callable, samples: int = 30, warmup: int = 3):
+    """exhaustive_search's result for ops tuned whole (Op.tune_whole): each config's launches(config), a list of
+    (kernel, grid, args), run in order and timed together between two events, L2 flushed before each sample;
+    the mean of `samples` after `warmup` runs. A config that fails to launch is a failure, as there."""
+    import math
+
+    import cupy
+    import cuda.tile as ct
+    from cuda.tile.tune import Measurement, TuningResult
+
+    flush = cupy.empty(64 << 20, cupy.int32)        # 256 MiB: more than any L2
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    successes, failures = [], []
+    for config in configs:
+        try:
+            recipe = launches(config)
+            times = []
+            for i in range(warmup + samples):
+                flush.fill(i)
+                start.record(stream)
+                for kernel, grid, args in recipe:
+                    ct.launch(stream, grid, kernel, args)
+                end.record(stream)
+                end.synchronize()
+                if i >= warmup:
+                    times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
+        except Exception as e:  # noqa: BLE001  (a candidate that cannot run is reported, as exhaustive_search does)
+            failures.append((config, type(e), str(e)))
+            continue
+        mean = sum(times) / len(times)
+        spread = math.sqrt(sum((t - mean) ** 2 for t in times) / (len(times) - 1) / len(times))
+        successes.append(Measurement(config=config, mean_us=mean, error_margin_us=1.96 * spread,
+                                     num_samples=len(times)))
+    if not successes:
+        config, kind, message = failures[0]
+        raise ValueError(f"no config ran: {config}: {kind.__name__}: {message}")
+    return TuningResult(best=min(successes, key=lambda m: m.mean_us), successes=tuple(successes),
+                        failures=tuple(failures))
 
 
 def _freeze(config: dict) -> tuple:

@@ -138,7 +138,9 @@ def default_config(p: dict) -> dict:
     # Aim for about two programs per SM on a 132-SM GPU.
     per_seq = max(1, 264 // max(1, p["B"] * p["Hkv"]))
     chunk = max(256, pow2_ceil(math.ceil(p["capacity"] / per_seq)))
-    return dict(BN=128, CHUNK=min(2048, chunk), occupancy=4)
+    # fp32 products run on FMA units with the tiles in registers: 64-key tiles spill less (sm_90 D64: 1.9 KB a
+    # thread against 2.5 KB at 128; docs/results/fp32-tiles-sm90.txt)
+    return dict(BN=64 if p["dtype"] == "float32" else 128, CHUNK=min(2048, chunk), occupancy=4)
 
 
 def _splits(p: dict, c: dict) -> int:

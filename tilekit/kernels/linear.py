@@ -144,8 +144,8 @@ def default_config(p: dict) -> dict:
     docs/results/linear-default-h100.txt.)"""
     m = pow2_ceil(p["M"])
     plain = dict(GROUP_M=8, SPLIT_K=1, PERSISTENT=0, occupancy=1, num_ctas=1, num_worker_warps=0)
-    if m >= 128 and p["dtype"] == "float32":
-        return dict(plain, TM=128, TN=128, TK=64)
+    if p["dtype"] == "float32":
+        return _fp32_default(p, m, plain)
     if m >= 128:
         wide = [dict(plain, TM=128, TN=256, TK=32, PERSISTENT=1, num_worker_warps=8)] if m >= 1024 else []
         fitting = wide + [c for tm, tn, tk in WAVE_TILES if _fits(c := dict(plain, TM=tm, TN=tn, TK=tk), p)]
@@ -154,6 +154,21 @@ def default_config(p: dict) -> dict:
     # Few rows: a GEMV in disguise, bound by how fast W streams in; narrow tiles give more programs.
     return dict(TM=max(16, m), TN=32, TK=128, GROUP_M=8, SPLIT_K=1, PERSISTENT=0, occupancy=1, num_ctas=1,
                 num_worker_warps=0)
+
+
+def _fp32_default(p: dict, m: int, plain: dict) -> dict:
+    """fp32 products run on FMA units, not tensor cores (tileiras: "MMA operation failed to optimize to use
+    Tensor Cores"), and the operand and accumulator tiles live in registers: at 128x128x64 each thread
+    spills 6.7 KB to local memory (sm_90 cubins), at 16x32x128 (the few-row default) 0.1-1 KB. Spill-free or
+    nearly so (docs/results/fp32-tiles-sm90.txt): K steps of 32; many rows 64x64 with two warpgroups (0.2 KB,
+    16 KB of operands per step); few rows 16 x 32 (none), split over K until about two programs per SM."""
+    if m >= 128:
+        return dict(plain, TM=64, TN=64, TK=32, num_worker_warps=8)
+    tiles, k_tiles = ct.cdiv(p["N"], 32), ct.cdiv(p["K"], 32)
+    split = 1
+    while split < 8 and 2 * split <= k_tiles and tiles * split < 2 * MIN_TILES:
+        split *= 2
+    return dict(plain, TM=max(16, m), TN=32, TK=32, SPLIT_K=split)
 
 
 def _arrays(p: dict) -> dict:

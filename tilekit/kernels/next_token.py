@@ -14,15 +14,18 @@ token): the same seed gives the same tokens, run to run and graph or eager. The 
 bits, so a token more than ~19 nats below the best never wins (its probability is below 6e-9).
 
 Three kernels, no sort. `scan` (batch x vocabulary chunks) processes the logits and keeps per chunk
-the max and sum of exp; for a top-k row it finds the chunk's own k-th largest score by bisection and
-copies the chunk's scores >= it into fixed candidate slots (every token of the global top-k is in
-its chunk's local top-k); for any other row it keeps the chunk's Gumbel-max draw. `check` (only when
-a row has top-p without top-k) sums the mass above that row's draw. `finish` (one program per row)
-resolves a top-k row exactly from its candidates (bisection for the k-th score and the top-p cut,
-min-p, then a Gumbel-max draw among the kept candidates), accepts or rejects a top-p / min-p row's
-draw (rejection: the kept set is an upper set, so the next draw is from the scores above the
-rejected one, which leaves the distribution exact), and writes the token. Rare cases (a chunk's
-candidates overflow their slots; a rejected draw) run exactly over the whole row in that program.
+the max and sum of exp; for a top-k row it finds a bound of the chunk's scores with between k and KS
+(candidate_slots: a power of two a little above k) scores above it (a few bisection passes on the score; at the latest the chunk's own k-th
+largest) and copies those scores into fixed candidate slots: every token of the global top-k is above
+the largest of these bounds, and every score above it is a candidate. For any other row it keeps the
+chunk's Gumbel-max draw. `check` (only when a row has top-p without top-k) sums the mass above that
+row's draw. `finish` (one program per row) resolves a top-k row exactly from its candidates (at most
+TILE_SLOTS of them where the vocabulary allows): the k-th score by the same bisection, min-p, then a
+Gumbel-max draw among the kept candidates, with top-p by rejection; it accepts or rejects a top-p /
+min-p row's draw (rejection: the kept set is an upper set, so the next draw is from the scores above
+the rejected one, which leaves the distribution exact), and writes the token. Rare cases (a chunk's
+candidates overflow their slots, as ties may make them; a rejected draw) run exactly over the whole row
+in that program. Greedy rows do none of the sampling work.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ FLOAT_PARAMS = 6         # inverse temperature, top_p, log(min_p), repetition, p
 INT_PARAMS = 4           # sample (0: greedy), top_k (0: off), eos banned below this position, seed
 MAX_EOS = 32
 MAX_SLOTS = 256          # candidate slots per chunk: top_k up to this stays on the fast path
+TILE_SLOTS = 2048        # candidate slots of a row (chunks x slots per chunk), where the vocabulary allows
 
 
 @ct.function
@@ -102,20 +106,6 @@ def _scores(Logits, Seen, Out, Eos, b, t, T, rep, pres, freq, inv_t, banned, E, 
 
 
 @ct.function
-def _kth_key(key, valid, k):
-    """Largest t with at least k valid keys >= t (INT_MIN when fewer than k are valid): 32 halvings."""
-    lo = ct.full((), INT_MIN, ct.int64)
-    hi = ct.full((), INT_MAX, ct.int64)
-    for _ in range(32):
-        mid = (lo + hi + 1) >> 1
-        count = ct.sum(ct.where(valid & (key >= mid.astype(ct.int32)), 1, 0))
-        ok = count >= k
-        lo = ct.where(ok, mid, lo)
-        hi = ct.where(ok, hi, mid - 1)
-    return lo.astype(ct.int32)
-
-
-@ct.function
 def _row_params(FP, IP, Positions, b):
     """The row's parameters (see FLOAT_PARAMS, INT_PARAMS) and its newest position."""
     return (ct.gather(FP, (b, 0)), ct.gather(FP, (b, 1)), ct.gather(FP, (b, 2)), ct.gather(FP, (b, 3)),
@@ -127,8 +117,9 @@ def _row_params(FP, IP, Positions, b):
 def next_token_scan_kernel(Logits, Seen, Out, Eos, FP, IP, Positions, CMax, CSum, CBestY, CBestZ, CBestI,
                            CCount, CKey, CandZ, CandI, CH: ct.Constant[int], KS: ct.Constant[int],
                            E: ct.Constant[int], PEN: ct.Constant[bool]):
-    """Chunk ct.bid(1) of row ct.bid(0): max and sum of exp of its scores; for a top-k row its local
-    k-th largest score key and its scores >= it in slots [c*KS, c*KS + KS); else its Gumbel-max draw."""
+    """Chunk ct.bid(1) of row ct.bid(0): max and sum of exp of its scores; for a top-k row a key with between
+    k and KS of its scores >= it (_select; INT_MIN when fewer than k are valid) and those scores in slots
+    [c*KS, c*KS + KS); else its Gumbel-max draw."""
     sync_with_previous_kernel()
     b = ct.bid(0)
     c = ct.bid(1)
@@ -141,7 +132,8 @@ def next_token_scan_kernel(Logits, Seen, Out, Eos, FP, IP, Positions, CMax, CSum
     if KS > 0 and (sample != 0) & (top_k > 0):
         key = _key(z)
         valid = (idx < Logits.shape[1]) & (z > -math.inf)
-        kth = _kth_key(key, valid, top_k)
+        kth = _select(Logits, Seen, Out, Eos, (z, key, idx, valid, z), b, m, rep, pres, freq, inv_t, False, top_k,
+                      KS, 1, CH, E, PEN, False)
         keep = valid & (key >= kth)
         kept = ct.where(keep, 1, 0)
         rank = ct.cumsum(kept, axis=1) - 1
@@ -228,58 +220,91 @@ def _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
 
 
 @ct.function
-def _kept_draw(Logits, Seen, Out, Eos, cand, b, M, top_k, top_p, log_min_p, stream, rep, pres, freq, inv_t,
+def _value(key):
+    """The float32 score whose _key is key."""
+    return ct.bitcast(ct.where(key < 0, key ^ 0x7FFFFFFF, key), ct.float32)
+
+
+@ct.function
+def _select(Logits, Seen, Out, Eos, cand, b, M, rep, pres, freq, inv_t, banned, k, W, NT, CH: ct.Constant[int],
+            E: ct.Constant[int], PEN: ct.Constant[bool], FULL: ct.Constant[bool]):
+    """A key t of the row's NT tiles (see _tile) with k <= (valid keys >= t) <= W, or else the k-th largest
+    valid key; INT_MIN when fewer than k are valid; the smallest valid key when k > W (no such t exists).
+
+    Bisection on the score between lo, a valid key with at least k keys >= it, and hi, a bound with fewer
+    than k: each pass counts the keys >= the midpoint, then snaps lo up to the smallest key above the
+    midpoint or moves hi down to it, and stops once the count lies in [k, W]. The interval shrinks every
+    pass, so it ends, at the latest, at the exact k-th largest key; with W = k it always returns that key."""
+    n = ct.full((), 0, ct.int32)
+    lo = ct.full((), INT_MAX, ct.int32)
+    hi = ct.full((), INT_MIN, ct.int32)
+    for t in range(NT):
+        z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
+                                      CH, E, PEN, FULL)
+        n = n + ct.sum(ct.where(valid, 1, 0))
+        lo = ct.minimum(lo, ct.min(ct.where(valid, key, INT_MAX)))
+        hi = ct.maximum(hi, ct.max(ct.where(valid, key, INT_MIN)) + 1)
+    go = (n >= k) & (k <= W)
+    lo = ct.where(n >= k, lo, INT_MIN)
+    while go & (lo + 1 < hi):
+        middle = _key(0.5 * _value(lo) + 0.5 * _value(hi - 1))
+        mid = ct.minimum(ct.maximum(middle, lo + 1), hi - 1)
+        count = ct.full((), 0, ct.int32)
+        above = ct.full((), INT_MAX, ct.int32)
+        for t in range(NT):
+            z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
+                                          CH, E, PEN, FULL)
+            up = valid & (key >= mid)
+            count = count + ct.sum(ct.where(up, 1, 0))
+            above = ct.minimum(above, ct.min(ct.where(up, key, INT_MAX)))
+        ok = count >= k
+        lo = ct.where(ok, above, lo)
+        hi = ct.where(ok, ct.where(count <= W, above + 1, hi), mid)
+    return lo
+
+
+@ct.function
+def _kept_draw(Logits, Seen, Out, Eos, cand, b, M, top_k, top_p, log_min_p, seed, pos, rep, pres, freq, inv_t,
                banned, NT, CH: ct.Constant[int], E: ct.Constant[int], PEN: ct.Constant[bool],
                FULL: ct.Constant[bool]):
-    """Exact top-k / top-p / min-p of a row over its NT tiles (see _tile), then the Gumbel-max draw
-    among the kept tokens: returns the token."""
-    kth = ct.full((), INT_MIN, ct.int32)
-    if top_k > 0:   # the k-th largest key: bisection, counting over every tile
-        lo = ct.full((), INT_MIN, ct.int64)
-        hi = ct.full((), INT_MAX, ct.int64)
-        for _ in range(32):
-            mid = (lo + hi + 1) >> 1
-            count = ct.full((), 0, ct.int32)
-            for t in range(NT):
-                z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
-                                              CH, E, PEN, FULL)
-                count = count + ct.sum(ct.where(valid & (key >= mid.astype(ct.int32)), 1, 0))
-            ok = count >= top_k
-            lo = ct.where(ok, mid, lo)
-            hi = ct.where(ok, hi, mid - 1)
-        kth = lo.astype(ct.int32)
-    cut = kth
-    if top_p < 1.0:   # the smallest key whose strictly larger mass within the top-k is < top_p of it
-        mass = ct.full((), 0.0, ct.float32)
+    """Exact top-k / top-p / min-p of a row over its NT tiles (see _tile), then the Gumbel-max draw among the
+    kept tokens: returns the token. Top-k and min-p are one key bound; top-p by rejection: a draw from the
+    tokens above the bound is kept when the mass strictly above it is < top_p of the top-k mass, else the
+    next round draws from the keys above it (the kept set is an upper set: the result stays exact)."""
+    kth = _select(Logits, Seen, Out, Eos, cand, b, M, rep, pres, freq, inv_t, banned, top_k, top_k, NT, CH, E, PEN,
+                  FULL)
+    mass = ct.full((), 0.0, ct.float32)
+    if top_p < 1.0:
         for t in range(NT):
             z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
                                           CH, E, PEN, FULL)
             mass = mass + ct.sum(ct.where(key >= kth, e, 0.0))
-        bound = top_p * mass
-        lo = ct.full((), INT_MIN, ct.int64)
-        hi = ct.full((), INT_MAX, ct.int64)
-        for _ in range(32):
-            mid = (lo + hi) >> 1
-            above = ct.full((), 0.0, ct.float32)
+    cut = ct.maximum(kth, _key(M + log_min_p))
+    token = ct.full((), 0, ct.int32)
+    rejected = ct.full((), 1, ct.int32)
+    rnd = ct.full((), 0, ct.int32)
+    while (rejected != 0) & (rnd < MAX_ROUNDS):
+        stream = _stream(seed, pos, rnd.astype(ct.uint32))
+        best_y = ct.full((), -math.inf, ct.float32)
+        best_key = ct.full((), INT_MIN, ct.int32)
+        for t in range(NT):
+            z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
+                                          CH, E, PEN, FULL)
+            y = ct.where(valid & (key >= cut), z + _gumbel(idx, stream), -math.inf)
+            best, first = _first_max(y, idx)
+            better = best > best_y
+            token = ct.where(better, first, token)
+            best_key = ct.where(better, ct.max(ct.where((idx == first) & (y == best), key, INT_MIN)), best_key)
+            best_y = ct.where(better, best, best_y)
+        above = ct.full((), 0.0, ct.float32)
+        if top_p < 1.0:
             for t in range(NT):
                 z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
                                               CH, E, PEN, FULL)
-                above = above + ct.sum(ct.where((key > mid.astype(ct.int32)) & (key >= kth), e, 0.0))
-            ok = above < bound
-            hi = ct.where(ok, mid, hi)
-            lo = ct.where(ok, lo, mid + 1)
-        cut = ct.maximum(cut, hi.astype(ct.int32))
-    cut = ct.maximum(cut, _key(M + log_min_p))
-    best_y = ct.full((), -math.inf, ct.float32)
-    token = ct.full((), 0, ct.int32)
-    for t in range(NT):
-        z, key, idx, valid, e = _tile(Logits, Seen, Out, Eos, cand, b, t, M, rep, pres, freq, inv_t, banned,
-                                      CH, E, PEN, FULL)
-        y = ct.where(valid & (key >= cut), z + _gumbel(idx, stream), -math.inf)
-        best, first = _first_max(y, idx)
-        better = best > best_y
-        token = ct.where(better, first, token)
-        best_y = ct.where(better, best, best_y)
+                above = above + ct.sum(ct.where(key > best_key, e, 0.0))
+        rejected = ct.where((top_p >= 1.0) | (above < top_p * mass), 0, 1)
+        cut = best_key + 1
+        rnd = rnd + 1
     return token
 
 
@@ -304,13 +329,11 @@ def next_token_finish_kernel(Logits, Seen, Out, Eos, FP, IP, Positions, CMax, CS
         lower = ct.max(ct.where(chunk < NT, ct.load(CKey, (b, 0), (1, SP), padding_mode=ZERO), INT_MIN))
         cand = _candidates(CandZ, CandI, CCount, b, lower, M, SP, KS)     # loaded once, reused by every pass
         if ct.max(counts) <= KS:
-            token = _kept_draw(Logits, Seen, Out, Eos, cand, b, M, top_k, top_p, log_min_p,
-                               _stream(seed, pos, ct.full((), 0, ct.uint32)), rep, pres, freq, inv_t, banned, 1,
-                               CH, E, PEN, False)
+            token = _kept_draw(Logits, Seen, Out, Eos, cand, b, M, top_k, top_p, log_min_p, seed, pos, rep, pres,
+                               freq, inv_t, banned, 1, CH, E, PEN, False)
         else:
-            token = _kept_draw(Logits, Seen, Out, Eos, cand, b, M, top_k, top_p, log_min_p,
-                               _stream(seed, pos, ct.full((), 1, ct.uint32)), rep, pres, freq, inv_t, banned, NT,
-                               CH, E, PEN, True)
+            token = _kept_draw(Logits, Seen, Out, Eos, cand, b, M, top_k, top_p, log_min_p, seed, pos, rep, pres,
+                               freq, inv_t, banned, NT, CH, E, PEN, True)
     else:
         token, zx = _best_draw(CBestY, CBestZ, CBestI, b, SP)
         if sample != 0:
@@ -360,11 +383,17 @@ def _chunks(p: dict, c: dict) -> int:
 
 
 def _fits(c: dict, p: dict) -> bool:
-    return c["CH"] <= max(1024, pow2_ceil(p["V"])) and pow2_ceil(_chunks(p, c)) * p["KS"] <= 8192 \
-        and _chunks(p, c) <= 256
+    """Chunks no wider than the vocabulary, at most 256 of them, and a candidate tile (chunks x KS) of at
+    most TILE_SLOTS, or of the fewest slots any chunk width gives."""
+    fewest = pow2_ceil(-(-p["V"] // CHUNKS[-1])) * p["KS"]
+    return c["CH"] <= max(CHUNKS[0], pow2_ceil(p["V"])) and _chunks(p, c) <= 256 \
+        and pow2_ceil(_chunks(p, c)) * p["KS"] <= max(TILE_SLOTS, fewest)
 
 
-SPACE = SearchSpace(_fits, CH=(1024, 2048, 4096, 8192), occupancy=(1, 2, 4))
+CHUNKS = (1024, 2048, 4096, 8192)
+
+
+SPACE = SearchSpace(_fits, CH=CHUNKS, occupancy=(1, 2, 4))
 
 
 def default_config(p: dict) -> dict:
@@ -375,13 +404,23 @@ def default_config(p: dict) -> dict:
     return dict(CH=8192, occupancy=1)
 
 
+def _bench_rows(p: dict) -> tuple[tuple, tuple]:
+    """(fparams, iparams) of the rows a benchmark of this key runs: sampled rows at temperature 0.8 with top-k
+    3/4 of the slots (KS) and top-p 0.95 where the key has them, repetition penalty 1.2 where it has
+    penalties; greedy rows where it has neither top-k nor the check."""
+    sampled = p["KS"] > 0 or p["check"]
+    f = (1.25 if sampled else 1.0, 0.95 if sampled else 1.0, -math.inf, 1.2 if p["pen"] else 1.0, 0.0, 0.0)
+    return (f * p["B"], sum(((int(sampled), p["KS"] * 3 // 4, 0, b) for b in range(p["B"])), ()))
+
+
 def _arrays(p: dict) -> dict:
-    B, V, i32 = p["B"], p["V"], ArraySpec("int32", (p["B"],), role="out")
+    B, V, zero = p["B"], p["V"], ArraySpec("int32", (p["B"],), fill=0)
     counts = ArraySpec("int32", (B, V), role="out") if p["pen"] else absent("int32", 2)
-    return {"logits": ArraySpec(p["dtype"], (B, V)), "fparams": ArraySpec("float32", (B, FLOAT_PARAMS)),
-            "iparams": ArraySpec("int32", (B, INT_PARAMS), fill=0),
+    fparams, iparams = _bench_rows(p)
+    return {"logits": ArraySpec(p["dtype"], (B, V)), "fparams": ArraySpec("float32", (B, FLOAT_PARAMS), values=fparams),
+            "iparams": ArraySpec("int32", (B, INT_PARAMS), values=iparams),
             "eos": ArraySpec("int32", (p["E"],), high=V), "seen": counts, "out_counts": counts,
-            "tokens": i32, "positions": ArraySpec("int32", (B,), role="out", fill=0), "finished": i32,
+            "tokens": ArraySpec("int32", (B,), role="out"), "positions": zero, "finished": zero,
             "history": ArraySpec("int32", (B, p["L"]), role="out")}
 
 
@@ -480,14 +519,16 @@ NEXT_TOKEN = Op(
                      (*_ARGS, "ccount", "ckey", "cand_z", "cand_i", "cmass", "tokens", "history", "finished", "pad"),
                      _finish_constants, hinted=False)),
     bind=_bind, choices=dict(pen=(0, 1), KS=(0, 16, 32, 64, 128, 256), check=(0, 1)),
-    cli_defaults=dict(pen=0, KS=0, check=0))
+    cli_defaults=dict(pen=0, KS=0, check=0), tune_whole=True)
 
 
 def candidate_slots(top_ks) -> int:
-    """The candidate slots per chunk for rows with these top_k values (0 for none): twice the largest k,
-    a power of two in 16..MAX_SLOTS; rows with a larger k take the exact whole-row path."""
+    """The candidate slots per chunk for rows with these top_k values (0 for none): a power of two in
+    16..MAX_SLOTS above the largest k (a chunk holds at most k of the row's top k) by at least k / 8 + 1, so
+    that a chunk whose bound lands on tied scores rarely overflows its slots (bf16 logits tie often; an
+    overflow runs the exact whole-row path). Rows with a larger k take that path."""
     k = max((int(v) for v in top_ks), default=0)
-    return 0 if k <= 0 else min(MAX_SLOTS, max(16, pow2_ceil(2 * k)))
+    return 0 if k <= 0 else min(MAX_SLOTS, max(16, pow2_ceil(k + k // 8 + 1)))
 
 
 def next_token(logits, fparams, iparams, eos, tokens, positions, history, finished, *, seen=None, out_counts=None,

@@ -138,7 +138,9 @@ def _halves(p: dict) -> int:
 def _fits(c: dict, p: dict) -> bool:
     """linear's pruning (few rows: narrow tiles, long K steps) with the weight tiles of both halves counted; K
     tiles inside a scale block, and at most 128 long with FP8 activations (fast accumulation promoted to fp32
-    every 128 products at the latest, DeepSeek-V3's interval)."""
+    every 128 products at the latest, DeepSeek-V3's interval). Split-K tiles at least 32 columns wide: 16-wide ones
+    with occupancy 2 summed wrongly on an H200 (SwiGLU, block scales; cause not found, plain stores of the partials
+    did not help)."""
     m = pow2_ceil(p["M"])
     few_rows = m <= 64
     tile = c["TM"] * c["TN"] * _halves(p)
@@ -149,6 +151,7 @@ def _fits(c: dict, p: dict) -> bool:
             and (c["TN"] <= 64 and c["TK"] >= 128 and c["num_worker_warps"] == 0 if few_rows
                  else c["TN"] >= 64 and c["TK"] <= 128 and c["SPLIT_K"] == 1)
             and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])
+            and (c["SPLIT_K"] == 1 or c["TN"] >= 32)
             and tile <= 128 * 256
             and (c["TM"] + c["TN"] * _halves(p)) * c["TK"] * item <= 64 * 1024
             and (c["occupancy"] == 1 or tile <= 128 * 128)

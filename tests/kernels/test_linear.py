@@ -135,6 +135,8 @@ def test_an_untuned_shape_runs_the_nearest_tuned_config(M, N, K, layout, bias, a
     assert LINEAR.space.admits(found.config, LINEAR.tuning_problem(problem))
     x = rand((M, K), "bfloat16")
     w = rand((K, N) if layout == "in_out" else (N, K), "bfloat16", 1 / math.sqrt(K))
-    plan, _ = LINEAR.plan_for((x, w, None, None, None), (act, layout, False))
+    b = rand((N,), "bfloat16") if bias else None
+    r = rand((M, N), "bfloat16") if res else None
+    plan, _ = LINEAR.plan_for((x, w, b, r, None), (act, layout, False))
     assert plan.config == found.config
     check_linear(M, N, K, "bfloat16", layout, bias, act, res)

@@ -18,3 +18,14 @@ def numpy_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", shim)
     monkeypatch.setattr(hf, "CupyDevice", hf.HostDevice)
     return shim
+
+
+def step_code_on_numpy(shim, monkeypatch, *replacements) -> None:
+    """A model's own step code on the CPU: `shim` (the numpy_cupy fixture) gains the array functions models call,
+    and for each (target module, stand-in module, names) the target's kernels of those names become the stand-in
+    module's NumPy functions of the same names."""
+    for name in ("tile", "arange", "ones", "zeros", "ascontiguousarray", "int32"):
+        setattr(shim, name, getattr(np, name))
+    for target, stand_ins, names in replacements:
+        for name in names:
+            monkeypatch.setattr(target, name, getattr(stand_ins, name))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
+from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.models.deepseek_v2 import numpy_kernels
 from tilekit.kernels.checks import rel_err
 from tilekit.models import DeepseekV2, DeepseekV2Config, families
@@ -28,12 +28,8 @@ FIXTURES = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora"]   # V2-Lite-like with 
 @pytest.fixture
 def cpu(numpy_cupy, monkeypatch):
     """The model's kernels as NumPy functions, its arrays NumPy's."""
-    for name in ("tile", "arange", "ones", "zeros", "ascontiguousarray", "int32"):
-        setattr(numpy_cupy, name, getattr(np, name))
-    for name in numpy_kernels.KERNELS:
-        monkeypatch.setattr(model_module, name, getattr(numpy_kernels, name))
-    for name in numpy_kernels.RUNTIME_KERNELS:
-        monkeypatch.setattr(runtime, name, getattr(numpy_kernels, name))
+    step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.KERNELS),
+                       (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
 
 
 def forward(model, ids: np.ndarray) -> np.ndarray:

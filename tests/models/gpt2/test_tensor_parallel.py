@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
+from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.models.deepseek_v2.test_step_code import forward, greedy
 from tests.models.gpt2 import numpy_kernels
 from tests.models.llama import numpy_kernels as runtime_kernels
@@ -24,12 +24,8 @@ TINY = Path(__file__).resolve().parents[2] / "data" / "tiny-gpt2"      # 4 heads
 
 @pytest.fixture
 def cpu(numpy_cupy, monkeypatch):
-    for name in ("tile", "arange", "ones", "zeros", "ascontiguousarray", "int32"):
-        setattr(numpy_cupy, name, getattr(np, name))
-    for name in numpy_kernels.KERNELS:
-        monkeypatch.setattr(model_module, name, getattr(numpy_kernels, name))
-    for name in runtime_kernels.RUNTIME_KERNELS:
-        monkeypatch.setattr(runtime, name, getattr(runtime_kernels, name))
+    step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.KERNELS),
+                       (runtime, runtime_kernels, runtime_kernels.RUNTIME_KERNELS))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
+from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.models.deepseek_v2.test_step_code import forward, greedy
 from tests.models.llama import numpy_kernels
 from tilekit import parallel
@@ -26,12 +26,8 @@ FIXTURES = ["tiny-llama", "tiny-llama-tied"]   # H 4, Hkv 2, untied, sharded fil
 @pytest.fixture
 def cpu(numpy_cupy, monkeypatch):
     """The model's kernels as NumPy functions, its arrays NumPy's."""
-    for name in ("tile", "arange", "ones", "zeros", "ascontiguousarray", "int32"):
-        setattr(numpy_cupy, name, getattr(np, name))
-    for name in numpy_kernels.MODEL_KERNELS:
-        monkeypatch.setattr(model_module, name, getattr(numpy_kernels, name))
-    for name in numpy_kernels.RUNTIME_KERNELS:
-        monkeypatch.setattr(runtime, name, getattr(numpy_kernels, name))
+    step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
+                       (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
 
 
 def on_ranks(world: int, fn, timeout: float = 60.0) -> list:

@@ -234,7 +234,9 @@ class Link:
         sock = cls._dial(dist, deadline, where, timeout)
         try:
             _send(sock, {"rank": dist.rank, "world_size": dist.world_size})
-            reply = _receive(sock, deadline, f"rank {dist.rank}: rendezvous with rank 0 at {where}")
+            # rank 0 answers by its own deadline, which may come up to `timeout` after ours (it may have started
+            # later): wait that long too, so that a missing rank is reported as rank 0 saw it
+            reply = _receive(sock, deadline + timeout, f"rank {dist.rank}: rendezvous with rank 0 at {where}")
         except BaseException:
             sock.close()
             raise

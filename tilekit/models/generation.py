@@ -330,6 +330,18 @@ class TextGeneration:
     block_size, eos_token_id) and `checkpoint` (an hf.Checkpoint; None without one)."""
 
     checkpoint: Checkpoint | None = None
+    rope_positions: int | None = None     # positions the model's rotary tables cover (None: no tables)
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model runs: block_size, or fewer where its rotary tables stop."""
+        return min(self.config.block_size, self.rope_positions or self.config.block_size)
+
+    def context_limit_message(self) -> str:
+        """How the context length is set, for errors."""
+        if self.context_length == self.config.block_size:
+            return f"block_size {self.config.block_size}"
+        return f"the {self.context_length} positions of the rotary tables (block_size {self.config.block_size})"
 
     def generation_defaults(self) -> GenerationSettings:
         """What generate() does unless told otherwise: the checkpoint's generation_config.json read as Hugging
@@ -355,9 +367,9 @@ class TextGeneration:
         V, longest = self.config.vocab_size, max(len(p) for p in prompts)
         if any(e >= V for e in settings.eos_token_ids):
             raise ValueError(f"eos_token_id must lie in [0, {V}), got {list(settings.eos_token_ids)}")
-        if longest + settings.max_new_tokens > self.config.block_size:
+        if longest + settings.max_new_tokens > self.context_length:
             raise ValueError(f"prompt length {longest} + max_new_tokens {settings.max_new_tokens} "
-                             f"exceeds block_size {self.config.block_size}")
+                             f"exceeds {self.context_limit_message()}")
         streams = None
         if settings.stop_strings:
             tokenizer = self.tokenizer()

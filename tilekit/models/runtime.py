@@ -179,7 +179,7 @@ def forward_hidden(model: "CausalLM", buf: PromptBuffers) -> None:
 
 def capacity_for(model: "CausalLM", prompt_len: int, new_tokens: int) -> tuple[int, int]:
     """(KV-cache capacity, padded prompt length) of a generate call."""
-    capacity = min(model.config.block_size, -(-(prompt_len + new_tokens) // PAD) * PAD)
+    capacity = min(model.context_length, -(-(prompt_len + new_tokens) // PAD) * PAD)
     return capacity, min(capacity, -(-prompt_len // PAD) * PAD)
 
 
@@ -806,8 +806,8 @@ class CausalLM(TextGeneration):
         return list(self._check_ids(ids))
 
     def _check_range(self, ids: np.ndarray, name: str) -> None:
-        if ids.shape[-1] > self.config.block_size:
-            raise ValueError(f"{name} has {ids.shape[-1]} positions, more than block_size {self.config.block_size}")
+        if ids.shape[-1] > self.context_length:
+            raise ValueError(f"{name} has {ids.shape[-1]} positions, more than {self.context_limit_message()}")
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ValueError(f"{name} must lie in [0, {self.config.vocab_size}), got values in "
                              f"[{ids.min()}, {ids.max()}]")

@@ -50,7 +50,7 @@ from tilekit.models.deepseek_v2.weights import EMBEDDING
 from tilekit.models.runtime import Arrays, CausalLM
 
 DTYPES = ("bfloat16", "float16", "float32")
-ROPE_TABLE_LIMIT = 1 << 17      # rotary tables cover min(context, this) positions
+ROPE_TABLE_LIMIT = 1 << 18      # rotary tables cover min(context, this) positions (DeepSeek-V2: 160K)
 
 
 @dataclass
@@ -238,7 +238,7 @@ class DeepseekV2(CausalLM):
                 w[p + "post_attention_layernorm.weight"], *mlp, c.is_moe_layer(i)))
             if self.quant:
                 self._quantized_block(self.blocks[-1], i, fused[i])
-        positions = min(c.block_size, ROPE_TABLE_LIMIT)
+        positions = self.rope_positions = min(c.block_size, ROPE_TABLE_LIMIT)
         if meta:
             self.cos = self.sin = MetaArray((positions, c.qk_rope_head_dim // 2), "float32")
         else:

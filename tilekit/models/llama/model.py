@@ -122,7 +122,7 @@ class Llama(CausalLM):
                 blk.qkv_scale, blk.o_scale = qkv[i][1], w[scale(p + "self_attn.o_proj.weight")]
                 blk.gate_up, blk.gate_up_scale = qkv[i][2], qkv[i][3]
                 blk.down_scale = w[scale(p + "mlp.down_proj.weight")]
-        positions = min(config.block_size, ROPE_TABLE_LIMIT)
+        positions = self.rope_positions = min(config.block_size, ROPE_TABLE_LIMIT)
         if meta:
             self.cos = self.sin = MetaArray((positions, config.head_dim // 2), "float32")
         else:

@@ -11,7 +11,6 @@ replays with L2 flushed); the ratio is cuBLAS ms / tilekit ms (> 1: tilekit fast
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -41,31 +40,22 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.harness import report, system, timing
     from benchmarks.harness.log import Log
     from benchmarks.suites.kernels import run_case
-    from tilekit.autotune import store
+    from benchmarks.suites.tuning import autotune_mode
     problem = gpu_problem()
     if problem:
         print(f"needs a CUDA GPU with PyTorch: {problem}", file=sys.stderr)
         return 2
     log, rows = Log(), []
     meta = system.environment("quick", list(sys.argv[1:] if argv is None else argv))
-    saved = os.environ.get("TILEKIT_AUTOTUNE")
-    try:
-        with timing.shared_stream():
-            calib = calibrate(log)
-            for mode in MODES:
-                os.environ["TILEKIT_AUTOTUNE"] = mode
-                store.reset()                       # forget the other mode's launch plans
+    with timing.shared_stream():
+        calib = calibrate(log)
+        for mode in MODES:
+            with autotune_mode(mode):           # each mode's own launch plans
                 for case in cases(tuple(args.rows or ROWS)):
                     for r in run_case(case, calib, reps=args.reps, log=log):
                         r.params["autotune"] = mode
                         rows.append(r)
                     timing.free_memory()
-    finally:
-        if saved is None:
-            os.environ.pop("TILEKIT_AUTOTUNE", None)
-        else:
-            os.environ["TILEKIT_AUTOTUNE"] = saved
-        store.reset()
     print(f"{'case':<36} {'TILEKIT_AUTOTUNE':<16} {'tilekit ms':>10} {'cuBLAS ms':>10} {'ratio':>6}  config source")
     for r in rows:
         label = describe(Case(r.params["kind"], tuple(r.params["params"])))[0]

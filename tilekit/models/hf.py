@@ -804,6 +804,7 @@ class Piece:
     shape: tuple[int, ...]
     index: tuple = ()
     transform: Callable | None = None
+    part: tuple[int, ...] | None = None     # Target.part: only this slice of the file's tensor (a shard of ours)
 
 
 def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], *, dtype: str, outs=None,
@@ -822,14 +823,19 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
     (ours is then made whole from its pieces). `rewrite(plan, outs, dtypes)`: the plan (file names; a piece's
     target keeps its transform) as some tensors are really stored or converted (e.g. quantized weights and their
     scales, tilekit.models.quantization), given the file's safetensors dtypes by name; called before and after
-    `outs` exist (None before). `parts`: our name -> (axis, start, stop), the slice of the file's tensor to load
-    (Target.part: a tensor-parallel rank's shard; its array has the slice's shape). Returns our name -> array."""
+    `outs` exist (None before). `parts`: our name -> (axis, start, stop[, groups]), the slice of the file's tensor
+    to load (Target.part: a tensor-parallel rank's shard; its array has the slice's shape); a piece of a sharded
+    tensor of ours says which slice of its file tensor that is (Piece.part: `stored` was given the parts).
+    Returns our name -> array."""
     parts = parts or {}
-    if parts and (stored or rewrite):
-        raise ValueError("parts (sharded loading) do not combine with stored pieces or a rewrite")
+    if parts and rewrite:
+        raise ValueError("parts (sharded loading) do not combine with a rewrite")
     with checkpoint.tensor_files() as files:
         p = prefix if prefix and any(name.startswith(prefix) for name in files.tensors) else ""
         pieces = stored(set(files.tensors)) if stored else {}
+        unsliced = sorted(name for name, q in pieces.items() if q.ours in parts and q.part is None)
+        if unsliced:
+            raise ValueError(f"stored pieces {unsliced} of sharded tensors name no part of their file tensors")
         whole = {name: shape for name, shape in shapes.items() if name not in {q.ours for q in pieces.values()}}
 
         dtypes = {name: info.dtype for name, info in files.tensors.items()}
@@ -839,7 +845,8 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
                                    part=parts.get(name))
                     for name, shape in whole.items()}
             plan.update({name: Target(q.shape, dtype) if outs is None else
-                         Target(q.shape, dtype, outs[q.ours][q.index], q.transform) for name, q in pieces.items()})
+                         Target(q.shape, dtype, outs[q.ours][q.index], q.transform, part=q.part)
+                         for name, q in pieces.items()})
             return rewrite(plan, outs, dtypes) if rewrite is not None else plan
         plan = plan_for(None)
         if tied is not None:
@@ -897,7 +904,8 @@ class CheckpointLayout:
     our name -> shape of every tensor (a tied LM head excluded); `stats(config, name)`: (mean, std) of random
     weights; `prefix`: what the file may put before our names; `embedding`: the tensor a tied LM head is;
     `buffers`: name suffixes of buffers old checkpoints carry; `hub_orgs`: where a bare hub name is also looked
-    up; `stored(config, names in a file)`: the file's tensors kept in another form than ours (load_weights) and
+    up; `stored(config, names in a file, parts)`: the file's tensors kept in another form than ours (load_weights; a
+    tensor-parallel rank's `parts` of ours, {} for a whole model, say which slices of them to read) and
     `to_file(config, state)`: ours in the file's form (what save writes), where a family's layout differs from the
     file's. A family's weights module exposes these methods as its functions."""
 
@@ -923,7 +931,7 @@ class CheckpointLayout:
         return load_weights(checkpoint, self.shapes(config), dtype=dtype, outs=outs, device=device,
                             prefix=self.prefix, tied=self.embedding if config.tie_word_embeddings else None,
                             ignore=self.buffers + ignore, expected=str(config), rewrite=rewrite, parts=parts,
-                            stored=self.stored and (lambda names: self.stored(config, names)))
+                            stored=self.stored and (lambda names: self.stored(config, names, parts or {})))
 
     def load_state_dict(self, path_or_name, dtype=np.float32) -> tuple:
         """(config, host tensors: our names, C-contiguous, float32 or float64) of a checkpoint."""

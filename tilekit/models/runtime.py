@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tilekit import parallel
 from tilekit.autotune.arrays import MetaArray, numpy_dtype, release_scratch
 from tilekit.autotune.op import recording
 from tilekit.kernels import attention, decode_attention, linear, next_token, quant_linear, quantize_fp8, write_kv
@@ -358,6 +359,32 @@ class CausalLM(TextGeneration):
         self._graphs: OrderedDict[tuple, PrefillGraph] = OrderedDict()
         self._generations: OrderedDict[tuple, Generation] = OrderedDict()
         self._graphs_lock = threading.Lock()
+
+    def _init_comm(self, comm, weights_given: bool) -> int:
+        """self.comm (None for one rank), self.parts (the family's weights.shard_parts: what this rank holds of each
+        tensor) and self.vocab (its LM head's vocabulary rows); refuses quantized linears and seeded weights
+        (`weights_given`: from state=, a checkpoint or meta). Returns this rank (0 for one)."""
+        world = 1 if comm is None else comm.world_size
+        rank = 0 if comm is None else comm.rank
+        self.comm = comm if world > 1 else None
+        self.parts = self.weights.shard_parts(self.config, rank, world) if self.comm else {}
+        if self.comm and self.quant:
+            raise ValueError("tensor parallelism does not take quantized linears yet (quantize, or an FP8 / INT8 "
+                             "checkpoint)")
+        if self.comm and not weights_given:
+            raise ValueError("a tensor-parallel model's weights come from state= or a checkpoint (from_pretrained), "
+                             "not from a seed: each rank holds a slice of the same weights")
+        self.vocab = parallel.vocab_span(self.config.vocab_size, rank, world)
+        return rank
+
+    def shape_only_comm(self):
+        """A parallel.ShapeOnly of this rank's place (meta_twin's), or None for one rank."""
+        return self.comm and parallel.ShapeOnly(self.comm.rank, self.comm.world_size)
+
+    def sum_ranks(self, x) -> None:
+        """A row-parallel projection's partial products summed over the ranks, in place (one rank: nothing)."""
+        if self.comm:
+            self.comm.all_reduce(x)
 
     # -- the KV cache and attention ----------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int, arrays: Arrays):

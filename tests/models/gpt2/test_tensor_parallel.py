@@ -12,7 +12,7 @@ from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (num
 from tests.models.deepseek_v2.test_step_code import forward, greedy
 from tests.models.gpt2 import numpy_kernels
 from tests.models.llama import numpy_kernels as runtime_kernels
-from tests.models.llama.test_tensor_parallel import on_ranks
+from tests.models.ranks import on_ranks
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
 from tilekit.models import GPT, GPTConfig, runtime

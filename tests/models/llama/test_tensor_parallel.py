@@ -3,7 +3,6 @@ each kernel (numpy_kernels.py), so the model's own sharded step code (its slices
 residual added once, the all-reduces, the vocabulary-sliced LM head) runs here against TP=1 and against
 transformers' logits and greedy tokens. Also shard loading, the sharding plan's refusals and a rank's workload."""
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.models.deepseek_v2.test_step_code import forward, greedy
 from tests.models.llama import numpy_kernels
+from tests.models.ranks import on_ranks
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
 from tilekit.models import Llama, LlamaConfig, hf, runtime
@@ -28,29 +28,6 @@ def cpu(numpy_cupy, monkeypatch):
     """The model's kernels as NumPy functions, its arrays NumPy's."""
     step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
                        (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
-
-
-def on_ranks(world: int, fn, timeout: float = 60.0) -> list:
-    """fn(communicator) on `world` threads of one ThreadGroup; their results in rank order (the first error
-    raised; a failing rank aborts the group so that the others do not wait for it)."""
-    group = parallel.ThreadGroup(world, timeout=timeout)
-    results, errors = [None] * world, []
-
-    def body(rank):
-        try:
-            results[rank] = fn(group.communicator(rank))
-        except BaseException as e:   # noqa: BLE001 - handed back to the test
-            errors.append(e)
-            group.abort()
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2 * timeout)
-    assert not any(t.is_alive() for t in threads), "hung"
-    if errors:
-        raise errors[0]
-    return results
 
 
 @pytest.mark.parametrize("name", FIXTURES)

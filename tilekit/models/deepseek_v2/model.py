@@ -26,6 +26,25 @@ grouped GEMM: moe_gate_up / moe_down_combine read the model's dtype, so an FP8 c
 experts without the halved bytes), o_proj and the dense down projection (moe_down_combine adds them into the
 fixed-point residual stream, which quant_linear's float epilogue does not), and kv_b_proj (head_linear and mla_kv
 read it as strided per-head views, W_UK and W_UV).
+
+Tensor-parallel (`comm=`, a tilekit.parallel.Communicator of world size N; weights.shard_parts says what each rank
+holds): a rank runs its share of the attention heads, whole ones: its rows of q_proj (q_b_proj) and kv_b_proj
+(column-parallel) and its columns of o_proj (row-parallel). The latent cache is not split: kv_a_proj_with_mqa makes
+one latent entry per token (576 values for V2-Lite) that every head reads, so every rank computes the whole entry
+and keeps the whole cache (replicated work and memory, the same bits on every rank); q_a_proj and the norms are
+whole too. The dense MLP is column / row-parallel, and so is every expert, routed and shared: each rank holds the
+same 1/N of each expert's intermediate columns (per-expert sharding), and the router is replicated. Why not expert
+parallelism (E/N whole experts per rank, a masked combine): a decode step reads only the experts its tokens chose
+(at B1 6 of V2-Lite's 64, plus the 2 shared); split per expert, each rank streams 1/N of each of them, so the step's
+weight bytes divide evenly over the ranks whatever the router picks, where whole experts per rank put as many of
+them on one rank as the routing happens to (all 6, at worst) and the step waits for it; prefill's work follows the
+routing the same way. It also runs on the unchanged MoE kernels (all experts, narrower: 704 columns at TP=2), where
+expert parallelism needs a permutation over each rank's own experts. Each partial product is added into the
+fixed-point residual stream, rank 0's into the residual and the others' into zeros, and one all-reduce of the int64
+stream sums them (two per layer): integer sums are exact in any order, so every rank then holds the same bits and
+normalizes and routes alike without a broadcast (int64 messages: 4x bf16's bytes, 16 KiB a decode B1 all-reduce
+for V2-Lite). The LM head holds a vocabulary slice (CausalLM.vocab_parallel). Every collective is on the current
+stream: the captured decode step, all-reduces included, stays one CUDA graph replay per rank.
 """
 
 from __future__ import annotations
@@ -36,6 +55,7 @@ import math
 
 import numpy as np
 
+from tilekit import parallel
 from tilekit.autotune.arrays import MetaArray
 from tilekit.kernels import (apply_rope, attention, embedding, fixed_cast, head_linear, linear, mla_decode_attention,
                              mla_kv, moe_down_combine, moe_gate_up, moe_permute, moe_router, rms_norm, swiglu_linear,
@@ -119,10 +139,14 @@ class Activations:
     q holds per token [pad | rotary key k_pe] then the H query heads, dq = qk_head_dim wide each, so that the heads
     are a view and one GEMM writes k_pe and the queries."""
 
-    def __init__(self, config: DeepseekV2Config, batch: int, tokens: int, dtype: str, arrays: Arrays, fp8=None):
+    def __init__(self, config: DeepseekV2Config, batch: int, tokens: int, dtype: str, arrays: Arrays, fp8=None,
+                 shard: tuple[int, int, int] | None = None):
+        """shard: (attention heads, dense MLP columns, columns of each expert) of this rank (default: the config's,
+        all of them)."""
         c = config
         self.fp8 = fp8          # FP8 activations (W8A8, runtime.FP8Activations) or None
-        M, C, H, R, P = batch * tokens, c.n_embd, c.n_head, c.kv_lora_rank, c.qk_rope_head_dim
+        H, J, I = shard or (c.n_head, c.intermediate_size, c.moe_intermediate_size)
+        M, C, R, P = batch * tokens, c.n_embd, c.kv_lora_rank, c.qk_rope_head_dim
         dn, dv, dq = c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim
         slots = c.num_experts_per_tok + c.n_shared_experts
         self.x = arrays.empty((M, C), FIXED_DTYPE)
@@ -158,8 +182,8 @@ class Activations:
         self.topk_ids, self.topk_weights = arrays.empty((M, slots), "int32"), arrays.empty((M, slots), "float32")
         self.offsets = arrays.empty((c.n_routed_experts + c.n_shared_experts + 1,), "int32")
         self.sorted_pairs = arrays.empty((M * slots,), "int32")
-        self.act = arrays.empty((M * slots, c.moe_intermediate_size), dtype)
-        self.f = arrays.empty((M, c.intermediate_size), dtype)
+        self.act = arrays.empty((M * slots, I), dtype)
+        self.f = arrays.empty((M, J), dtype)
         self.dense_routing = _routing(arrays, M, 1)
         self.head_routing = _routing(arrays, M, H)
 
@@ -197,11 +221,13 @@ class DeepseekV2(CausalLM):
 
     def __init__(self, config: DeepseekV2Config, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, empty: bool = False, meta: bool = False,
-                 quantize: str | quantization.Scheme | None = None):
+                 quantize: str | quantization.Scheme | None = None, comm: parallel.Communicator | None = None):
         """Weights from `state` (our names and layout, weights.py; any float dtype, checked against the config),
         or random ones drawn on the GPU from `seed`, or uninitialised (empty=True: from_pretrained streams them
         in). meta=True: MetaArray weights (no GPU, no memory), for tracing the kernels the model runs. quantize:
-        "int8" or "fp8" (weights.QUANTIZED quantized per channel), or a checkpoint's quantization.Scheme."""
+        "int8" or "fp8" (weights.QUANTIZED quantized per channel), or a checkpoint's quantization.Scheme. comm: this
+        rank's Communicator of a tensor-parallel group (its weights then come from `state` or a checkpoint, sliced
+        to its shard; parallel.ShapeOnly with meta=True traces a rank's kernels)."""
         if not isinstance(config, DeepseekV2Config):
             raise TypeError(f"config must be a DeepseekV2Config, got {type(config).__name__}")
         if dtype not in DTYPES:
@@ -211,14 +237,16 @@ class DeepseekV2(CausalLM):
         if self.quant and self.quant.scale == "block":
             _check_block_rows(config)
         self.widest_input = max(config.n_embd, config.q_lora_rank or 0)
+        self._init_shard(comm, state is not None or empty or meta)
         self._init_runtime()
         fused = self._allocate()
         self._init_weights(state, seed, empty)
         c, w = config, self.params
         self.embed = w[EMBEDDING]
         self.norm = w["model.norm.weight"]
-        self.head = self.embed if c.tie_word_embeddings else w["lm_head.weight"]
-        H, R, C, dn = c.n_head, c.kv_lora_rank, c.n_embd, c.qk_nope_head_dim
+        self.head = w["lm_head.weight"] if not c.tie_word_embeddings else \
+            self.embed[self.vocab[0]:self.vocab[1]] if self.comm else self.embed
+        H, R, C, dn = self.shard[0], c.kv_lora_rank, c.n_embd, c.qk_nope_head_dim
         self.blocks = []
         for i in range(c.n_layer):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
@@ -246,6 +274,16 @@ class DeepseekV2(CausalLM):
             factor = 1.0 if c.rope_scaling is None else c.rope_scaling.cos_sin_factor
             inv_freq = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_scaling)
             self.cos, self.sin = (cupy.asarray(t * np.float32(factor)) for t in rope_tables(positions, inv_freq))
+
+    def _init_shard(self, comm: parallel.Communicator | None, weights_given: bool) -> None:
+        """runtime's _init_comm, and self.shard: this rank's attention heads, dense MLP columns and columns of each
+        expert (the spans weights.shard_parts gives it)."""
+        rank = self._init_comm(comm, weights_given)
+        world, c = 1 if self.comm is None else self.comm.world_size, self.config
+        h0, h1 = parallel.span(c.n_head, rank, world)
+        j0, j1 = parallel.span(c.intermediate_size, rank, world)
+        i0, i1 = parallel.span(c.moe_intermediate_size, rank, world)
+        self.shard = (h1 - h0, j1 - j0, i1 - i0)
 
     def _allocate(self) -> list:
         """self.params (runtime's _allocate_params); without query compression and unquantized, a layer's
@@ -284,11 +322,11 @@ class DeepseekV2(CausalLM):
     # -- the math ---------------------------------------------------------------------------------
     def meta_twin(self) -> "DeepseekV2":
         """This model with MetaArray weights: what a dry run of its kernels needs."""
-        return DeepseekV2(self.config, dtype=self.dtype, meta=True, quantize=self.quant)
+        return DeepseekV2(self.config, dtype=self.dtype, meta=True, quantize=self.quant, comm=self.shape_only_comm())
 
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
         return Activations(self.config, batch, tokens, self.dtype, arrays,
-                           self.fp8_activations(batch * tokens, arrays))
+                           self.fp8_activations(batch * tokens, arrays), self.shard)
 
     def new_cache(self, batch: int, capacity: int, arrays: Arrays) -> LatentCache:
         return LatentCache(self.config, batch, capacity, self.dtype, arrays)
@@ -365,7 +403,7 @@ class DeepseekV2(CausalLM):
             apply_rope(acts.k_pe_heads, positions, self.cos, self.sin)
             rows = attend(i, blk, acts)
             weights_, offsets, pairs = acts.head_routing
-            moe_down_combine(rows, blk.o_proj, weights_, offsets, pairs, x)
+            self._add_partial(x, lambda: moe_down_combine(rows, blk.o_proj, weights_, offsets, pairs, x))
             self._norm(acts, blk.mlp_norm)
             if blk.moe:
                 moe_router(acts.h, blk.gate, cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor,
@@ -373,14 +411,23 @@ class DeepseekV2(CausalLM):
                 moe_permute(acts.topk_ids, cfg.n_routed_experts + cfg.n_shared_experts, offsets=acts.offsets,
                             sorted_pairs=acts.sorted_pairs)
                 moe_gate_up(acts.h, blk.up, acts.offsets, acts.sorted_pairs, out=acts.act)
-                moe_down_combine(acts.act, blk.down, acts.topk_weights, acts.offsets, acts.sorted_pairs, x)
+                self._add_partial(x, lambda: moe_down_combine(acts.act, blk.down, acts.topk_weights, acts.offsets,
+                                                              acts.sorted_pairs, x))
             else:
                 if self.quant:
                     self.project(acts.fp8, acts.h, blk.gate_up, blk.gate_up_scale, out=acts.f, activation="swiglu")
                 else:
                     swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
-                moe_down_combine(acts.f, blk.down, *acts.dense_routing, x)
+                self._add_partial(x, lambda: moe_down_combine(acts.f, blk.down, *acts.dense_routing, x))
         return fixed_cast(x, acts.xf)
+
+    def _add_partial(self, x, add) -> None:
+        """add() adds a layer's output into the fixed-point residual stream x; tensor-parallel, each rank's partial
+        output, the other ranks' into zeros so that the residual counts once, then summed over the ranks."""
+        if self.comm and self.comm.rank and not self.meta:
+            x.fill(0)
+        add()
+        self.sum_ranks(x)
 
     def _norm(self, acts: Activations, weight) -> None:
         """acts.h = RMSNorm of the residual stream (read through fixed_cast)."""
@@ -392,5 +439,7 @@ class DeepseekV2(CausalLM):
         rms_norm(x, self.norm, self.config.rms_norm_eps, rows=rows, out=out)
 
     def lm_head(self, h, out=None):
-        """Logits h @ W^T, W the LM head or, when tied, the token embedding."""
-        return linear(h, self.head, weight_layout="out_in", out=out)
+        """Logits h @ W^T, W the LM head or, when tied, the token embedding (tensor-parallel: vocab_parallel)."""
+        if not self.comm:
+            return linear(h, self.head, weight_layout="out_in", out=out)
+        return self.vocab_parallel(h, out, lambda h, o: linear(h, self.head, weight_layout="out_in", out=o))

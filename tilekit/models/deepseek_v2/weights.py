@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from tilekit import parallel
 from tilekit.models import hf
 from tilekit.models.deepseek_v2.config import DeepseekV2Config
 
@@ -112,43 +113,90 @@ def _interleaved(config: DeepseekV2Config, name: str, w):
     return out
 
 
-def _experts(config: DeepseekV2Config, i: int, fused: bool) -> dict[str, hf.Piece]:
-    """File name -> Piece of layer i's experts: the routed ones one by one or fused, and the shared MLP's slices."""
+def _experts(config: DeepseekV2Config, i: int, fused: bool, span: tuple[int, int] | None) -> dict[str, hf.Piece]:
+    """File name -> Piece of layer i's experts: the routed ones one by one or fused, and the shared MLP's slices;
+    `span`: the [start, stop) of each expert's intermediate columns a tensor-parallel rank holds (None: all)."""
     C, E, S, I = config.n_embd, config.n_routed_experts, config.n_shared_experts, config.moe_intermediate_size
+    i0, i1 = span or (0, I)
+    J = i1 - i0                       # the columns held of each expert
+    part = (lambda *p: p) if span else (lambda *p: None)
     p = f"model.layers.{i}.mlp."
     gate_up, down = p + "experts.gate_up_proj", p + "experts.down_proj"
     if fused:
-        pieces = {gate_up: hf.Piece(gate_up, (E, 2 * I, C), np.s_[:E]), down: hf.Piece(down, (E, C, I), np.s_[:E])}
+        pieces = {gate_up: hf.Piece(gate_up, (E, 2 * I, C), np.s_[:E], part=part(1, i0, i1, 2)),
+                  down: hf.Piece(down, (E, C, I), np.s_[:E], part=part(2, i0, i1))}
     else:
         pieces = {}
         for j in range(E):
-            pieces.update({f"{p}experts.{j}.gate_proj.weight": hf.Piece(gate_up, (I, C), np.s_[j, :I]),
-                           f"{p}experts.{j}.up_proj.weight": hf.Piece(gate_up, (I, C), np.s_[j, I:]),
-                           f"{p}experts.{j}.down_proj.weight": hf.Piece(down, (C, I), np.s_[j])})
+            pieces.update({f"{p}experts.{j}.gate_proj.weight": hf.Piece(gate_up, (I, C), np.s_[j, :J],
+                                                                        part=part(0, i0, i1)),
+                           f"{p}experts.{j}.up_proj.weight": hf.Piece(gate_up, (I, C), np.s_[j, J:],
+                                                                      part=part(0, i0, i1)),
+                           f"{p}experts.{j}.down_proj.weight": hf.Piece(down, (C, I), np.s_[j], part=part(1, i0, i1))})
 
-    def rows(src, out):               # (S * I, C) -> (S, I, C)
+    def rows(src, out):               # (S * J, C) -> (S, J, C)
         hf.convert(src.reshape(out.shape), out)
 
-    def columns(src, out):            # (C, S * I) -> (S, C, I)
-        hf.convert(src.reshape(C, S, I).transpose(1, 0, 2), out)
-    pieces.update({p + "shared_experts.gate_proj.weight": hf.Piece(gate_up, (S * I, C), np.s_[E:, :I], rows),
-                   p + "shared_experts.up_proj.weight": hf.Piece(gate_up, (S * I, C), np.s_[E:, I:], rows),
-                   p + "shared_experts.down_proj.weight": hf.Piece(down, (C, S * I), np.s_[E:], columns)})
+    def columns(src, out):            # (C, S * J) -> (S, C, J)
+        hf.convert(src.reshape(C, S, J).transpose(1, 0, 2), out)
+    pieces.update({p + "shared_experts.gate_proj.weight": hf.Piece(gate_up, (S * I, C), np.s_[E:, :J], rows,
+                                                                   part(0, i0, i1, S)),
+                   p + "shared_experts.up_proj.weight": hf.Piece(gate_up, (S * I, C), np.s_[E:, J:], rows,
+                                                                 part(0, i0, i1, S)),
+                   p + "shared_experts.down_proj.weight": hf.Piece(down, (C, S * I), np.s_[E:], columns,
+                                                                   part(1, i0, i1, S))})
     return pieces
 
 
-def stored(config: DeepseekV2Config, names: set[str]) -> dict[str, hf.Piece]:
+def stored(config: DeepseekV2Config, names: set[str], parts: dict | None = None) -> dict[str, hf.Piece]:
     """File name -> Piece of every tensor a file keeps in another form than ours (CheckpointLayout.stored): the
     experts (each layer's routed ones fused if the file holds them so, else one by one) and the tensors with
-    rotary rows."""
+    rotary rows; `parts` (shard_parts of a tensor-parallel rank): each piece reads only that rank's slice of its
+    file tensor (whole heads of q_proj / q_b_proj, whose rotary rows reorder within a head)."""
+    parts = parts or {}
     pieces = {}
     for name, shape in state_dict_shapes(config).items():
         if _rotary(config, name):
-            pieces[name] = hf.Piece(name, shape, (), _half_split(config, name))
+            pieces[name] = hf.Piece(name, shape, (), _half_split(config, name), parts.get(name))
     for i in range(config.n_layer):
         if config.is_moe_layer(i):
-            pieces.update(_experts(config, i, f"model.layers.{i}.mlp.experts.gate_up_proj" in names))
+            p = f"model.layers.{i}.mlp.experts."
+            shard = parts.get(p + "gate_up_proj")
+            pieces.update(_experts(config, i, p + "gate_up_proj" in names, shard and shard[1:3]))
     return pieces
+
+
+def shard_parts(config: DeepseekV2Config, rank: int, world: int) -> dict[str, tuple[int, ...]]:
+    """Name -> (axis, start, stop[, groups]): the slice of each tensor (our layout) that tensor-parallel rank `rank`
+    of `world` holds (hf.Target.part). Attention heads split evenly: q_proj (q_b_proj) and kv_b_proj by rows, whole
+    heads (column-parallel), o_proj by columns (row-parallel); kv_a_proj_with_mqa (the latent and the rotary key:
+    per token, not per head), q_a_proj, the norms and the router stay whole. The dense MLP's gate / up split by
+    rows and down by columns; every expert, routed and shared, the same way: gate_up_proj's gate and up rows
+    (two groups) and down_proj's columns, the span of moe_intermediate_size (per-expert sharding, see model.py).
+    An untied LM head by vocabulary rows; the embedding stays whole (a tied head is a row view of it)."""
+    c = config
+    h0, h1 = parallel.even_span(c.n_head, rank, world, "n_head")
+    dq, dkv, dv = c.qk_head_dim, c.qk_nope_head_dim + c.v_head_dim, c.v_head_dim
+    moe = [c.is_moe_layer(i) for i in range(c.n_layer)]
+    if all(moe):
+        j0 = j1 = 0
+    else:
+        j0, j1 = parallel.even_span(c.intermediate_size, rank, world, "intermediate_size")
+    if any(moe):
+        i0, i1 = parallel.even_span(c.moe_intermediate_size, rank, world, "moe_intermediate_size")
+    parts = {}
+    for i in range(c.n_layer):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        parts.update({a + ("q_proj.weight" if c.q_lora_rank is None else "q_b_proj.weight"): (0, h0 * dq, h1 * dq),
+                      a + "kv_b_proj.weight": (0, h0 * dkv, h1 * dkv), a + "o_proj.weight": (1, h0 * dv, h1 * dv)})
+        if moe[i]:
+            parts.update({p + "mlp.experts.gate_up_proj": (1, i0, i1, 2), p + "mlp.experts.down_proj": (2, i0, i1)})
+        else:
+            parts.update({p + "mlp.gate_proj.weight": (0, j0, j1), p + "mlp.up_proj.weight": (0, j0, j1),
+                          p + "mlp.down_proj.weight": (1, j0, j1)})
+    if not c.tie_word_embeddings:
+        parts[hf.LM_HEAD] = (0, *parallel.vocab_span(c.vocab_size, rank, world))
+    return parts
 
 
 def to_file(config: DeepseekV2Config, state, fused_experts: bool = False) -> dict:

@@ -101,14 +101,8 @@ class GPT(CausalLM):
         if allow_tf32 and dtype != "float32":
             raise ValueError("allow_tf32 applies to dtype='float32' only")
         self.config, self.dtype, self.allow_tf32, self.meta = config, dtype, allow_tf32, meta
-        world = 1 if comm is None else comm.world_size
-        self.comm = comm if world > 1 else None
-        self.parts = weights.shard_parts(config, comm.rank, world) if self.comm else {}
-        if self.comm and not (state is not None or empty or meta):
-            raise ValueError("a tensor-parallel model's weights come from state= or a checkpoint (from_pretrained), "
-                             "not from a seed: each rank holds a slice of the same weights")
-        self.ranks = world
-        self.vocab = parallel.vocab_span(config.vocab_size, 0 if comm is None else comm.rank, world)
+        self._init_comm(comm, state is not None or empty or meta)
+        self.ranks = 1 if self.comm is None else self.comm.world_size
         self._init_runtime()
         new = Arrays(meta).empty
         self.params = w = {name: new(hf.part_shape(shape, self.parts[name]) if name in self.parts else shape, dtype)
@@ -122,8 +116,7 @@ class GPT(CausalLM):
     # -- the math ---------------------------------------------------------------------------------
     def meta_twin(self) -> "GPT":
         """This model with MetaArray weights: what a dry run of its kernels needs."""
-        comm = self.comm and parallel.ShapeOnly(self.comm.rank, self.comm.world_size)
-        return GPT(self.config, dtype=self.dtype, allow_tf32=self.allow_tf32, meta=True, comm=comm)
+        return GPT(self.config, dtype=self.dtype, allow_tf32=self.allow_tf32, meta=True, comm=self.shape_only_comm())
 
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
         return Activations(self.config, batch, tokens, self.dtype, arrays, self.fixed_point_rows, self.ranks)

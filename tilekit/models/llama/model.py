@@ -131,24 +131,13 @@ class Llama(CausalLM):
             self.cos, self.sin = (cupy.asarray(t) for t in rope_tables(positions, inv_freq))
 
     def _init_shard(self, comm: parallel.Communicator | None, weights_given: bool) -> None:
-        """self.comm (None for one rank), self.parts (what this rank holds of each tensor), its head and column
-        counts and vocabulary slice."""
-        world = 1 if comm is None else comm.world_size
-        C = self.config
-        self.comm = comm if world > 1 else None
-        self.parts = weights.shard_parts(C, comm.rank, world) if self.comm else {}
-        if self.comm and self.quant:
-            raise ValueError("tensor parallelism does not take quantized linears yet (quantize, or an FP8 / INT8 "
-                             "checkpoint)")
-        if self.comm and not weights_given:
-            raise ValueError("a tensor-parallel model's weights come from state= or a checkpoint (from_pretrained), "
-                             "not from a seed: each rank holds a slice of the same weights")
-        rank = 0 if comm is None else comm.rank
+        """runtime's _init_comm, and this rank's query head, key/value head and MLP column counts."""
+        rank = self._init_comm(comm, weights_given)
+        world, C = 1 if self.comm is None else self.comm.world_size, self.config
         h0, h1 = parallel.even_span(C.n_head, rank, world, "n_head")
         g0, g1 = parallel.kv_head_span(C.n_kv_head, C.n_head, rank, world)
         i0, i1 = parallel.even_span(C.intermediate_size, rank, world, "intermediate_size")
         self.heads = (h1 - h0, g1 - g0, i1 - i0)
-        self.vocab = parallel.vocab_span(C.vocab_size, rank, world)
 
     def _allocate(self) -> list:
         """self.params (runtime's _allocate_params): q, k and v of a layer row views of one fused matrix, and
@@ -165,8 +154,7 @@ class Llama(CausalLM):
     # -- the math ---------------------------------------------------------------------------------
     def meta_twin(self) -> "Llama":
         """This model with MetaArray weights: what a dry run of its kernels needs."""
-        comm = self.comm and parallel.ShapeOnly(self.comm.rank, self.comm.world_size)
-        return Llama(self.config, dtype=self.dtype, meta=True, quantize=self.quant, comm=comm)
+        return Llama(self.config, dtype=self.dtype, meta=True, quantize=self.quant, comm=self.shape_only_comm())
 
     def activations(self, batch: int, tokens: int, arrays: Arrays) -> Activations:
         return Activations(self.config, batch, tokens, self.dtype, arrays,
@@ -191,7 +179,7 @@ class Llama(CausalLM):
             apply_rope(acts.qk, positions, self.cos, self.sin)
             attend(i, acts.q, acts.k, acts.v, acts.heads)
             self.project(acts.fp8, acts.y, blk.o_proj, blk.o_scale, residual=x if lead else None, out=other)
-            self._sum(other)
+            self.sum_ranks(other)
             x, other = other, x
             rms_norm(x, blk.mlp_norm, eps, out=acts.h)
             if self.quant:
@@ -199,18 +187,13 @@ class Llama(CausalLM):
             else:
                 swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
             self.project(acts.fp8, acts.f, blk.down, blk.down_scale, residual=x if lead else None, out=other)
-            self._sum(other)
+            self.sum_ranks(other)
             x, other = other, x
         return x                  # an even number of swaps: acts.x
 
     def final_norm(self, x, out, rows=None) -> None:
         """The final RMSNorm of x (of the rows `rows` only, when given) into out."""
         rms_norm(x, self.norm, self.config.rms_norm_eps, rows=rows, out=out)
-
-    def _sum(self, x) -> None:
-        """A row-parallel projection's partial products summed over the ranks, in place (one rank: nothing)."""
-        if self.comm:
-            self.comm.all_reduce(x)
 
     def lm_head(self, h, out=None):
         """Logits h @ W^T, W the LM head or, when tied, the token embedding (tensor-parallel: vocab_parallel)."""

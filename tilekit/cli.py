@@ -738,7 +738,7 @@ def _model_args(p, default_model=None):
                    help="the workload of the model with its linears quantized (Llama and DeepSeek-V2 families)")
     p.add_argument("--tp", type=_positive, default=1,
                    help="the workload of each rank of the model split over this many GPUs (tensor parallelism; "
-                        "Llama and GPT-2 families)")
+                        "Llama, GPT-2 and DeepSeek-V2 families)")
 
 
 def _generation_args(p) -> None:
@@ -862,8 +862,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="send each prompt as a user message through the checkpoint's chat template")
     gen.add_argument("--tp", type=_positive,
-                     help="split the model over this many GPUs of this host (tensor parallelism; Llama and GPT-2 "
-                          "families): "
+                     help="split the model over this many GPUs of this host (tensor parallelism; Llama, GPT-2 and "
+                          "DeepSeek-V2 families): "
                           "starts one process per GPU; under torchrun (RANK, WORLD_SIZE, ... set) each process is "
                           "one rank and --tp may be left out")
     gen.set_defaults(func=cmd_generate)

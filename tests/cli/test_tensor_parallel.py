@@ -48,7 +48,7 @@ def test_missing_master_addr_is_named(monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["tune", "--kernel", "linear", "--shape", "M=8,N=8,K=8", "--tp", "2"], "--tp goes with --model"),
-    (["tune", "--model", "deepseek-v2-lite", "--tp", "2"], "DeepseekV2 models have no tensor parallelism"),
+    (["tune", "--model", "deepseek-v2-lite", "--tp", "3"], "n_head (16) is not divisible by the tensor-parallel size 3"),
     (["tune", "--model", "gpt2", "--tp", "8"], "n_head (12) is not divisible by the tensor-parallel size 8"),
     (["tune", "--model", "llama-3.1-8b", "--tp", "3"], "n_head (32) is not divisible by the tensor-parallel size 3"),
 ])
@@ -66,3 +66,14 @@ def test_tp_without_gpus_says_so_before_starting_ranks(capsys):
 def test_chat_refuses_to_run_as_a_rank(monkeypatch, capsys):
     torchrun(monkeypatch, 0, 2)
     assert "chat does not run tensor-parallel (WORLD_SIZE=2)" in misuse(["chat", "--model", str(TINY)], capsys)
+
+
+def test_explain_tp_lists_a_ranks_deepseek_shapes(capsys):
+    """`db explain --model deepseek-v2-lite --tp 2` (what `tune --tp 2` would tune) reports each rank's shard shapes."""
+    from tests.cli.test_cli import run
+    rc, out, err = run(["db", "explain", "--model", "deepseek-v2-lite", "--tp", "2", "--batch-sizes", "1",
+                        "--seq-lens", "128", "--gpu", "NVIDIA H100 80GB HBM3", "--arch", "sm_90"], capsys)
+    assert rc == 0, err
+    keys = [line.split()[0] for line in out.splitlines()[1:]]
+    assert "moe_gate_up/C=2048,E=66,I=704,M=128,dtype=bfloat16,slots=8" in keys
+    assert not [k for k in keys if "I=1408" in k or "N=102400," in k] and any("N=51200," in k for k in keys)

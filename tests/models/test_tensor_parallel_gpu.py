@@ -1,4 +1,4 @@
-"""Tensor-parallel Llama and GPT-2 on two GPUs of one host: the ranks are processes started by parallel.launch
+"""Tensor-parallel Llama, GPT-2 and DeepSeek-V2 on two GPUs of one host: the ranks are processes started by parallel.launch
 (tp_worker.py), joined through NCCL. TP=2 logits equal TP=1's within the dtype's tolerance (and transformers'),
 greedy tokens agree over 32 steps, graph and eager agree, every rank holds the same logits and tokens (an unseeded
 sampled run included: the ranks agree on its seed), and a rank that dies makes the other exit instead of hanging
@@ -15,13 +15,11 @@ from tilekit.kernels.checks import rel_err
 cupy = pytest.importorskip("cupy")
 
 from tilekit import parallel  # noqa: E402
-from tilekit.models import LlamaConfig, families  # noqa: E402
-from tilekit.models.llama import weights  # noqa: E402
+from tilekit.models import families  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-DATA = Path(__file__).resolve().parents[2] / "data"
-ROOT = Path(__file__).resolve().parents[3]
+DATA = Path(__file__).resolve().parents[1] / "data"
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
@@ -36,36 +34,54 @@ def two_gpus():
 
 
 def ranks(checkpoint, dtype: str, out: Path, world: int = 2, *extra) -> list[dict]:
-    status = parallel.launch(world, ["-m", "tests.models.llama.tp_worker", str(checkpoint), dtype, str(out), *extra],
+    status = parallel.launch(world, ["-m", "tests.models.tp_worker", str(checkpoint), dtype, str(out), *extra],
                              program=[sys.executable], quiet_ranks=False)
     assert status == 0, status
     return [dict(np.load(out / f"rank{r}.npz")) for r in range(world)]
 
 
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory):
-    """A random two-layer checkpoint of Llama-3.1-8B's layer shapes (GQA 32/8 heads of 128), smaller vocabulary."""
-    config = LlamaConfig.preset("llama-3.1-8b").replace(n_layer=2, vocab_size=4099, bos_token_id=1, eos_token_id=2)
-    path = tmp_path_factory.mktemp("wide")
+def wide_checkpoint(tmp_path_factory, preset: str, **changes) -> Path:
+    """A random two-layer bf16 checkpoint of a preset's layer shapes, with a smaller vocabulary."""
+    config = families.preset_config(preset).replace(n_layer=2, vocab_size=4099, bos_token_id=1, eos_token_id=2,
+                                                    **changes)
+    weights = families.family_of_config(config).model_class.weights
+    path = tmp_path_factory.mktemp(preset)
     weights.save_state_dict(path, config, weights.random_state_dict(config, seed=3), dtype="bfloat16")
     return path
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Llama-3.1-8B's layer shapes (GQA 32/8 heads of 128)."""
+    return wide_checkpoint(tmp_path_factory, "llama-3.1-8b")
+
+
+@pytest.fixture(scope="module")
+def wide_deepseek(tmp_path_factory):
+    """DeepSeek-V2-Lite's layer shapes (16 MLA heads over a 512 + 64 latent, a dense layer of 10944 columns, a MoE
+    layer of experts of 1408 columns choosing 6 routed + 2 shared), 16 routed experts instead of 64 (a smaller
+    file; a rank still holds every expert's half)."""
+    return wide_checkpoint(tmp_path_factory, "deepseek-v2-lite", n_routed_experts=16)
+
+
 @pytest.mark.parametrize("name, dtype", [("tiny-llama", "float32"), ("tiny-llama-tied", "float32"),
-                                         ("wide", "bfloat16"), ("tiny-gpt2", "float32")])
+                                         ("wide", "bfloat16"), ("tiny-gpt2", "float32"),
+                                         ("tiny-deepseek-v2", "float32"), ("tiny-deepseek-v2-qlora", "float32"),
+                                         ("wide_deepseek", "bfloat16")])
 def test_two_ranks_equal_one(request, tmp_path, name, dtype):
-    checkpoint = request.getfixturevalue("wide") if name == "wide" else DATA / name
+    wide = name.startswith("wide")
+    checkpoint = request.getfixturevalue(name) if wide else DATA / name
     per_rank = ranks(checkpoint, dtype, tmp_path)
     for key in per_rank[0]:
         np.testing.assert_array_equal(per_rank[1][key], per_rank[0][key], err_msg=key)   # the ranks agree
     got = per_rank[0]
     one = families.load_model(checkpoint, dtype=dtype)
-    ids = np.load(checkpoint / "input_ids.npy") if name != "wide" else \
+    ids = np.load(checkpoint / "input_ids.npy") if not wide else \
         np.random.default_rng(0).integers(0, one.config.vocab_size, (2, 19))
     logits = cupy.asnumpy(one(ids)).astype(np.float64)
     assert rel_err(got["graph"], logits) <= TOL[dtype], rel_err(got["graph"], logits)
     assert rel_err(got["eager"], got["graph"]) <= 1e-6
-    if name != "wide":
+    if not wide:
         assert rel_err(got["graph"], np.load(checkpoint / "logits.npy")) <= TOL[dtype]
     np.testing.assert_array_equal(got["greedy_eager"], got["greedy"])
     if dtype == "float32":          # bf16 rounding of the all-reduced sums may flip a near tie: fp32 must agree
@@ -81,7 +97,7 @@ def test_a_dead_rank_stops_the_other(tmp_path):
     import os
     import subprocess
     port = parallel.free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.models.llama.tp_worker", str(DATA / "tiny-llama"),
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.models.tp_worker", str(DATA / "tiny-llama"),
                                "float32", str(tmp_path), "die"], stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))) for r in range(2)]

@@ -1,6 +1,6 @@
 """One rank of the GPU tensor-parallel tests (test_tensor_parallel_gpu.py starts them with parallel.launch):
 
-    python -m tests.models.llama.tp_worker CHECKPOINT DTYPE OUT_DIR [die]
+    python -m tests.models.tp_worker CHECKPOINT DTYPE OUT_DIR [die]
 
 loads its shard of CHECKPOINT (of any family with tensor parallelism), and writes OUT_DIR/rank<R>.npz: forward()
 logits with and without graphs, greedy tokens of generate() (32 new) with and without graphs, and sampled tokens,

@@ -1,13 +1,13 @@
-"""Tensor parallelism on one multi-GPU host: a Llama-3.1-8B-shape model (random bf16 weights, written once as a
-Hugging Face checkpoint under /tmp) at TP=1 and TP=N in the same run, each TP a fresh set of rank processes
-(tilekit.parallel.launch) reading the same checkpoint.
+"""Tensor parallelism on one multi-GPU host: a Llama-3.1-8B-shape model (or another preset's: --preset
+deepseek-v2-lite; random bf16 weights, written once as a Hugging Face checkpoint under /tmp) at TP=1 and TP=N in
+the same run, each TP a fresh set of rank processes (tilekit.parallel.launch) reading the same checkpoint.
 
-    source .gpu/setup.sh && python -m benchmarks.studies.tp --out $OUT [--tp 2] [--layers 32]
+    source .gpu/setup.sh && python -m benchmarks.studies.tp --out $OUT [--tp 2] [--layers 32] [--preset NAME]
 
 Rows: decode B1 and B8 (the replayed decode graph, all-reduces included, after a 128-token prompt: ms/token),
 prefill B8 T1024 (generate()'s replayed prompt-prefill graph: every block over 8 x 1024 tokens and the last
-tokens' logits), and, at TP=N, one all-reduce of the decode step's residual stream (B x 4096 bf16; two per layer)
-timed as 64 of them captured in a graph, plus the bus bandwidth of a 256 MiB all-reduce against the NVLink's
+tokens' logits), and, at TP=N, one all-reduce of the decode step's residual stream (B x n_embd as the model keeps
+it: bf16 for Llama, int64 fixed point for DeepSeek-V2; two per layer) timed as 64 of them captured in a graph, plus the bus bandwidth of a 256 MiB all-reduce against the NVLink's
 (H100 SXM: 450 GB/s per direction). The greedy tokens of TP=N are compared with TP=1's (bf16: the all-reduced sums
 round differently, so a near tie may flip late tokens). Prints a table (TP=N rows labelled "tp=N ...") and writes
 tp.json to --out.
@@ -24,15 +24,19 @@ import time
 from pathlib import Path
 
 PRESET = "llama-3.1-8b"
-CHECKPOINT = Path(tempfile.gettempdir()) / "tilekit-tp-llama-3.1-8b"
 PROMPT, NEW = 128, 128
 NVLINK_GBS = {"H100": 450.0, "H200": 450.0}     # NVLink 4, per direction per GPU (SXM)
 
 
-def model_config(layers: int):
+def model_config(preset: str, layers: int | None):
+    """The preset's config with `layers` decoder layers (None: all of them)."""
     from tilekit.models.families import preset_config
-    config = preset_config(PRESET)
-    return config if layers == config.n_layer else config.replace(n_layer=layers)
+    config = preset_config(preset)
+    return config if layers in (None, config.n_layer) else config.replace(n_layer=layers)
+
+
+def checkpoint_path(preset: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"tilekit-tp-{preset}"
 
 
 def write_checkpoint(path: Path, config, log=print) -> None:
@@ -65,16 +69,15 @@ def replay_ms(graph, stream, reps: int) -> float:
     return cupy.cuda.get_elapsed_time(start, end) / reps
 
 
-def all_reduce_rows(comm, batches=(1, 8), width: int = 4096, count: int = 64) -> list[dict]:
-    """One decode all-reduce (B x width bf16) timed as `count` of them in a captured graph; and the bus bandwidth
-    of a 256 MiB one (NCCL's busbw: 2 (n - 1) / n x bytes / time)."""
+def all_reduce_rows(comm, streams: dict, count: int = 64) -> list[dict]:
+    """One decode all-reduce (of each batch's residual stream, `streams`: B -> (shape, dtype)) timed as `count` of
+    them in a captured graph; and the bus bandwidth of a 256 MiB one (NCCL's busbw: 2 (n - 1) / n x bytes /
+    time)."""
     import cupy
-
-    from tilekit.autotune.arrays import numpy_dtype
     rows = []
     stream = cupy.cuda.Stream(non_blocking=True)
-    for B in batches:
-        x = cupy.zeros((B, width), numpy_dtype("bfloat16"))      # the values do not change the time
+    for B, (shape, dtype) in streams.items():
+        x = cupy.zeros(shape, dtype)      # the values do not change the time
         with stream:
             comm.all_reduce(x)
             stream.begin_capture()
@@ -110,18 +113,19 @@ def rank_main(args) -> int:
     comm = parallel.NcclCommunicator(dist) if dist.world_size > 1 else None
     cupy.cuda.Device(dist.local_rank).use()
     start = time.perf_counter()
-    model = load_model(CHECKPOINT, dtype="bfloat16", comm=comm)
+    model = load_model(args.checkpoint, dtype="bfloat16", comm=comm)
     cupy.cuda.runtime.deviceSynchronize()
     rows = [dict(kind="load", seconds=time.perf_counter() - start)]
     rng = np.random.default_rng(0)
     V = model.config.vocab_size
-    tokens = None
+    tokens, streams = None, {}
     for B in (1, 8):
         model.forget_graphs()
         prompt = rng.integers(0, V, (B, PROMPT))
         out = model.generate(prompt, NEW, temperature=0, eos_token_id=[])
         tokens = tokens if tokens is not None else np.stack(out)[:, PROMPT:].tolist()
         (gen,) = model._generations.values()
+        streams[B] = (gen.state.acts.x.shape, gen.state.acts.x.dtype)    # the residual stream the step all-reduces
         times = [replay_ms(gen.decode_graph, gen.stream, 50) for _ in range(3)]
         rows.append(dict(kind="decode", batch=B, ms=float(np.median(times)), rounds=times))
     model.forget_graphs()
@@ -134,7 +138,7 @@ def rank_main(args) -> int:
     rows.append(dict(kind="prefill", batch=8, tokens=1024, ms=float(np.median(times)), rounds=times))
     model.forget_graphs()
     if comm is not None:
-        rows += all_reduce_rows(comm)
+        rows += all_reduce_rows(comm, streams)
     if dist.rank == 0:
         Path(args.result).write_text(json.dumps(dict(tp=dist.world_size, rows=rows, tokens=tokens)))
     if comm is not None:
@@ -144,7 +148,7 @@ def rank_main(args) -> int:
 
 # -- the study --------------------------------------------------------------------------------------------
 
-def run(tp: int, layers: int, out: Path | None, log=print) -> dict:
+def run(tp: int, layers: int | None, out: Path | None, log=print, preset: str = PRESET) -> dict:
     import cupy
 
     from tilekit import parallel
@@ -152,15 +156,16 @@ def run(tp: int, layers: int, out: Path | None, log=print) -> dict:
     gpus = cupy.cuda.runtime.getDeviceCount()
     if gpus < tp:
         raise SystemExit(f"tp.py: --tp {tp} needs {tp} GPUs, this host shows {gpus}")
-    config = model_config(layers)
-    write_checkpoint(CHECKPOINT, config, log)
+    config = model_config(preset, layers)
+    checkpoint = checkpoint_path(preset)
+    write_checkpoint(checkpoint, config, log)
     name = device_info().name
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in (1, tp):
             result = Path(tmp) / f"tp{world}.json"
             start = time.perf_counter()
-            status = parallel.launch(world, ["-m", "benchmarks.studies.tp", "--rank", "--layers", str(layers),
+            status = parallel.launch(world, ["-m", "benchmarks.studies.tp", "--rank", "--checkpoint", str(checkpoint),
                                              "--result", str(result)], program=[sys.executable], quiet_ranks=False)
             if status:
                 raise SystemExit(f"tp.py: the TP={world} ranks failed (status {status})")
@@ -168,8 +173,8 @@ def run(tp: int, layers: int, out: Path | None, log=print) -> dict:
             log(f"TP={world}: {time.perf_counter() - start:.0f} s")
     nvlink = next((v for k, v in NVLINK_GBS.items() if k in name), None)
     table = format_table(results, tp, config, nvlink)
-    log(f"\n{name} x{tp}, {PRESET} shape ({layers} layers), bf16, random weights\n" + table)
-    report = dict(gpu=name, preset=PRESET, layers=layers, tp=tp, results=results, nvlink_gbs=nvlink)
+    log(f"\n{name} x{tp}, {preset} shape ({config.n_layer} layers), bf16, random weights\n" + table)
+    report = dict(gpu=name, preset=preset, layers=config.n_layer, tp=tp, results=results, nvlink_gbs=nvlink)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "tp.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -207,15 +212,17 @@ def format_table(results: dict, tp: int, config, nvlink) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.studies.tp", description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=2, help="ranks of the parallel run (default 2)")
-    p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, Llama-3.1-8B's)")
+    p.add_argument("--preset", default=PRESET, help=f"the model shape (default {PRESET}; e.g. deepseek-v2-lite)")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                    help="where tp.json goes (default $OUT)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank:
         return rank_main(args)
-    run(args.tp, args.layers, args.out)
+    run(args.tp, args.layers, args.out, preset=args.preset)
     return 0
 
 

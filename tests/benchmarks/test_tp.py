@@ -22,3 +22,9 @@ def test_table_rows():
                for line in table)
     assert any("bus bandwidth 300 GB/s (67% of NVLink's 450 GB/s)" in line for line in table)
     assert any("greedy B1 tokens agreeing with tp=1: 2 of 4" in line for line in table)
+
+
+def test_the_model_shape_is_a_presets():
+    assert tp.model_config("deepseek-v2-lite", None) == preset_config("deepseek-v2-lite")
+    assert tp.model_config("llama-3.1-8b", 2).n_layer == 2
+    assert tp.checkpoint_path("deepseek-v2-lite").name == "tilekit-tp-deepseek-v2-lite"

@@ -199,3 +199,13 @@ def test_the_tp_workload_holds_every_ranks_shapes():
                                                                            new_tokens=4, tp=2)}
     assert ("moe_gate_up", 704, None) in found and ("moe_gate_up", 1408, None) not in found
     assert ("mla_decode_attention", None, 8) in found and ("mla_decode_attention", None, 16) not in found
+
+
+def test_pieces_of_a_sharded_tensor_must_name_their_slices():
+    """The shared loader refuses a family's stored pieces that would fill a rank's shard from whole file tensors."""
+    config, _ = weights.load_state_dict(DATA / "tiny-deepseek-v2")
+    with pytest.raises(ValueError, match=r"stored pieces \[.*'model.layers.1.self_attn.q_proj.weight'.*\] of sharded "
+                                         r"tensors name no part of their file tensors"):
+        hf.load_weights(hf.Checkpoint.at(DATA / "tiny-deepseek-v2"), weights.state_dict_shapes(config),
+                        dtype="float32", stored=lambda names: weights.stored(config, names),
+                        parts=weights.shard_parts(config, 0, 2), device=hf.HostDevice())

@@ -7,10 +7,10 @@ the same run, each TP a fresh set of rank processes (tilekit.parallel.launch) re
 Rows: decode B1 and B8 (the replayed decode graph, all-reduces included, after a 128-token prompt: ms/token),
 prefill B8 T1024 (generate()'s replayed prompt-prefill graph: every block over 8 x 1024 tokens and the last
 tokens' logits), and, at TP=N, one all-reduce of the decode step's residual stream (B x n_embd as the model keeps
-it: bf16 for Llama, int64 fixed point for DeepSeek-V2; two per layer) timed as 64 of them captured in a graph, plus the bus bandwidth of a 256 MiB all-reduce against the NVLink's
-(H100 SXM: 450 GB/s per direction). The greedy tokens of TP=N are compared with TP=1's (bf16: the all-reduced sums
-round differently, so a near tie may flip late tokens). Prints a table (TP=N rows labelled "tp=N ...") and writes
-tp.json to --out.
+it: bf16 for Llama, int64 fixed point for DeepSeek-V2; two per layer) timed as 64 of them captured in a graph,
+plus the bus bandwidth of a 256 MiB all-reduce against the NVLink's (H100 SXM: 450 GB/s per direction). The greedy
+tokens of TP=N are compared with TP=1's (bf16: the all-reduced sums round differently, so a near tie may flip late
+tokens). Prints a table (TP=N rows labelled "tp=N ...") and writes tp.json to --out.
 """
 
 from __future__ import annotations

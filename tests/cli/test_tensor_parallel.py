@@ -48,7 +48,8 @@ def test_missing_master_addr_is_named(monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["tune", "--kernel", "linear", "--shape", "M=8,N=8,K=8", "--tp", "2"], "--tp goes with --model"),
-    (["tune", "--model", "deepseek-v2-lite", "--tp", "3"], "n_head (16) is not divisible by the tensor-parallel size 3"),
+    (["tune", "--model", "deepseek-v2-lite", "--tp", "3"],
+     "n_head (16) is not divisible by the tensor-parallel size 3"),
     (["tune", "--model", "gpt2", "--tp", "8"], "n_head (12) is not divisible by the tensor-parallel size 8"),
     (["tune", "--model", "llama-3.1-8b", "--tp", "3"], "n_head (32) is not divisible by the tensor-parallel size 3"),
 ])

@@ -1,8 +1,8 @@
-"""Tensor-parallel Llama, GPT-2 and DeepSeek-V2 on two GPUs of one host: the ranks are processes started by parallel.launch
-(tp_worker.py), joined through NCCL. TP=2 logits equal TP=1's within the dtype's tolerance (and transformers'),
-greedy tokens agree over 32 steps, graph and eager agree, every rank holds the same logits and tokens (an unseeded
-sampled run included: the ranks agree on its seed), and a rank that dies makes the other exit instead of hanging
-inside NCCL."""
+"""Tensor-parallel Llama, GPT-2 and DeepSeek-V2 on two GPUs of one host: the ranks are processes started by
+parallel.launch (tp_worker.py), joined through NCCL. TP=2 logits equal TP=1's within the dtype's tolerance (and
+transformers'), greedy tokens agree over 32 steps, graph and eager agree, every rank holds the same logits and
+tokens (an unseeded sampled run included: the ranks agree on its seed), and a rank that dies makes the other exit
+instead of hanging inside NCCL."""
 
 import sys
 from pathlib import Path
@@ -69,19 +69,19 @@ def wide_deepseek(tmp_path_factory):
                                          ("tiny-deepseek-v2", "float32"), ("tiny-deepseek-v2-qlora", "float32"),
                                          ("wide_deepseek", "bfloat16")])
 def test_two_ranks_equal_one(request, tmp_path, name, dtype):
-    wide = name.startswith("wide")
-    checkpoint = request.getfixturevalue(name) if wide else DATA / name
+    shaped = name.startswith("wide")         # a random checkpoint of a preset's layer shapes
+    checkpoint = request.getfixturevalue(name) if shaped else DATA / name
     per_rank = ranks(checkpoint, dtype, tmp_path)
     for key in per_rank[0]:
         np.testing.assert_array_equal(per_rank[1][key], per_rank[0][key], err_msg=key)   # the ranks agree
     got = per_rank[0]
     one = families.load_model(checkpoint, dtype=dtype)
-    ids = np.load(checkpoint / "input_ids.npy") if not wide else \
+    ids = np.load(checkpoint / "input_ids.npy") if not shaped else \
         np.random.default_rng(0).integers(0, one.config.vocab_size, (2, 19))
     logits = cupy.asnumpy(one(ids)).astype(np.float64)
     assert rel_err(got["graph"], logits) <= TOL[dtype], rel_err(got["graph"], logits)
     assert rel_err(got["eager"], got["graph"]) <= 1e-6
-    if not wide:
+    if not shaped:
         assert rel_err(got["graph"], np.load(checkpoint / "logits.npy")) <= TOL[dtype]
     np.testing.assert_array_equal(got["greedy_eager"], got["greedy"])
     if dtype == "float32":          # bf16 rounding of the all-reduced sums may flip a near tie: fp32 must agree

@@ -10,14 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
-from tests.models.deepseek_v2 import numpy_kernels
-from tests.models.deepseek_v2.test_step_code import forward, greedy
+from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
+from tests.models.deepseek_v2.test_step_code import cpu, forward, greedy  # noqa: F401  (cpu: a fixture)
 from tests.models.ranks import on_ranks
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
-from tilekit.models import DeepseekV2, DeepseekV2Config, families, hf, runtime
-from tilekit.models.deepseek_v2 import model as model_module
+from tilekit.models import DeepseekV2, DeepseekV2Config, families, hf
 from tilekit.models.deepseek_v2 import weights
 from tilekit.models.runtime import Arrays
 from tilekit.models.workload import model_problems
@@ -26,13 +24,6 @@ DATA = Path(__file__).resolve().parents[2] / "data"
 # H 4, 8 routed + 2 shared experts of 32 columns, a dense first layer, untied, per-expert files (the hub's);
 # H 2, 4 + 1 experts of 16 columns, query compression, tied, fused expert files
 FIXTURES = [("tiny-deepseek-v2", (2, 4)), ("tiny-deepseek-v2-qlora", (2,))]
-
-
-@pytest.fixture
-def cpu(numpy_cupy, monkeypatch):
-    """The model's kernels as NumPy functions, its arrays NumPy's."""
-    step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.KERNELS),
-                       (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
 
 
 def load(name: str, comm=None) -> DeepseekV2:

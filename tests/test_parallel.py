@@ -169,3 +169,31 @@ def test_no_nccl_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "nvidia" else None)
     with pytest.raises(RuntimeError, match=r"libnccl.so.2 could not be loaded"):
         parallel.load_nccl()
+
+
+@pytest.mark.parametrize("payload, expected", [({"id": [0, 1, 255], "bytes": True}, b"\x00\x01\xff"),
+                                               ({"id": [-128, 5, 127], "bytes": False}, (-128, 5, 127))])
+def test_nccl_unique_id_reaches_the_binding_as_it_came(payload, expected):
+    assert parallel.nccl_unique_id(payload) == expected
+
+
+@pytest.mark.parametrize("payload", [None, [1, 2], {"id": "abc"}, {"id": [1, 256]}, {"id": [True]}, {"id": []}])
+def test_a_bad_nccl_unique_id_is_refused(payload):
+    with pytest.raises(RuntimeError, match="NCCL unique id"):
+        parallel.nccl_unique_id(payload)
+
+
+def test_holders_are_released_once_and_weakly():
+    class Model:
+        released = 0
+
+        def forget_graphs(self):
+            Model.released += 1
+    kept, dropped = Model(), Model()
+    comm = parallel.ShapeOnly(0, 2)
+    comm.hold(kept.forget_graphs)
+    comm.hold(dropped.forget_graphs)
+    del dropped                       # a model gone before close() is not kept alive by the communicator
+    comm.release_holders()
+    comm.release_holders()
+    assert Model.released == 1

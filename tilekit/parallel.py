@@ -17,6 +17,7 @@ then exits with an error naming it, even one blocked inside an NCCL kernel that 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -100,6 +102,17 @@ class Communicator:
 
     def close(self, failed: bool = False) -> None:
         """Leave the group (failed: tell the other ranks this one failed)."""
+
+    def hold(self, release: Callable[[], None]) -> None:
+        """`release` (a bound method, held weakly) drops the CUDA graphs its object captured with this communicator's
+        collectives; close() calls it first (NCCL lets a communicator go only once no graph holds it)."""
+        self.__dict__.setdefault("holders", []).append(weakref.WeakMethod(release))
+
+    def release_holders(self) -> None:
+        for ref in self.__dict__.pop("holders", []):
+            release = ref()
+            if release is not None:
+                release()
 
 
 class ShapeOnly(Communicator):
@@ -411,6 +424,16 @@ def load_nccl() -> tuple[object, str]:
     return nccl, f"cupy.cuda.nccl with {found[0]} preloaded"
 
 
+def nccl_unique_id(payload):
+    """Rank 0's NCCL unique id as its binding takes it (CuPy 14: bytes; older: a tuple of ints), from the
+    rendezvous payload {"id": [ints], "bytes": bool}; anything else is refused."""
+    values = payload.get("id") if isinstance(payload, dict) else None
+    if (not isinstance(values, list) or not 0 < len(values) <= 1024
+            or not all(isinstance(v, int) and not isinstance(v, bool) and -128 <= v <= 255 for v in values)):
+        raise RuntimeError(f"rank 0 sent no usable NCCL unique id (got {str(payload)[:80]})")
+    return bytes(v % 256 for v in values) if payload.get("bytes") is True else tuple(values)
+
+
 class NcclCommunicator(Communicator):
     """A rank of an NCCL group on GPU LOCAL_RANK, joined through a Link (its rendezvous and watchdog).
     NCCL_NVLS_ENABLE defaults to 0 (no NVLink multicast: its buffers take GPU memory and it is not needed for
@@ -425,9 +448,10 @@ class NcclCommunicator(Communicator):
                              f"{cupy.cuda.runtime.getDeviceCount()} GPUs")
         cupy.cuda.Device(dist.local_rank).use()
         self.rank, self.world_size = dist.rank, dist.world_size
-        unique = list(self.nccl.get_unique_id()) if dist.rank == 0 else None
-        self.link = Link.connect(dist, unique, timeout=timeout)
-        self.comm = self.nccl.NcclCommunicator(dist.world_size, tuple(self.link.payload), dist.rank)
+        unique = self.nccl.get_unique_id() if dist.rank == 0 else None
+        payload = None if unique is None else {"id": list(unique), "bytes": isinstance(unique, bytes)}
+        self.link = Link.connect(dist, payload, timeout=timeout)
+        self.comm = self.nccl.NcclCommunicator(dist.world_size, nccl_unique_id(self.link.payload), dist.rank)
 
     def all_reduce(self, x, out=None):
         import cupy
@@ -447,10 +471,20 @@ class NcclCommunicator(Communicator):
         self.all_reduce(one)
         cupy.cuda.get_current_stream().synchronize()
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, timeout: float = 30.0) -> None:
+        """Leave the group: the graphs of the models holding this communicator are dropped first, then NCCL's
+        communicator destroyed, in a daemon thread waited on for `timeout` s (a graph held elsewhere keeps NCCL
+        waiting: the process still exits, and NCCL's resources go with it)."""
+        import cupy
         self.link.close("an error on that rank" if failed else None)
-        if not failed:
-            self.comm.destroy()
+        if failed:
+            return
+        self.release_holders()
+        gc.collect()
+        cupy.cuda.runtime.deviceSynchronize()
+        done = threading.Thread(target=self.comm.destroy, name="tilekit-nccl-destroy", daemon=True)
+        done.start()
+        done.join(timeout)
 
 
 def join(timeout: float = RENDEZVOUS_TIMEOUT) -> NcclCommunicator | None:

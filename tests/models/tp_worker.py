@@ -7,6 +7,7 @@ logits with and without graphs, greedy tokens of generate() (32 new) with and wi
 seeded and not. `die`: rank 1 exits right after joining while rank 0 all-reduces until the watchdog stops it (the
 test of a dead rank)."""
 
+import faulthandler
 import os
 import sys
 import time
@@ -20,6 +21,8 @@ from tilekit.models import families
 
 def main(checkpoint: str, dtype: str, out: str, mode: str = "") -> None:
     import cupy
+    # a rank stuck anywhere shows where, and exits
+    faulthandler.dump_traceback_later(float(os.environ.get("TILEKIT_TEST_RANK_TIMEOUT", "240")), exit=True)
     comm = parallel.join(timeout=60)
     if mode == "die":
         if comm.rank == 1:

@@ -349,10 +349,22 @@ class CausalLM(TextGeneration):
     quantized: tuple[str, ...] = ()              # their weights' names (codes; fp32 scales under scale_key(name))
     widest_input: int = 0                        # the widest input (K) of the quantized linears
     parts: dict = {}           # tensor-parallel: name -> (axis, start, stop), the slice of it this rank holds
-    comm = None                # tensor-parallel: this rank's tilekit.parallel.Communicator (None: one process)
     vocab: tuple[int, int] = (0, 0)   # tensor-parallel: the vocabulary rows [start, stop) of this rank's LM head
     max_prefill_graphs = 4
     max_generations = 2
+    _comm = None
+
+    @property
+    def comm(self):
+        """Tensor-parallel: this rank's tilekit.parallel.Communicator (None: one process)."""
+        return self._comm
+
+    @comm.setter
+    def comm(self, comm) -> None:
+        # NCCL waits for every graph holding its collectives before it lets a communicator go: closing it drops ours
+        self._comm = comm
+        if comm is not None:
+            comm.hold(self.forget_graphs)
 
     def _init_runtime(self) -> None:
         self.checkpoint: Checkpoint | None = None

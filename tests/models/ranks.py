@@ -3,6 +3,8 @@ code (tests/models/<family>/test_tensor_parallel.py)."""
 
 import threading
 
+import pytest
+
 from tilekit import parallel
 
 
@@ -27,3 +29,22 @@ def on_ranks(world: int, fn, timeout: float = 60.0) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+def assert_seeded_and_quantized_models_refused(model_class, config) -> None:
+    """A sharded model's weights come from a checkpoint (every rank a slice of the same ones), and its linears are
+    not quantized."""
+    with pytest.raises(ValueError, match="come from state= or a checkpoint"):
+        model_class(config, dtype="float32", comm=parallel.ShapeOnly(0, 2))
+    with pytest.raises(ValueError, match="tensor parallelism does not take quantized linears"):
+        model_class(config, meta=True, quantize="int8", comm=parallel.ShapeOnly(0, 2))
+
+
+def assert_a_failing_rank_stops_the_others(run) -> None:
+    """run(comm) on two ranks, rank 1 raising first: the error reaches the caller instead of a hang."""
+    def body(comm):
+        if comm.rank == 1:
+            raise RuntimeError("rank 1 broke")
+        return run(comm)
+    with pytest.raises(RuntimeError, match="rank 1 broke"):
+        on_ranks(2, body, timeout=20)

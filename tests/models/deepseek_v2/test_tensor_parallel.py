@@ -12,7 +12,8 @@ import pytest
 
 from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
 from tests.models.deepseek_v2.test_step_code import cpu, forward, greedy  # noqa: F401  (cpu: a fixture)
-from tests.models.ranks import on_ranks
+from tests.models.ranks import (assert_a_failing_rank_stops_the_others, assert_seeded_and_quantized_models_refused,
+                                on_ranks)
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
 from tilekit.models import DeepseekV2, DeepseekV2Config, families, hf
@@ -147,20 +148,11 @@ def test_unshardable_configs_are_refused(changes, world, message):
 
 
 def test_random_or_quantized_sharded_models_are_refused(cpu):
-    config, state = weights.load_state_dict(DATA / "tiny-deepseek-v2")
-    with pytest.raises(ValueError, match="come from state= or a checkpoint"):
-        DeepseekV2(config, dtype="float32", comm=parallel.ShapeOnly(0, 2))
-    with pytest.raises(ValueError, match="tensor parallelism does not take quantized linears"):
-        DeepseekV2(config, meta=True, quantize="int8", comm=parallel.ShapeOnly(0, 2))
+    assert_seeded_and_quantized_models_refused(DeepseekV2, weights.load_state_dict(DATA / "tiny-deepseek-v2")[0])
 
 
 def test_a_rank_that_fails_stops_the_others(cpu):
-    def body(comm):
-        if comm.rank == 1:
-            raise RuntimeError("rank 1 broke")
-        return forward(load("tiny-deepseek-v2", comm), np.zeros((1, 4), int))
-    with pytest.raises(RuntimeError, match="rank 1 broke"):
-        on_ranks(2, body, timeout=20)
+    assert_a_failing_rank_stops_the_others(lambda comm: forward(load("tiny-deepseek-v2", comm), np.zeros((1, 4), int)))
 
 
 def test_a_rank_runs_its_shard_shapes():

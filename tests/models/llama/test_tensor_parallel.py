@@ -11,7 +11,8 @@ import pytest
 from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.models.deepseek_v2.test_step_code import forward, greedy
 from tests.models.llama import numpy_kernels
-from tests.models.ranks import on_ranks
+from tests.models.ranks import (assert_a_failing_rank_stops_the_others, assert_seeded_and_quantized_models_refused,
+                                on_ranks)
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
 from tilekit.models import Llama, LlamaConfig, hf, runtime
@@ -105,20 +106,12 @@ def test_unshardable_configs_are_refused(changes, world, message):
 
 
 def test_random_or_quantized_sharded_models_are_refused(cpu):
-    config, state = weights.load_state_dict(DATA / "tiny-llama")
-    with pytest.raises(ValueError, match="come from state= or a checkpoint"):
-        Llama(config, dtype="float32", comm=parallel.ShapeOnly(0, 2))
-    with pytest.raises(ValueError, match="quantized"):
-        Llama(config, meta=True, quantize="int8", comm=parallel.ShapeOnly(0, 2))
+    assert_seeded_and_quantized_models_refused(Llama, weights.load_state_dict(DATA / "tiny-llama")[0])
 
 
 def test_a_rank_that_fails_stops_the_others(cpu):
-    def body(comm):
-        if comm.rank == 1:
-            raise RuntimeError("rank 1 broke")
-        return forward(Llama.from_pretrained(DATA / "tiny-llama", dtype="float32", comm=comm), np.zeros((1, 4), int))
-    with pytest.raises(RuntimeError, match="rank 1 broke"):
-        on_ranks(2, body, timeout=20)
+    assert_a_failing_rank_stops_the_others(
+        lambda comm: forward(Llama.from_pretrained(DATA / "tiny-llama", dtype="float32", comm=comm), np.zeros((1, 4), int)))
     group = parallel.ThreadGroup(2, timeout=0.5)      # a rank that never arrives: the other times out
     with pytest.raises(parallel.RankError, match="rank 0: all_reduce: another rank failed or did not arrive"):
         group.communicator(0).all_reduce(np.ones(3))

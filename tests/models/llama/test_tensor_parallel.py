@@ -110,8 +110,8 @@ def test_random_or_quantized_sharded_models_are_refused(cpu):
 
 
 def test_a_rank_that_fails_stops_the_others(cpu):
-    assert_a_failing_rank_stops_the_others(
-        lambda comm: forward(Llama.from_pretrained(DATA / "tiny-llama", dtype="float32", comm=comm), np.zeros((1, 4), int)))
+    assert_a_failing_rank_stops_the_others(lambda comm: forward(
+        Llama.from_pretrained(DATA / "tiny-llama", dtype="float32", comm=comm), np.zeros((1, 4), int)))
     group = parallel.ThreadGroup(2, timeout=0.5)      # a rank that never arrives: the other times out
     with pytest.raises(parallel.RankError, match="rank 0: all_reduce: another rank failed or did not arrive"):
         group.communicator(0).all_reduce(np.ones(3))

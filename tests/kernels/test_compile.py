@@ -26,7 +26,8 @@ PROBLEMS = {
     "decode_attention": [dict(dtype="bfloat16", B=1, H=25, Hkv=25, nq=1, capacity=1024, D=64, new_kv=1),
                          dict(dtype="float32", B=3, H=2, Hkv=2, nq=4, capacity=100, D=64, new_kv=0),
                          dict(dtype="bfloat16", B=8, H=32, Hkv=8, nq=1, capacity=1024, D=128, new_kv=1),
-                         dict(dtype="bfloat16", B=1, H=12, Hkv=12, nq=1, capacity=256, D=64, new_kv=1)],
+                         dict(dtype="bfloat16", B=1, H=12, Hkv=12, nq=1, capacity=256, D=64, new_kv=1),
+                         dict(dtype="bfloat16", B=1, H=32, Hkv=8, nq=1, capacity=131072, D=128, new_kv=1)],
     "embedding": [dict(dtype="bfloat16", ids="int32", M=8192, C=1600, V=50257, P=1024, fixed=0),
                   dict(dtype="float32", ids="int64", M=1, C=64, V=1031, P=64, fixed=1),
                   dict(dtype="bfloat16", ids="int32", M=8, C=2048, V=128256, P=0, fixed=0)],
@@ -103,6 +104,11 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
     tasks += [(split_k, dict(PROBLEMS["linear"][0], M=8, act="gelu", res=1),   # few rows: split-K's own path
                dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=4, PERSISTENT=0, occupancy=1, num_ctas=1,
                     num_worker_warps=0))]
+    decode = ops["decode_attention"]     # the space's ends: the shortest splits, the longest, occupancy 1
+    tasks += [(decode, decode.tuning_problem(PROBLEMS["decode_attention"][4]), dict(BN=64, CHUNK=128, occupancy=1)),
+              (decode, decode.tuning_problem(PROBLEMS["decode_attention"][4]), dict(BN=128, CHUNK=8192, occupancy=2))]
+    mla = ops["mla_decode_attention"]
+    tasks += [(mla, mla.tuning_problem(PROBLEMS["mla_decode_attention"][0]), dict(HP=16, BN=32, CHUNK=4096, occupancy=1))]
     ok, errors = precompile(tasks, arch, workers=2)
     assert not errors, "\n".join(f"{tasks[i][0].name} {tasks[i][2]}: {e}" for i, e in errors.items())
     assert len(ok) == len(tasks)

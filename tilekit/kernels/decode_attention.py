@@ -1,15 +1,16 @@
 """Decode attention: a few new query tokens per sequence against a KV cache, split over the context.
 
 Flash-decoding: the context of each (sequence, head) is cut into CHUNK-long splits handled by
-separate programs, so even batch 1 can fill the GPU; each split keeps a partial softmax state
-(max, sum, unnormalised output) and a second, small kernel merges them. With one split (every
-context up to 256 positions) there is no merge: the program writes its output directly, in one
-launch. Given the new tokens' keys and values, the kernel also writes them into the cache (no
-separate KV write) and attends to them from registers. Lengths live on the device, so a CUDA
-graph can replay a decode step as the cache grows; the grid depends only on the cache capacity,
-and splits past a sequence's length exit at once. With grouped-query attention (Hkv < H
-key/value heads) a program serves one key/value head and every query head of its group, stacked
-as rows of one query tile, so each key and value tile is read once per group.
+separate programs, so even batch 1 can fill the GPU; each split stores a partial softmax state
+(max, sum, unnormalised output) and counts itself in on an arrival counter; the last split of a
+(sequence, head) to arrive merges them all and writes the output. So the op is one launch at any
+split count: no merge kernel waits for the splits, and the tuner (which times an op's launches) sees
+the merge's cost. Given the new tokens' keys and values, the kernel also writes them into the
+cache (no separate KV write) and attends to them from registers. Lengths live on the device, so a
+CUDA graph can replay a decode step as the cache grows; the grid depends only on the cache
+capacity, and splits past a sequence's length store an empty state at once. With grouped-query
+attention (Hkv < H key/value heads) a program serves one key/value head and every query head of its
+group, stacked as rows of one query tile, so each key and value tile is read once per group.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def query_rows(QP, nq, hk, group, H):
 
 
 @ct.kernel
-def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart, qk_scale: float,
+def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart, Arrived, qk_scale: float,
                             length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int],
                             BN: ct.Constant[int], D: ct.Constant[int], CHUNK: ct.Constant[int],
                             SPLITS: ct.Constant[int], NEW_KV: ct.Constant[bool]):
@@ -53,7 +54,8 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart
     writes them into K, V; the splits read only the older positions from the cache. Row r of the
     query tile is query head hk * G + r // nq, token r % nq (G = H / Hkv). With SPLITS == 1 the
     program writes O; otherwise its partial state goes to Opart (B, Hkv, S, QP, D), Mpart, Lpart
-    (B, Hkv, S, QP), fp32, for decode_merge_kernel.
+    (B, Hkv, S, QP), fp32, and the last of the S splits to count itself in on Arrived[bid(0)] (int32,
+    zero between launches) merges them into O (merge_splits).
     """
     sync_with_previous_kernel()
     bh = ct.bid(0)
@@ -96,51 +98,57 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart
     if SPLITS == 1:
         ct.scatter(O, (b, head, token, dims.reshape((1, D))), (acc / l_i).astype(O.dtype))
     else:
-        ct.store(Opart, (b, hk, split, 0, 0), acc.reshape((1, 1, 1, QP, D)))
-        ct.store(Mpart, (b, hk, split, 0), m_i.reshape((1, 1, 1, QP)))
-        ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)))
+        store_split(Opart, Mpart, Lpart, b, hk, split, m_i, l_i, acc, QP, D)
+        if ct.atomic_add(Arrived, bh, 1) == SPLITS - 1:       # acq_rel: our state before it, theirs after
+            out = merge_splits(Opart, Mpart, Lpart, b, hk, QP, D, SPLITS)
+            ct.scatter(O, (b, head, token, dims.reshape((1, D))), out.astype(O.dtype))
+            ct.atomic_xchg(Arrived, bh, 0, memory_order=ct.MemoryOrder.RELAXED)   # zero for the next launch
 
 
-@ct.kernel
-def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Constant[int]):
-    """O[b, heads of kv head hk] = the merge of the partial softmax states of all splits of (batch,
-    key/value head) ct.bid(0)."""
-    sync_with_previous_kernel()
-    b, hk = batch_head(ct.bid(0), Mpart.shape[1])
-    S = Mpart.shape[2]
+@ct.function
+def store_split(Opart, Mpart, Lpart, b, g, split, m_i, l_i, acc, QP, D):
+    """Store one split's partial softmax state (max, sum, unnormalised output) of (batch b, group g)."""
+    ct.store(Opart, (b, g, split, 0, 0), acc.reshape((1, 1, 1, QP, D)))
+    ct.store(Mpart, (b, g, split, 0), m_i.reshape((1, 1, 1, QP)))
+    ct.store(Lpart, (b, g, split, 0), l_i.reshape((1, 1, 1, QP)))
+
+
+@ct.function
+def merge_splits(Opart, Mpart, Lpart, b, g, QP, D, SPLITS):
+    """The normalised (QP, D) output of (batch b, group g): its SPLITS partial states merged (each
+    split's output weighted by 2^(its max - the overall max))."""
     m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
-    for s in range(S):
-        m_max = ct.maximum(m_max, ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)))
+    for s in range(SPLITS):
+        m_max = ct.maximum(m_max, ct.load(Mpart, (b, g, s, 0), (1, 1, 1, QP)).reshape((QP, 1)))
     m_max = ct.where(m_max == -math.inf, 0.0, m_max)
     total = ct.zeros((QP, 1), dtype=ct.float32)
     out = ct.zeros((QP, D), dtype=ct.float32)
-    for s in range(S):
-        w = ct.exp2(ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) - m_max)
-        total = total + ct.load(Lpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) * w
-        out = out + ct.load(Opart, (b, hk, s, 0, 0), (1, 1, 1, QP, D)).reshape((QP, D)) * w
-    H = O.shape[1]
-    head, token = query_rows(QP, O.shape[2], hk, H // Mpart.shape[1], H)
-    ct.scatter(O, (b, head, token, ct.arange(D, dtype=ct.int32).reshape((1, D))), (out / total).astype(O.dtype))
+    for s in range(SPLITS):
+        w = ct.exp2(ct.load(Mpart, (b, g, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) - m_max)
+        total = total + ct.load(Lpart, (b, g, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) * w
+        out = out + ct.load(Opart, (b, g, s, 0, 0), (1, 1, 1, QP, D)).reshape((QP, D)) * w
+    return out / total
 
 
 def _fits(c: dict, p: dict) -> bool:
     # 256-key tiles only where K and V tiles stay 32 KB and the fp32 score tile does not spill
-    return (c["BN"] <= c["CHUNK"] <= max(256, pow2_ceil(p["capacity"]))
+    return (c["BN"] <= c["CHUNK"] <= max(128, pow2_ceil(p["capacity"]))
             and (c["BN"] <= 128 or (p["D"] <= 64 and p["dtype"] != "float32")))
 
 
-# Splits of at least 256 positions: a context up to 256 runs in one launch, and a split must pay for the
-# merge launch it adds (the tuner times the split kernel alone).
-SPACE = SearchSpace(_fits, BN=(64, 128, 256), CHUNK=(256, 512, 1024, 2048), occupancy=(2, 4))
+# With the merge in the split kernel a split costs no launch of its own, so splits go down to 128 positions
+# (batch 1 with few key/value heads fills the GPU at 4K) and up to 8192 (a 128K context in 16 splits).
+SPACE = SearchSpace(_fits, BN=(64, 128, 256), CHUNK=(128, 256, 512, 1024, 2048, 4096, 8192), occupancy=(1, 2, 4))
 
 
 def default_config(p: dict) -> dict:
-    # Aim for about two programs per SM on a 132-SM GPU.
+    # About two programs per SM on a 132-SM GPU, a split at least two 128-key tiles long; at most 64 splits,
+    # each of which the last to arrive reads back.
     per_seq = max(1, 264 // max(1, p["B"] * p["Hkv"]))
-    chunk = max(256, pow2_ceil(math.ceil(p["capacity"] / per_seq)))
+    chunk = max(256, pow2_ceil(math.ceil(p["capacity"] / per_seq)), pow2_ceil(math.ceil(p["capacity"] / 64)))
     # fp32 products run on FMA units with the tiles in registers: 64-key tiles spill less (sm_90 D64: 1.9 KB a
     # thread against 2.5 KB at 128; docs/results/fp32-tiles-sm90.txt)
-    return dict(BN=64 if p["dtype"] == "float32" else 128, CHUNK=min(2048, chunk), occupancy=4)
+    return dict(BN=64 if p["dtype"] == "float32" else 128, CHUNK=min(8192, chunk), occupancy=4)
 
 
 def _splits(p: dict, c: dict) -> int:
@@ -163,31 +171,24 @@ def _arrays(p: dict) -> dict:
 
 
 def _scratch(p: dict, c: dict) -> dict:
-    """Partial softmax states of the splits (none with one split)."""
+    """Partial softmax states of the splits and the arrival counters (none with one split)."""
     B, H, S, QP = p["B"], p["Hkv"], _splits(p, c), _qp(p)
     if S == 1:
-        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4)}
+        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4),
+                "arrived": absent("int32", 1)}
     return {"opart": ArraySpec("float32", (B, H, S, QP, pow2_ceil(p["D"])), role="scratch"),
             "mpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
-            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch")}
+            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
+            "arrived": ArraySpec("int32", (B * H,), role="zeros")}
 
 
 def _grid(p: dict, c: dict) -> tuple:
     return (p["B"] * p["Hkv"], _splits(p, c), 1)
 
 
-def _merge_grid(p: dict, c: dict) -> tuple:
-    """No merge launch with one split."""
-    return (p["B"] * p["Hkv"] if _splits(p, c) > 1 else 0, 1, 1)
-
-
 def _constants(p: dict, c: dict) -> tuple:
     return (_qp(p), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["D"]), c["CHUNK"], _splits(p, c),
             bool(p["new_kv"]))
-
-
-def _merge_constants(p: dict, c: dict) -> tuple:
-    return (_qp(p), pow2_ceil(p["D"]))
 
 
 def _bind(a: list, flags: tuple) -> Binding:
@@ -230,15 +231,13 @@ DECODE_ATTENTION = Op(
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"]), "length_offset": 0},
     launches=(Launch(decode_attention_kernel, _grid,
-                     ("q", "k_new", "v_new", "k", "v", "lengths", "o", "opart", "mpart", "lpart", "qk_scale",
-                      "length_offset"), _constants,
+                     ("q", "k_new", "v_new", "k", "v", "lengths", "o", "opart", "mpart", "lpart", "arrived",
+                      "qk_scale", "length_offset"), _constants,
                      # An ordinary launch, once per layer: with every kernel of a decode step launched early,
                      # kernels queue up several deep and steps run slower (H100: gpt2-xl 2.56 ms against 2.06,
                      # gpt2 0.355 against 0.321; docs/results/decode-one-launch-h100.txt).
-                     dependent=False),
-              Launch(decode_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
-                     hinted=False)),
-    bind=_bind, choices=dict(new_kv=(0, 1)), cli_defaults=dict(nq=1, new_kv=1))
+                     dependent=False),),
+    bind=_bind, choices=dict(new_kv=(0, 1)), cli_defaults=dict(nq=1, new_kv=1), tune_whole=True)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, new_k=None, new_v=None, scale: float | None = None,

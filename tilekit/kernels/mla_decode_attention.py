@@ -39,7 +39,7 @@ MAX_ROPE = 256
 def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpart, Arrived, qk_scale: float,
                       length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int], BN: ct.Constant[int],
                       R: ct.Constant[int], P: ct.Constant[int], GROUPS: ct.Constant[int], CHUNK: ct.Constant[int],
-                      SPLITS: ct.Constant[int], NEW_KV: ct.Constant[bool]):
+                      MERGE: ct.Constant[bool], NEW_KV: ct.Constant[bool]):
     """Attention of split bid(1) of (batch, head group) bid(0).
 
     Q: (B, H, nq, R) absorbed queries, Qpe: (B, H, nq, P) rotary queries; C: (B, capacity, R) latents, Kpe:
@@ -47,9 +47,10 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
     queries' own (causal among them). With NEW_KV those nq entries come from Cnew (B, nq, R), Pnew (B, nq, P)
     and the split holding the last position folds them in first (folded after a loop of more than one cached
     tile, the results were wrong at R = 512 with tileiras 13.4, on an H200) and writes them into C, Kpe. Row r
-    of the query tile is head g * H / GROUPS + r // nq, token r % nq. With SPLITS == 1 the program writes O (B, H, nq, R); otherwise its
-    partial state goes to Opart (B, GROUPS, S, QP, R), Mpart, Lpart (B, GROUPS, S, QP) and the last split to
-    count itself in on Arrived[bid(0)] (int32, zero between launches) merges them into O.
+    of the query tile is head g * H / GROUPS + r // nq, token r % nq. Without MERGE (one split) the program
+    writes O (B, H, nq, R); otherwise its partial state goes to Opart (B, GROUPS, S, QP, R), Mpart, Lpart
+    (B, GROUPS, S, QP) and the last split to count itself in on Arrived[bid(0)] (int32, zero between
+    launches) merges them into O.
     """
     sync_with_previous_kernel()
     bg = ct.bid(0)
@@ -92,12 +93,12 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
         k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
         s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, c)
-    if SPLITS == 1:
+    if not MERGE:
         ct.scatter(O, (b, head, token, latent), (acc / l_i).astype(O.dtype))
     else:
         store_split(Opart, Mpart, Lpart, b, g, split, m_i, l_i, acc, QP, R)
-        if ct.atomic_add(Arrived, bg, 1) == SPLITS - 1:       # acq_rel: our state before it, theirs after
-            ct.scatter(O, (b, head, token, latent), merge_splits(Opart, Mpart, Lpart, b, g, QP, R, SPLITS).astype(O.dtype))
+        if ct.atomic_add(Arrived, bg, 1) == Mpart.shape[2] - 1:   # acq_rel: our state before it, theirs after
+            ct.scatter(O, (b, head, token, latent), merge_splits(Opart, Mpart, Lpart, b, g, QP, R).astype(O.dtype))
             ct.atomic_xchg(Arrived, bg, 0, memory_order=ct.MemoryOrder.RELAXED)   # zero for the next launch
 
 
@@ -179,7 +180,7 @@ def _grid(p: dict, c: dict) -> tuple:
 
 def _constants(p: dict, c: dict) -> tuple:
     return (_qp(p, c), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["R"]), pow2_ceil(p["P"]), _groups(p, c),
-            c["CHUNK"], _splits(p, c), bool(p["new_kv"]))
+            c["CHUNK"], _splits(p, c) > 1, bool(p["new_kv"]))
 
 
 def _check_4d(a, name: str, like, shape: tuple) -> None:

@@ -80,8 +80,8 @@ class FP8Activations:
 KV_CACHE_DTYPES = ("auto", "fp8")
 # The FP8 cache's scale of every (layer, key/value head), keys and values alike: static, as vLLM's uncalibrated
 # default. Values beyond +-448 saturate; magnitudes below 2^-6 (e4m3's smallest normal) keep an absolute step of
-# 2^-9 rather than 3 significant bits. Llama keys and values lie well inside that range; a calibrated
-# checkpoint's per-head scales would go into KVCache.k_scale / v_scale.
+# 2^-9 rather than 3 significant bits (README: the accuracy measured). Calibrated per-head scales (a checkpoint's,
+# or the prompt's absmax / 448) would go into KVCache.k_scale / v_scale; none is computed yet.
 FP8_KV_SCALE = 1.0
 
 

@@ -44,10 +44,10 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
         return item * 2 * p["B"] * p["H"] * p["T"] * p["D"] + 4 * p["B"] * p["T"] * p["D"]
     if op_name == "embedding":
         return (item * (2 if p["P"] else 1) + (8 if p.get("fixed") else item)) * p["M"] * p["C"]
-    if op_name == "write_kv":
-        return item * 4 * p["B"] * p["H"] * p["T"] * p["D"]
+    if op_name == "write_kv":                   # an FP8 cache: a byte a code
+        return (item + (1 if p["fp8"] else item)) * 2 * p["B"] * p["H"] * p["T"] * p["D"]
     if op_name == "decode_attention":           # the context's keys and values once, and the new ones written
-        return item * 2 * p["B"] * p["Hkv"] * (context + p["new_kv"] * p["nq"]) * p["D"]
+        return (1 if p["fp8"] else item) * 2 * p["B"] * p["Hkv"] * (context + p["new_kv"] * p["nq"]) * p["D"]
     if op_name == "next_token":                 # the logits read, and with penalties both token counts
         return (item + 8 * p["pen"]) * p["B"] * p["V"]
     if op_name == "quant_linear":               # 8-bit weights and their fp32 scales; FP8 activations a byte each

@@ -79,7 +79,7 @@ def test_precompiled_configs_are_cache_hits_for_the_jit(tmp_path):
         cases = [(OPS[n].name, p) for n, p in SPACE_CASES.items()] + [
             ("embedding", dict(dtype="bfloat16", ids="int32", M=100, C=768, V=1031, P=64, fixed=0)),
             ("embedding", dict(dtype="bfloat16", ids="int32", M=8, C=768, V=1031, P=64, fixed=1)),
-            ("write_kv", dict(dtype="bfloat16", B=2, H=3, T=5, capacity=64, D=64))]
+            ("write_kv", dict(dtype="bfloat16", B=2, H=3, T=5, capacity=64, D=64, fp8=0))]
         tasks = []
         for n, p in cases:
             op = ops[n]

@@ -10,7 +10,7 @@ from tilekit.kernels.linear import LINEAR
 from tilekit.kernels.next_token import NEXT_TOKEN
 
 LIN = dict(dtype="bfloat16", M=1, N=4800, K=1600, wt="kn", bias=1, act="none", res=0, tf32=0)
-ATT = dict(dtype="bfloat16", B=1, H=25, Hkv=25, nq=1, capacity=256, D=64, new_kv=1)
+ATT = dict(dtype="bfloat16", B=1, H=25, Hkv=25, nq=1, capacity=256, D=64, new_kv=1, fp8=0)
 PICK = dict(dtype="bfloat16", B=1, V=50257, pen=0, KS=0, check=0, E=1, L=256)
 
 
@@ -18,6 +18,7 @@ def test_linear_bytes_are_weights_plus_activations():
     assert min_bytes("linear", LIN, 0) == 2 * (1600 + 1600 * 4800 + 4800 + 4800)
     assert min_bytes("decode_attention", ATT, 200) == 2 * 2 * 25 * (200 + 1) * 64
     assert min_bytes("decode_attention", dict(ATT, new_kv=0), 200) == 2 * 2 * 25 * 200 * 64
+    assert min_bytes("decode_attention", dict(ATT, fp8=1), 200) == 2 * 25 * (200 + 1) * 64   # a byte a code
 
 
 def test_calls_expand_to_their_launches_in_order():
@@ -42,14 +43,14 @@ def test_calls_expand_to_their_launches_in_order():
         kernel_rows(calls, [kernels[1], kernels[0], kernels[2], kernels[3]], 200, 4000.0)
 
 
-def test_a_merge_runs_only_with_several_splits():
-    one, several = dict(ATT, capacity=256), dict(ATT, capacity=1024)      # default configs: 1 and 4 splits
+def test_decode_attention_is_one_launch_at_any_split_count():
+    one, several = dict(ATT, capacity=256), dict(ATT, capacity=4096)      # default configs: 1 and 16 splits
     split = [("decode_attention_kernel_a", 4.0, 104.0)]
-    assert len(kernel_rows([(DECODE_ATTENTION, one)], split, 200, 4000.0)) == 1
-    rows = kernel_rows([(DECODE_ATTENTION, several)], split + [("decode_merge_kernel_b", 1.0, 105.0)], 200, 4000.0)
-    assert [r["kernel"] for r in rows] == ["decode_attention_kernel", "decode_merge_kernel"]
-    with pytest.raises(RuntimeError, match="profiled"):
-        kernel_rows([(DECODE_ATTENTION, several)], split, 200, 4000.0)
+    for problem in (one, several):
+        rows = kernel_rows([(DECODE_ATTENTION, problem)], split, 200, 4000.0)
+        assert [r["kernel"] for r in rows] == ["decode_attention_kernel"]
+    with pytest.raises(RuntimeError, match="profiled"):      # no merge launch to match a second kernel
+        kernel_rows([(DECODE_ATTENTION, several)], split + [("other_kernel_b", 1.0, 105.0)], 200, 4000.0)
 
 
 PREFILL_ATT = dict(dtype="bfloat16", B=8, H=25, Hkv=25, Tq=1024, Tk=1024, D=64, causal=1)

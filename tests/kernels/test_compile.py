@@ -23,10 +23,13 @@ PROBLEMS = {
     "attention": [dict(dtype="bfloat16", B=8, H=12, Hkv=12, Tq=1024, Tk=1024, D=64, causal=1),
                   dict(dtype="float16", B=1, H=2, Hkv=2, Tq=7, Tk=9, D=128, causal=0),
                   dict(dtype="bfloat16", B=1, H=32, Hkv=8, Tq=128, Tk=128, D=64, causal=1)],
-    "decode_attention": [dict(dtype="bfloat16", B=1, H=25, Hkv=25, nq=1, capacity=1024, D=64, new_kv=1),
-                         dict(dtype="float32", B=3, H=2, Hkv=2, nq=4, capacity=100, D=64, new_kv=0),
-                         dict(dtype="bfloat16", B=8, H=32, Hkv=8, nq=1, capacity=1024, D=128, new_kv=1),
-                         dict(dtype="bfloat16", B=1, H=12, Hkv=12, nq=1, capacity=256, D=64, new_kv=1)],
+    "decode_attention": [dict(dtype="bfloat16", B=1, H=25, Hkv=25, nq=1, capacity=1024, D=64, new_kv=1, fp8=0),
+                         dict(dtype="float32", B=3, H=2, Hkv=2, nq=4, capacity=100, D=64, new_kv=0, fp8=0),
+                         dict(dtype="bfloat16", B=8, H=32, Hkv=8, nq=1, capacity=1024, D=128, new_kv=1, fp8=0),
+                         dict(dtype="bfloat16", B=1, H=12, Hkv=12, nq=1, capacity=256, D=64, new_kv=1, fp8=0),
+                         dict(dtype="bfloat16", B=1, H=32, Hkv=8, nq=1, capacity=131072, D=128, new_kv=1, fp8=0),
+                         dict(dtype="bfloat16", B=8, H=32, Hkv=8, nq=1, capacity=32768, D=128, new_kv=1, fp8=1),
+                         dict(dtype="float32", B=3, H=2, Hkv=2, nq=4, capacity=100, D=64, new_kv=0, fp8=1)],
     "embedding": [dict(dtype="bfloat16", ids="int32", M=8192, C=1600, V=50257, P=1024, fixed=0),
                   dict(dtype="float32", ids="int64", M=1, C=64, V=1031, P=64, fixed=1),
                   dict(dtype="bfloat16", ids="int32", M=8, C=2048, V=128256, P=0, fixed=0)],
@@ -37,8 +40,10 @@ PROBLEMS = {
                    dict(dtype="float32", table="float32", B=1, H=3, T=1, D=80)],
     "swiglu_linear": [dict(dtype="bfloat16", M=8192, N=8192, K=2048), dict(dtype="float32", M=3, N=77, K=72),
                       dict(dtype="bfloat16", M=1, N=14336, K=4096)],
-    "write_kv": [dict(dtype="bfloat16", B=8, H=12, T=1024, capacity=1024, D=64),
-                 dict(dtype="float32", B=1, H=2, T=1, capacity=100, D=80)],
+    "write_kv": [dict(dtype="bfloat16", B=8, H=12, T=1024, capacity=1024, D=64, fp8=0),
+                 dict(dtype="float32", B=1, H=2, T=1, capacity=100, D=80, fp8=0),
+                 dict(dtype="bfloat16", B=4, H=8, T=2048, capacity=2048, D=128, fp8=1),
+                 dict(dtype="float16", B=1, H=2, T=5, capacity=100, D=80, fp8=1)],
     "next_token": [dict(dtype="bfloat16", B=8, V=128256, pen=1, KS=128, check=1, E=2),
                    dict(dtype="bfloat16", B=1, V=50257, pen=0, KS=64, check=0, E=1),
                    dict(dtype="float32", B=1, V=1031, pen=0, KS=0, check=0)],
@@ -103,6 +108,11 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
     tasks += [(split_k, dict(PROBLEMS["linear"][0], M=8, act="gelu", res=1),   # few rows: split-K's own path
                dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=4, PERSISTENT=0, occupancy=1, num_ctas=1,
                     num_worker_warps=0))]
+    decode = ops["decode_attention"]     # the space's ends: the shortest splits, the longest, occupancy 1
+    tasks += [(decode, decode.tuning_problem(PROBLEMS["decode_attention"][4]), dict(BN=64, CHUNK=128, occupancy=1)),
+              (decode, decode.tuning_problem(PROBLEMS["decode_attention"][4]), dict(BN=128, CHUNK=8192, occupancy=2))]
+    mla = ops["mla_decode_attention"]
+    tasks += [(mla, mla.tuning_problem(PROBLEMS["mla_decode_attention"][0]), dict(HP=16, BN=32, CHUNK=4096, occupancy=1))]
     ok, errors = precompile(tasks, arch, workers=2)
     assert not errors, "\n".join(f"{tasks[i][0].name} {tasks[i][2]}: {e}" for i, e in errors.items())
     assert len(ok) == len(tasks)

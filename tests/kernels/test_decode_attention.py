@@ -50,10 +50,11 @@ def test_grouped_query_decode_attention(B, H, Hkv, nq, capacity, D, dtype):
     check_decode(B, H, nq, capacity, D, dtype, Hkv, new_kv=True)
 
 
-@pytest.mark.parametrize("chunk,BN", [(256, 64), (256, 128), (256, 256)])
+@pytest.mark.parametrize("chunk,BN", [(128, 64), (128, 128), (256, 64), (256, 128), (256, 256)])
 def test_decode_splits_merge_and_write_new_keys_at_every_boundary(chunk, BN):
     """Pinned to several splits: the new tokens end on, start on and straddle split boundaries, and
-    the merge launch combines the splits (repeated calls on fresh data)."""
+    the last split to arrive merges them (repeated calls on fresh data: the arrival counters must be
+    back at zero after each launch)."""
     config = dict(BN=BN, CHUNK=chunk, occupancy=2)
     with DECODE_ATTENTION.pinned(config):
         for nq in (1, 3):
@@ -62,6 +63,17 @@ def test_decode_splits_merge_and_write_new_keys_at_every_boundary(chunk, BN):
                 check_decode(6, 8, nq, 600, 64, "bfloat16", 2, new_kv=True, lengths_h=lengths)
                 if BN <= 128:                                   # the space keeps fp32 to 128-key tiles
                     check_decode(6, 4, nq, 600, 64, "float32", new_kv=False, lengths_h=lengths)
+
+
+@pytest.mark.parametrize("capacity,chunk,occupancy", [(16384, 128, 1), (40000, 8192, 2)])
+def test_long_contexts_many_and_few_splits(capacity, chunk, occupancy):
+    """128 splits of one sequence (many programs race to arrive last) and a few long ones, GQA group 4 and 8,
+    three calls each."""
+    with DECODE_ATTENTION.pinned(dict(BN=128, CHUNK=chunk, occupancy=occupancy)):
+        for H, Hkv in ((32, 8), (32, 4)):
+            for _ in range(3):
+                check_decode(1, H, 1, capacity, 128, "bfloat16", Hkv, new_kv=True)
+        check_decode(2, 8, 1, capacity, 64, "bfloat16", 8, lengths_h=np.array([capacity, 3], np.int32))
 
 
 @GPU

@@ -43,7 +43,7 @@ def test_bf16_and_fp16_defaults_are_unchanged():
     attention = dict(B=1, H=12, Hkv=12, Tq=128, Tk=128, D=64, causal=1)
     assert ATTENTION.default(ATTENTION.tuning_problem(dict(attention, dtype="bfloat16")))["BN"] == 128
     assert ATTENTION.default(ATTENTION.tuning_problem(dict(attention, dtype="float32")))["BN"] == 32
-    decode = dict(B=1, H=12, Hkv=12, nq=1, capacity=256, D=64, new_kv=1)
+    decode = dict(B=1, H=12, Hkv=12, nq=1, capacity=256, D=64, new_kv=1, fp8=0)
     assert DECODE_ATTENTION.default(DECODE_ATTENTION.tuning_problem(dict(decode, dtype="bfloat16")))["BN"] == 128
     assert DECODE_ATTENTION.default(DECODE_ATTENTION.tuning_problem(dict(decode, dtype="float32")))["BN"] == 64
     residual = dict(M=1, N=768, K=768, bias=1)

@@ -139,16 +139,19 @@ def _constants(p: dict, c: dict) -> tuple:
     return (c["BM"], c["BN"], pow2_ceil(p["D"]), bool(p["causal"]), bool(c["LONGEST_FIRST"]))
 
 
-def check_qkv(q, k, v, names=("q", "k", "v")) -> None:
+def check_qkv(q, k, v, names=("q", "k", "v"), codes: bool = False) -> None:
     """Validate (B, H, T, D) query and (B, Hkv, T, D) key/value Infos: same batch and head_dim, Hkv
-    dividing H; v like k."""
+    dividing H; v like k; k and v of q's dtype, or with `codes` FP8 e4m3 bits (uint8)."""
     for name, a in zip(names, (q, k, v)):
         if len(a.shape) != 4:
             raise ValueError(f"{name} must be 4-D (batch, heads, time, head_dim), got shape {a.shape}")
         arrays.check_last_contiguous(a, name)
     arrays.check_dtype(q, names[0], arrays.FLOAT_DTYPES)
-    arrays.check_same(names[0], q, names[1], k)
-    arrays.check_same(names[0], q, names[2], v)
+    arrays.check_same(names[0], q, names[1], k, dtype=not codes)
+    arrays.check_same(names[0], q, names[2], v, dtype=not codes)
+    if codes:
+        arrays.check_dtype(k, names[1], ("uint8",))
+        arrays.check_dtype(v, names[2], ("uint8",))
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or not 1 <= k.shape[1] <= q.shape[1] \
             or q.shape[1] % k.shape[1]:
         raise ValueError(f"{names[1]} shape {k.shape} does not match {names[0]} shape {q.shape}: batch and "
@@ -157,6 +160,18 @@ def check_qkv(q, k, v, names=("q", "k", "v")) -> None:
         raise ValueError(f"{names[2]} shape {v.shape} must equal {names[1]} shape {k.shape}")
     if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim {q.shape[3]} is not supported (1..{MAX_HEAD_DIM})")
+
+
+def check_kv_scales(like, k_scale, v_scale, heads: int) -> None:
+    """An FP8 KV cache's per-head scales: float32 (heads,), contiguous, on `like`'s device."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise TypeError(f"an FP8 (uint8) cache needs {name}: float32 ({heads},), one scale per key/value head")
+        arrays.check_dtype(scale, name, ("float32",))
+        arrays.check_same("the cache", like, name, scale, dtype=False)
+        if scale.shape != (heads,) or scale.strides != (1,):
+            raise ValueError(f"{name} must be a contiguous float32 array of shape ({heads},), got shape "
+                             f"{scale.shape}, strides {scale.strides}")
 
 
 def check_heads_out(out, q) -> None:

@@ -1,15 +1,21 @@
 """Decode attention: a few new query tokens per sequence against a KV cache, split over the context.
 
 Flash-decoding: the context of each (sequence, head) is cut into CHUNK-long splits handled by
-separate programs, so even batch 1 can fill the GPU; each split keeps a partial softmax state
-(max, sum, unnormalised output) and a second, small kernel merges them. With one split (every
-context up to 256 positions) there is no merge: the program writes its output directly, in one
-launch. Given the new tokens' keys and values, the kernel also writes them into the cache (no
-separate KV write) and attends to them from registers. Lengths live on the device, so a CUDA
-graph can replay a decode step as the cache grows; the grid depends only on the cache capacity,
-and splits past a sequence's length exit at once. With grouped-query attention (Hkv < H
-key/value heads) a program serves one key/value head and every query head of its group, stacked
-as rows of one query tile, so each key and value tile is read once per group.
+separate programs, so even batch 1 can fill the GPU; each split stores a partial softmax state
+(max, sum, unnormalised output) and counts itself in on an arrival counter; the last split of a
+(sequence, head) to arrive merges them all and writes the output. So the op is one launch at any
+split count: no merge kernel waits for the splits, and the tuner (which times an op's launches) sees
+the merge's cost. Given the new tokens' keys and values, the kernel also writes them into the
+cache (no separate KV write) and attends to them from registers. Lengths live on the device, so a
+CUDA graph can replay a decode step as the cache grows; the grid depends only on the cache
+capacity, and splits past a sequence's length store an empty state at once. With grouped-query
+attention (Hkv < H key/value heads) a program serves one key/value head and every query head of its
+group, stacked as rows of one query tile, so each key and value tile is read once per group.
+
+An FP8 cache (fp8) holds e4m3 codes as uint8 with one fp32 scale per key/value head for keys and one
+for values (value = code x scale): tiles are widened to the query's dtype as they are loaded, the key
+scale folds into the score scale and the value scale into the output, and new keys and values are
+divided by their scale, saturated to +-448 and rounded to e4m3 before they are written and attended to.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.attention import LOG2E, attention_reference, check_heads_out, check_qkv, heads_out, qkv_views
+from tilekit.kernels.attention import (LOG2E, attention_reference, check_heads_out, check_kv_scales, check_qkv,
+                                      heads_out, qkv_views)
+from tilekit.kernels.quantize_fp8 import fp8_bits, fp8_codes, fp8_values
 from tilekit.kernels.tiles import batch_head, online_softmax_step, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
@@ -41,19 +49,21 @@ def query_rows(QP, nq, hk, group, H):
 
 
 @ct.kernel
-def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart, qk_scale: float,
-                            length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int],
+def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opart, Mpart, Lpart, Arrived,
+                            qk_scale: float, length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int],
                             BN: ct.Constant[int], D: ct.Constant[int], CHUNK: ct.Constant[int],
-                            SPLITS: ct.Constant[int], NEW_KV: ct.Constant[bool]):
+                            MERGE: ct.Constant[bool], NEW_KV: ct.Constant[bool], FP8: ct.Constant[bool]):
     """Attention of split ct.bid(1) of (batch, key/value head) ct.bid(0).
 
     Q: (B, H, nq, D); K, V: (B, Hkv, capacity, D) caches; Lengths[b] + length_offset = valid keys,
     the last nq of which are the queries' own positions (causal among them). With NEW_KV those nq
     keys and values come from Knew, Vnew (B, Hkv, nq, D) and the split holding the last position
     writes them into K, V; the splits read only the older positions from the cache. Row r of the
-    query tile is query head hk * G + r // nq, token r % nq (G = H / Hkv). With SPLITS == 1 the
+    query tile is query head hk * G + r // nq, token r % nq (G = H / Hkv). Without MERGE (one split) the
     program writes O; otherwise its partial state goes to Opart (B, Hkv, S, QP, D), Mpart, Lpart
-    (B, Hkv, S, QP), fp32, for decode_merge_kernel.
+    (B, Hkv, S, QP), fp32, and the last of the S splits to count itself in on Arrived[bid(0)] (int32,
+    zero between launches) merges them into O (merge_splits). With FP8, K and V hold e4m3 codes (uint8)
+    and KScale, VScale (Hkv,) fp32 their per-head scales.
     """
     sync_with_previous_kernel()
     bh = ct.bid(0)
@@ -72,13 +82,21 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart
     dims = ct.arange(D, dtype=ct.int32)
     q = ct.gather(Q, (b, head, token, dims.reshape((1, D))))
     q_pos = token + first_new
+    score_scale = qk_scale
+    if FP8:
+        k_scale = ct.load(KScale, (hk,), shape=())
+        v_scale = ct.load(VScale, (hk,), shape=())
+        score_scale = qk_scale * k_scale
     m_i = ct.full((QP, 1), -math.inf, dtype=ct.float32)
     l_i = ct.zeros((QP, 1), dtype=ct.float32)
     acc = ct.zeros((QP, D), dtype=ct.float32)
     for j in range(start // BN, ct.cdiv(end, BN)):
         k = ct.load(K, (b, hk, 0, j), (1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO).reshape((D, BN))
         v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
-        s = ct.mma(q, k, ct.zeros((QP, BN), dtype=ct.float32)) * qk_scale
+        if FP8:
+            k = ct.bitcast(k, ct.float8_e4m3fn).astype(Q.dtype)
+            v = ct.bitcast(v, ct.float8_e4m3fn).astype(Q.dtype)
+        s = ct.mma(q, k, ct.zeros((QP, BN), dtype=ct.float32)) * score_scale
         k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
         s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v)
@@ -87,60 +105,82 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, Lengths, O, Opart, Mpart, Lpart
             t = ct.arange(NP, dtype=ct.int32).reshape((NP, 1))
             k_new = ct.gather(Knew, (b, hk, t, dims.reshape((1, D))))        # (NP, D); rows past nq read zeros
             v_new = ct.gather(Vnew, (b, hk, t, dims.reshape((1, D))))
-            s = ct.mma(q, ct.transpose(k_new), ct.zeros((QP, NP), dtype=ct.float32)) * qk_scale
+            k_write = k_new
+            v_write = v_new
+            if FP8:                                  # attend to what the cache will hold
+                k_write = fp8_bits(k_new.astype(ct.float32), k_scale)
+                v_write = fp8_bits(v_new.astype(ct.float32), v_scale)
+                k_new = ct.bitcast(k_write, ct.float8_e4m3fn).astype(Q.dtype)
+                v_new = ct.bitcast(v_write, ct.float8_e4m3fn).astype(Q.dtype)
+            s = ct.mma(q, ct.transpose(k_new), ct.zeros((QP, NP), dtype=ct.float32)) * score_scale
             s = ct.where(t.reshape((1, NP)) <= token, s, -math.inf)          # causal among the new tokens
             m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v_new)
             new_rows = (b, hk, t + first_new, dims.reshape((1, D)))
-            ct.scatter(K, new_rows, k_new, mask=t < nq)
-            ct.scatter(V, new_rows, v_new, mask=t < nq)
-    if SPLITS == 1:
-        ct.scatter(O, (b, head, token, dims.reshape((1, D))), (acc / l_i).astype(O.dtype))
+            ct.scatter(K, new_rows, k_write, mask=t < nq)
+            ct.scatter(V, new_rows, v_write, mask=t < nq)
+    if not MERGE:
+        out = acc / l_i
+        if FP8:
+            out = out * v_scale
+        ct.scatter(O, (b, head, token, dims.reshape((1, D))), out.astype(O.dtype))
     else:
-        ct.store(Opart, (b, hk, split, 0, 0), acc.reshape((1, 1, 1, QP, D)))
-        ct.store(Mpart, (b, hk, split, 0), m_i.reshape((1, 1, 1, QP)))
-        ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)))
+        store_split(Opart, Mpart, Lpart, b, hk, split, m_i, l_i, acc, QP, D)
+        if ct.atomic_add(Arrived, bh, 1) == Mpart.shape[2] - 1:   # acq_rel: our state before it, theirs after
+            out = merge_splits(Opart, Mpart, Lpart, b, hk, QP, D)
+            if FP8:
+                out = out * v_scale
+            ct.scatter(O, (b, head, token, dims.reshape((1, D))), out.astype(O.dtype))
+            ct.atomic_xchg(Arrived, bh, 0, memory_order=ct.MemoryOrder.RELAXED)   # zero for the next launch
 
 
-@ct.kernel
-def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Constant[int]):
-    """O[b, heads of kv head hk] = the merge of the partial softmax states of all splits of (batch,
-    key/value head) ct.bid(0)."""
-    sync_with_previous_kernel()
-    b, hk = batch_head(ct.bid(0), Mpart.shape[1])
+# The split states go through ordinary loads and stores, not the TMA engine (its async proxy is not ordered by the
+# arrival counter's acquire and release): the last split to arrive must see every other split's state.
+@ct.function
+def store_split(Opart, Mpart, Lpart, b, g, split, m_i, l_i, acc, QP, D):
+    """Store one split's partial softmax state (max, sum, unnormalised output) of (batch b, group g)."""
+    ct.store(Opart, (b, g, split, 0, 0), acc.reshape((1, 1, 1, QP, D)), allow_tma=False)
+    ct.store(Mpart, (b, g, split, 0), m_i.reshape((1, 1, 1, QP)), allow_tma=False)
+    ct.store(Lpart, (b, g, split, 0), l_i.reshape((1, 1, 1, QP)), allow_tma=False)
+
+
+@ct.function
+def merge_splits(Opart, Mpart, Lpart, b, g, QP, D):
+    """The normalised (QP, D) output of (batch b, group g): the partial states of its S splits merged (each
+    split's output weighted by 2^(its max - the overall max)). S is a launch's shape, not a compile-time
+    constant, so one compiled kernel serves every capacity."""
     S = Mpart.shape[2]
     m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
     for s in range(S):
-        m_max = ct.maximum(m_max, ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)))
+        m_max = ct.maximum(m_max, ct.load(Mpart, (b, g, s, 0), (1, 1, 1, QP), allow_tma=False).reshape((QP, 1)))
     m_max = ct.where(m_max == -math.inf, 0.0, m_max)
     total = ct.zeros((QP, 1), dtype=ct.float32)
     out = ct.zeros((QP, D), dtype=ct.float32)
     for s in range(S):
-        w = ct.exp2(ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) - m_max)
-        total = total + ct.load(Lpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) * w
-        out = out + ct.load(Opart, (b, hk, s, 0, 0), (1, 1, 1, QP, D)).reshape((QP, D)) * w
-    H = O.shape[1]
-    head, token = query_rows(QP, O.shape[2], hk, H // Mpart.shape[1], H)
-    ct.scatter(O, (b, head, token, ct.arange(D, dtype=ct.int32).reshape((1, D))), (out / total).astype(O.dtype))
+        w = ct.exp2(ct.load(Mpart, (b, g, s, 0), (1, 1, 1, QP), allow_tma=False).reshape((QP, 1)) - m_max)
+        total = total + ct.load(Lpart, (b, g, s, 0), (1, 1, 1, QP), allow_tma=False).reshape((QP, 1)) * w
+        out = out + ct.load(Opart, (b, g, s, 0, 0), (1, 1, 1, QP, D), allow_tma=False).reshape((QP, D)) * w
+    return out / total
 
 
 def _fits(c: dict, p: dict) -> bool:
     # 256-key tiles only where K and V tiles stay 32 KB and the fp32 score tile does not spill
-    return (c["BN"] <= c["CHUNK"] <= max(256, pow2_ceil(p["capacity"]))
+    return (c["BN"] <= c["CHUNK"] <= max(128, pow2_ceil(p["capacity"]))
             and (c["BN"] <= 128 or (p["D"] <= 64 and p["dtype"] != "float32")))
 
 
-# Splits of at least 256 positions: a context up to 256 runs in one launch, and a split must pay for the
-# merge launch it adds (the tuner times the split kernel alone).
-SPACE = SearchSpace(_fits, BN=(64, 128, 256), CHUNK=(256, 512, 1024, 2048), occupancy=(2, 4))
+# With the merge in the split kernel a split costs no launch of its own, so splits go down to 128 positions
+# (batch 1 with few key/value heads fills the GPU at 4K) and up to 8192 (a 128K context in 16 splits).
+SPACE = SearchSpace(_fits, BN=(64, 128, 256), CHUNK=(128, 256, 512, 1024, 2048, 4096, 8192), occupancy=(1, 2, 4))
 
 
 def default_config(p: dict) -> dict:
-    # Aim for about two programs per SM on a 132-SM GPU.
+    # About two programs per SM on a 132-SM GPU, a split at least two 128-key tiles long; at most 64 splits,
+    # each of which the last to arrive reads back.
     per_seq = max(1, 264 // max(1, p["B"] * p["Hkv"]))
-    chunk = max(256, pow2_ceil(math.ceil(p["capacity"] / per_seq)))
+    chunk = max(256, pow2_ceil(math.ceil(p["capacity"] / per_seq)), pow2_ceil(math.ceil(p["capacity"] / 64)))
     # fp32 products run on FMA units with the tiles in registers: 64-key tiles spill less (sm_90 D64: 1.9 KB a
     # thread against 2.5 KB at 128; docs/results/fp32-tiles-sm90.txt)
-    return dict(BN=64 if p["dtype"] == "float32" else 128, CHUNK=min(2048, chunk), occupancy=4)
+    return dict(BN=64 if p["dtype"] == "float32" else 128, CHUNK=min(8192, chunk), occupancy=4)
 
 
 def _splits(p: dict, c: dict) -> int:
@@ -157,42 +197,41 @@ def _arrays(p: dict) -> dict:
     fused = H + 2 * Hkv
     new_kv = {"k_new": qkv_views(dt, B, Hkv, nq, D, 0, fused), "v_new": qkv_views(dt, B, Hkv, nq, D, 0, fused)} \
         if p["new_kv"] else {"k_new": absent(dt, 4), "v_new": absent(dt, 4)}
-    return {"q": qkv_views(dt, B, H, nq, D, 0, fused), **new_kv, "k": ArraySpec(dt, (B, Hkv, cap, D)),
-            "v": ArraySpec(dt, (B, Hkv, cap, D)), "lengths": ArraySpec("int32", (B,), fill=cap),
-            "o": heads_out(dt, B, H, nq, D)}
+    if p["fp8"]:       # positive e4m3 codes below 0x7F (NaN)
+        cache = {n: ArraySpec("uint8", (B, Hkv, cap, D), high=0x7F) for n in ("k", "v")}
+        scales = {n: ArraySpec("float32", (Hkv,), fill=1) for n in ("k_scale", "v_scale")}
+    else:
+        cache = {n: ArraySpec(dt, (B, Hkv, cap, D)) for n in ("k", "v")}
+        scales = {n: absent("float32", 1) for n in ("k_scale", "v_scale")}
+    return {"q": qkv_views(dt, B, H, nq, D, 0, fused), **new_kv, **cache, **scales,
+            "lengths": ArraySpec("int32", (B,), fill=cap), "o": heads_out(dt, B, H, nq, D)}
 
 
 def _scratch(p: dict, c: dict) -> dict:
-    """Partial softmax states of the splits (none with one split)."""
+    """Partial softmax states of the splits and the arrival counters (none with one split)."""
     B, H, S, QP = p["B"], p["Hkv"], _splits(p, c), _qp(p)
     if S == 1:
-        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4)}
+        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4),
+                "arrived": absent("int32", 1)}
     return {"opart": ArraySpec("float32", (B, H, S, QP, pow2_ceil(p["D"])), role="scratch"),
             "mpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
-            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch")}
+            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
+            "arrived": ArraySpec("int32", (B * H,), role="zeros")}
 
 
 def _grid(p: dict, c: dict) -> tuple:
     return (p["B"] * p["Hkv"], _splits(p, c), 1)
 
 
-def _merge_grid(p: dict, c: dict) -> tuple:
-    """No merge launch with one split."""
-    return (p["B"] * p["Hkv"] if _splits(p, c) > 1 else 0, 1, 1)
-
-
 def _constants(p: dict, c: dict) -> tuple:
-    return (_qp(p), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["D"]), c["CHUNK"], _splits(p, c),
-            bool(p["new_kv"]))
-
-
-def _merge_constants(p: dict, c: dict) -> tuple:
-    return (_qp(p), pow2_ceil(p["D"]))
+    return (_qp(p), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["D"]), c["CHUNK"], _splits(p, c) > 1,
+            bool(p["new_kv"]), bool(p["fp8"]))
 
 
 def _bind(a: list, flags: tuple) -> Binding:
-    q, k_cache, v_cache, lengths, k_new, v_new, out = a
-    check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"))
+    q, k_cache, v_cache, lengths, k_new, v_new, k_scale, v_scale, out = a
+    fp8 = k_cache.dtype == "uint8"
+    check_qkv(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), codes=fp8)
     B, H, nq, D = q.shape
     arrays.check_dtype(lengths, "lengths", ("int32",))
     if lengths.shape != (B,) or lengths.device != q.device:
@@ -207,7 +246,7 @@ def _bind(a: list, flags: tuple) -> Binding:
     if H // Hkv * nq > MAX_ROWS:
         raise ValueError(f"{H // Hkv} query heads per key/value head x {nq} tokens exceed {MAX_ROWS} rows; "
                          f"pass fewer tokens per call")
-    views = {"q": (0, None), "k": (1, None), "v": (2, None), "lengths": (3, None), "o": (6, None)}
+    views = {"q": (0, None), "k": (1, None), "v": (2, None), "lengths": (3, None), "o": (8, None)}
     if (k_new is None) != (v_new is None):
         raise ValueError("pass both new_k and new_v, or neither")
     if k_new is not None:
@@ -215,55 +254,68 @@ def _bind(a: list, flags: tuple) -> Binding:
         if k_new.shape != (B, Hkv, nq, D):
             raise ValueError(f"new_k must have shape {(B, Hkv, nq, D)} (one key per new token), got {k_new.shape}")
         views.update(k_new=(4, None), v_new=(5, None))
+    if fp8:
+        check_kv_scales(q, k_scale, v_scale, Hkv)
+        views.update(k_scale=(6, None), v_scale=(7, None))
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale and v_scale go with an FP8 (uint8) cache; k_cache has dtype {k_cache.dtype}")
     if out is not None:
         check_heads_out(out, q)
     return Binding(problem=dict(dtype=q.dtype, B=B, H=H, Hkv=Hkv, nq=nq, capacity=k_cache.shape[2], D=D,
-                                new_kv=int(k_new is not None)),
-                   arrays=views, output=(6, arrays.allocator(q.kind, q.device, q.shape, q.dtype)), returns=6,
+                                new_kv=int(k_new is not None), fp8=int(fp8)),
+                   arrays=views, output=(8, arrays.allocator(q.kind, q.device, q.shape, q.dtype)), returns=8,
                    scalars={"qk_scale": (0, LOG2E / math.sqrt(D)), "length_offset": (1, 0)})
 
 
 DECODE_ATTENTION = Op(
-    "decode_attention", args=("q", "k_cache", "v_cache", "lengths", "new_k", "new_v", "out"),
-    optional=("new_k", "new_v", "out"),
-    key=dict(dtype=None, B=pow2_bucket, H=None, Hkv=None, nq=None, capacity=pow2_bucket, D=None, new_kv=None),
+    "decode_attention", args=("q", "k_cache", "v_cache", "lengths", "new_k", "new_v", "k_scale", "v_scale", "out"),
+    optional=("new_k", "new_v", "k_scale", "v_scale", "out"),
+    key=dict(dtype=None, B=pow2_bucket, H=None, Hkv=None, nq=None, capacity=pow2_bucket, D=None, new_kv=None,
+             fp8=None),
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch,
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"]), "length_offset": 0},
     launches=(Launch(decode_attention_kernel, _grid,
-                     ("q", "k_new", "v_new", "k", "v", "lengths", "o", "opart", "mpart", "lpart", "qk_scale",
-                      "length_offset"), _constants,
+                     ("q", "k_new", "v_new", "k", "v", "k_scale", "v_scale", "lengths", "o", "opart", "mpart",
+                      "lpart", "arrived", "qk_scale", "length_offset"), _constants,
                      # An ordinary launch, once per layer: with every kernel of a decode step launched early,
                      # kernels queue up several deep and steps run slower (H100: gpt2-xl 2.56 ms against 2.06,
                      # gpt2 0.355 against 0.321; docs/results/decode-one-launch-h100.txt).
-                     dependent=False),
-              Launch(decode_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
-                     hinted=False)),
-    bind=_bind, choices=dict(new_kv=(0, 1)), cli_defaults=dict(nq=1, new_kv=1))
+                     dependent=False),),
+    bind=_bind, choices=dict(new_kv=(0, 1), fp8=(0, 1)), cli_defaults=dict(nq=1, new_kv=1, fp8=0),
+    tune_whole=True)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, *, new_k=None, new_v=None, scale: float | None = None,
-                     length_offset: int = 0, out=None):
+def decode_attention(q, k_cache, v_cache, lengths, *, new_k=None, new_v=None, k_scale=None, v_scale=None,
+                     scale: float | None = None, length_offset: int = 0, out=None):
     """Attention of nq new queries per sequence against a KV cache (flash-decoding).
 
     q: (B, H, nq, D); k_cache, v_cache: (B, Hkv, capacity, D) (Hkv dividing H: grouped-query
-    attention); lengths: int32 (B,) on the device.
+    attention) of q's dtype, or an FP8 cache: e4m3 codes as uint8 with k_scale, v_scale float32 (Hkv,)
+    (key = code x k_scale[head]); lengths: int32 (B,) on the device.
     Sequence b attends to its first n = lengths[b] + length_offset cached positions, the last nq of
     which are the queries' own (causal among them); n must lie in nq .. capacity. new_k, new_v
     (B, Hkv, nq, D), when given, are those nq positions' keys and values: they are written into the
-    caches at n - nq .. n - 1 in the same launch. Returns (B, H, nq, D) of q's kind.
+    caches at n - nq .. n - 1 in the same launch (an FP8 cache: divided by the scale, saturated to
+    +-448, rounded to e4m3). Returns (B, H, nq, D) of q's kind.
     """
     if not isinstance(length_offset, (int, np.integer)) or isinstance(length_offset, bool):
         raise TypeError(f"length_offset must be an int, got {type(length_offset).__name__}")
-    return DECODE_ATTENTION((q, k_cache, v_cache, lengths, new_k, new_v, out), (),
+    return DECODE_ATTENTION((q, k_cache, v_cache, lengths, new_k, new_v, k_scale, v_scale, out), (),
                             (None if scale is None else arrays.checked_positive(scale, "scale") * LOG2E,
                              int(length_offset)))
 
 
-def decode_attention_reference(q, k_cache, v_cache, lengths, *, new_k=None, new_v=None, scale: float | None = None,
-                               length_offset: int = 0) -> np.ndarray:
+def decode_attention_reference(q, k_cache, v_cache, lengths, *, new_k=None, new_v=None, k_scale=None, v_scale=None,
+                               scale: float | None = None, length_offset: int = 0) -> np.ndarray:
     """float64 NumPy decode attention: per sequence, attention over its first lengths[b] + offset keys,
-    the last nq of them replaced by new_k, new_v when given."""
+    the last nq of them replaced by new_k, new_v when given. With k_scale, v_scale the caches are FP8
+    codes: attention runs over their values, the new keys and values quantized as the kernel stores them."""
     q = np.asarray(q, np.float64)
+    fp8 = k_scale is not None
+    if fp8:
+        k_cache, v_cache = fp8_values(k_cache, k_scale), fp8_values(v_cache, v_scale)
+        if new_k is not None:
+            new_k, new_v = fp8_values(fp8_codes(new_k, k_scale), k_scale), fp8_values(fp8_codes(new_v, v_scale), v_scale)
     k_cache, v_cache = np.array(k_cache, np.float64), np.array(v_cache, np.float64)
     out = np.empty(q.shape)
     nq = q.shape[2]

@@ -142,6 +142,20 @@ def quantize_fp8_reference(x, group: int | None = None) -> tuple[np.ndarray, np.
     return q.reshape(*x.shape[:-1], -1)[..., :K].view(np.uint8), s[..., 0]
 
 
+def fp8_codes(x, scale) -> np.ndarray:
+    """e4m3 codes (uint8) of x (B, H, T, D) with per-head scales (H,), computed in fp32 as the kernels do."""
+    import ml_dtypes
+    s = np.asarray(scale, np.float32).reshape(1, -1, 1, 1)
+    return np.clip(np.asarray(x, np.float32) / s, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def fp8_values(codes, scale) -> np.ndarray:
+    """float64 values of e4m3 codes (B, H, T, D) with per-head scales (H,)."""
+    import ml_dtypes
+    return np.asarray(codes).view(ml_dtypes.float8_e4m3fn).astype(np.float64) \
+        * np.asarray(scale, np.float64).reshape(1, -1, 1, 1)
+
+
 if __name__ == "__main__":
     import cupy
 

@@ -78,16 +78,39 @@ class FP8Activations:
         return self.codes[:M * K].reshape(M, K), self.scales[:M * groups].reshape(M, groups)
 
 
-class KVCache:
-    """Keys and values of every layer for B sequences, preallocated to `capacity` positions."""
+KV_CACHE_DTYPES = ("auto", "fp8")
+# The FP8 cache's scale of every (layer, key/value head), keys and values alike: static, as vLLM's uncalibrated
+# default. Values beyond +-448 saturate; magnitudes below 2^-6 (e4m3's smallest normal) keep an absolute step of
+# 2^-9 rather than 3 significant bits (README: the accuracy measured). Calibrated per-head scales (a checkpoint's,
+# or the prompt's absmax / 448) would go into KVCache.k_scale / v_scale; none is computed yet.
+FP8_KV_SCALE = 1.0
 
-    def __init__(self, model: "CausalLM", batch: int, capacity: int, arrays: Arrays):
+
+class KVCache:
+    """Keys and values of every layer for B sequences, preallocated to `capacity` positions: in the model's dtype
+    ("auto"), or "fp8": e4m3 codes as uint8 with fp32 scales k_scale, v_scale (layers, key/value heads), value =
+    code x scale (FP8_KV_SCALE), half the bytes a decode step reads."""
+
+    def __init__(self, model: "CausalLM", batch: int, capacity: int, arrays: Arrays, dtype: str = "auto"):
+        if dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {dtype!r}")
         layers, heads, head_dim = model.cache_dims()
         shape = (layers, batch, heads, capacity, head_dim)
         # zeroed: decode attention multiplies whole key tiles, unwritten slots included, by
         # probabilities that are 0 there, and 0 x NaN from stale memory would be NaN
-        self.k, self.v = arrays.zeros(shape, model.dtype), arrays.zeros(shape, model.dtype)
+        codes = "uint8" if dtype == "fp8" else model.dtype
+        self.k, self.v = arrays.zeros(shape, codes), arrays.zeros(shape, codes)
+        self.k_scale = self.v_scale = None
+        if dtype == "fp8":
+            self.k_scale, self.v_scale = arrays.zeros((layers, heads), "float32"), arrays.zeros((layers, heads), "float32")
+            if not arrays.meta:
+                self.k_scale[...] = FP8_KV_SCALE
+                self.v_scale[...] = FP8_KV_SCALE
         self.capacity = capacity
+
+    def scales(self, layer: int) -> dict:
+        """The keyword arguments write_kv and decode_attention take for layer's scales (none for a plain cache)."""
+        return {} if self.k_scale is None else dict(k_scale=self.k_scale[layer], v_scale=self.v_scale[layer])
 
 
 class PromptBuffers:
@@ -136,10 +159,11 @@ class DecodeState:
     its two steps: a prompt prefill that fills the KV cache, and one decode step, each ending in the
     next-token pick that `picker` describes (per-row parameters in fparams / iparams)."""
 
-    def __init__(self, model: "CausalLM", batch: int, capacity: int, arrays: Arrays, picker: Picker = GREEDY):
+    def __init__(self, model: "CausalLM", batch: int, capacity: int, arrays: Arrays, picker: Picker = GREEDY,
+                 kv_cache_dtype: str = "auto"):
         self.model, self.batch, self.picker = model, batch, picker
         V = model.config.vocab_size
-        self.cache = model.new_cache(batch, capacity, arrays)
+        self.cache = model.new_cache(batch, capacity, arrays, kv_cache_dtype)
         self.tokens = arrays.zeros((batch,), "int32")
         self.positions = arrays.zeros((batch,), "int32")        # each sequence's newest position
         self.finished = arrays.zeros((batch,), "int32")
@@ -200,12 +224,12 @@ class Generation:
 
     max_prompt_shapes = 2
 
-    def __init__(self, model: "CausalLM", batch: int, capacity: int, picker: Picker):
+    def __init__(self, model: "CausalLM", batch: int, capacity: int, picker: Picker, kv_cache_dtype: str = "auto"):
         import cupy
         self.model, self.batch = model, batch
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with self.stream:
-            self.state = DecodeState(model, batch, capacity, Arrays(), picker)
+            self.state = DecodeState(model, batch, capacity, Arrays(), picker, kv_cache_dtype)
         self.prompts: OrderedDict[int, PromptBuffers] = OrderedDict()
         self.decode_graph = None
         weakref.finalize(self, release_scratch, self.stream.ptr)   # also when dropped unreleased
@@ -399,15 +423,16 @@ class CausalLM(TextGeneration):
             self.comm.all_reduce(x)
 
     # -- the KV cache and attention ----------------------------------------------------------------
-    def new_cache(self, batch: int, capacity: int, arrays: Arrays):
-        """generate()'s cache for `batch` sequences of up to `capacity` positions."""
-        return KVCache(self, batch, capacity, arrays)
+    def new_cache(self, batch: int, capacity: int, arrays: Arrays, dtype: str = "auto"):
+        """generate()'s cache for `batch` sequences of up to `capacity` positions, of KV_CACHE_DTYPES `dtype`."""
+        return KVCache(self, batch, capacity, arrays, dtype)
 
     def prefill_attend(self, cache, start) -> Callable:
         """hidden()'s attend for a prompt prefill: attend(layer, q, k, v, out) writes the keys and values into the
-        cache at `start` (int32 (B,) device offsets) and attends causally over the prompts."""
+        cache at `start` (int32 (B,) device offsets) and attends causally over the prompts (their own k and v,
+        in the model's dtype, whatever the cache holds)."""
         def attend(i, q, k, v, out):
-            write_kv(k, v, cache.k[i], cache.v[i], start)
+            write_kv(k, v, cache.k[i], cache.v[i], start, **cache.scales(i))
             attention(q, k, v, causal=True, out=out)
         return attend
 
@@ -415,7 +440,8 @@ class CausalLM(TextGeneration):
         """hidden()'s attend for a decode step: writes k and v at `positions` (each sequence's newest), then
         attends over the cache up to them."""
         def attend(i, q, k, v, out):
-            decode_attention(q, cache.k[i], cache.v[i], positions, new_k=k, new_v=v, length_offset=1, out=out)
+            decode_attention(q, cache.k[i], cache.v[i], positions, new_k=k, new_v=v, length_offset=1, out=out,
+                             **cache.scales(i))
         return attend
 
     def forward_attend(self) -> Callable:
@@ -660,14 +686,14 @@ class CausalLM(TextGeneration):
             return graph
 
     @contextlib.contextmanager
-    def _generation(self, batch: int, capacity: int, picker: Picker):
+    def _generation(self, batch: int, capacity: int, picker: Picker, kv_cache_dtype: str = "auto"):
         """A Generation for this call: the kept one for the key if no other call holds it, else a new one.
         It is kept again when the call ends normally and dropped when the call fails."""
-        key = (batch, capacity, picker)
+        key = (batch, capacity, picker, kv_cache_dtype)
         with self._graphs_lock:
             gen = self._generations.pop(key, None)
         if gen is None:
-            gen = Generation(self, batch, capacity, picker)
+            gen = Generation(self, batch, capacity, picker, kv_cache_dtype)
         try:
             yield gen
         except BaseException:
@@ -697,7 +723,7 @@ class CausalLM(TextGeneration):
                  frequency_penalty: float | None = None, sampling: Sequence[SamplingParams] | None = None,
                  min_new_tokens: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  stop_strings: str | Sequence[str] | None = None, seed: int | None = None, use_graph: bool = True,
-                 on_token: Callable[[np.ndarray], None] | None = None) -> list[np.ndarray]:
+                 on_token: Callable[[np.ndarray], None] | None = None, kv_cache_dtype: str = "auto") -> list[np.ndarray]:
         """Continue each prompt by up to `max_new_tokens` tokens with a KV cache.
 
         ids: a 2-D integer array (B, T) of equal-length prompts, or a list of token lists of different
@@ -718,8 +744,11 @@ class CausalLM(TextGeneration):
         The KV cache, buffers and graphs for (batch, capacity, the kind of pick) are kept for the next
         call (the last max_generations of them; forget_graphs() frees them). After its first run the
         decode step is one CUDA graph replay, and so is the prompt prefill once a padded prompt length (a
-        multiple of 64) repeats; use_graph=False runs every kernel one by one.
+        multiple of 64) repeats; use_graph=False runs every kernel one by one. kv_cache_dtype "fp8" keeps the
+        KV cache as FP8 e4m3 with a static per-head scale (KVCache; a model with another cache refuses it).
         """
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         prompts = self._check_prompts(ids)
         settings, rows, streams = self.generation_plan(
             prompts, max_new_tokens, sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -745,7 +774,7 @@ class CausalLM(TextGeneration):
         stops = StopChecker(B, settings)
         watch = on_token is not None or streams is not None
 
-        with self._generation(B, capacity, picker) as gen, gen.stream:
+        with self._generation(B, capacity, picker, kv_cache_dtype) as gen, gen.stream:
             state = gen.state
             gen.start(history, lengths - 1, fparams, iparams, seen)
             gen.prefill(padded, np.arange(B, dtype=np.int32) * T + lengths - 1, use_graph)

@@ -50,8 +50,8 @@ def apply_rope(x, positions, cos, sin):
     x[...] = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
 
 
-def write_kv(k, v, k_cache, v_cache, start):
-    kc, vc = write_kv_reference(k, v, k_cache, v_cache, start)
+def write_kv(k, v, k_cache, v_cache, start, *, k_scale=None, v_scale=None):
+    kc, vc = write_kv_reference(k, v, k_cache, v_cache, start, k_scale=k_scale, v_scale=v_scale)
     k_cache[...], v_cache[...] = kc, vc
 
 

@@ -56,6 +56,26 @@ def test_logits_match_reference_at_v2_lite_shapes():
         assert err <= MODEL_TOL[dtype], (dtype, err)
 
 
+def test_yarn_past_the_original_window_matches_the_reference():
+    """tiny-deepseek-v2's shapes and YaRN (64-position window) with room for 1024 positions, random weights: a
+    600-token prompt and four absorbed-MLA decode steps after it, against the float64 reference past the window.
+    float32 only: over 600 tokens a bf16 run would likely route some token to other experts (see
+    test_logits_match_hugging_face), which says nothing about the rotation."""
+    dtype = "float32"
+    from tests.models.steps import decode_logits
+    config = DeepseekV2.from_pretrained(DATA / "tiny-deepseek-v2", dtype="float32").config.replace(
+        max_position_embeddings=1024)
+    state = random_state_dict(config, seed=3)
+    rng = np.random.default_rng(1)
+    prompt, follow = rng.integers(0, config.vocab_size, (1, 600)), rng.integers(0, config.vocab_size, (1, 4))
+    expected = ReferenceDeepseekV2(config, state).forward(np.concatenate([prompt, follow], 1))
+    model = DeepseekV2(config, dtype=dtype, state=state)
+    prefill = cupy.asnumpy(model(prompt)).astype(np.float64)
+    assert rel_err(prefill[:, 64:], expected[:, 64:600]) <= MODEL_TOL[dtype]
+    decoded, _ = decode_logits(model, prompt, follow)
+    assert rel_err(decoded, expected[:, 600:]) <= MODEL_TOL[dtype]
+
+
 def test_logits_match_hugging_face_at_v2_lite_shapes(tmp_path):
     """V2-Lite's layer shapes (the dense layer and one MoE layer: 64 experts, top-6, 2 shared, YaRN; a smaller
     vocabulary) written by transformers' DeepseekV2ForCausalLM (random weights, the router's scaled up so the top-6

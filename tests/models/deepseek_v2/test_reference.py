@@ -62,6 +62,17 @@ def test_the_fixture_exercises_yarn():
     assert rel_err(unscaled, np.load(DATA / "tiny-deepseek-v2" / "logits.npy")) > 1e-4
 
 
+def test_positions_past_the_original_window_are_where_yarn_matters():
+    """tiny-deepseek-v2's config with room for 1024 positions (YaRN over a 64-position window): the reference's
+    logits past the window move when the scaling is dropped (test_model.py checks the GPU model there)."""
+    cfg = ReferenceDeepseekV2.from_pretrained(DATA / "tiny-deepseek-v2").config.replace(max_position_embeddings=1024)
+    state = random_state_dict(cfg, seed=3)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 200))
+    scaled = ReferenceDeepseekV2(cfg, state).forward(ids)
+    plain = ReferenceDeepseekV2(cfg.replace(rope_scaling=None), state).forward(ids)
+    assert cfg.rope_scaling.original_max_position_embeddings == 64 and rel_err(plain[:, 64:], scaled[:, 64:]) > 1e-3
+
+
 def test_yarn_inv_freq_of_v2_lite():
     """64 rotary dims, base 10^4, original context 4096: frequencies up to floor(10.5) = 10 kept, from
     ceil(22.5) = 23 divided by 40, ramped between."""

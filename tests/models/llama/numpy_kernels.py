@@ -9,6 +9,7 @@ from tests.models.deepseek_v2.numpy_kernels import apply_rope, rms_norm, swiglu_
 from tilekit.kernels.attention import attention_reference
 from tilekit.kernels.decode_attention import decode_attention_reference
 from tilekit.kernels.embedding import embedding_reference
+from tilekit.kernels.quantize_fp8 import fp8_codes
 
 
 def embedding(ids, wte, *, out):
@@ -30,11 +31,14 @@ def attention(q, k, v, *, causal, out):
     out[...] = attention_reference(q, k, v, causal=causal)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, *, new_k, new_v, length_offset, out):
+def decode_attention(q, k_cache, v_cache, lengths, *, new_k, new_v, length_offset, out, k_scale=None, v_scale=None):
     nq = q.shape[2]
+    if k_scale is not None:
+        new_k, new_v = fp8_codes(new_k, k_scale), fp8_codes(new_v, v_scale)
     for b, n in enumerate(np.asarray(lengths) + length_offset):
         k_cache[b, :, n - nq:n], v_cache[b, :, n - nq:n] = new_k[b], new_v[b]
-    out[...] = decode_attention_reference(q, k_cache, v_cache, lengths, length_offset=length_offset)
+    out[...] = decode_attention_reference(q, k_cache, v_cache, lengths, length_offset=length_offset, k_scale=k_scale,
+                                          v_scale=v_scale)
 
 
 MODEL_KERNELS = ("embedding", "rms_norm", "linear", "apply_rope", "swiglu_linear")

@@ -190,3 +190,28 @@ def test_from_pretrained_holds_no_host_copy_of_the_checkpoint(tmp_path):
     peak = _status_kb("VmHWM") - before
     assert peak < (256 + 160) << 10, peak                            # KiB; the checkpoint is 750 MB
     assert np.array_equal(bits(model.params["lm_head.weight"][0, :8]), bits(first))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fp8_kv_cache_logits_stay_near_the_model_dtype_cache(dtype):
+    """Random weights, a 300-token prompt and four decode steps: an FP8 cache (static scale) against the model's
+    dtype's, within the bound measured on the CPU (tests/models/llama/test_kv_cache_fp8.py)."""
+    from tests.models.llama.test_kv_cache_fp8 import FP8_LOGITS_BOUND
+    from tests.models.steps import decode_logits
+    config = LlamaConfig(n_layer=2, n_head=8, n_kv_head=2, n_embd=256, intermediate_size=688, vocab_size=1031,
+                         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
+    model = Llama(config, dtype=dtype, seed=5)
+    rng = np.random.default_rng(0)
+    prompts, follow = rng.integers(0, 1031, (2, 300)), rng.integers(0, 1031, (2, 4))
+    plain, _ = decode_logits(model, prompts, follow, "auto")
+    fp8, cache = decode_logits(model, prompts, follow, "fp8")
+    assert cache.k.dtype == cupy.uint8 and np.isfinite(fp8).all()
+    err = rel_err(fp8, plain)
+    assert 0 < err <= FP8_LOGITS_BOUND, (dtype, err)
+
+
+def test_fp8_kv_cache_generate_with_graphs_equals_eager(small_llama):
+    prompts = [[5, 17, 900, 4], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
+    graphed = small_llama.generate(prompts, 12, temperature=0, kv_cache_dtype="fp8")
+    eager = small_llama.generate(prompts, 12, temperature=0, kv_cache_dtype="fp8", use_graph=False)
+    assert [s.tolist() for s in graphed] == [s.tolist() for s in eager]

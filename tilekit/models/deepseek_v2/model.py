@@ -328,7 +328,9 @@ class DeepseekV2(CausalLM):
         return Activations(self.config, batch, tokens, self.dtype, arrays,
                            self.fp8_activations(batch * tokens, arrays), self.shard)
 
-    def new_cache(self, batch: int, capacity: int, arrays: Arrays) -> LatentCache:
+    def new_cache(self, batch: int, capacity: int, arrays: Arrays, dtype: str = "auto") -> LatentCache:
+        if dtype != "auto":
+            raise ValueError(f"DeepSeek-V2's latent cache is kept in the model's dtype (kv_cache_dtype {dtype!r})")
         return LatentCache(self.config, batch, capacity, self.dtype, arrays)
 
     def forward_attend(self):

@@ -1,0 +1,57 @@
+"""Llama's FP8 KV cache on the CPU (NumPy standing in for CuPy and for each kernel, numpy_kernels.py): the cache
+holds e4m3 codes with per-(layer, head) scales, the prefill and decode steps write what write_kv and
+decode_attention write, and the decode logits stay within a stated bound of the model-dtype cache's."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
+from tests.models.llama import numpy_kernels
+from tests.models.steps import decode_logits
+from tilekit.kernels.checks import rel_err
+from tilekit.kernels.quantize_fp8 import fp8_values
+from tilekit.models import DeepseekV2, DeepseekV2Config, Llama, runtime
+from tilekit.models.llama import model as model_module
+from tilekit.models.runtime import Arrays
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+# e4m3 keeps 3 significant bits (a normal code within 1/16 of its value; the cached keys' relative error measured
+# 0.026 here): after attention's averaging, the tiny random-weight models' decode logits moved by 0.004-0.006
+# (relative error, three prompts each); the bounds leave room
+FP8_LOGITS_BOUND = 0.02
+FP8_CACHE_BOUND = 0.04
+
+
+@pytest.fixture
+def cpu(numpy_cupy, monkeypatch):
+    step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
+                       (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
+
+
+def test_fp8_cache_logits_stay_near_the_model_dtype_cache(cpu):
+    model = Llama.from_pretrained(DATA / "tiny-llama", dtype="float32")
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, model.config.vocab_size, (2, 20))
+    follow = rng.integers(0, model.config.vocab_size, (2, 4))
+    plain, exact = decode_logits(model, prompts, follow, "auto")
+    fp8, cache = decode_logits(model, prompts, follow, "fp8")
+    assert cache.k.dtype == np.uint8 and cache.k_scale.shape == (model.config.n_layer, model.config.n_kv_head)
+    err = rel_err(fp8, plain)
+    assert 0 < err <= FP8_LOGITS_BOUND, err
+    # the cache holds e4m3 codes of what the plain cache holds, prompt and decoded tokens alike
+    n = prompts.shape[1] + follow.shape[1]
+    for codes, scales, values in ((cache.k, cache.k_scale, exact.k), (cache.v, cache.v_scale, exact.v)):
+        assert rel_err(fp8_values(codes[0][:, :, :n], scales[0]), values[0][:, :, :n]) <= FP8_CACHE_BOUND
+
+
+def test_bad_kv_cache_dtypes_are_refused(cpu):
+    model = Llama.from_pretrained(DATA / "tiny-llama", dtype="float32")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, got 'int8'"):
+        model.new_cache(1, 64, Arrays(), "int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, got 'bf16'"):
+        model.generate([[1, 2]], 2, kv_cache_dtype="bf16")
+    latent = DeepseekV2(DeepseekV2Config.preset("deepseek-v2-lite"), meta=True)
+    with pytest.raises(ValueError, match="latent cache is kept in the model's dtype"):
+        latent.new_cache(1, 64, Arrays(meta=True), "fp8")

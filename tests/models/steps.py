@@ -1,0 +1,29 @@
+"""A model's generate() steps without graphs, teacher-forced, for tests on the GPU and (NumPy standing in for CuPy)
+on the CPU."""
+
+import numpy as np
+
+from tilekit.models.runtime import Arrays, PromptBuffers, capacity_for
+
+
+def decode_logits(model, prompts: np.ndarray, follow: np.ndarray, kv_cache_dtype: str = "auto") -> tuple:
+    """generate()'s steps without graphs, teacher-forced: the prompts (B, T) prefilled into a cache of
+    kv_cache_dtype, then each column of follow (B, steps) decoded; the float64 logits (B, steps, vocab) of the
+    decode steps and the cache (CuPy arrays, or NumPy under the numpy_cupy fixture)."""
+    import cupy
+    B, T = prompts.shape
+    arrays = Arrays()
+    cache = model.new_cache(B, capacity_for(model, T, follow.shape[1] + 1)[0], arrays, kv_cache_dtype)
+    buf = PromptBuffers(model, B, T, arrays)
+    buf.ids[...] = cupy.asarray(prompts.reshape(-1).astype(np.int32))
+    model.hidden(buf.acts, buf.ids, buf.positions, model.prefill_attend(cache, buf.zeros))
+    acts = model.activations(B, 1, arrays)
+    positions = cupy.asarray(np.full(B, T, np.int32))
+    out = []
+    for step in range(follow.shape[1]):
+        x = model.hidden(acts, cupy.asarray(follow[:, step].astype(np.int32)), positions,
+                         model.decode_attend(cache, positions))
+        model.final_norm(x, acts.h)
+        out.append(cupy.asnumpy(model.lm_head(acts.h)).astype(np.float64))
+        positions += 1
+    return np.stack(out, 1), cache

@@ -37,5 +37,5 @@ def decode_attention(q, k_cache, v_cache, lengths, *, new_k, new_v, length_offse
     out[...] = decode_attention_reference(q, k_cache, v_cache, lengths, length_offset=length_offset)
 
 
-MODEL_KERNELS = ("embedding", "rms_norm", "linear", "apply_rope", "swiglu_linear")
+MODEL_KERNELS = ("embedding", "rms_norm", "apply_rope", "swiglu_linear")
 RUNTIME_KERNELS = ("attention", "decode_attention", "write_kv", "linear")

@@ -472,19 +472,30 @@ class NcclCommunicator(Communicator):
         cupy.cuda.get_current_stream().synchronize()
 
     def close(self, failed: bool = False, timeout: float = 30.0) -> None:
-        """Leave the group: the graphs of the models holding this communicator are dropped first, then NCCL's
-        communicator destroyed, in a daemon thread waited on for `timeout` s (a graph held elsewhere keeps NCCL
-        waiting: the process still exits, and NCCL's resources go with it)."""
+        """Leave the group. The graphs of the models holding this communicator are dropped and this GPU's work
+        finished while the watchdog still watches the other ranks; then NCCL's communicator is destroyed in a daemon
+        thread waited on for `timeout` s (a graph held elsewhere keeps NCCL waiting: a warning says so, and the
+        process still exits, NCCL's resources with it)."""
         import cupy
+        if not failed:
+            self.release_holders()
+            gc.collect()
+            cupy.cuda.runtime.deviceSynchronize()
         self.link.close("an error on that rank" if failed else None)
         if failed:
             return
-        self.release_holders()
-        gc.collect()
-        cupy.cuda.runtime.deviceSynchronize()
-        done = threading.Thread(target=self.comm.destroy, name="tilekit-nccl-destroy", daemon=True)
+        device = cupy.cuda.Device().id
+
+        def destroy():
+            cupy.cuda.Device(device).use()
+            self.comm.destroy()
+        done = threading.Thread(target=destroy, name="tilekit-nccl-destroy", daemon=True)
         done.start()
         done.join(timeout)
+        if done.is_alive():
+            print(f"tilekit: rank {self.rank}: NCCL's communicator was not destroyed within {timeout:g} s (a CUDA graph "
+                  "captured with its all-reduces is still alive); it goes when the process exits", file=sys.stderr,
+                  flush=True)
 
 
 def join(timeout: float = RENDEZVOUS_TIMEOUT) -> NcclCommunicator | None:

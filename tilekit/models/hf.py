@@ -857,7 +857,8 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
         outs = outs() if callable(outs) else outs
         if outs is None and pieces:
             device = device or CupyDevice()
-            outs = {name: device.empty(shape, dtype) for name, shape in shapes.items()}
+            outs = {name: device.empty(part_shape(shape, parts[name]) if name in parts else shape, dtype)
+                    for name, shape in shapes.items()}
         if outs is not None:
             plan.update(plan_for(outs))
         loaded = load_tensors(files, plan, device=device, ignore=ignore, expected=expected)

@@ -285,6 +285,8 @@ class Generation:
         """Wait for this generation's work, then drop its graphs and its stream's work arrays."""
         self.stream.synchronize()
         self.decode_graph = None
+        for buf in self.prompts.values():      # a caller may still hold a buffer: not its graph
+            buf.graph = None
         self.prompts.clear()
         release_scratch(self.stream.ptr)
 
@@ -376,19 +378,7 @@ class CausalLM(TextGeneration):
     vocab: tuple[int, int] = (0, 0)   # tensor-parallel: the vocabulary rows [start, stop) of this rank's LM head
     max_prefill_graphs = 4
     max_generations = 2
-    _comm = None
-
-    @property
-    def comm(self):
-        """Tensor-parallel: this rank's tilekit.parallel.Communicator (None: one process)."""
-        return self._comm
-
-    @comm.setter
-    def comm(self, comm) -> None:
-        # NCCL waits for every graph holding its collectives before it lets a communicator go: closing it drops ours
-        self._comm = comm
-        if comm is not None:
-            comm.hold(self.forget_graphs)
+    comm = None                # tensor-parallel: this rank's tilekit.parallel.Communicator (None: one process)
 
     def _init_runtime(self) -> None:
         self.checkpoint: Checkpoint | None = None
@@ -411,7 +401,33 @@ class CausalLM(TextGeneration):
             raise ValueError("a tensor-parallel model's weights come from state= or a checkpoint (from_pretrained), "
                              "not from a seed: each rank holds a slice of the same weights")
         self.vocab = parallel.vocab_span(self.config.vocab_size, rank, world)
+        if self.comm:       # NCCL lets a communicator go only once no graph holds its collectives: close() drops ours
+            self.comm.hold(self.forget_graphs)
         return rank
+
+    def head_weight(self, embedding, untied=None):
+        """The LM head's weight: `untied` (a checkpoint's lm_head, this rank's rows when sharded) or, tied, the token
+        embedding's rows of this rank's vocabulary."""
+        if untied is not None:
+            return untied
+        return embedding[self.vocab[0]:self.vocab[1]] if self.comm else embedding
+
+    def lm_head(self, h, out=None):
+        """Logits h @ self.head^T (tensor-parallel: this rank's vocabulary rows, then vocab_parallel)."""
+        if not self.comm:
+            return self.head_product(h, out)
+        return self.vocab_parallel(h, out, self.head_product)
+
+    def head_product(self, h, out):
+        return linear(h, self.head, weight_layout="out_in", out=out)
+
+    def add_partial(self, x, add: Callable[[], None]) -> None:
+        """add() adds a layer's output into the fixed-point residual stream x; tensor-parallel, each rank's partial
+        output, the other ranks' into zeros so that the residual counts once, then summed (exact in integers)."""
+        if self.comm and self.comm.rank and not self.meta:
+            x.fill(0)
+        add()
+        self.sum_ranks(x)
 
     def shape_only_comm(self):
         """A parallel.ShapeOnly of this rank's place (meta_twin's), or None for one rank."""

@@ -192,3 +192,24 @@ def test_pieces_of_a_sharded_tensor_must_name_their_slices():
         hf.load_weights(hf.Checkpoint.at(DATA / "tiny-deepseek-v2"), weights.state_dict_shapes(config),
                         dtype="float32", stored=lambda names: weights.stored(config, names),
                         parts=weights.shard_parts(config, 0, 2), device=hf.HostDevice())
+
+
+@pytest.mark.parametrize("name", [name for name, _ in FIXTURES])
+def test_a_shard_loads_without_preallocated_outputs(name):
+    """weights.load(parts=) allocating its own arrays makes them the shard's shapes, equal to the whole's slices."""
+    checkpoint = hf.Checkpoint.at(DATA / name)
+    config = DeepseekV2Config.from_fields(checkpoint.config())
+    parts = weights.shard_parts(config, 1, 2)
+    whole = weights.load(checkpoint, config, dtype="float32", device=hf.HostDevice())
+    shard = weights.load(checkpoint, config, dtype="float32", device=hf.HostDevice(), parts=parts)
+    for key, part in parts.items():
+        np.testing.assert_array_equal(shard[key], hf.take_part(whole[key], part), err_msg=key)
+
+
+def test_a_refused_model_leaves_nothing_for_close():
+    """A model refused by its communicator's checks is not among the holders close() releases."""
+    comm = parallel.ShapeOnly(0, 2)
+    with pytest.raises(ValueError, match="come from state= or a checkpoint"):
+        DeepseekV2(weights.load_state_dict(DATA / "tiny-deepseek-v2")[0], dtype="float32", comm=comm)
+    comm.release_holders()          # nothing half-built to call
+    assert not comm.__dict__.get("holders")

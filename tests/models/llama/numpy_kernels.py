@@ -41,5 +41,5 @@ def decode_attention(q, k_cache, v_cache, lengths, *, new_k, new_v, length_offse
                                           v_scale=v_scale)
 
 
-MODEL_KERNELS = ("embedding", "rms_norm", "linear", "apply_rope", "swiglu_linear")
+MODEL_KERNELS = ("embedding", "rms_norm", "apply_rope", "swiglu_linear")
 RUNTIME_KERNELS = ("attention", "decode_attention", "write_kv", "linear")

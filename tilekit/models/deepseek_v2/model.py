@@ -244,8 +244,7 @@ class DeepseekV2(CausalLM):
         c, w = config, self.params
         self.embed = w[EMBEDDING]
         self.norm = w["model.norm.weight"]
-        self.head = w["lm_head.weight"] if not c.tie_word_embeddings else \
-            self.embed[self.vocab[0]:self.vocab[1]] if self.comm else self.embed
+        self.head = self.head_weight(self.embed, None if c.tie_word_embeddings else w["lm_head.weight"])
         H, R, C, dn = self.shard[0], c.kv_lora_rank, c.n_embd, c.qk_nope_head_dim
         self.blocks = []
         for i in range(c.n_layer):
@@ -278,12 +277,9 @@ class DeepseekV2(CausalLM):
     def _init_shard(self, comm: parallel.Communicator | None, weights_given: bool) -> None:
         """runtime's _init_comm, and self.shard: this rank's attention heads, dense MLP columns and columns of each
         expert (the spans weights.shard_parts gives it)."""
-        rank = self._init_comm(comm, weights_given)
+        self._init_comm(comm, weights_given)       # shard_parts has refused any split that is not even
         world, c = 1 if self.comm is None else self.comm.world_size, self.config
-        h0, h1 = parallel.span(c.n_head, rank, world)
-        j0, j1 = parallel.span(c.intermediate_size, rank, world)
-        i0, i1 = parallel.span(c.moe_intermediate_size, rank, world)
-        self.shard = (h1 - h0, j1 - j0, i1 - i0)
+        self.shard = (c.n_head // world, c.intermediate_size // world, c.moe_intermediate_size // world)
 
     def _allocate(self) -> list:
         """self.params (runtime's _allocate_params); without query compression and unquantized, a layer's
@@ -405,7 +401,7 @@ class DeepseekV2(CausalLM):
             apply_rope(acts.k_pe_heads, positions, self.cos, self.sin)
             rows = attend(i, blk, acts)
             weights_, offsets, pairs = acts.head_routing
-            self._add_partial(x, lambda: moe_down_combine(rows, blk.o_proj, weights_, offsets, pairs, x))
+            self.add_partial(x, lambda: moe_down_combine(rows, blk.o_proj, weights_, offsets, pairs, x))
             self._norm(acts, blk.mlp_norm)
             if blk.moe:
                 moe_router(acts.h, blk.gate, cfg.num_experts_per_tok, scale=cfg.routed_scaling_factor,
@@ -413,23 +409,15 @@ class DeepseekV2(CausalLM):
                 moe_permute(acts.topk_ids, cfg.n_routed_experts + cfg.n_shared_experts, offsets=acts.offsets,
                             sorted_pairs=acts.sorted_pairs)
                 moe_gate_up(acts.h, blk.up, acts.offsets, acts.sorted_pairs, out=acts.act)
-                self._add_partial(x, lambda: moe_down_combine(acts.act, blk.down, acts.topk_weights, acts.offsets,
+                self.add_partial(x, lambda: moe_down_combine(acts.act, blk.down, acts.topk_weights, acts.offsets,
                                                               acts.sorted_pairs, x))
             else:
                 if self.quant:
                     self.project(acts.fp8, acts.h, blk.gate_up, blk.gate_up_scale, out=acts.f, activation="swiglu")
                 else:
                     swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
-                self._add_partial(x, lambda: moe_down_combine(acts.f, blk.down, *acts.dense_routing, x))
+                self.add_partial(x, lambda: moe_down_combine(acts.f, blk.down, *acts.dense_routing, x))
         return fixed_cast(x, acts.xf)
-
-    def _add_partial(self, x, add) -> None:
-        """add() adds a layer's output into the fixed-point residual stream x; tensor-parallel, each rank's partial
-        output, the other ranks' into zeros so that the residual counts once, then summed over the ranks."""
-        if self.comm and self.comm.rank and not self.meta:
-            x.fill(0)
-        add()
-        self.sum_ranks(x)
 
     def _norm(self, acts: Activations, weight) -> None:
         """acts.h = RMSNorm of the residual stream (read through fixed_cast)."""
@@ -439,9 +427,3 @@ class DeepseekV2(CausalLM):
     def final_norm(self, x, out, rows=None) -> None:
         """The final RMSNorm of x (of the rows `rows` only, when given) into out."""
         rms_norm(x, self.norm, self.config.rms_norm_eps, rows=rows, out=out)
-
-    def lm_head(self, h, out=None):
-        """Logits h @ W^T, W the LM head or, when tied, the token embedding (tensor-parallel: vocab_parallel)."""
-        if not self.comm:
-            return linear(h, self.head, weight_layout="out_in", out=out)
-        return self.vocab_parallel(h, out, lambda h, o: linear(h, self.head, weight_layout="out_in", out=o))

@@ -101,15 +101,15 @@ class GPT(CausalLM):
         if allow_tf32 and dtype != "float32":
             raise ValueError("allow_tf32 applies to dtype='float32' only")
         self.config, self.dtype, self.allow_tf32, self.meta = config, dtype, allow_tf32, meta
+        self._init_runtime()
         self._init_comm(comm, state is not None or empty or meta)
         self.ranks = 1 if self.comm is None else self.comm.world_size
-        self._init_runtime()
         new = Arrays(meta).empty
         self.params = w = {name: new(hf.part_shape(shape, self.parts[name]) if name in self.parts else shape, dtype)
                            for name, shape in weights.state_dict_shapes(config).items()}
         self._init_weights(state, seed, empty)
         self.wte, self.wpe = w["wte.weight"], w["wpe.weight"]
-        self.head = self.wte[self.vocab[0]:self.vocab[1]] if self.comm else self.wte
+        self.head = self.head_weight(self.wte)
         self.ln_f_w, self.ln_f_b = w["ln_f.weight"], w["ln_f.bias"]
         self.blocks = [Block(*(w[f"h.{i}.{n}"] for n in BLOCK_PARAMS)) for i in range(config.n_layer)]
 
@@ -146,11 +146,9 @@ class GPT(CausalLM):
         """ln_f of x (of the rows `rows` only, when given) into out."""
         layer_norm(x, self.ln_f_w, self.ln_f_b, self.config.layer_norm_epsilon, rows=rows, out=out)
 
-    def lm_head(self, h, out=None):
-        """Logits h @ wte^T through the LM head tied to the token embedding (tensor-parallel: vocab_parallel)."""
-        if not self.comm:
-            return self._linear(h, self.wte, weight_layout="out_in", out=out)
-        return self.vocab_parallel(h, out, lambda h, o: self._linear(h, self.head, weight_layout="out_in", out=o))
+    def head_product(self, h, out):
+        """The LM head, tied to the token embedding, through _linear (allow_tf32)."""
+        return self._linear(h, self.head, weight_layout="out_in", out=out)
 
     def _linear(self, x, w, b=None, **kw):
         return linear(x, w, b, allow_tf32=self.allow_tf32, **kw)
@@ -161,13 +159,8 @@ class GPT(CausalLM):
         sums are all-reduced, the residual and the bias counted once (see the module doc)."""
         lead = self.comm is None or self.comm.rank == 0
         if acts.fixed:
-            if not lead and not self.meta:
-                acts.x.fill(0)
-            residual_linear(acts.x, a, w, b if lead else None)
-            if self.comm:
-                self.comm.all_reduce(acts.x)
+            self.add_partial(acts.x, lambda: residual_linear(acts.x, a, w, b if lead else None))
         else:
             self._linear(a, w, b if lead else None, residual=acts.x if lead else None, out=acts.other)
-            if self.comm:
-                self.comm.all_reduce(acts.other)
+            self.sum_ranks(acts.other)
             acts.x, acts.other = acts.other, acts.x

@@ -28,7 +28,7 @@ import numpy as np
 
 from tilekit import parallel
 from tilekit.autotune.arrays import MetaArray
-from tilekit.kernels import apply_rope, embedding, linear, rms_norm, swiglu_linear
+from tilekit.kernels import apply_rope, embedding, rms_norm, swiglu_linear
 from tilekit.kernels.apply_rope import rope_tables
 from tilekit.models import quantization
 from tilekit.models.llama import weights
@@ -107,8 +107,7 @@ class Llama(CausalLM):
         w = self.params
         self.embed = w[EMBEDDING]
         self.norm = w["model.norm.weight"]
-        self.head = w["lm_head.weight"] if not config.tie_word_embeddings else \
-            self.embed[self.vocab[0]:self.vocab[1]] if self.comm else self.embed
+        self.head = self.head_weight(self.embed, None if config.tie_word_embeddings else w["lm_head.weight"])
         self.blocks = []
         for i in range(config.n_layer):
             p = f"model.layers.{i}."
@@ -194,9 +193,3 @@ class Llama(CausalLM):
     def final_norm(self, x, out, rows=None) -> None:
         """The final RMSNorm of x (of the rows `rows` only, when given) into out."""
         rms_norm(x, self.norm, self.config.rms_norm_eps, rows=rows, out=out)
-
-    def lm_head(self, h, out=None):
-        """Logits h @ W^T, W the LM head or, when tied, the token embedding (tensor-parallel: vocab_parallel)."""
-        if not self.comm:
-            return linear(h, self.head, weight_layout="out_in", out=out)
-        return self.vocab_parallel(h, out, lambda h, o: linear(h, self.head, weight_layout="out_in", out=o))

@@ -106,17 +106,28 @@ def test_decode_products(mode, TM, TN, TK, kind, scale, fp8_x):
             check_quant_linear(M, 300, 520, "float16", kind, scale, fp8_x=fp8_x, swiglu=True)
 
 
-@pytest.mark.parametrize("promote, TK, warps", [(1, 128, 8), (2, 64, 8), (4, 128, 0), (2, 128, 8)])
-def test_w8a8_promotion(promote, TK, warps):
+@pytest.mark.parametrize("mode, promote, TK, warps", [(MMA, 1, 128, 8), (MMA, 2, 64, 8), (MMA, 4, 128, 0),
+                                                      (MMA, 2, 128, 8), (SWAP, 1, 128, 8), (SWAP, 2, 64, 8)])
+def test_w8a8_promotion(mode, promote, TK, warps):
     """FP8 x FP8 with fast accumulation promoted into fp32 every `promote` K tiles (up to 512 products): within the
     bf16 tolerance of the float64 reference of the same FP8 bits at K = 4096 (32 promotions of 128, 8 of 512), and
-    K not a multiple of the promotion interval."""
+    K not a multiple of the promotion interval; MMA and SWAP tiles."""
     TM, TN = (128, 128) if warps else (64, 64)
-    config = dict(TM=TM, TN=TN, TK=TK, GROUP_M=8, SPLIT_K=1, MODE=MMA, PROMOTE=promote, occupancy=1,
+    config = dict(TM=TM, TN=TN, TK=TK, GROUP_M=8, SPLIT_K=1, MODE=mode, PROMOTE=promote, occupancy=1,
                   num_worker_warps=warps)
     with QUANT_LINEAR.pinned(config):
         check_quant_linear(300, 520, 4096, "bfloat16", "fp8", "channel", fp8_x=True, res=True)
         check_quant_linear(200, 264, 1000, "bfloat16", "fp8", "channel", fp8_x=True, swiglu=True)
+
+
+@pytest.mark.parametrize("kind, scale", [("int8", "channel"), ("fp8", "block")])
+def test_many_rows_swap(kind, scale):
+    """Weight-only many-row tiles of the SWAP product (W @ x^T, the converted weights the register operand)."""
+    config = dict(TM=128, TN=64, TK=64, GROUP_M=8, SPLIT_K=1, MODE=SWAP, PROMOTE=1, occupancy=1,
+                  num_worker_warps=8 if scale == "block" else 0)
+    with QUANT_LINEAR.pinned(config):
+        check_quant_linear(300, 1031, 520, "bfloat16", kind, scale, bias=True, res=True)
+        check_quant_linear(130, 300, 264, "float16", kind, scale, swiglu=True)
 
 
 @pytest.mark.parametrize("M", [1, 200])

@@ -245,7 +245,8 @@ def _partial(c: dict, p: dict) -> bool:
 def _fits(c: dict, p: dict) -> bool:
     """Few rows (<= 64): the three products (MMA with M padded to TM >= 16; SWAP with TM >= 16 as the narrow mma side,
     8 fell back to FMA code with spills, as fp32 does; FMA for up to 4 rows, its TM x TN x TK accumulator in registers), narrow
-    tiles, long K steps, split-K. Many rows: MMA tiles from 64 columns, K steps up to 128. PROMOTE is 1 except with
+    tiles, long K steps, split-K. Many rows: MMA or SWAP tiles from 64 columns, K steps up to 128 (SWAP keeps the
+    converted weights in registers where MMA stores them back to shared memory for the mma). PROMOTE is 1 except with
     FP8 activations and channel scales: fast accumulation promoted every PROMOTE K tiles (at most 512 products).
     Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8 tile with its partial spilled 2 KB
     a thread with one warpgroup, sm_90 cubin; some longer promotions spill anyway, which the tuner sees). K tiles inside a scale block. Split-K tiles at least 32
@@ -254,27 +255,27 @@ def _fits(c: dict, p: dict) -> bool:
     few_rows = m <= 64
     halves = _halves(p)
     tile = c["TM"] * c["TN"] * halves
-    item = 4 if p["dtype"] == "float32" else 2
+    item = 1 if p["xq"] == "fp8" else 4 if p["dtype"] == "float32" else 2
     warpgroups = 2 if c["num_worker_warps"] == 8 else 1
-    if c["MODE"] == MMA:
+    if c["MODE"] == MMA or (c["MODE"] == SWAP and not few_rows):
         rows_ok = (max(16, m // 4) if m < 256 else 64) <= c["TM"] <= max(16, m)
     elif c["MODE"] == SWAP:
-        rows_ok = few_rows and c["TM"] == max(16, m) and p["dtype"] != "float32"
+        rows_ok = c["TM"] == max(16, m)
     else:
         rows_ok = m <= 4 and c["TM"] == m and tile * c["TK"] <= 128 * 128
     promoted = p["xq"] == "fp8" and p["scale"] == "channel" and not few_rows
     promote_ok = c["PROMOTE"] * c["TK"] <= 512 if promoted else c["PROMOTE"] == 1
-    return (rows_ok and promote_ok
+    return (rows_ok and promote_ok and (c["MODE"] != SWAP or p["dtype"] != "float32")
             and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
             and (c["TK"] <= QBLOCK or (p["scale"] == "channel" and p["xq"] == "none"))
             and (c["TN"] <= (64 if c["MODE"] == MMA else 128) and c["TK"] >= 128 and c["num_worker_warps"] == 0
                  and (c["MODE"] != SWAP or c["TN"] >= 32) if few_rows
-                 else c["MODE"] == MMA and c["TN"] >= 64 and c["TK"] <= 128 and c["SPLIT_K"] == 1)
+                 else c["MODE"] != FMA and c["TN"] >= 64 and c["TK"] <= 128 and c["SPLIT_K"] == 1)
             and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])
             and (c["SPLIT_K"] == 1 or c["TN"] >= 32)
             and tile <= 128 * 256
             and tile * (2 if _partial(c, p) else 1) <= 128 * 128 * warpgroups
-            and (c["TM"] + c["TN"] * halves) * c["TK"] * item <= 64 * 1024
+            and (c["TM"] * item + c["TN"] * halves) * c["TK"] <= 64 * 1024       # x and weight tiles, bytes
             and (c["occupancy"] == 1 or tile <= 128 * 128)
             and (c["num_worker_warps"] == 0 or tile >= 128 * 128))
 

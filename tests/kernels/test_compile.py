@@ -113,7 +113,10 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
         (PROBLEMS["quant_linear"][3], dict(few, SPLIT_K=1, MODE=0, TM=128, TN=128, TK=64, PROMOTE=4,
                                            num_worker_warps=8)),
         (dict(PROBLEMS["quant_linear"][3], act="swiglu"), dict(few, SPLIT_K=1, MODE=0, TM=64, TN=64, TK=128,
-                                                               PROMOTE=2))]]
+                                                               PROMOTE=2)),
+        (PROBLEMS["quant_linear"][3], dict(few, SPLIT_K=1, MODE=1, TM=128, TN=128, TK=128, num_worker_warps=8)),
+        (PROBLEMS["quant_linear"][4], dict(few, SPLIT_K=1, MODE=1, TM=128, TN=64, TK=128, num_worker_warps=8)),
+        (dict(PROBLEMS["quant_linear"][0], M=8192), dict(few, SPLIT_K=1, MODE=1, TM=128, TN=128, TK=64))]]
     assert all(op.space.contains(c) and c in op.space.candidates(p) for op, p, c in extra)
     tasks += extra
     ok, errors = precompile(tasks, arch, workers=2)

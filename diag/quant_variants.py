@@ -36,13 +36,13 @@ def few_row_configs(p: dict) -> dict[str, dict]:
     over K until about MIN_PROGRAMS programs as the default does."""
     import cuda.tile as ct
 
-    from tilekit.kernels.quant_linear import FMA, MIN_PROGRAMS, MMA, SPACE, SWAP, default_config
+    from tilekit.kernels.quant_linear import FMA, MIN_PROGRAMS, MIN_SPLIT_TILES, MMA, SPACE, SWAP, default_config
     m = 1 << (p["M"] - 1).bit_length()
     base = dict(GROUP_M=8, PROMOTE=1, occupancy=1, num_worker_warps=0)
 
     def split(tn, tk):
         tiles, k_tiles, s = ct.cdiv(p["N"], tn), ct.cdiv(p["K"], tk), 1
-        while s < 16 and 2 * s <= k_tiles and tiles * s < MIN_PROGRAMS:
+        while s < 16 and 2 * s * MIN_SPLIT_TILES <= k_tiles and tiles * s < MIN_PROGRAMS:
             s *= 2
         return s
 

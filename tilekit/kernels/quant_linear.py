@@ -5,12 +5,18 @@ layout, with a scale per output channel (`scale="channel"`, Ws [N]) or per 128x1
 (`scale="block"`, Ws [ceil(N/128), ceil(K/128)], DeepSeek-V3's weight_scale_inv). Two modes:
 
 * weight-only (`x_scale=None`): x is bf16/fp16/fp32; each weight tile is widened to x's dtype in
-  registers (exact for int8 and e4m3) and multiplied on tensor cores with an fp32 accumulator. With few
-  rows (decoding) the kernel is a GEMV bound by how fast W streams in, at half the bytes of bf16, and
-  SPLIT_K programs share an output tile as in `linear`;
+  registers (exact for int8 and e4m3) and multiplied with an fp32 accumulator. With few rows (decoding)
+  the kernel is a GEMV bound by how fast W streams in, at half the bytes of bf16, and SPLIT_K programs
+  share an output tile as in `linear`;
 * W8A8 (`x_scale` given): x is FP8 bits from `quantize_fp8` with a scale per row (Xs [M, 1]) or per row
   and 128-column group (Xs [M, ceil(K/128)], with block weights), multiplied in FP8 with fast
-  accumulation, promoted into the fp32 accumulator after every K tile (of at most 128).
+  accumulation, promoted into the fp32 accumulator every PROMOTE K tiles (at most 512 products).
+
+The config's MODE picks the product: MMA, x @ W^T on tensor cores, W's tile loaded transposed (the original
+kernel; its transposed weight tiles are read from shared memory 2 bytes at a time); SWAP, W @ x^T, W's tile
+in its own [N, K] layout as the register operand of the mma and x^T the other (few rows: the narrow side,
+16 padded rows), transposed once at the end; FMA, for up to 4 rows, elementwise products on the FMA units
+summed over K after the loop (int8 widened by an fp32 magic-number add instead of quarter-rate I2F).
 
 Per-channel scales multiply the sum once, in the epilogue; block scales multiply each K tile's product
 (K tiles never straddle a 128 block). `activation="swiglu"`: W holds [gate; up] (2N rows, each half with
@@ -266,7 +272,7 @@ def _fits(c: dict, p: dict) -> bool:
     promoted = p["xq"] == "fp8" and p["scale"] == "channel" and not few_rows
     promote_ok = c["PROMOTE"] * c["TK"] <= 512 if promoted else c["PROMOTE"] == 1
     return (rows_ok and promote_ok and (c["MODE"] != SWAP or p["dtype"] != "float32")
-            and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
+            and c["TN"] <= max(32 if few_rows else 64, pow2_ceil(p["N"])) and c["TK"] <= max(128, pow2_ceil(p["K"]))
             and (c["TK"] <= QBLOCK or (p["scale"] == "channel" and p["xq"] == "none"))
             and (c["TN"] <= (64 if c["MODE"] == MMA else 128) and c["TK"] >= 128 and c["num_worker_warps"] == 0
                  and (c["MODE"] != SWAP or c["TN"] >= 32) if few_rows
@@ -284,27 +290,38 @@ SPACE = SearchSpace(_fits, TM=(1, 2, 4, 8, 16, 32, 64, 128), TN=(16, 32, 64, 128
                     GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8, 16), MODE=(MMA, SWAP, FMA), PROMOTE=(1, 2, 4),
                     occupancy=(1, 2), num_worker_warps=(0, 8))
 
-MIN_PROGRAMS = 264    # an untuned decode GEMV: about two programs per SM of an H100 or H200 streaming weights
+MIN_PROGRAMS = 128    # an untuned decode GEMV splits K only below about one program per SM of an H100 or H200
+MIN_SPLIT_TILES = 8   # ... and keeps at least this many K tiles a split (a split's stores and arrival are a tail)
 
 
 def default_config(p: dict) -> dict:
-    """Many rows: 128 x 128 tiles (128 x 64 for SwiGLU's two accumulators), K steps of 128 in FP8, 32 in fp32, 64
-    otherwise; two warpgroups where a partial sum doubles the accumulator (block scales, FP8 activations promoted
-    every K tile, 128 products, as DeepSeek-V3). Few rows: the SWAP product (weights in their own layout as the
-    register operand of a 64-row warpgroup mma, no transposed loads), 128 of K per step, split over K until about
-    MIN_PROGRAMS programs stream the weights (fp32: MMA 32 columns wide)."""
+    """What the H100 tuning of the first kernel chose (13 int8 Llama-3.1-8B shapes; splitting K to about two
+    programs per SM, the first default, was 1.3-3x slower than no split). Few rows: SWAP (weights in their own
+    layout as the register operand) 32 columns by 256 of K (128 in scale blocks and with FP8 x), occupancy 2, split over K only below MIN_PROGRAMS
+    programs (fp32: MMA, no tensor cores for SWAP). From 1024 rows 128 x 256 tiles (128 x 128 for SwiGLU's two
+    accumulators) with two warpgroups, halved where a partial sum doubles the accumulator (block scales, FP8
+    activations promoted every K tile of 128, as DeepSeek-V3); 128-1023 rows 64 x 64 x 128."""
     m = pow2_ceil(p["M"])
     plain = dict(GROUP_M=8, SPLIT_K=1, PROMOTE=1, occupancy=1, num_worker_warps=0)
-    if m > 64:
-        c = dict(plain, MODE=MMA, TM=128, TN=128 // _halves(p),
-                 TK=128 if p["xq"] == "fp8" else 32 if p["dtype"] == "float32" else 64)
-        return dict(c, num_worker_warps=8 if _partial(c, p) else 0)
-    c = dict(plain, MODE=SWAP, TM=max(16, m), TN=64, TK=128)
-    if p["dtype"] == "float32":        # no tensor cores for fp32: the tiled product, as before SWAP
-        c.update(MODE=MMA, TN=32)
-    k_tiles, tiles = ct.cdiv(p["K"], 128), ct.cdiv(p["N"], c["TN"])
+    if p["dtype"] == "float32":
+        c = dict(plain, MODE=MMA, TM=64, TN=64, TK=32)
+    elif m >= 1024:
+        c = dict(plain, MODE=MMA, TM=128, TN=256 // _halves(p), TK=128 if p["xq"] == "fp8" else 64,
+                 num_worker_warps=8)
+        if _partial(c, p):
+            c["TN"] //= 2
+    elif m > 64:
+        c = dict(plain, MODE=MMA, TM=64, TN=64, TK=128)
+    if m > 64:                          # no wider than the problem, two warpgroups only for 128x128 and up
+        c["TN"] = min(c["TN"], max(64, pow2_ceil(p["N"])))
+        return dict(c, num_worker_warps=c["num_worker_warps"] if c["TM"] * c["TN"] * _halves(p) >= 128 * 128 else 0)
+    c = dict(plain, MODE=SWAP, TM=max(16, m), TN=32, occupancy=2,
+             TK=min(256 if p["scale"] == "channel" and p["xq"] == "none" else QBLOCK, max(128, pow2_ceil(p["K"]))))
+    if p["dtype"] == "float32":
+        c.update(MODE=MMA, TK=128)
+    k_tiles, tiles = ct.cdiv(p["K"], c["TK"]), ct.cdiv(p["N"], c["TN"])
     split = 1
-    while split < 16 and 2 * split <= k_tiles and tiles * split < MIN_PROGRAMS:
+    while split < 16 and 2 * split * MIN_SPLIT_TILES <= k_tiles and tiles * split < MIN_PROGRAMS:
         split *= 2
     return dict(c, SPLIT_K=split)
 

@@ -11,7 +11,8 @@ reference of the dequantized weights on the GPU (tilekit.kernels.checks' TOL and
 FAIL row and is not timed), then is timed with CUDA events after an L2 flush (benchmarks.harness.timing.measure,
 median of 30). Anchors on the same shapes: torch bf16 matmul of the dequantized weights (cuBLAS), torch._scaled_mm
 (fp8, row-wise scales, fast accumulation) and torch._int_mm (int8 x int8, M >= 32). Columns: us, GB/s of the
-weights (codes and scales; quantize_fp8: x read and its codes written), % of the measured copy bandwidth, TFLOP/s, speed-up over bf16 cuBLAS, relative error.
+weights (codes and scales; quantize_fp8: x read and its codes written), % of the measured copy bandwidth,
+TFLOP/s, speed-up over bf16 cuBLAS, relative error.
 About 2-3 minutes on an H100 (most of it compiling).
 """
 

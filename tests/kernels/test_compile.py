@@ -107,7 +107,8 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
     few = dict(GROUP_M=8, SPLIT_K=4, PROMOTE=1, occupancy=1, num_worker_warps=0)
     extra = [(quant, quant.tuning_problem(p), c) for p, c in [      # each product and promotion interval
         (PROBLEMS["quant_linear"][0], dict(few, MODE=2, TM=1, TN=32, TK=512)),
-        (dict(PROBLEMS["quant_linear"][1], M=4, scale="block", xq="fp8"), dict(few, SPLIT_K=1, MODE=2, TM=4, TN=16, TK=128)),
+        (dict(PROBLEMS["quant_linear"][1], M=4, scale="block", xq="fp8"),
+         dict(few, SPLIT_K=1, MODE=2, TM=4, TN=16, TK=128)),
         (dict(PROBLEMS["quant_linear"][1], scale="block", xq="fp8"), dict(few, MODE=1, TM=16, TN=64, TK=128)),
         (PROBLEMS["quant_linear"][2], dict(few, MODE=1, TM=16, TN=32, TK=128, SPLIT_K=2)),
         (PROBLEMS["quant_linear"][3], dict(few, SPLIT_K=1, MODE=0, TM=128, TN=128, TK=64, PROMOTE=4,

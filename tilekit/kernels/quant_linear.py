@@ -143,7 +143,7 @@ def quant_linear_kernel(X, Xs, W, Ws, Bias, Res, Y, Partial, Counter,
     MODE picks the product (k_product). On tensor cores, block scales and FP8 activations sum PROMOTE K tiles (one
     with block scales; FP8 x FP8 with fast accumulation) into a partial that is scaled and added to the fp32
     accumulator. (cuTile's exact FP8 accumulation, use_fast_acc=False, does the same per instruction: the 128x128
-    tile then spilled 1 KB a thread, sm_90 cubin.) Program bid(0) = tile * SPLIT_K +
+    tile then spilled: 275 local stores, sm_90 cubin.) Program bid(0) = tile * SPLIT_K +
     split sums its slice of K into Partial[split] (fp32); the last of a tile's programs to arrive, counted in
     Counter[tile] (left at zero), adds the slices and runs the epilogue, as in linear."""
     sync_with_previous_kernel()
@@ -249,14 +249,15 @@ def _partial(c: dict, p: dict) -> bool:
 
 
 def _fits(c: dict, p: dict) -> bool:
-    """Few rows (<= 64): the three products (MMA with M padded to TM >= 16; SWAP with TM >= 16 as the narrow mma side,
-    8 fell back to FMA code with spills, as fp32 does; FMA for up to 4 rows, its TM x TN x TK accumulator in registers), narrow
-    tiles, long K steps, split-K. Many rows: MMA or SWAP tiles from 64 columns, K steps up to 128 (SWAP keeps the
-    converted weights in registers where MMA stores them back to shared memory for the mma). PROMOTE is 1 except with
-    FP8 activations and channel scales: fast accumulation promoted every PROMOTE K tiles (at most 512 products).
-    Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8 tile with its partial spilled 2 KB
-    a thread with one warpgroup, sm_90 cubin; some longer promotions spill anyway, which the tuner sees). K tiles inside a scale block. Split-K tiles at least 32
-    columns wide: 16-wide ones with occupancy 2 summed wrongly on an H200 (SwiGLU, block scales; cause not found)."""
+    """Few rows (<= 64): the three products (MMA with M padded to TM >= 16; SWAP with TM >= 16 as the narrow mma
+    side, 8 fell back to FMA code with spills, as fp32 does; FMA for up to 4 rows, its TM x TN x TK accumulator in
+    registers), narrow tiles, long K steps, split-K. Many rows: MMA or SWAP tiles from 64 columns, K steps up to 128
+    (SWAP keeps the converted weights in registers where MMA stores them back to shared memory for the mma). PROMOTE
+    is 1 except with FP8 activations and channel scales: fast accumulation promoted every PROMOTE K tiles (at most
+    512 products). Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8 tile with its
+    partial spilled with one warpgroup, 546 local stores in its sm_90 cubin; some longer promotions spill anyway,
+    which the tuner sees). K tiles inside a scale block. Split-K tiles at least 32 columns wide: 16-wide ones with
+    occupancy 2 summed wrongly on an H200 (SwiGLU, block scales; cause not found)."""
     m = pow2_ceil(p["M"])
     few_rows = m <= 64
     halves = _halves(p)
@@ -297,24 +298,26 @@ MIN_SPLIT_TILES = 8   # ... and keeps at least this many K tiles a split (a spli
 def default_config(p: dict) -> dict:
     """What the H100 tuning of the first kernel chose (13 int8 Llama-3.1-8B shapes; splitting K to about two
     programs per SM, the first default, was 1.3-3x slower than no split). Few rows: SWAP (weights in their own
-    layout as the register operand) 32 columns by 256 of K (128 in scale blocks and with FP8 x), occupancy 2, split over K only below MIN_PROGRAMS
-    programs (fp32: MMA, no tensor cores for SWAP). From 1024 rows 128 x 256 tiles (128 x 128 for SwiGLU's two
-    accumulators) with two warpgroups, halved where a partial sum doubles the accumulator (block scales, FP8
-    activations promoted every K tile of 128, as DeepSeek-V3); 128-1023 rows 64 x 64 x 128."""
+    layout as the register operand) 32 columns by 256 of K (128 in scale blocks and with FP8 x), occupancy 2, split
+    over K only below MIN_PROGRAMS programs (fp32: MMA, no tensor cores for SWAP). From 1024 rows 128 x 256 tiles
+    (128 x 128 for SwiGLU's two accumulators) with two warpgroups, halved where a partial sum doubles the
+    accumulator (block scales, FP8 activations promoted every K tile of 128, as DeepSeek-V3); 128-1023 rows 64 x 64
+    x 128; fp32 64 x 64 x 32."""
     m = pow2_ceil(p["M"])
     plain = dict(GROUP_M=8, SPLIT_K=1, PROMOTE=1, occupancy=1, num_worker_warps=0)
-    if p["dtype"] == "float32":
-        c = dict(plain, MODE=MMA, TM=64, TN=64, TK=32)
-    elif m >= 1024:
-        c = dict(plain, MODE=MMA, TM=128, TN=256 // _halves(p), TK=128 if p["xq"] == "fp8" else 64,
-                 num_worker_warps=8)
-        if _partial(c, p):
-            c["TN"] //= 2
-    elif m > 64:
-        c = dict(plain, MODE=MMA, TM=64, TN=64, TK=128)
-    if m > 64:                          # no wider than the problem, two warpgroups only for 128x128 and up
-        c["TN"] = min(c["TN"], max(64, pow2_ceil(p["N"])))
-        return dict(c, num_worker_warps=c["num_worker_warps"] if c["TM"] * c["TN"] * _halves(p) >= 128 * 128 else 0)
+    if m > 64:
+        if p["dtype"] == "float32":
+            c = dict(plain, MODE=MMA, TM=64, TN=64, TK=32)
+        elif m >= 1024:
+            c = dict(plain, MODE=MMA, TM=128, TN=256 // _halves(p), TK=128 if p["xq"] == "fp8" else 64,
+                     num_worker_warps=8)
+            if _partial(c, p):
+                c["TN"] //= 2
+        else:
+            c = dict(plain, MODE=MMA, TM=64, TN=64, TK=128)
+        c["TN"] = min(c["TN"], max(64, pow2_ceil(p["N"])))      # no wider than the problem
+        wide = c["TM"] * c["TN"] * _halves(p) >= 128 * 128      # two warpgroups only for 128x128 and up
+        return dict(c, num_worker_warps=c["num_worker_warps"] if wide else 0)
     c = dict(plain, MODE=SWAP, TM=max(16, m), TN=32, occupancy=2,
              TK=min(256 if p["scale"] == "channel" and p["xq"] == "none" else QBLOCK, max(128, pow2_ceil(p["K"]))))
     if p["dtype"] == "float32":

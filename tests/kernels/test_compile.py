@@ -113,6 +113,23 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
               (decode, decode.tuning_problem(PROBLEMS["decode_attention"][4]), dict(BN=128, CHUNK=8192, occupancy=2))]
     mla = ops["mla_decode_attention"]
     tasks += [(mla, mla.tuning_problem(PROBLEMS["mla_decode_attention"][0]), dict(HP=16, BN=32, CHUNK=4096, occupancy=1))]
+    quant = ops["quant_linear"]
+    few = dict(GROUP_M=8, SPLIT_K=4, PROMOTE=1, occupancy=1, num_worker_warps=0)
+    extra = [(quant, quant.tuning_problem(p), c) for p, c in [      # each product and promotion interval
+        (PROBLEMS["quant_linear"][0], dict(few, MODE=2, TM=1, TN=32, TK=512)),
+        (dict(PROBLEMS["quant_linear"][1], M=4, scale="block", xq="fp8"),
+         dict(few, SPLIT_K=1, MODE=2, TM=4, TN=16, TK=128)),
+        (dict(PROBLEMS["quant_linear"][1], scale="block", xq="fp8"), dict(few, MODE=1, TM=16, TN=64, TK=128)),
+        (PROBLEMS["quant_linear"][2], dict(few, MODE=1, TM=16, TN=32, TK=128, SPLIT_K=2)),
+        (PROBLEMS["quant_linear"][3], dict(few, SPLIT_K=1, MODE=0, TM=128, TN=128, TK=64, PROMOTE=4,
+                                           num_worker_warps=8)),
+        (dict(PROBLEMS["quant_linear"][3], act="swiglu"), dict(few, SPLIT_K=1, MODE=0, TM=64, TN=64, TK=128,
+                                                               PROMOTE=2)),
+        (PROBLEMS["quant_linear"][3], dict(few, SPLIT_K=1, MODE=1, TM=128, TN=128, TK=128, num_worker_warps=8)),
+        (PROBLEMS["quant_linear"][4], dict(few, SPLIT_K=1, MODE=1, TM=128, TN=64, TK=128, num_worker_warps=8)),
+        (dict(PROBLEMS["quant_linear"][0], M=8192), dict(few, SPLIT_K=1, MODE=1, TM=128, TN=128, TK=64))]]
+    assert all(op.space.contains(c) and c in op.space.candidates(p) for op, p, c in extra)
+    tasks += extra
     ok, errors = precompile(tasks, arch, workers=2)
     assert not errors, "\n".join(f"{tasks[i][0].name} {tasks[i][2]}: {e}" for i, e in errors.items())
     assert len(ok) == len(tasks)

@@ -9,7 +9,7 @@ import pytest
 
 from tilekit.kernels import quant_linear, quantize_fp8
 from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
-from tilekit.kernels.quant_linear import QBLOCK, QUANT_LINEAR, quant_linear_reference
+from tilekit.kernels.quant_linear import FMA, MMA, QBLOCK, QUANT_LINEAR, SWAP, quant_linear_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -79,12 +79,55 @@ def test_fp8_activations(scale, M, N, K):
     check_quant_linear(M, N, K, "bfloat16", "fp8", scale, fp8_x=True, swiglu=True)
 
 
-def test_every_split_k_of_a_decode_shape():
+@pytest.mark.parametrize("mode", [MMA, SWAP, FMA])
+def test_every_split_k_of_a_decode_shape(mode):
+    """Each few-row product with each split: 17 K tiles (uneven splits, the last ones empty)."""
     for split in (1, 2, 4, 8, 16):
-        config = dict(TM=16, TN=32, TK=128, GROUP_M=8, SPLIT_K=split, occupancy=1, num_worker_warps=0)
-        with QUANT_LINEAR.pinned(config):     # 17 K tiles: uneven splits, the last ones empty
+        config = dict(TM=2 if mode == FMA else 16, TN=32, TK=128, GROUP_M=8, SPLIT_K=split, MODE=mode, PROMOTE=1,
+                      occupancy=1, num_worker_warps=0)
+        with QUANT_LINEAR.pinned(config):
             check_quant_linear(2, 320, 2112, "bfloat16", "int8", res=True)
             check_quant_linear(2, 320, 2112, "bfloat16", "fp8", "block", swiglu=True)
+
+
+@pytest.mark.parametrize("mode, TM, TN, TK", [(SWAP, 16, 64, 128), (SWAP, 16, 128, 256), (SWAP, 32, 32, 512),
+                                              (FMA, 1, 16, 512), (FMA, 1, 64, 128), (FMA, 4, 32, 128)])
+@pytest.mark.parametrize("kind, scale, fp8_x", [("int8", "channel", False), ("fp8", "channel", False),
+                                                ("fp8", "block", False), ("fp8", "block", True)])
+def test_decode_products(mode, TM, TN, TK, kind, scale, fp8_x):
+    """SWAP (W @ x^T, weights as the register operand) and FMA (elementwise products summed over K) at their
+    decode tiles, every weight kind, against the float64 reference; rows 1 and TM (FMA: all its rows), N and K
+    not multiples of the tile, K tiles of 128 with block scales."""
+    TK = min(TK, QBLOCK) if scale == "block" else TK
+    config = dict(TM=TM, TN=TN, TK=TK, GROUP_M=8, SPLIT_K=2, MODE=mode, PROMOTE=1, occupancy=1, num_worker_warps=0)
+    with QUANT_LINEAR.pinned(config):
+        for M in sorted({1, TM if mode == FMA else 3}):
+            check_quant_linear(M, 1000, 1544, "bfloat16", kind, scale, fp8_x=fp8_x, res=True)
+            check_quant_linear(M, 300, 520, "float16", kind, scale, fp8_x=fp8_x, swiglu=True)
+
+
+@pytest.mark.parametrize("mode, promote, TK, warps", [(MMA, 1, 128, 8), (MMA, 2, 64, 8), (MMA, 4, 128, 0),
+                                                      (MMA, 2, 128, 8), (SWAP, 1, 128, 8), (SWAP, 2, 64, 8)])
+def test_w8a8_promotion(mode, promote, TK, warps):
+    """FP8 x FP8 with fast accumulation promoted into fp32 every `promote` K tiles (up to 512 products): within the
+    bf16 tolerance of the float64 reference of the same FP8 bits at K = 4096 (32 promotions of 128, 8 of 512), and
+    K not a multiple of the promotion interval; MMA and SWAP tiles."""
+    TM, TN = (128, 128) if warps else (64, 64)
+    config = dict(TM=TM, TN=TN, TK=TK, GROUP_M=8, SPLIT_K=1, MODE=mode, PROMOTE=promote, occupancy=1,
+                  num_worker_warps=warps)
+    with QUANT_LINEAR.pinned(config):
+        check_quant_linear(300, 520, 4096, "bfloat16", "fp8", "channel", fp8_x=True, res=True)
+        check_quant_linear(200, 264, 1000, "bfloat16", "fp8", "channel", fp8_x=True, swiglu=True)
+
+
+@pytest.mark.parametrize("kind, scale", [("int8", "channel"), ("fp8", "block")])
+def test_many_rows_swap(kind, scale):
+    """Weight-only many-row tiles of the SWAP product (W @ x^T, the converted weights the register operand)."""
+    config = dict(TM=128, TN=64, TK=64, GROUP_M=8, SPLIT_K=1, MODE=SWAP, PROMOTE=1, occupancy=1,
+                  num_worker_warps=8 if scale == "block" else 0)
+    with QUANT_LINEAR.pinned(config):
+        check_quant_linear(300, 1031, 520, "bfloat16", kind, scale, bias=True, res=True)
+        check_quant_linear(130, 300, 264, "float16", kind, scale, swiglu=True)
 
 
 @pytest.mark.parametrize("M", [1, 200])

@@ -45,3 +45,13 @@ def test_every_row_tile():
                                                                                      group=0))):
         with QUANTIZE_FP8.pinned(config):
             check_quantize((40, 1000), "bfloat16", None)
+
+
+@pytest.mark.parametrize("config", [dict(TM=4, TK=4096, occupancy=1), dict(TM=1, TK=4096, occupancy=2),
+                                    dict(TM=16, TK=1024, occupancy=1)])
+def test_one_pass_and_two_pass_rows(config):
+    """A whole row in one tile (loaded once) and K steps over it (loaded twice) give the reference's bits; K not a
+    multiple of the tile, rows not of TM."""
+    with QUANTIZE_FP8.pinned(config):
+        check_quantize((37, 3000), "bfloat16", None)
+        check_quantize((5, 4096), "float32", None)

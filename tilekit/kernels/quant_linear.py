@@ -5,12 +5,18 @@ layout, with a scale per output channel (`scale="channel"`, Ws [N]) or per 128x1
 (`scale="block"`, Ws [ceil(N/128), ceil(K/128)], DeepSeek-V3's weight_scale_inv). Two modes:
 
 * weight-only (`x_scale=None`): x is bf16/fp16/fp32; each weight tile is widened to x's dtype in
-  registers (exact for int8 and e4m3) and multiplied on tensor cores with an fp32 accumulator. With few
-  rows (decoding) the kernel is a GEMV bound by how fast W streams in, at half the bytes of bf16, and
-  SPLIT_K programs share an output tile as in `linear`;
+  registers (exact for int8 and e4m3) and multiplied with an fp32 accumulator. With few rows (decoding)
+  the kernel is a GEMV bound by how fast W streams in, at half the bytes of bf16, and SPLIT_K programs
+  share an output tile as in `linear`;
 * W8A8 (`x_scale` given): x is FP8 bits from `quantize_fp8` with a scale per row (Xs [M, 1]) or per row
   and 128-column group (Xs [M, ceil(K/128)], with block weights), multiplied in FP8 with fast
-  accumulation, promoted into the fp32 accumulator after every K tile (of at most 128).
+  accumulation, promoted into the fp32 accumulator every PROMOTE K tiles (at most 512 products).
+
+The config's MODE picks the product: MMA, x @ W^T on tensor cores, W's tile loaded transposed (the original
+kernel; its transposed weight tiles are read from shared memory 2 bytes at a time); SWAP, W @ x^T, W's tile
+in its own [N, K] layout as the register operand of the mma and x^T the other (few rows: the narrow side,
+16 padded rows), transposed once at the end; FMA, for up to 4 rows, elementwise products on the FMA units
+summed over K after the loop (int8 widened by an fp32 magic-number add instead of quarter-rate I2F).
 
 Per-channel scales multiply the sum once, in the epilogue; block scales multiply each K tile's product
 (K tiles never straddle a 128 block). `activation="swiglu"`: W holds [gate; up] (2N rows, each half with
@@ -37,25 +43,81 @@ QBLOCK = 128              # the side of a block scale's square of weights (and o
 WEIGHT_DTYPES = {"int8": "int8", "fp8": "uint8"}       # weight kind -> the array dtype holding it
 
 
+INT8_MAGIC_BITS, INT8_MAGIC = 0x4B400000, 12582912.0   # the fp32 1.5 * 2^23 and its bits
+MMA, SWAP, FMA = 0, 1, 2   # MODE: how a K tile's product is formed (see quant_linear_kernel)
+
+
 @ct.function
-def add_k_tile(acc, a, W, Xs, Ws, g, k, rows, cols, pid_n, TM, TN, TK, FP8, BLOCK, XQ, dtype):
-    """acc + x tile a @ dequantized weight tile (k, pid_n) of half g; block scales applied here."""
-    w = ct.load(W, (g, k, pid_n), (1, TK, TN), order=(0, 2, 1), padding_mode=ZERO).reshape((TK, TN))
+def x_tile(X, k, pid_m, TM, TK, MODE, XQ):
+    """X's tile (pid_m, k) as the product takes it: (TK, TM) for SWAP, (TM, TK) otherwise; FP8 bits as e4m3 with
+    XQ, fp32 for FMA."""
+    if MODE == SWAP:
+        a = ct.load(X, (k, pid_m), (TK, TM), order=(1, 0), padding_mode=ZERO)
+    else:
+        a = ct.load(X, (pid_m, k), (TM, TK), padding_mode=ZERO)
+    if XQ:
+        a = ct.bitcast(a, ct.float8_e4m3fn)
+    if MODE == FMA:
+        a = a.astype(ct.float32)
+    return a
+
+
+@ct.function
+def weight_tile(W, g, k, pid_n, TN, TK, MODE, FP8, XQ, dtype):
+    """Half g's weight tile (pid_n, k) widened for the product: as (TK, TN) through a transposed load for MMA, in
+    W's own [N, K] layout as (TN, TK) otherwise; e4m3 as loaded with XQ (tensor cores take it), fp32 for FMA."""
+    if MODE == MMA:
+        w = ct.load(W, (g, k, pid_n), (1, TK, TN), order=(0, 2, 1), padding_mode=ZERO).reshape((TK, TN))
+    else:
+        w = ct.load(W, (g, pid_n, k), (1, TN, TK), padding_mode=ZERO).reshape((TN, TK))
     if FP8:
         w = ct.bitcast(w, ct.float8_e4m3fn)
-    if XQ:
-        part = ct.mma(ct.bitcast(a, ct.float8_e4m3fn), w, ct.zeros((TM, TN), dtype=ct.float32), use_fast_acc=True)
-    elif BLOCK:
-        part = ct.mma(a, w.astype(dtype), ct.zeros((TM, TN), dtype=ct.float32))
+    if MODE == FMA and not FP8:     # 1.5 * 2^23 + w exactly, then w: integer adds, not quarter-rate I2F
+        w = ct.bitcast(w.astype(ct.int32) + INT8_MAGIC_BITS, ct.float32) - INT8_MAGIC
+    elif MODE == FMA:
+        w = w.astype(ct.float32)
+    elif not XQ:
+        w = w.astype(dtype)
+    return w
+
+
+@ct.function
+def k_product(a, w, acc, TM, TN, TK, MODE, FAST):
+    """acc + one K tile's product in MODE's accumulator shape: MMA x @ W^T (TM, TN) on tensor cores, SWAP
+    W @ x^T (TN, TM) (the weight tile is the register operand, few rows the narrow side), FMA the elementwise
+    x * W (TM, TN, TK), summed over K once after the loop. FAST: FP8 fast accumulation."""
+    if MODE == MMA:
+        acc = ct.mma(a, w, acc, use_fast_acc=FAST)
+    elif MODE == SWAP:
+        acc = ct.mma(w, a, acc, use_fast_acc=FAST)
     else:
-        acc = ct.mma(a, w.astype(dtype), acc)
+        acc = acc + fma_product(a, w, TM, TN, TK)
+    return acc
+
+
+@ct.function
+def fma_product(a, w, TM, TN, TK):
+    """x (TM, TK) times W (TN, TK) elementwise, (TM, TN, TK), on the FMA units."""
+    return a.reshape((TM, 1, TK)) * w.reshape((1, TN, TK))
+
+
+@ct.function
+def block_scaled(part, Xs, Ws, g, kb, rows, cols, BLOCK, XQ):
+    """A K tile's product times the scales of its 128-column block kb (rows, cols shaped like part's axes)."""
     if BLOCK:
-        kb = (k * TK) // QBLOCK
         part = part * ct.gather(Ws, (g, cols // QBLOCK, kb))
         if XQ:
             part = part * ct.gather(Xs, (rows, kb))
-    if BLOCK or XQ:
-        acc = acc + part
+    return part
+
+
+@ct.function
+def finished(acc, MODE):
+    """The (TM, TN) sum of a MODE accumulator."""
+    if MODE == SWAP:
+        acc = ct.transpose(acc)
+    elif MODE == FMA:
+        acc = ct.sum(acc, axis=2)
     return acc
 
 
@@ -72,14 +134,18 @@ def channel_scaled(acc, Xs, Ws, g, rows, cols, BLOCK, XQ):
 @ct.kernel
 def quant_linear_kernel(X, Xs, W, Ws, Bias, Res, Y, Partial, Counter,
                         TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
-                        GROUP_M: ct.Constant[int], SPLIT_K: ct.Constant[int], FP8: ct.Constant[bool],
-                        BLOCK: ct.Constant[bool], XQ: ct.Constant[bool], SWIGLU: ct.Constant[bool],
-                        HAS_BIAS: ct.Constant[bool], HAS_RES: ct.Constant[bool]):
+                        GROUP_M: ct.Constant[int], SPLIT_K: ct.Constant[int], MODE: ct.Constant[int],
+                        PROMOTE: ct.Constant[int], FP8: ct.Constant[bool], BLOCK: ct.Constant[bool],
+                        XQ: ct.Constant[bool], SWIGLU: ct.Constant[bool], HAS_BIAS: ct.Constant[bool],
+                        HAS_RES: ct.Constant[bool]):
     """Y[M, N] = act(X[M, K] @ dequant(W[g, N, K])^T + Bias) + Res, g = 0 (and 1, the up half, for SWIGLU).
 
-    Program bid(0) = tile * SPLIT_K + split sums its slice of K into Partial[split] (fp32); the last
-    of a tile's programs to arrive, counted in Counter[tile] (left at zero), adds the slices and runs
-    the epilogue, as in linear."""
+    MODE picks the product (k_product). On tensor cores, block scales and FP8 activations sum PROMOTE K tiles (one
+    with block scales; FP8 x FP8 with fast accumulation) into a partial that is scaled and added to the fp32
+    accumulator. (cuTile's exact FP8 accumulation, use_fast_acc=False, does the same per instruction: the 128x128
+    tile then spilled: 275 local stores, sm_90 cubin.) Program bid(0) = tile * SPLIT_K +
+    split sums its slice of K into Partial[split] (fp32); the last of a tile's programs to arrive, counted in
+    Counter[tile] (left at zero), adds the slices and runs the epilogue, as in linear."""
     sync_with_previous_kernel()
     M = X.shape[0]
     K = X.shape[1]
@@ -91,30 +157,71 @@ def quant_linear_kernel(X, Xs, W, Ws, Bias, Res, Y, Partial, Counter,
     pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
     rows = (ct.arange(TM, dtype=ct.int32) + pid_m * TM).reshape((TM, 1))
     cols = (ct.arange(TN, dtype=ct.int32) + pid_n * TN).reshape((1, TN))
+    if MODE == SWAP:
+        shape = (TN, TM)
+        rows_k = rows.reshape((1, TM))
+        cols_k = cols.reshape((TN, 1))
+    elif MODE == FMA:
+        shape = (TM, TN, TK)
+        rows_k = rows.reshape((TM, 1, 1))
+        cols_k = cols.reshape((1, TN, 1))
+    else:
+        shape = (TM, TN)
+        rows_k = rows
+        cols_k = cols
     k_tiles = ct.cdiv(K, TK)
     per_split = ct.cdiv(k_tiles, SPLIT_K)
-    gate = ct.zeros((TM, TN), dtype=ct.float32)
-    up = ct.zeros((TM, TN), dtype=ct.float32)
-    for k in range(split * per_split, ct.minimum(k_tiles, (split + 1) * per_split)):
-        a = ct.load(X, (pid_m, k), (TM, TK), padding_mode=ZERO)
-        gate = add_k_tile(gate, a, W, Xs, Ws, 0, k, rows, cols, pid_n, TM, TN, TK, FP8, BLOCK, XQ, Y.dtype)
-        if SWIGLU:
-            up = add_k_tile(up, a, W, Xs, Ws, 1, k, rows, cols, pid_n, TM, TN, TK, FP8, BLOCK, XQ, Y.dtype)
+    first = split * per_split
+    last = ct.minimum(k_tiles, first + per_split)
+    gate = ct.zeros(shape, dtype=ct.float32)
+    up = ct.zeros(shape, dtype=ct.float32)
+    if MODE != FMA and (BLOCK or XQ):
+        for k0 in range(first, last, PROMOTE):
+            part_gate = ct.zeros(shape, dtype=ct.float32)
+            part_up = ct.zeros(shape, dtype=ct.float32)
+            for k in range(k0, ct.minimum(last, k0 + PROMOTE)):
+                a = x_tile(X, k, pid_m, TM, TK, MODE, XQ)
+                part_gate = k_product(a, weight_tile(W, 0, k, pid_n, TN, TK, MODE, FP8, XQ, Y.dtype), part_gate,
+                                      TM, TN, TK, MODE, XQ)
+                if SWIGLU:
+                    part_up = k_product(a, weight_tile(W, 1, k, pid_n, TN, TK, MODE, FP8, XQ, Y.dtype), part_up,
+                                        TM, TN, TK, MODE, XQ)
+            kb = (k0 * TK) // QBLOCK
+            gate = gate + block_scaled(part_gate, Xs, Ws, 0, kb, rows_k, cols_k, BLOCK, XQ)
+            if SWIGLU:
+                up = up + block_scaled(part_up, Xs, Ws, 1, kb, rows_k, cols_k, BLOCK, XQ)
+    else:
+        for k in range(first, last):
+            a = x_tile(X, k, pid_m, TM, TK, MODE, XQ)
+            kb = (k * TK) // QBLOCK
+            w = weight_tile(W, 0, k, pid_n, TN, TK, MODE, FP8, XQ, Y.dtype)
+            if MODE == FMA and BLOCK:       # elementwise: the block scales multiply the tile's products directly
+                gate = gate + block_scaled(fma_product(a, w, TM, TN, TK), Xs, Ws, 0, kb, rows_k, cols_k, BLOCK, XQ)
+            else:
+                gate = k_product(a, w, gate, TM, TN, TK, MODE, False)
+            if SWIGLU:
+                w = weight_tile(W, 1, k, pid_n, TN, TK, MODE, FP8, XQ, Y.dtype)
+                if MODE == FMA and BLOCK:
+                    up = up + block_scaled(fma_product(a, w, TM, TN, TK), Xs, Ws, 1, kb, rows_k, cols_k, BLOCK, XQ)
+                else:
+                    up = k_product(a, w, up, TM, TN, TK, MODE, False)
+    gate = finished(gate, MODE)
+    up = finished(up, MODE)
 
     if SPLIT_K > 1:
         ct.scatter(Partial, (split, 0, rows, cols), gate)      # plain stores, which the release below orders
         if SWIGLU:
             ct.scatter(Partial, (split, 1, rows, cols), up)
         arrived = ct.atomic_add(Counter, tile, 1)       # acq_rel: our partial before it, theirs after
-        last = arrived == SPLIT_K - 1
-        rows = ct.where(last, rows, M)                   # other programs address no row at all
+        is_last = arrived == SPLIT_K - 1
+        rows = ct.where(is_last, rows, M)                # other programs address no row at all
         gate = ct.zeros((TM, TN), dtype=ct.float32)
         up = ct.zeros((TM, TN), dtype=ct.float32)
         for s in range(SPLIT_K):
             gate = gate + ct.gather(Partial, (s, 0, rows, cols))
             if SWIGLU:
                 up = up + ct.gather(Partial, (s, 1, rows, cols))
-        ct.atomic_xchg(Counter, ct.where(last, tile, tiles_m * tiles_n), 0, memory_order=ct.MemoryOrder.RELAXED)
+        ct.atomic_xchg(Counter, ct.where(is_last, tile, tiles_m * tiles_n), 0, memory_order=ct.MemoryOrder.RELAXED)
 
     acc = channel_scaled(gate, Xs, Ws, 0, rows, cols, BLOCK, XQ)
     if SWIGLU:
@@ -135,48 +242,91 @@ def _halves(p: dict) -> int:
     return 2 if p["act"] == "swiglu" else 1
 
 
+def _partial(c: dict, p: dict) -> bool:
+    """Whether the main loop keeps a partial sum beside the accumulator (block scales, promoted fast FP8
+    accumulation), doubling the accumulator's registers."""
+    return c["MODE"] != FMA and (p["scale"] == "block" or p["xq"] == "fp8")
+
+
 def _fits(c: dict, p: dict) -> bool:
-    """linear's pruning (few rows: narrow tiles, long K steps) with the weight tiles of both halves counted; K
-    tiles inside a scale block, and at most 128 long with FP8 activations (fast accumulation promoted to fp32
-    every 128 products at the latest, DeepSeek-V3's interval). Split-K tiles at least 32 columns wide: 16-wide ones
-    with occupancy 2 summed wrongly on an H200 (SwiGLU, block scales; cause not found, plain stores of the partials
-    did not help)."""
+    """Few rows (<= 64): the three products (MMA with M padded to TM >= 16; SWAP with TM >= 16 as the narrow mma
+    side, 8 fell back to FMA code with spills, as fp32 does; FMA for up to 4 rows, its TM x TN x TK accumulator in
+    registers), narrow tiles, long K steps, split-K. Many rows: MMA or SWAP tiles from 64 columns, K steps up to 128
+    (SWAP keeps the converted weights in registers where MMA stores them back to shared memory for the mma). PROMOTE
+    is 1 except with FP8 activations and channel scales: fast accumulation promoted every PROMOTE K tiles (at most
+    512 products). Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8 tile with its
+    partial spilled with one warpgroup, 546 local stores in its sm_90 cubin; some longer promotions spill anyway,
+    which the tuner sees). K tiles inside a scale block. Split-K tiles at least 32 columns wide: 16-wide ones with
+    occupancy 2 summed wrongly on an H200 (SwiGLU, block scales; cause not found)."""
     m = pow2_ceil(p["M"])
     few_rows = m <= 64
-    tile = c["TM"] * c["TN"] * _halves(p)
-    item = 4 if p["dtype"] == "float32" else 2
-    return ((max(16, m // 4) if m < 256 else 64) <= c["TM"] <= max(16, m)
-            and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
+    halves = _halves(p)
+    tile = c["TM"] * c["TN"] * halves
+    item = 1 if p["xq"] == "fp8" else 4 if p["dtype"] == "float32" else 2
+    warpgroups = 2 if c["num_worker_warps"] == 8 else 1
+    if c["MODE"] == MMA or (c["MODE"] == SWAP and not few_rows):
+        rows_ok = (max(16, m // 4) if m < 256 else 64) <= c["TM"] <= max(16, m)
+    elif c["MODE"] == SWAP:
+        rows_ok = c["TM"] == max(16, m)
+    else:
+        rows_ok = m <= 4 and c["TM"] == m and tile * c["TK"] <= 128 * 128
+    promoted = p["xq"] == "fp8" and p["scale"] == "channel" and not few_rows
+    promote_ok = c["PROMOTE"] * c["TK"] <= 512 if promoted else c["PROMOTE"] == 1
+    return (rows_ok and promote_ok and (c["MODE"] != SWAP or p["dtype"] != "float32")
+            and c["TN"] <= max(32 if few_rows else 64, pow2_ceil(p["N"])) and c["TK"] <= max(128, pow2_ceil(p["K"]))
             and (c["TK"] <= QBLOCK or (p["scale"] == "channel" and p["xq"] == "none"))
-            and (c["TN"] <= 64 and c["TK"] >= 128 and c["num_worker_warps"] == 0 if few_rows
-                 else c["TN"] >= 64 and c["TK"] <= 128 and c["SPLIT_K"] == 1)
+            and (c["TN"] <= (64 if c["MODE"] == MMA else 128) and c["TK"] >= 128 and c["num_worker_warps"] == 0
+                 and (c["MODE"] != SWAP or c["TN"] >= 32) if few_rows
+                 else c["MODE"] != FMA and c["TN"] >= 64 and c["TK"] <= 128 and c["SPLIT_K"] == 1)
             and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])
             and (c["SPLIT_K"] == 1 or c["TN"] >= 32)
             and tile <= 128 * 256
-            and (c["TM"] + c["TN"] * _halves(p)) * c["TK"] * item <= 64 * 1024
+            and tile * (2 if _partial(c, p) else 1) <= 128 * 128 * warpgroups
+            and (c["TM"] * item + c["TN"] * halves) * c["TK"] <= 64 * 1024       # x and weight tiles, bytes
             and (c["occupancy"] == 1 or tile <= 128 * 128)
             and (c["num_worker_warps"] == 0 or tile >= 128 * 128))
 
 
-SPACE = SearchSpace(_fits, TM=(16, 32, 64, 128), TN=(16, 32, 64, 128, 256), TK=(32, 64, 128, 256, 512),
-                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8, 16), occupancy=(1, 2), num_worker_warps=(0, 8))
+SPACE = SearchSpace(_fits, TM=(1, 2, 4, 8, 16, 32, 64, 128), TN=(16, 32, 64, 128, 256), TK=(32, 64, 128, 256, 512),
+                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8, 16), MODE=(MMA, SWAP, FMA), PROMOTE=(1, 2, 4),
+                    occupancy=(1, 2), num_worker_warps=(0, 8))
 
-MIN_PROGRAMS = 264    # an untuned decode GEMV: about two programs per SM of an H100 or H200 streaming weights
+MIN_PROGRAMS = 128    # an untuned decode GEMV splits K only below about one program per SM of an H100 or H200
+MIN_SPLIT_TILES = 8   # ... and keeps at least this many K tiles a split (a split's stores and arrival are a tail)
 
 
 def default_config(p: dict) -> dict:
-    """Many rows: 128 x 128 tiles (128 x 64 for SwiGLU's two accumulators; K steps of 128 in FP8, 32 in fp32). Few rows: 32 columns by 128 of K
-    per step, split over K until about MIN_PROGRAMS programs stream the weights."""
+    """What the H100 tuning of the first kernel chose (13 int8 Llama-3.1-8B shapes; splitting K to about two
+    programs per SM, the first default, was 1.3-3x slower than no split). Few rows: SWAP (weights in their own
+    layout as the register operand) 32 columns by 256 of K (128 in scale blocks and with FP8 x), occupancy 2, split
+    over K only below MIN_PROGRAMS programs (fp32: MMA, no tensor cores for SWAP). From 1024 rows 128 x 256 tiles
+    (128 x 128 for SwiGLU's two accumulators) with two warpgroups, halved where a partial sum doubles the
+    accumulator (block scales, FP8 activations promoted every K tile of 128, as DeepSeek-V3); 128-1023 rows 64 x 64
+    x 128; fp32 64 x 64 x 32."""
     m = pow2_ceil(p["M"])
-    plain = dict(GROUP_M=8, SPLIT_K=1, occupancy=1, num_worker_warps=0)
-    if m >= 128:
-        return dict(plain, TM=128, TN=128 // _halves(p), TK=128 if p["xq"] == "fp8" else 32 if p["dtype"] ==
-                    "float32" else 64)
-    k_tiles, tiles = ct.cdiv(p["K"], 128), ct.cdiv(p["N"], 32)
+    plain = dict(GROUP_M=8, SPLIT_K=1, PROMOTE=1, occupancy=1, num_worker_warps=0)
+    if m > 64:
+        if p["dtype"] == "float32":
+            c = dict(plain, MODE=MMA, TM=64, TN=64, TK=32)
+        elif m >= 1024:
+            c = dict(plain, MODE=MMA, TM=128, TN=256 // _halves(p), TK=128 if p["xq"] == "fp8" else 64,
+                     num_worker_warps=8)
+            if _partial(c, p):
+                c["TN"] //= 2
+        else:
+            c = dict(plain, MODE=MMA, TM=64, TN=64, TK=128)
+        c["TN"] = min(c["TN"], max(64, pow2_ceil(p["N"])))      # no wider than the problem
+        wide = c["TM"] * c["TN"] * _halves(p) >= 128 * 128      # two warpgroups only for 128x128 and up
+        return dict(c, num_worker_warps=c["num_worker_warps"] if wide else 0)
+    c = dict(plain, MODE=SWAP, TM=max(16, m), TN=32, occupancy=2,
+             TK=min(256 if p["scale"] == "channel" and p["xq"] == "none" else QBLOCK, max(128, pow2_ceil(p["K"]))))
+    if p["dtype"] == "float32":
+        c.update(MODE=MMA, TK=128)
+    k_tiles, tiles = ct.cdiv(p["K"], c["TK"]), ct.cdiv(p["N"], c["TN"])
     split = 1
-    while split < 16 and 2 * split <= k_tiles and tiles * split < MIN_PROGRAMS:
+    while split < 16 and 2 * split * MIN_SPLIT_TILES <= k_tiles and tiles * split < MIN_PROGRAMS:
         split *= 2
-    return dict(plain, TM=max(16, m), TN=32, TK=128, SPLIT_K=split)
+    return dict(c, SPLIT_K=split)
 
 
 def _scale_shape(p: dict) -> tuple:
@@ -216,7 +366,8 @@ def _grid(p: dict, c: dict) -> tuple:
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"], p["wq"] == "fp8", p["scale"] == "block",
+    return (c["TM"], c["TN"], c["TK"], c["GROUP_M"], c["SPLIT_K"], c["MODE"], c["PROMOTE"], p["wq"] == "fp8",
+            p["scale"] == "block",
             p["xq"] == "fp8", p["act"] == "swiglu", bool(p["bias"]), bool(p["res"]))
 
 

@@ -3,7 +3,7 @@
 What W8A8 `quant_linear` reads: the FP8 bits (uint8) and fp32 scales, one per row (per-token scaling,
 scales [M, 1]) or one per row and 128 columns (`group=128`, scales [M, ceil(K/128)], as DeepSeek-V3's
 block-FP8 activations). A program quantizes TM rows: per row it first finds the absmax across K, then
-divides and rounds; per group one pass does both.
+divides and rounds (one pass when a tile holds the whole row); per group one pass does both.
 """
 
 from __future__ import annotations
@@ -40,12 +40,19 @@ def fp8_bits(x, s):
 
 
 @ct.kernel
-def quantize_fp8_kernel(X, Q, S, TM: ct.Constant[int], TK: ct.Constant[int], GROUPED: ct.Constant[bool]):
-    """Q[M, K] = e4m3 bits of X / S; S [M, 1] per row or [M, ceil(K/GROUP)] per group (then TK == GROUP)."""
+def quantize_fp8_kernel(X, Q, S, TM: ct.Constant[int], TK: ct.Constant[int], GROUPED: ct.Constant[bool],
+                        ONE_PASS: ct.Constant[bool]):
+    """Q[M, K] = e4m3 bits of X / S; S [M, 1] per row or [M, ceil(K/GROUP)] per group (then TK == GROUP).
+    ONE_PASS (TK >= K): each row is loaded once, its absmax and codes from the same tile."""
     sync_with_previous_kernel()
     pid = ct.bid(0)
     k_tiles = ct.cdiv(X.shape[1], TK)
-    if GROUPED:
+    if ONE_PASS:
+        x = ct.load(X, (pid, 0), (TM, TK), padding_mode=ZERO).astype(ct.float32)
+        s = fp8_scale(ct.max(ct.abs(x), axis=1, keepdims=True))
+        ct.store(Q, (pid, 0), fp8_bits(x, s))
+        ct.store(S, (pid, 0), s)
+    elif GROUPED:
         for k in range(k_tiles):
             x = ct.load(X, (pid, k), (TM, TK), padding_mode=ZERO).astype(ct.float32)
             s = fp8_scale(ct.max(ct.abs(x), axis=1, keepdims=True))
@@ -66,15 +73,20 @@ def quantize_fp8_kernel(X, Q, S, TM: ct.Constant[int], TK: ct.Constant[int], GRO
 # -- search space and heuristic default ---------------------------------------------------------
 
 def _fits(c: dict, p: dict) -> bool:
+    """Tiles up to 16K elements; K steps past 1024 only as one tile of the whole row (one pass over x)."""
     return (c["TM"] <= max(1, pow2_ceil(p["M"])) and c["TK"] <= max(128, pow2_ceil(p["K"]))
+            and (c["TK"] <= 1024 or c["TK"] == pow2_ceil(p["K"]))
             and (c["TK"] == GROUP or not p["group"]) and c["TM"] * c["TK"] <= 16 * 1024)
 
 
-SPACE = SearchSpace(_fits, TM=(1, 2, 4, 8, 16, 32), TK=(128, 256, 512, 1024), occupancy=(1, 2, 4))
+SPACE = SearchSpace(_fits, TM=(1, 2, 4, 8, 16, 32), TK=(128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+                    occupancy=(1, 2, 4))
 
 
 def default_config(p: dict) -> dict:
-    tk = GROUP if p["group"] else min(1024, max(128, pow2_ceil(p["K"])))
+    """A whole row per tile up to K = 4096 (one pass over x), else K steps of 1024; as many rows as keep 16K
+    elements a tile, at most 32."""
+    tk = GROUP if p["group"] else min(4096 if p["K"] <= 4096 else 1024, max(128, pow2_ceil(p["K"])))
     return dict(TM=min(max(1, pow2_ceil(p["M"])), 16 * 1024 // tk, 32), TK=tk, occupancy=1)
 
 
@@ -93,7 +105,7 @@ def _grid(p: dict, c: dict) -> tuple:
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (c["TM"], c["TK"], bool(p["group"]))
+    return (c["TM"], c["TK"], bool(p["group"]), c["TK"] >= p["K"])
 
 
 def _bind(a: list, flags: tuple) -> Binding:

@@ -31,13 +31,18 @@ def on_ranks(world: int, fn, timeout: float = 60.0) -> list:
     return results
 
 
-def assert_seeded_and_quantized_models_refused(model_class, config) -> None:
-    """A sharded model's weights come from a checkpoint (every rank a slice of the same ones), and its linears are
-    not quantized."""
+def assert_seeded_models_refused(model_class, config, quantized_refused: bool) -> None:
+    """A sharded model's weights come from a checkpoint (every rank a slice of the same ones); its linears are
+    quantized only where the family shards them (`quantized_refused`: it does not)."""
     with pytest.raises(ValueError, match="come from state= or a checkpoint"):
         model_class(config, dtype="float32", comm=parallel.ShapeOnly(0, 2))
-    with pytest.raises(ValueError, match="tensor parallelism does not take quantized linears"):
-        model_class(config, meta=True, quantize="int8", comm=parallel.ShapeOnly(0, 2))
+    assert model_class.shards_quantized is not quantized_refused
+    if quantized_refused:
+        with pytest.raises(ValueError, match=f"{model_class.__name__}'s tensor parallelism does not take quantized "
+                                             "linears"):
+            model_class(config, meta=True, quantize="int8", comm=parallel.ShapeOnly(0, 2))
+    else:
+        assert model_class(config, meta=True, quantize="int8", comm=parallel.ShapeOnly(0, 2)).quantized
 
 
 def assert_a_failing_rank_stops_the_others(run) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
 from tests.models.deepseek_v2.test_step_code import cpu, forward, greedy  # noqa: F401  (cpu: a fixture)
-from tests.models.ranks import (assert_a_failing_rank_stops_the_others, assert_seeded_and_quantized_models_refused,
+from tests.models.ranks import (assert_a_failing_rank_stops_the_others, assert_seeded_models_refused,
                                 on_ranks)
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
@@ -148,7 +148,10 @@ def test_unshardable_configs_are_refused(changes, world, message):
 
 
 def test_random_or_quantized_sharded_models_are_refused(cpu):
-    assert_seeded_and_quantized_models_refused(DeepseekV2, weights.load_state_dict(DATA / "tiny-deepseek-v2")[0])
+    assert_seeded_models_refused(DeepseekV2, weights.load_state_dict(DATA / "tiny-deepseek-v2")[0], True)
+    with pytest.raises(ValueError, match=r"DeepseekV2's tensor parallelism does not take quantized linears yet "
+                                         r"\(load-time quantization\)"):
+        DeepseekV2.from_pretrained(DATA / "tiny-deepseek-v2", quantize="int8", comm=parallel.ShapeOnly(0, 2))
 
 
 def test_a_rank_that_fails_stops_the_others(cpu):

@@ -46,10 +46,11 @@ def checkpoint_path(preset: str, quantize: str | None = None) -> Path:
 
 def write_checkpoint(path: Path, config, log=print, quantize: str | None = None) -> None:
     """Random weights of `config` (drawn on the GPU, seed 0) saved as a bf16 checkpoint, or `quantize`d per
-    channel as they are drawn and saved as a compressed-tensors one, unless already there."""
+    channel as they are drawn and saved as a compressed-tensors one, unless already there (a run stopped while
+    writing leaves no weights file, and the next one writes it again)."""
     from tilekit.models.families import family_of_config
-    if (path / "config.json").exists() and json.loads((path / "config.json").read_text()).get(
-            "num_hidden_layers") == config.n_layer:
+    if (path / "model.safetensors").exists() and json.loads((path / "config.json").read_text()).get(
+            "num_hidden_layers") == config.n_layer:     # the weights file is renamed into place once whole
         log(f"checkpoint {path} (kept from an earlier run)")
         return
     start = time.perf_counter()

@@ -9,6 +9,7 @@ import pytest
 from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.models.deepseek_v2.test_step_code import forward
 from tests.models.llama import numpy_kernels
+from tests.models.llama.test_quantized_loading import assert_same_params
 from tests.models.ranks import on_ranks
 from tests.models.test_quantization import EXTRAS, LAYOUTS, write_quantized
 from tilekit import parallel
@@ -119,6 +120,8 @@ def test_load_time_quantization_quantizes_each_ranks_slice(cpu, kind, tmp_path):
             if not name.endswith(tuple(f"{m}.weight" for m in COLUMNS)):   # column-parallel: TP=1's rows
                 np.testing.assert_array_equal(model.params[name], _slice_of(name, whole.params[name], comm.rank,
                                                                             False), err_msg=name)
+        assert_same_params(model, Llama(CONFIG, dtype="float32", state=state, quantize=kind,      # state= alike
+                                        comm=parallel.ShapeOnly(comm.rank, 2)))
         return forward(model, ids)
     per_rank = on_ranks(2, run)
     np.testing.assert_array_equal(per_rank[1], per_rank[0])

@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from tilekit import parallel
+from tilekit.models import hf
 
 
 def on_ranks(world: int, fn, timeout: float = 60.0) -> list:
@@ -53,3 +54,30 @@ def assert_a_failing_rank_stops_the_others(run) -> None:
         return run(comm)
     with pytest.raises(RuntimeError, match="rank 1 broke"):
         on_ranks(2, body, timeout=20)
+
+
+class ReadCounter:
+    """The bytes of each tensor of a checkpoint the loader reads (hf.RegularFile.readinto recorded); clear() between
+    loads."""
+
+    def __init__(self, monkeypatch, checkpoint):
+        self.reads = []
+        original = hf.RegularFile.readinto
+
+        def recording(file, view, offset):
+            self.reads.append((offset, offset + len(view)))
+            original(file, view, offset)
+        monkeypatch.setattr(hf.RegularFile, "readinto", recording)
+        with hf.Checkpoint.at(checkpoint).tensor_files() as files:
+            self.spans = {name: (info.start, info.end) for name, info in files.tensors.items()}
+
+    def clear(self) -> None:
+        self.reads.clear()
+
+    def size(self, name: str) -> int:
+        start, end = self.spans[name]
+        return end - start
+
+    def read(self, name: str) -> int:
+        start, end = self.spans[name]
+        return sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in self.reads)

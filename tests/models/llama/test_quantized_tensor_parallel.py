@@ -10,11 +10,11 @@ from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (num
 from tests.models.deepseek_v2.test_step_code import forward
 from tests.models.llama import numpy_kernels
 from tests.models.llama.test_quantized_loading import assert_same_params
-from tests.models.ranks import on_ranks
+from tests.models.ranks import ReadCounter, on_ranks
 from tests.models.test_quantization import EXTRAS, LAYOUTS, write_quantized
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
-from tilekit.models import Llama, LlamaConfig, hf, runtime
+from tilekit.models import Llama, LlamaConfig, runtime
 from tilekit.models.llama import model as model_module
 from tilekit.models.llama.weights import random_state_dict, save_state_dict
 from tilekit.models.quantization import QBLOCK, quantize_weight, scale_key
@@ -136,30 +136,18 @@ def test_a_rank_reads_only_its_rows_of_codes_and_scales(cpu, monkeypatch, tmp_pa
     """Column-parallel codes and per-channel scales are read by rows, alone: half of their bytes per rank;
     row-parallel codes are read whole and sliced on the device, their per-channel scales whole."""
     path = _checkpoint(tmp_path, "compressed-tensors fp8 channel")
-    reads = []
-    original = hf.RegularFile.readinto
-
-    def recording(self, view, offset):
-        reads.append((offset, offset + len(view)))
-        original(self, view, offset)
-    monkeypatch.setattr(hf.RegularFile, "readinto", recording)
-    with hf.Checkpoint.at(path).tensor_files() as files:
-        infos = {name: (info.start, info.end) for name, info in files.tensors.items()}
-
-    def bytes_read(name: str) -> int:
-        start, end = infos[name]
-        return sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in reads)
+    counter = ReadCounter(monkeypatch, path)
     p = "model.layers.1."
     halves = [p + f"{m}.{t}" for m in ("self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj")
               for t in ("weight", "weight_scale")]
     wholes = [p + "self_attn.o_proj.weight_scale", p + "mlp.down_proj.weight_scale", p + "mlp.down_proj.weight"]
     for rank in range(2):
-        reads.clear()
+        counter.clear()
         Llama.from_pretrained(path, dtype="float32", comm=parallel.ShapeOnly(rank, 2))
         for name in halves:
-            assert bytes_read(name) == (infos[name][1] - infos[name][0]) // 2, name
+            assert counter.read(name) == counter.size(name) // 2, name
         for name in wholes:
-            assert bytes_read(name) == infos[name][1] - infos[name][0], name
+            assert counter.read(name) == counter.size(name), name
 
 
 def test_block_scales_a_rank_would_cut_are_refused(cpu, tmp_path):

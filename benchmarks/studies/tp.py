@@ -1,8 +1,13 @@
 """Tensor parallelism on one multi-GPU host: a Llama-3.1-8B-shape model (or another preset's: --preset
-deepseek-v2-lite; random bf16 weights, written once as a Hugging Face checkpoint under /tmp) at TP=1 and TP=N in
-the same run, each TP a fresh set of rank processes (tilekit.parallel.launch) reading the same checkpoint.
+deepseek-v2-lite, llama-3.1-70b; random bf16 weights, written once as a Hugging Face checkpoint under /tmp) at TP=1
+and TP=N in the same run, each TP a fresh set of rank processes (tilekit.parallel.launch) reading the same
+checkpoint. --quantize fp8 | int8 (Llama): the random weights are quantized per channel on one GPU as they are drawn
+and written as a compressed-tensors checkpoint, which every rank then reads its slices of (a 70B model's bf16
+weights fit no single 80 GB GPU, its fp8 ones do: about 72 GB with the bf16 embedding and LM head, on disk too).
+A TP=1 run that fails (out of memory) is reported and the TP=N rows are kept, without their anchor.
 
     source .gpu/setup.sh && python -m benchmarks.studies.tp --out $OUT [--tp 2] [--layers 32] [--preset NAME]
+        [--quantize fp8]
 
 Rows: decode B1 and B8 (the replayed decode graph, all-reduces included, after a 128-token prompt: ms/token),
 prefill B8 T1024 (generate()'s replayed prompt-prefill graph: every block over 8 x 1024 tokens and the last
@@ -35,19 +40,22 @@ def model_config(preset: str, layers: int | None):
     return config if layers in (None, config.n_layer) else config.replace(n_layer=layers)
 
 
-def checkpoint_path(preset: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"tilekit-tp-{preset}"
+def checkpoint_path(preset: str, quantize: str | None = None) -> Path:
+    return Path(tempfile.gettempdir()) / f"tilekit-tp-{preset}{'-' + quantize if quantize else ''}"
 
 
-def write_checkpoint(path: Path, config, log=print) -> None:
-    """Random weights of `config` (drawn on the GPU, seed 0) saved as a bf16 checkpoint, unless already there."""
+def write_checkpoint(path: Path, config, log=print, quantize: str | None = None) -> None:
+    """Random weights of `config` (drawn on the GPU, seed 0) saved as a bf16 checkpoint, or `quantize`d per
+    channel as they are drawn and saved as a compressed-tensors one, unless already there (a run stopped while
+    writing leaves no weights file, and the next one writes it again)."""
     from tilekit.models.families import family_of_config
-    if (path / "config.json").exists() and json.loads((path / "config.json").read_text()).get(
-            "num_hidden_layers") == config.n_layer:
+    if (path / "model.safetensors").exists() and json.loads((path / "config.json").read_text()).get(
+            "num_hidden_layers") == config.n_layer:     # the weights file is renamed into place once whole
         log(f"checkpoint {path} (kept from an earlier run)")
         return
     start = time.perf_counter()
-    model = family_of_config(config).model_class(config, dtype="bfloat16", seed=0)
+    options = {"quantize": quantize} if quantize else {}
+    model = family_of_config(config).model_class(config, dtype="bfloat16", seed=0, **options)
     model.save_pretrained(path)
     del model
     import cupy
@@ -148,7 +156,8 @@ def rank_main(args) -> int:
 
 # -- the study --------------------------------------------------------------------------------------------
 
-def run(tp: int, layers: int | None, out: Path | None, log=print, preset: str = PRESET) -> dict:
+def run(tp: int, layers: int | None, out: Path | None, log=print, preset: str = PRESET,
+        quantize: str | None = None) -> dict:
     import cupy
 
     from tilekit import parallel
@@ -157,8 +166,8 @@ def run(tp: int, layers: int | None, out: Path | None, log=print, preset: str = 
     if gpus < tp:
         raise SystemExit(f"tp.py: --tp {tp} needs {tp} GPUs, this host shows {gpus}")
     config = model_config(preset, layers)
-    checkpoint = checkpoint_path(preset)
-    write_checkpoint(checkpoint, config, log)
+    checkpoint = checkpoint_path(preset, quantize)
+    write_checkpoint(checkpoint, config, log, quantize)
     name = device_info().name
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,14 +176,19 @@ def run(tp: int, layers: int | None, out: Path | None, log=print, preset: str = 
             start = time.perf_counter()
             status = parallel.launch(world, ["-m", "benchmarks.studies.tp", "--rank", "--checkpoint", str(checkpoint),
                                              "--result", str(result)], program=[sys.executable], quiet_ranks=False)
+            if status and world == 1 and tp > 1:       # e.g. a model that fits only sharded
+                log(f"tp.py: the TP=1 run failed (status {status}); the TP={tp} rows have no anchor")
+                continue
             if status:
                 raise SystemExit(f"tp.py: the TP={world} ranks failed (status {status})")
             results[world] = json.loads(result.read_text())
             log(f"TP={world}: {time.perf_counter() - start:.0f} s")
     nvlink = next((v for k, v in NVLINK_GBS.items() if k in name), None)
     table = format_table(results, tp, config, nvlink)
-    log(f"\n{name} x{tp}, {preset} shape ({config.n_layer} layers), bf16, random weights\n" + table)
-    report = dict(gpu=name, preset=preset, layers=config.n_layer, tp=tp, results=results, nvlink_gbs=nvlink)
+    weights = f"{quantize} weights (per channel, bf16 activations in decode)" if quantize else "bf16"
+    log(f"\n{name} x{tp}, {preset} shape ({config.n_layer} layers), {weights}, random weights\n" + table)
+    report = dict(gpu=name, preset=preset, layers=config.n_layer, tp=tp, quantize=quantize, results=results,
+                  nvlink_gbs=nvlink)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "tp.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -188,10 +202,10 @@ def format_table(results: dict, tp: int, config, nvlink) -> str:
     lines = ["| run | ms | vs tp=1 |", "|---|---:|---:|"]
     for kind, batch, label, per in (("decode", 1, "decode B1 ms/token", 1), ("decode", 8, "decode B8 ms/token", 1),
                                     ("prefill", 8, "prefill B8 T1024 ms", 1)):
-        base = row(1, kind, batch)["ms"]
+        base = row(1, kind, batch)["ms"] if 1 in results else None
         for world in sorted(results):
             ms = row(world, kind, batch)["ms"]
-            lines.append(f"| tp={world} {label} | {ms:.3f} | {ms / base:.2f}x |")
+            lines.append(f"| tp={world} {label} | {ms:.3f} | " + (f"{ms / base:.2f}x |" if base else "no tp=1 |"))
     L = config.n_layer
     for B in (1, 8):
         r = row(tp, "all_reduce", B)
@@ -203,16 +217,20 @@ def format_table(results: dict, tp: int, config, nvlink) -> str:
     lines.append(f"| tp={tp} all-reduce 256 MiB: bus bandwidth {big['busbw_gbs']:.0f} GB/s"
                  + (f" ({100 * big['busbw_gbs'] / nvlink:.0f}% of NVLink's {nvlink:.0f} GB/s)" if nvlink else "")
                  + " | | |")
-    one, many = results[1]["tokens"], results[tp]["tokens"]
-    agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one, many)]
-    lines.append(f"| tp={tp} greedy B1 tokens agreeing with tp=1: {min(agree)} of {len(one[0])} | | |")
+    if 1 in results:
+        one, many = results[1]["tokens"], results[tp]["tokens"]
+        agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one, many)]
+        lines.append(f"| tp={tp} greedy B1 tokens agreeing with tp=1: {min(agree)} of {len(one[0])} | | |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.studies.tp", description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=2, help="ranks of the parallel run (default 2)")
-    p.add_argument("--preset", default=PRESET, help=f"the model shape (default {PRESET}; e.g. deepseek-v2-lite)")
+    p.add_argument("--preset", default=PRESET, help=f"the model shape (default {PRESET}; e.g. deepseek-v2-lite, "
+                                                    "llama-3.1-70b)")
+    p.add_argument("--quantize", choices=("int8", "fp8"),
+                   help="write the checkpoint with the linears quantized per channel (Llama)")
     p.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                    help="where tp.json goes (default $OUT)")
@@ -222,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rank:
         return rank_main(args)
-    run(args.tp, args.layers, args.out, preset=args.preset)
+    run(args.tp, args.layers, args.out, preset=args.preset, quantize=args.quantize)
     return 0
 
 

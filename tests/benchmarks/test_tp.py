@@ -1,5 +1,6 @@
 """benchmarks.studies.tp without a GPU: its table from rank results (rows labelled "tp=N ...", ratios to TP=1, the
-all-reduce per layer and its share of the step, bus bandwidth against NVLink, greedy agreement)."""
+all-reduce per layer and its share of the step, bus bandwidth against NVLink, greedy agreement; TP=N rows alone when
+TP=1 did not fit)."""
 
 from benchmarks.studies import tp
 from tilekit.models.families import preset_config
@@ -22,9 +23,13 @@ def test_table_rows():
                for line in table)
     assert any("bus bandwidth 300 GB/s (67% of NVLink's 450 GB/s)" in line for line in table)
     assert any("greedy B1 tokens agreeing with tp=1: 2 of 4" in line for line in table)
+    alone = tp.format_table({2: results[2]}, 2, config, 450.0).splitlines()     # a TP=1 run that did not fit
+    assert "| tp=2 decode B1 ms/token | 3.600 | no tp=1 |" in alone and not any("greedy" in line for line in alone)
 
 
 def test_the_model_shape_is_a_presets():
     assert tp.model_config("deepseek-v2-lite", None) == preset_config("deepseek-v2-lite")
     assert tp.model_config("llama-3.1-8b", 2).n_layer == 2
     assert tp.checkpoint_path("deepseek-v2-lite").name == "tilekit-tp-deepseek-v2-lite"
+    assert tp.checkpoint_path("llama-3.1-70b", "fp8").name == "tilekit-tp-llama-3.1-70b-fp8"
+    assert tp.model_config("llama-3.1-70b", None).n_embd == 8192

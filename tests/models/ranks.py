@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from tilekit import parallel
+from tilekit.models import hf
 
 
 def on_ranks(world: int, fn, timeout: float = 60.0) -> list:
@@ -31,13 +32,18 @@ def on_ranks(world: int, fn, timeout: float = 60.0) -> list:
     return results
 
 
-def assert_seeded_and_quantized_models_refused(model_class, config) -> None:
-    """A sharded model's weights come from a checkpoint (every rank a slice of the same ones), and its linears are
-    not quantized."""
+def assert_seeded_models_refused(model_class, config, quantized_refused: bool) -> None:
+    """A sharded model's weights come from a checkpoint (every rank a slice of the same ones); its linears are
+    quantized only where the family shards them (`quantized_refused`: it does not)."""
     with pytest.raises(ValueError, match="come from state= or a checkpoint"):
         model_class(config, dtype="float32", comm=parallel.ShapeOnly(0, 2))
-    with pytest.raises(ValueError, match="tensor parallelism does not take quantized linears"):
-        model_class(config, meta=True, quantize="int8", comm=parallel.ShapeOnly(0, 2))
+    assert model_class.shards_quantized is not quantized_refused
+    if quantized_refused:
+        with pytest.raises(ValueError, match=f"{model_class.__name__}'s tensor parallelism does not take quantized "
+                                             "linears"):
+            model_class(config, meta=True, quantize="int8", comm=parallel.ShapeOnly(0, 2))
+    else:
+        assert model_class(config, meta=True, quantize="int8", comm=parallel.ShapeOnly(0, 2)).quantized
 
 
 def assert_a_failing_rank_stops_the_others(run) -> None:
@@ -48,3 +54,30 @@ def assert_a_failing_rank_stops_the_others(run) -> None:
         return run(comm)
     with pytest.raises(RuntimeError, match="rank 1 broke"):
         on_ranks(2, body, timeout=20)
+
+
+class ReadCounter:
+    """The bytes of each tensor of a checkpoint the loader reads (hf.RegularFile.readinto recorded); clear() between
+    loads."""
+
+    def __init__(self, monkeypatch, checkpoint):
+        self.reads = []
+        original = hf.RegularFile.readinto
+
+        def recording(file, view, offset):
+            self.reads.append((offset, offset + len(view)))
+            original(file, view, offset)
+        monkeypatch.setattr(hf.RegularFile, "readinto", recording)
+        with hf.Checkpoint.at(checkpoint).tensor_files() as files:
+            self.spans = {name: (info.start, info.end) for name, info in files.tensors.items()}
+
+    def clear(self) -> None:
+        self.reads.clear()
+
+    def size(self, name: str) -> int:
+        start, end = self.spans[name]
+        return end - start
+
+    def read(self, name: str) -> int:
+        start, end = self.spans[name]
+        return sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in self.reads)

@@ -91,6 +91,38 @@ def test_two_ranks_equal_one(request, tmp_path, name, dtype):
             np.testing.assert_array_equal(got["greedy"][:, :expected.shape[1]], expected)
 
 
+@pytest.fixture(scope="module")
+def wide_fp8(tmp_path_factory, wide):
+    """`wide` quantized to FP8 per channel on one GPU and saved (a compressed-tensors checkpoint)."""
+    path = tmp_path_factory.mktemp("wide_fp8")
+    families.load_model(wide, quantize="fp8").save_pretrained(path)
+    return path
+
+
+# quantized TP=2 against TP=1 (bf16 activations, 38 rows: weight-only). The same codes and scales: as bf16's
+# TOL. Quantized at load: a row-parallel rank's scales are its columns' absmax, so the models differ by up to
+# both quantizations' errors (tests/models/llama/test_quantized_tensor_parallel.py; test_quantized's VS_BF16).
+QUANTIZED_TOL = {"": TOL["bfloat16"], "int8": 0.05, "fp8": 0.12}
+
+
+@pytest.mark.parametrize("name, quantize", [("wide_fp8", ""), ("wide", "int8"), ("wide", "fp8")])
+def test_two_quantized_ranks_equal_one(request, tmp_path, name, quantize):
+    checkpoint = request.getfixturevalue(name)
+    per_rank = ranks(checkpoint, "bfloat16", tmp_path, 2, *([quantize] if quantize else []))
+    for key in per_rank[0]:
+        np.testing.assert_array_equal(per_rank[1][key], per_rank[0][key], err_msg=key)
+    one = families.load_model(checkpoint, quantize=quantize or None)
+    assert one.quant is not None
+    ids = np.random.default_rng(0).integers(0, one.config.vocab_size, (2, 19))
+    err = rel_err(per_rank[0]["graph"], cupy.asnumpy(one(ids)).astype(np.float64))
+    greedy = np.stack(one.generate(ids, 32, temperature=0, eos_token_id=[]))
+    print(f"{name} {quantize or 'as saved'}: TP=2 logits {err:.3g} from TP=1's, greedy agreement "
+          f"{np.mean(per_rank[0]['greedy'][:, 19:] == greedy[:, 19:]):.2%}")
+    assert err <= QUANTIZED_TOL[quantize]
+    assert rel_err(per_rank[0]["eager"], per_rank[0]["graph"]) <= 1e-6
+    np.testing.assert_array_equal(per_rank[0]["greedy_eager"], per_rank[0]["greedy"])
+
+
 def test_a_dead_rank_stops_the_other(tmp_path):
     """Rank 1 dies after joining; rank 0, blocked in an NCCL all-reduce that would wait forever, is stopped by its
     watchdog with a line naming rank 1 (no launcher here to kill it)."""

@@ -1,11 +1,11 @@
 """One rank of the GPU tensor-parallel tests (test_tensor_parallel_gpu.py starts them with parallel.launch):
 
-    python -m tests.models.tp_worker CHECKPOINT DTYPE OUT_DIR [die]
+    python -m tests.models.tp_worker CHECKPOINT DTYPE OUT_DIR [die | int8 | fp8]
 
 loads its shard of CHECKPOINT (of any family with tensor parallelism), and writes OUT_DIR/rank<R>.npz: forward()
 logits with and without graphs, greedy tokens of generate() (32 new) with and without graphs, and sampled tokens,
-seeded and not. `die`: rank 1 exits right after joining while rank 0 all-reduces until the watchdog stops it (the
-test of a dead rank)."""
+seeded and not. `int8` / `fp8`: the model quantized at load (quantize=). `die`: rank 1 exits right after joining
+while rank 0 all-reduces until the watchdog stops it (the test of a dead rank)."""
 
 import faulthandler
 import os
@@ -33,7 +33,7 @@ def main(checkpoint: str, dtype: str, out: str, mode: str = "") -> None:
             comm.all_reduce(x)
             cupy.cuda.get_current_stream().synchronize()
         return
-    model = families.load_model(checkpoint, dtype=dtype, comm=comm)
+    model = families.load_model(checkpoint, dtype=dtype, quantize=mode or None, comm=comm)
     ids = np.load(Path(checkpoint) / "input_ids.npy") if (Path(checkpoint) / "input_ids.npy").exists() else \
         np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 19))
     result = dict(

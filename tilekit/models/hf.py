@@ -825,11 +825,10 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
     scales, tilekit.models.quantization), given the file's safetensors dtypes by name; called before and after
     `outs` exist (None before). `parts`: our name -> (axis, start, stop[, groups]), the slice of the file's tensor
     to load (Target.part: a tensor-parallel rank's shard; its array has the slice's shape); a piece of a sharded
-    tensor of ours says which slice of its file tensor that is (Piece.part: `stored` was given the parts).
+    tensor of ours says which slice of its file tensor that is (Piece.part: `stored` was given the parts); a
+    rewrite keeps each target's part and gives the tensors it adds (e.g. scales) the matching slices.
     Returns our name -> array."""
     parts = parts or {}
-    if parts and rewrite:
-        raise ValueError("parts (sharded loading) do not combine with a rewrite")
     with checkpoint.tensor_files() as files:
         p = prefix if prefix and any(name.startswith(prefix) for name in files.tensors) else ""
         pieces = stored(set(files.tensors)) if stored else {}

@@ -21,6 +21,16 @@ headers decide) and list them unquantized. Any other scheme (GPTQ, AWQ, bitsandb
 left unquantized other than the LM head) is a ModelFileError naming the scheme and the file. Load-time
 quantization (`quantize="int8" | "fp8"`) quantizes each tensor on the GPU as it arrives (one tensor at a time,
 never a bf16 copy of the model on the host): scale = absmax of the output channel / 127 (int8) or / 448 (e4m3).
+
+Tensor-parallel, a rank reads only its slice of each linear's codes and the matching scales (scale_part): a
+column-parallel slice (rows) takes the same rows of per-channel scales and its 128-row blocks of block scales; a
+row-parallel one (columns: o_proj, down_proj) keeps per-channel scales whole and takes its 128-column blocks of
+block scales. Load-time quantization quantizes each rank's slice: a column-parallel rank's codes and scales are
+TP=1's rows, but a row-parallel rank's scales are the absmax of its own columns, so they (and its codes) differ
+from TP=1's, each still within the per-channel bound above; the logits then differ from TP=1's within the
+quantization's own error, not bit for bit. So do W8A8 prefill rows with per-channel FP8 weights: a row-parallel
+rank scales each token's activations by the absmax of its own slice of the row (block scales: per 128-column
+group, which whole blocks keep, so as TP=1).
 """
 
 from __future__ import annotations
@@ -263,7 +273,9 @@ def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme
     `outs`: our name -> array (codes under the weight's name, fp32 scales under NAME_scale), or None before the
     headers are checked. From a quantized checkpoint, the weights matching `dequantized` (a family's
     DEQUANTIZED patterns) that `dtypes` (file name -> safetensors dtype) shows as codes are dequantized into
-    their float targets, with their scales."""
+    their float targets, with their scales. A sharded target (hf.Target.part, a tensor-parallel rank's slice)
+    reads its slice of the codes and the matching slice of the scales (scale_part); load-time quantization
+    quantizes the slice."""
     plan = dict(plan)
     loading = scheme.source == "load-time quantization"
     for name in linears:
@@ -272,13 +284,15 @@ def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme
         out = outs[name] if outs is not None else None
         scale = outs[scale_key(name)] if outs is not None else None
         if loading:
-            plan[name] = hf.Target(shape, out=out, transform=quantizing(scheme.weight, scale, target.transform))
+            plan[name] = hf.Target(shape, out=out, transform=quantizing(scheme.weight, scale, target.transform),
+                                   part=target.part)
             continue
         plan[name] = hf.Target(shape, out=out, transform=target.transform or hf.convert,
-                               accept=(FILE_DTYPES[scheme.weight],))
+                               accept=(FILE_DTYPES[scheme.weight],), part=target.part)
         plan[name[:-len("weight")] + scheme.scale_name] = hf.Target(
             scheme.scale_file_shape(shape), "float32", out=scale,
-            transform=None if scale is None else scale_into(scale, target.transform))
+            transform=None if scale is None else scale_into(scale, target.transform),
+            part=scale_part(name, scheme, shape, target.part))
     if loading or not dequantized:
         return plan
     pattern = re.compile(rf"\.(?:{'|'.join(dequantized)})\.weight")
@@ -292,6 +306,27 @@ def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme
         plan[name[:-len("weight")] + scheme.scale_name] = hf.Target(scheme.scale_file_shape(target.shape),
                                                                     "float32", transform=into.scales)
     return plan
+
+
+def scale_part(name: str, scheme: Scheme, shape: tuple[int, int], part: tuple[int, ...] | None):
+    """The slice of a linear's file scale tensor (Scheme.scale_shape) that goes with `part` of its [out, in] weight
+    `name` (hf.Target.part), or None for the whole tensor: per channel, the same rows of a column-parallel (axis
+    0) slice and every scale of a row-parallel (axis 1) one; a per-tensor scale whole; block scales, the
+    128-blocks of the slice's rows or columns, which must then start and end on block edges (ValueError naming
+    the tensor otherwise)."""
+    if part is None or scheme.scale_shape in ("one", "scalar"):
+        return None
+    axis, start, stop = part[:3]
+    groups = part[3] if len(part) == 4 else 1
+    if scheme.scale_shape == "out1":
+        return part if axis == 0 else None
+    if groups != 1 or start % QBLOCK or (stop % QBLOCK and stop != shape[axis]):
+        what = "rows" if axis == 0 else "columns"
+        raise ValueError(f"tensor {quoted(name)}: a tensor-parallel rank's {what} {start}:{stop} of {shape[axis]}"
+                         f"{f' (in each of {groups} groups)' if groups != 1 else ''} are not whole {QBLOCK}-blocks "
+                         f"of its block scales ({scheme.source}); such sharding needs {what} spans that are "
+                         f"multiples of {QBLOCK}")
+    return axis, start // QBLOCK, -(-stop // QBLOCK)
 
 
 def linear_names(shapes: Mapping[str, tuple], modules: tuple[str, ...]) -> tuple[str, ...]:

@@ -379,6 +379,7 @@ class CausalLM(TextGeneration):
     max_prefill_graphs = 4
     max_generations = 2
     comm = None                # tensor-parallel: this rank's tilekit.parallel.Communicator (None: one process)
+    shards_quantized = False   # tensor-parallel with quantized linears (a subclass whose sharding supports it)
 
     def _init_runtime(self) -> None:
         self.checkpoint: Checkpoint | None = None
@@ -388,15 +389,16 @@ class CausalLM(TextGeneration):
 
     def _init_comm(self, comm, weights_given: bool) -> int:
         """self.comm (None for one rank), self.parts (the family's weights.shard_parts: what this rank holds of each
-        tensor) and self.vocab (its LM head's vocabulary rows); refuses quantized linears and seeded weights
-        (`weights_given`: from state=, a checkpoint or meta). Returns this rank (0 for one)."""
+        tensor) and self.vocab (its LM head's vocabulary rows); refuses seeded weights (`weights_given`: from state=,
+        a checkpoint or meta) and, unless the class shards_quantized, quantized linears. Returns this rank (0 for
+        one)."""
         world = 1 if comm is None else comm.world_size
         rank = 0 if comm is None else comm.rank
         self.comm = comm if world > 1 else None
         self.parts = self.weights.shard_parts(self.config, rank, world) if self.comm else {}
-        if self.comm and self.quant:
-            raise ValueError("tensor parallelism does not take quantized linears yet (quantize, or an FP8 / INT8 "
-                             "checkpoint)")
+        if self.comm and self.quant and not self.shards_quantized:
+            raise ValueError(f"{type(self).__name__}'s tensor parallelism does not take quantized linears yet "
+                             "(quantize, or an FP8 / INT8 checkpoint)")
         if self.comm and not weights_given:
             raise ValueError("a tensor-parallel model's weights come from state= or a checkpoint (from_pretrained), "
                              "not from a seed: each rank holds a slice of the same weights")
@@ -591,7 +593,8 @@ class CausalLM(TextGeneration):
         (tilekit.models.quantization) loads quantized; quantize="int8" | "fp8" quantizes a float one per channel
         as it streams in; linears the family keeps in its dtype (weights.DEQUANTIZED) are dequantized as they
         load. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this rank's
-        slices of the tensors are read (the family's weights.shard_parts)."""
+        slices of the tensors are read (the family's weights.shard_parts), of a quantized linear its codes and
+        their scales (quantization.scale_part), quantize= quantizing the slice."""
         checkpoint = cls.weights.resolve(path_or_name)
         config = cls.config_class.from_fields(checkpoint.config())
         dequantized = getattr(cls.weights, "DEQUANTIZED", ())
@@ -607,8 +610,9 @@ class CausalLM(TextGeneration):
         if comm is not None and comm.world_size > 1:
             if not hasattr(cls.weights, "shard_parts"):
                 raise ValueError(f"{cls.__name__} models have no tensor parallelism")
-            if scheme is not None:
-                raise ValueError(f"tensor parallelism does not take quantized linears yet ({scheme.source})")
+            if scheme is not None and not cls.shards_quantized:
+                raise ValueError(f"{cls.__name__}'s tensor parallelism does not take quantized linears yet "
+                                 f"({scheme.source})")
             parts = cls.weights.shard_parts(config, comm.rank, comm.world_size)
         made = []
 
@@ -638,7 +642,10 @@ class CausalLM(TextGeneration):
         """Write config.json and model.safetensors in the model's dtype, as Hugging Face's save_pretrained does
         (one tensor at a time through the host); a quantized model's linears as a compressed-tensors checkpoint
         (codes and fp32 scales; the family's layout as its files keep it, weights.LAYOUT.to_file), which
-        from_pretrained reads back."""
+        from_pretrained reads back. A tensor-parallel rank holds slices only: refused."""
+        if self.comm:
+            raise ValueError("save_pretrained of a tensor-parallel model: each rank holds only its slices of the "
+                             "weights; save from a one-rank model (no comm), loaded the same way")
         if not self.quant:
             self.weights.save_state_dict(directory, self.config, self.params, dtype=self.dtype)
             return

@@ -12,7 +12,7 @@ import pytest
 
 from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
 from tests.models.deepseek_v2.test_step_code import cpu, forward, greedy  # noqa: F401  (cpu: a fixture)
-from tests.models.ranks import (assert_a_failing_rank_stops_the_others, assert_seeded_and_quantized_models_refused,
+from tests.models.ranks import (ReadCounter, assert_a_failing_rank_stops_the_others, assert_seeded_models_refused,
                                 on_ranks)
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
@@ -100,33 +100,21 @@ def test_a_rank_reads_only_its_rows(cpu, monkeypatch):
     """Row slices (q_proj, kv_b_proj, each routed expert's gate and up, the dense gate, the LM head) are read alone:
     a rank reads exactly its half of those tensors' bytes; column slices (o_proj, down projections) and the shared
     MLP's row blocks (one per shared expert) are read whole and sliced on the device, as hf.Target.part says."""
-    reads = []
-    original = hf.RegularFile.readinto
-
-    def recording(self, view, offset):
-        reads.append((offset, offset + len(view)))
-        original(self, view, offset)
-    monkeypatch.setattr(hf.RegularFile, "readinto", recording)
-    with hf.Checkpoint.at(DATA / "tiny-deepseek-v2").tensor_files() as files:
-        infos = {name: (info.start, info.end) for name, info in files.tensors.items()}
-
-    def bytes_read(name: str) -> int:
-        start, end = infos[name]
-        return sum(max(0, min(hi, end) - max(lo, start)) for lo, hi in reads)
+    counter = ReadCounter(monkeypatch, DATA / "tiny-deepseek-v2")
     p = "model.layers.1."
     halves = [p + "self_attn.q_proj.weight", p + "self_attn.kv_b_proj.weight", p + "mlp.experts.3.gate_proj.weight",
               p + "mlp.experts.5.up_proj.weight", "model.layers.0.mlp.gate_proj.weight", "lm_head.weight"]
     read = {}
     for rank in range(2):
-        reads.clear()
+        counter.clear()
         load("tiny-deepseek-v2", parallel.ShapeOnly(rank, 2))
-        read[rank] = {name: bytes_read(name) for name in infos}
+        read[rank] = {name: counter.read(name) for name in counter.spans}
         for name in halves[:-1]:
-            assert read[rank][name] == (infos[name][1] - infos[name][0]) // 2, name
-        assert read[rank][p + "self_attn.kv_a_proj_with_mqa.weight"] == np.diff(
-            infos[p + "self_attn.kv_a_proj_with_mqa.weight"])[0]
-    assert read[0]["lm_head.weight"] + read[1]["lm_head.weight"] == np.diff(infos["lm_head.weight"])[0]
-    assert sum(read[0].values()) < sum(end - start for start, end in infos.values())
+            assert read[rank][name] == counter.size(name) // 2, name
+        kv_a = p + "self_attn.kv_a_proj_with_mqa.weight"
+        assert read[rank][kv_a] == counter.size(kv_a)
+    assert read[0]["lm_head.weight"] + read[1]["lm_head.weight"] == counter.size("lm_head.weight")
+    assert sum(read[0].values()) < sum(map(counter.size, counter.spans))
 
 
 @pytest.mark.parametrize("changes, world, message", [
@@ -148,7 +136,10 @@ def test_unshardable_configs_are_refused(changes, world, message):
 
 
 def test_random_or_quantized_sharded_models_are_refused(cpu):
-    assert_seeded_and_quantized_models_refused(DeepseekV2, weights.load_state_dict(DATA / "tiny-deepseek-v2")[0])
+    assert_seeded_models_refused(DeepseekV2, weights.load_state_dict(DATA / "tiny-deepseek-v2")[0], True)
+    with pytest.raises(ValueError, match=r"DeepseekV2's tensor parallelism does not take quantized linears yet "
+                                         r"\(load-time quantization\)"):
+        DeepseekV2.from_pretrained(DATA / "tiny-deepseek-v2", quantize="int8", comm=parallel.ShapeOnly(0, 2))
 
 
 def test_a_rank_that_fails_stops_the_others(cpu):

@@ -5,7 +5,8 @@ its shards and all-reduces) runs on the CPU."""
 
 import numpy as np
 
-from tests.models.deepseek_v2.numpy_kernels import apply_rope, rms_norm, swiglu_linear, write_kv
+from tests.models.deepseek_v2.numpy_kernels import (apply_rope, quant_linear, quantize_fp8, rms_norm, swiglu_linear,
+                                                  write_kv)
 from tilekit.kernels.attention import attention_reference
 from tilekit.kernels.decode_attention import decode_attention_reference
 from tilekit.kernels.embedding import embedding_reference
@@ -42,4 +43,4 @@ def decode_attention(q, k_cache, v_cache, lengths, *, new_k, new_v, length_offse
 
 
 MODEL_KERNELS = ("embedding", "rms_norm", "apply_rope", "swiglu_linear")
-RUNTIME_KERNELS = ("attention", "decode_attention", "write_kv", "linear")
+RUNTIME_KERNELS = ("attention", "decode_attention", "write_kv", "linear", "quant_linear", "quantize_fp8")

@@ -11,7 +11,7 @@ import pytest
 from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.models.deepseek_v2.test_step_code import forward, greedy
 from tests.models.llama import numpy_kernels
-from tests.models.ranks import (assert_a_failing_rank_stops_the_others, assert_seeded_and_quantized_models_refused,
+from tests.models.ranks import (assert_a_failing_rank_stops_the_others, assert_seeded_models_refused,
                                 on_ranks)
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
@@ -105,8 +105,8 @@ def test_unshardable_configs_are_refused(changes, world, message):
         Llama(config, meta=True, comm=parallel.ShapeOnly(0, world))
 
 
-def test_random_or_quantized_sharded_models_are_refused(cpu):
-    assert_seeded_and_quantized_models_refused(Llama, weights.load_state_dict(DATA / "tiny-llama")[0])
+def test_random_sharded_models_are_refused_quantized_ones_shard(cpu):
+    assert_seeded_models_refused(Llama, weights.load_state_dict(DATA / "tiny-llama")[0], False)
 
 
 def test_a_rank_that_fails_stops_the_others(cpu):

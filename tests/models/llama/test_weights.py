@@ -62,9 +62,9 @@ def write_index(directory: Path, weight_map) -> Path:
 def test_presets_have_the_published_shapes():
     p = LLAMA_PRESETS
     assert [(p[n].n_layer, p[n].n_embd, p[n].n_head, p[n].n_kv_head, p[n].head_dim, p[n].intermediate_size)
-            for n in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "tinyllama-1.1b")] == [
+            for n in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-3.1-70b", "tinyllama-1.1b")] == [
         (16, 2048, 32, 8, 64, 8192), (28, 3072, 24, 8, 128, 8192), (32, 4096, 32, 8, 128, 14336),
-        (22, 2048, 32, 4, 64, 5632)]
+        (80, 8192, 64, 8, 128, 28672), (22, 2048, 32, 4, 64, 5632)]
     assert p["llama-3.2-1b"].tie_word_embeddings and not p["llama-3.1-8b"].tie_word_embeddings
     assert p["llama-3.1-8b"].rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
     assert p["tinyllama-1.1b"].rope_scaling is None and p["tinyllama-1.1b"].rope_theta == 10000.0

@@ -187,7 +187,7 @@ class LlamaConfig(hf.HFConfig):
 _LLAMA3 = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
                bos_token_id=128000, eos_token_id=128001)
 
-# The published config.json files of meta-llama/Llama-3.2-1B, -3.2-3B, -3.1-8B and
+# The published config.json files of meta-llama/Llama-3.2-1B, -3.2-3B, -3.1-8B, -3.1-70B and
 # TinyLlama/TinyLlama-1.1B-Chat-v1.0 (base models; the instruct ones differ only in their eos ids).
 PRESETS: dict[str, LlamaConfig] = {
     "llama-3.2-1b": LlamaConfig(n_layer=16, n_head=32, n_kv_head=8, n_embd=2048, intermediate_size=8192,
@@ -196,6 +196,8 @@ PRESETS: dict[str, LlamaConfig] = {
                                 rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192), tie_word_embeddings=True, **_LLAMA3),
     "llama-3.1-8b": LlamaConfig(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
                                 rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), tie_word_embeddings=False, **_LLAMA3),
+    "llama-3.1-70b": LlamaConfig(n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, intermediate_size=28672,
+                                 rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), tie_word_embeddings=False, **_LLAMA3),
     "tinyllama-1.1b": LlamaConfig(n_layer=22, n_head=32, n_kv_head=4, n_embd=2048, intermediate_size=5632,
                                   vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5,
                                   rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,

@@ -17,7 +17,8 @@ holds): a rank runs its share of the query and key/value heads and of the MLP's 
 projections are row-parallel, each rank's partial product summed by one all-reduce of the residual stream (two
 per layer), the residual added on rank 0 only, in the projection's epilogue, so it is counted once. The LM head
 holds a vocabulary slice (CausalLM.vocab_parallel). Every collective is on the current stream, so the captured
-decode step, all-reduces included, stays one CUDA graph replay per rank.
+decode step, all-reduces included, stays one CUDA graph replay per rank. Quantized linears shard too: a rank holds
+its slice of the codes and the matching scales (tilekit.models.quantization, scale_part).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Llama(CausalLM):
 
     weights = weights
     config_class = LlamaConfig
+    shards_quantized = True
 
     def __init__(self, config: LlamaConfig, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, empty: bool = False, meta: bool = False,

@@ -477,13 +477,13 @@ class NcclCommunicator(Communicator):
         thread waited on for `timeout` s (a graph held elsewhere keeps NCCL waiting: a warning says so, and the
         process still exits, NCCL's resources with it)."""
         import cupy
-        if not failed:
-            self.release_holders()
-            gc.collect()
-            cupy.cuda.runtime.deviceSynchronize()
-        self.link.close("an error on that rank" if failed else None)
         if failed:
+            self.link.close("an error on that rank")
             return
+        self.release_holders()
+        gc.collect()
+        cupy.cuda.runtime.deviceSynchronize()
+        self.link.close()
         device = cupy.cuda.Device().id
 
         def destroy():

@@ -670,7 +670,7 @@ class Target:
         return tuple(self.shape) if self.part is None else part_shape(self.shape, self.part)
 
 
-def _part(part: tuple[int, ...]) -> tuple[int, int, int, int]:
+def part_fields(part: tuple[int, ...]) -> tuple[int, int, int, int]:
     """(axis, start, stop, groups) of a part."""
     return (*part, 1) if len(part) == 3 else tuple(part)
 
@@ -679,7 +679,7 @@ def part_problem(shape: tuple[int, ...], part: tuple[int, ...]) -> str | None:
     """Why `part` is not a slice (axis, start, stop[, groups]) of an array of `shape`, or None."""
     if len(part) not in (3, 4) or not all(isinstance(v, int) for v in part):
         return "not (axis, start, stop[, groups])"
-    axis, start, stop, groups = _part(part)
+    axis, start, stop, groups = part_fields(part)
     if not 0 <= axis < len(shape) or groups < 1 or shape[axis] % groups or not \
             0 <= start < stop <= shape[axis] // groups:
         return f"not a slice (axis, start, stop[, groups]) of shape {tuple(shape)}"
@@ -688,13 +688,13 @@ def part_problem(shape: tuple[int, ...], part: tuple[int, ...]) -> str | None:
 
 def part_shape(shape: tuple[int, ...], part: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of `part` of an array of `shape`."""
-    axis, start, stop, groups = _part(part)
+    axis, start, stop, groups = part_fields(part)
     return tuple(shape[:axis]) + (groups * (stop - start),) + tuple(shape[axis + 1:])
 
 
 def take_part(array, part: tuple[int, ...]):
     """`part` of a NumPy or CuPy array (a view for one group, else a copy)."""
-    axis, start, stop, groups = _part(part)
+    axis, start, stop, groups = part_fields(part)
     shape = array.shape
     blocks = array.reshape(shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
     return blocks[(slice(None),) * (axis + 1) + (slice(start, stop),)].reshape(part_shape(shape, part))
@@ -705,7 +705,7 @@ def _narrowed(info: TensorInfo, target: Target) -> tuple[TensorInfo, Target]:
     whole tensor whose transform (or conversion) takes the slice."""
     if target.part is None:
         return info, target
-    axis, start, stop, groups = _part(target.part)
+    axis, start, stop, groups = part_fields(target.part)
     if axis == 0 and groups == 1:
         row = info.nbytes // info.shape[0] if info.shape[0] else 0
         shape = (stop - start,) + info.shape[1:]

@@ -43,7 +43,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from tilekit.kernels.quant_linear import QBLOCK, dequantize_reference
+from tilekit.kernels.quant_linear import QBLOCK
 from tilekit.kernels.quantize_fp8 import MIN_AMAX, quantize_fp8_reference
 from tilekit.models import hf
 from tilekit.untrusted import quoted, shown
@@ -316,8 +316,7 @@ def scale_part(name: str, scheme: Scheme, shape: tuple[int, int], part: tuple[in
     the tensor otherwise)."""
     if part is None or scheme.scale_shape in ("one", "scalar"):
         return None
-    axis, start, stop = part[:3]
-    groups = part[3] if len(part) == 4 else 1
+    axis, start, stop, groups = hf.part_fields(part)
     if scheme.scale_shape == "out1":
         return part if axis == 0 else None
     if groups != 1 or start % QBLOCK or (stop % QBLOCK and stop != shape[axis]):

@@ -396,9 +396,8 @@ class CausalLM(TextGeneration):
         rank = 0 if comm is None else comm.rank
         self.comm = comm if world > 1 else None
         self.parts = self.weights.shard_parts(self.config, rank, world) if self.comm else {}
-        if self.comm and self.quant and not self.shards_quantized:
-            raise ValueError(f"{type(self).__name__}'s tensor parallelism does not take quantized linears yet "
-                             "(quantize, or an FP8 / INT8 checkpoint)")
+        if self.comm and self.quant:
+            self.check_shards_quantized("quantize, or an FP8 / INT8 checkpoint")
         if self.comm and not weights_given:
             raise ValueError("a tensor-parallel model's weights come from state= or a checkpoint (from_pretrained), "
                              "not from a seed: each rank holds a slice of the same weights")
@@ -406,6 +405,12 @@ class CausalLM(TextGeneration):
         if self.comm:       # NCCL lets a communicator go only once no graph holds its collectives: close() drops ours
             self.comm.hold(self.forget_graphs)
         return rank
+
+    @classmethod
+    def check_shards_quantized(cls, source: str) -> None:
+        """A tensor-parallel model with quantized linears (from `source`) is refused unless the class shards them."""
+        if not cls.shards_quantized:
+            raise ValueError(f"{cls.__name__}'s tensor parallelism does not take quantized linears yet ({source})")
 
     def head_weight(self, embedding, untied=None):
         """The LM head's weight: `untied` (a checkpoint's lm_head, this rank's rows when sharded) or, tied, the token
@@ -610,9 +615,8 @@ class CausalLM(TextGeneration):
         if comm is not None and comm.world_size > 1:
             if not hasattr(cls.weights, "shard_parts"):
                 raise ValueError(f"{cls.__name__} models have no tensor parallelism")
-            if scheme is not None and not cls.shards_quantized:
-                raise ValueError(f"{cls.__name__}'s tensor parallelism does not take quantized linears yet "
-                                 f"({scheme.source})")
+            if scheme is not None:
+                cls.check_shards_quantized(scheme.source)
             parts = cls.weights.shard_parts(config, comm.rank, comm.world_size)
         made = []
 

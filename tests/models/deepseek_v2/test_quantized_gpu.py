@@ -12,23 +12,17 @@ from tilekit.kernels.checks import rel_err
 cupy = pytest.importorskip("cupy")
 
 from tests.models.deepseek_v2.test_quantized import CONFIG, LAYOUTS, LORA, write_quantized  # noqa: E402
+from tests.models.quantized_checks import W8A8_TOL, WEIGHT_ONLY_TOL, assert_near_bf16, logits  # noqa: E402
 from tilekit.models import DEEPSEEK_V2_PRESETS, DeepseekV2, ReferenceDeepseekV2  # noqa: E402
 from tilekit.models.deepseek_v2 import weights  # noqa: E402
 from tilekit.models.runtime import W8A8_MIN_ROWS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-# Llama's bounds (tests/models/llama/test_quantized.py): bf16 activations on exact dequantized weights hold the
+# The bounds (tests/models/quantized_checks.py) are Llama's: bf16 activations on exact dequantized weights hold the
 # family's bf16 tolerance; FP8 activations (W8A8) measured about 1% here on the CPU (test_quantized.py), 3.3% for
 # Llama; against the bf16 model int8 0.3-0.7% and fp8 1.4-3.3% on the CPU (test_quantized.VS_FLOAT), plus bf16's ~1%
 # and the odd token routed to another expert.
-WEIGHT_ONLY_TOL = 2e-2
-W8A8_TOL = 8e-2
-VS_BF16 = {"int8": 0.05, "fp8": 0.12}
-
-
-def _logits(model, ids):
-    return cupy.asnumpy(model(ids)).astype(np.float64)
 
 
 @pytest.mark.parametrize("config", [CONFIG, LORA], ids=["q_proj", "q_lora"])
@@ -39,20 +33,13 @@ def test_logits_match_reference_of_dequantized_weights(config, kind, tokens):
     ids = np.random.default_rng().integers(0, config.vocab_size, (2, tokens))
     expected = ReferenceDeepseekV2(config, model.state_dict()).forward(ids)
     tol = W8A8_TOL if kind == "fp8" and 2 * tokens >= W8A8_MIN_ROWS else WEIGHT_ONLY_TOL
-    err = rel_err(_logits(model, ids), expected)
+    err = rel_err(logits(model, ids), expected)
     assert err <= tol, err
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_against_the_bf16_model(kind):
-    """Logits within VS_BF16 of the bf16 model's on the same weights; greedy agreement printed (-s shows it)."""
-    state = weights.random_state_dict(LORA, seed=4)
-    bf16, quant = DeepseekV2(LORA, state=state), DeepseekV2(LORA, state=state, quantize=kind)
-    ids = np.random.default_rng(0).integers(0, LORA.vocab_size, (4, 16))
-    err = rel_err(_logits(quant, ids), _logits(bf16, ids))
-    a, b = (np.stack(m.generate(ids, 16, temperature=0))[:, 16:] for m in (bf16, quant))
-    print(f"deepseek-v2 {kind}: logits {err:.3g} from bf16's, greedy agreement {np.mean(a == b):.2%}")
-    assert err <= VS_BF16[kind]
+    assert_near_bf16(DeepseekV2, LORA, weights.random_state_dict(LORA, seed=4), kind, "deepseek-v2 ")
 
 
 @pytest.mark.parametrize("config", [CONFIG, LORA], ids=["q_proj", "q_lora"])
@@ -66,13 +53,13 @@ def test_checkpoint_layouts_load_as_on_the_host_and_run(layout, config, tmp_path
     for name, w in expected.items():
         np.testing.assert_array_equal(state[name], w, err_msg=name)
     ids = np.random.default_rng().integers(0, config.vocab_size, (2, 9))
-    assert rel_err(_logits(model, ids), ReferenceDeepseekV2(config, expected).forward(ids)) <= 1e-5
+    assert rel_err(logits(model, ids), ReferenceDeepseekV2(config, expected).forward(ids)) <= 1e-5
     model.save_pretrained(tmp_path / "out")
     again = DeepseekV2.from_pretrained(tmp_path / "out", dtype="float32")
     for name, array in model.params.items():
         np.testing.assert_array_equal(cupy.asnumpy(again.params[name]).view(np.uint8),
                                       cupy.asnumpy(array).view(np.uint8), err_msg=name)
-    np.testing.assert_array_equal(_logits(again, ids), _logits(model, ids))
+    np.testing.assert_array_equal(logits(again, ids), logits(model, ids))
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -109,7 +96,7 @@ def test_v2_lite_layer_shapes(kind):
     for tokens in (3, W8A8_MIN_ROWS):
         ids = np.random.default_rng(0).integers(0, config.vocab_size, (1, tokens))
         tol = W8A8_TOL if kind == "fp8" and tokens >= W8A8_MIN_ROWS else WEIGHT_ONLY_TOL
-        err = rel_err(_logits(model, ids), ReferenceDeepseekV2(config, expected_state).forward(ids))
+        err = rel_err(logits(model, ids), ReferenceDeepseekV2(config, expected_state).forward(ids))
         assert err <= tol, (tokens, err)
     out = model.generate([[5, 6, 7]], 4, temperature=0)[0]
     assert len(out) == 7

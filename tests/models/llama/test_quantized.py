@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama
+from tests.models.quantized_checks import W8A8_TOL, WEIGHT_ONLY_TOL, assert_near_bf16, logits
 from tilekit.models.runtime import W8A8_MIN_ROWS
 from tilekit.models.llama.weights import random_state_dict, save_state_dict
 
@@ -16,9 +17,6 @@ CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, intermediate_
 # Bounds from float64 simulations of these configs (NumPy, 2026-11-25): rounding the activations to e4m3 per token
 # moves the logits 3.3% from the weight-only reference's; per-channel weights move them 1.3% (int8) and 4.7% (fp8)
 # from the float weights' (argmax agreement 98% and 94%); bf16 arithmetic adds about 1%.
-WEIGHT_ONLY_TOL = 2e-2      # bf16 activations on exact dequantized weights: MODEL_TOL["bfloat16"] of test_model
-W8A8_TOL = 8e-2             # activations rounded to e4m3 as well (3 mantissa bits, per-token scales)
-VS_BF16 = {"int8": 0.05, "fp8": 0.12}     # quantized vs bf16 logits on the same random weights
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -45,11 +43,6 @@ def test_quantize_is_checked():
 
 # -- on the GPU -------------------------------------------------------------------------------------------------
 
-def _logits(model, ids):
-    import cupy
-    return cupy.asnumpy(model(ids)).astype(np.float64)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("tokens", [5, 2 * W8A8_MIN_ROWS])
@@ -59,21 +52,13 @@ def test_logits_match_reference_of_dequantized_weights(kind, tokens):
     ids = np.random.default_rng().integers(0, CONFIG.vocab_size, (2, tokens))
     expected = ReferenceLlama(CONFIG, model.state_dict()).forward(ids)
     tol = W8A8_TOL if kind == "fp8" and 2 * tokens >= W8A8_MIN_ROWS else WEIGHT_ONLY_TOL
-    assert rel_err(_logits(model, ids), expected) <= tol
+    assert rel_err(logits(model, ids), expected) <= tol
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_against_the_bf16_model(kind):
-    """Logits within VS_BF16 of the bf16 model's on the same weights; greedy agreement printed (-s shows it)."""
-    from tilekit.kernels.checks import rel_err
-    state = random_state_dict(CONFIG, seed=4)
-    bf16, quant = Llama(CONFIG, state=state), Llama(CONFIG, state=state, quantize=kind)
-    ids = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (4, 16))
-    err = rel_err(_logits(quant, ids), _logits(bf16, ids))
-    a, b = (np.stack(m.generate(ids, 16, temperature=0))[:, 16:] for m in (bf16, quant))
-    print(f"{kind}: logits {err:.3g} from bf16's, greedy agreement {np.mean(a == b):.2%}")
-    assert err <= VS_BF16[kind]
+    assert_near_bf16(Llama, CONFIG, random_state_dict(CONFIG, seed=4), kind, "")
 
 
 @pytest.mark.gpu
@@ -92,7 +77,7 @@ def test_load_time_quantization_and_save_pretrained(kind, tmp_path):
     for name, array in built.params.items():
         np.testing.assert_array_equal(cupy.asnumpy(again.params[name]), cupy.asnumpy(array), err_msg=name)
     ids = np.random.default_rng().integers(0, CONFIG.vocab_size, (1, 9))
-    np.testing.assert_array_equal(_logits(again, ids), _logits(built, ids))
+    np.testing.assert_array_equal(logits(again, ids), logits(built, ids))
 
 
 @pytest.mark.gpu
@@ -112,4 +97,4 @@ def test_checkpoint_layouts_run(layout, tmp_path):
     model = Llama.from_pretrained(tmp_path)
     state = {**random_state_dict(config, 0), **expected}
     ids = np.random.default_rng().integers(0, config.vocab_size, (2, 7))
-    assert rel_err(_logits(model, ids), ReferenceLlama(config, state).forward(ids)) <= WEIGHT_ONLY_TOL
+    assert rel_err(logits(model, ids), ReferenceLlama(config, state).forward(ids)) <= WEIGHT_ONLY_TOL

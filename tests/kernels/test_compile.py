@@ -120,7 +120,7 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
         (dict(PROBLEMS["quant_linear"][1], M=4, scale="block", xq="fp8"),
          dict(few, SPLIT_K=1, MODE=2, TM=4, TN=16, TK=128)),
         (dict(PROBLEMS["quant_linear"][1], scale="block", xq="fp8"), dict(few, MODE=1, TM=16, TN=64, TK=128)),
-        (PROBLEMS["quant_linear"][2], dict(few, MODE=1, TM=16, TN=32, TK=128, SPLIT_K=2)),
+        (dict(PROBLEMS["quant_linear"][2], K=208), dict(few, MODE=1, TM=16, TN=32, TK=128, SPLIT_K=2)),
         (PROBLEMS["quant_linear"][3], dict(few, SPLIT_K=1, MODE=0, TM=128, TN=128, TK=64, PROMOTE=4,
                                            num_worker_warps=8)),
         (dict(PROBLEMS["quant_linear"][3], act="swiglu"), dict(few, SPLIT_K=1, MODE=0, TM=64, TN=64, TK=128,

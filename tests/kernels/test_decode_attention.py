@@ -53,8 +53,8 @@ def test_grouped_query_decode_attention(B, H, Hkv, nq, capacity, D, dtype):
 @pytest.mark.parametrize("chunk,BN", [(128, 64), (128, 128), (256, 64), (256, 128), (256, 256)])
 def test_decode_splits_merge_and_write_new_keys_at_every_boundary(chunk, BN):
     """Pinned to several splits: the new tokens end on, start on and straddle split boundaries, and
-    the last split to arrive merges them (repeated calls on fresh data: the arrival counters must be
-    back at zero after each launch)."""
+    the merge kernel combines them (repeated calls on fresh data, and a float32 check: the merge read other
+    splits' states wrongly at times when the last split to arrive did it, fp32 tiles on an H200)."""
     config = dict(BN=BN, CHUNK=chunk, occupancy=2)
     with DECODE_ATTENTION.pinned(config):
         for nq in (1, 3):
@@ -67,7 +67,7 @@ def test_decode_splits_merge_and_write_new_keys_at_every_boundary(chunk, BN):
 
 @pytest.mark.parametrize("capacity,chunk,occupancy", [(16384, 128, 1), (40000, 8192, 2)])
 def test_long_contexts_many_and_few_splits(capacity, chunk, occupancy):
-    """128 splits of one sequence (many programs race to arrive last) and a few long ones, GQA group 4 and 8,
+    """128 splits of one sequence (many partial states to merge) and a few long ones, GQA group 4 and 8,
     three calls each."""
     with DECODE_ATTENTION.pinned(dict(BN=128, CHUNK=chunk, occupancy=occupancy)):
         for H, Hkv in ((32, 8), (32, 4)):

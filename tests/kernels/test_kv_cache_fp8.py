@@ -48,7 +48,7 @@ def test_fp8_decode_attention_matches_the_dequantized_reference(B, H, Hkv, nq, c
         DECODE_ATTENTION.tuning_problem(dict(dtype=dtype, B=B, H=H, Hkv=Hkv, nq=nq, capacity=capacity, D=D,
                                              new_kv=int(new_kv), fp8=1)))
     with DECODE_ATTENTION.pinned(config):
-        for _ in range(2):             # the second call finds the arrival counters at zero again
+        for _ in range(2):             # a second call on the same caches: the same result
             decode_attention(q, kc, vc, cupy.asarray(lengths), new_k=k_new, new_v=v_new, k_scale=k_scale,
                              v_scale=v_scale, out=out)
     assert_close(host(out), ref, TOL[dtype], f"fp8 decode_attention {(B, H, Hkv, nq, capacity, D, dtype, chunk)}")

@@ -89,3 +89,16 @@ def test_every_problem_has_a_space_and_a_default_in_it(dtype, M):
     for group in (0, 1):
         p = QUANTIZE_FP8.tuning_problem(dict(dtype=dtype, M=M, K=14336, group=group))
         assert QUANTIZE_FP8.space.candidates(p) and QUANTIZE_FP8.space.contains(QUANTIZE_FP8.default(p)), p
+
+
+def test_swap_and_fma_split_k_only_over_16_byte_weight_rows():
+    """SWAP and FMA split over K summed wrongly where W's rows were not 16 bytes apart (K = 1544, an H200): the space
+    and the default leave those splits out there, and keep them where K is a multiple of 16."""
+    from tilekit.kernels.quant_linear import MMA
+    for K in (14336, 14344, 1544, 1552):
+        p = QUANT_LINEAR.tuning_problem(dict(dtype="bfloat16", M=1, N=1024, K=K, wq="int8", scale="channel",
+                                             xq="none", act="none", bias=0, res=0))
+        split = [c for c in QUANT_LINEAR.space.candidates(p) if c["SPLIT_K"] > 1 and c["MODE"] != MMA]
+        assert bool(split) == (K % 16 == 0), K
+        default = QUANT_LINEAR.default(p)
+        assert default["MODE"] != MMA and (default["SPLIT_K"] > 1) == (K == 14336), (K, default)

@@ -2,10 +2,10 @@
 
 Flash-decoding: the context of each (sequence, head) is cut into CHUNK-long splits handled by
 separate programs, so even batch 1 can fill the GPU; each split stores a partial softmax state
-(max, sum, unnormalised output) and counts itself in on an arrival counter; the last split of a
-(sequence, head) to arrive merges them all and writes the output. So the op is one launch at any
-split count: no merge kernel waits for the splits, and the tuner (which times an op's launches) sees
-the merge's cost. Given the new tokens' keys and values, the kernel also writes them into the
+(max, sum, unnormalised output) and a second, small kernel merges them (no merge with one split); the
+tuner times both launches. (A merge by the last split to arrive, counted on an atomic, was one launch
+but read other splits' states wrongly at times on an H200: fp32 tiles, and MLA's 32 splits of a 4K
+context.) Given the new tokens' keys and values, the kernel also writes them into the
 cache (no separate KV write) and attends to them from registers. Lengths live on the device, so a
 CUDA graph can replay a decode step as the cache grows; the grid depends only on the cache
 capacity, and splits past a sequence's length store an empty state at once. With grouped-query
@@ -49,7 +49,7 @@ def query_rows(QP, nq, hk, group, H):
 
 
 @ct.kernel
-def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opart, Mpart, Lpart, Arrived,
+def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opart, Mpart, Lpart,
                             qk_scale: float, length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int],
                             BN: ct.Constant[int], D: ct.Constant[int], CHUNK: ct.Constant[int],
                             MERGE: ct.Constant[bool], NEW_KV: ct.Constant[bool], FP8: ct.Constant[bool]):
@@ -61,9 +61,9 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
     writes them into K, V; the splits read only the older positions from the cache. Row r of the
     query tile is query head hk * G + r // nq, token r % nq (G = H / Hkv). Without MERGE (one split) the
     program writes O; otherwise its partial state goes to Opart (B, Hkv, S, QP, D), Mpart, Lpart
-    (B, Hkv, S, QP), fp32, and the last of the S splits to count itself in on Arrived[bid(0)] (int32,
-    zero between launches) merges them into O (merge_splits). With FP8, K and V hold e4m3 codes (uint8)
-    and KScale, VScale (Hkv,) fp32 their per-head scales.
+    (B, Hkv, S, QP), fp32, for decode_merge_kernel. With FP8, K and V hold e4m3 codes (uint8) and KScale,
+    VScale (Hkv,) fp32 their per-head scales (the value scale multiplies the output, or the partial output,
+    which the merge's weighted sum carries through).
     """
     sync_with_previous_kernel()
     bh = ct.bid(0)
@@ -124,42 +124,33 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
             out = out * v_scale
         ct.scatter(O, (b, head, token, dims.reshape((1, D))), out.astype(O.dtype))
     else:
-        store_split(Opart, Mpart, Lpart, b, hk, split, m_i, l_i, acc, QP, D)
-        if ct.atomic_add(Arrived, bh, 1) == Mpart.shape[2] - 1:   # acq_rel: our state before it, theirs after
-            out = merge_splits(Opart, Mpart, Lpart, b, hk, QP, D)
-            if FP8:
-                out = out * v_scale
-            ct.scatter(O, (b, head, token, dims.reshape((1, D))), out.astype(O.dtype))
-            ct.atomic_xchg(Arrived, bh, 0, memory_order=ct.MemoryOrder.RELAXED)   # zero for the next launch
+        if FP8:
+            acc = acc * v_scale
+        ct.store(Opart, (b, hk, split, 0, 0), acc.reshape((1, 1, 1, QP, D)))
+        ct.store(Mpart, (b, hk, split, 0), m_i.reshape((1, 1, 1, QP)))
+        ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)))
 
 
-# The split states go through ordinary loads and stores, not the TMA engine (its async proxy is not ordered by the
-# arrival counter's acquire and release): the last split to arrive must see every other split's state.
-@ct.function
-def store_split(Opart, Mpart, Lpart, b, g, split, m_i, l_i, acc, QP, D):
-    """Store one split's partial softmax state (max, sum, unnormalised output) of (batch b, group g)."""
-    ct.store(Opart, (b, g, split, 0, 0), acc.reshape((1, 1, 1, QP, D)), allow_tma=False)
-    ct.store(Mpart, (b, g, split, 0), m_i.reshape((1, 1, 1, QP)), allow_tma=False)
-    ct.store(Lpart, (b, g, split, 0), l_i.reshape((1, 1, 1, QP)), allow_tma=False)
-
-
-@ct.function
-def merge_splits(Opart, Mpart, Lpart, b, g, QP, D):
-    """The normalised (QP, D) output of (batch b, group g): the partial states of its S splits merged (each
-    split's output weighted by 2^(its max - the overall max)). S is a launch's shape, not a compile-time
-    constant, so one compiled kernel serves every capacity."""
+@ct.kernel
+def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Constant[int]):
+    """O[b, heads of kv head hk] = the merge of the partial softmax states of all splits of (batch,
+    key/value head) ct.bid(0)."""
+    sync_with_previous_kernel()
+    b, hk = batch_head(ct.bid(0), Mpart.shape[1])
     S = Mpart.shape[2]
     m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
     for s in range(S):
-        m_max = ct.maximum(m_max, ct.load(Mpart, (b, g, s, 0), (1, 1, 1, QP), allow_tma=False).reshape((QP, 1)))
+        m_max = ct.maximum(m_max, ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)))
     m_max = ct.where(m_max == -math.inf, 0.0, m_max)
     total = ct.zeros((QP, 1), dtype=ct.float32)
     out = ct.zeros((QP, D), dtype=ct.float32)
     for s in range(S):
-        w = ct.exp2(ct.load(Mpart, (b, g, s, 0), (1, 1, 1, QP), allow_tma=False).reshape((QP, 1)) - m_max)
-        total = total + ct.load(Lpart, (b, g, s, 0), (1, 1, 1, QP), allow_tma=False).reshape((QP, 1)) * w
-        out = out + ct.load(Opart, (b, g, s, 0, 0), (1, 1, 1, QP, D), allow_tma=False).reshape((QP, D)) * w
-    return out / total
+        w = ct.exp2(ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) - m_max)
+        total = total + ct.load(Lpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) * w
+        out = out + ct.load(Opart, (b, hk, s, 0, 0), (1, 1, 1, QP, D)).reshape((QP, D)) * w
+    H = O.shape[1]
+    head, token = query_rows(QP, O.shape[2], hk, H // Mpart.shape[1], H)
+    ct.scatter(O, (b, head, token, ct.arange(D, dtype=ct.int32).reshape((1, D))), (out / total).astype(O.dtype))
 
 
 def _fits(c: dict, p: dict) -> bool:
@@ -168,14 +159,14 @@ def _fits(c: dict, p: dict) -> bool:
             and (c["BN"] <= 128 or (p["D"] <= 64 and p["dtype"] != "float32")))
 
 
-# With the merge in the split kernel a split costs no launch of its own, so splits go down to 128 positions
-# (batch 1 with few key/value heads fills the GPU at 4K) and up to 8192 (a 128K context in 16 splits).
+# The tuner times the merge launch with the splits, so splits go down to 128 positions (batch 1 with few
+# key/value heads fills the GPU at 4K) and up to 8192 (a 128K context in 16 splits).
 SPACE = SearchSpace(_fits, BN=(64, 128, 256), CHUNK=(128, 256, 512, 1024, 2048, 4096, 8192), occupancy=(1, 2, 4))
 
 
 def default_config(p: dict) -> dict:
     # About two programs per SM on a 132-SM GPU, a split at least two 128-key tiles long; at most 64 splits,
-    # each of which the last to arrive reads back.
+    # each of which the merge reads back.
     per_seq = max(1, 264 // max(1, p["B"] * p["Hkv"]))
     chunk = max(256, pow2_ceil(math.ceil(p["capacity"] / per_seq)), pow2_ceil(math.ceil(p["capacity"] / 64)))
     # fp32 products run on FMA units with the tiles in registers: 64-key tiles spill less (sm_90 D64: 1.9 KB a
@@ -208,24 +199,31 @@ def _arrays(p: dict) -> dict:
 
 
 def _scratch(p: dict, c: dict) -> dict:
-    """Partial softmax states of the splits and the arrival counters (none with one split)."""
+    """Partial softmax states of the splits (none with one split)."""
     B, H, S, QP = p["B"], p["Hkv"], _splits(p, c), _qp(p)
     if S == 1:
-        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4),
-                "arrived": absent("int32", 1)}
+        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4)}
     return {"opart": ArraySpec("float32", (B, H, S, QP, pow2_ceil(p["D"])), role="scratch"),
             "mpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
-            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch"),
-            "arrived": ArraySpec("int32", (B * H,), role="zeros")}
+            "lpart": ArraySpec("float32", (B, H, S, QP), role="scratch")}
 
 
 def _grid(p: dict, c: dict) -> tuple:
     return (p["B"] * p["Hkv"], _splits(p, c), 1)
 
 
+def _merge_grid(p: dict, c: dict) -> tuple:
+    """No merge launch with one split."""
+    return (p["B"] * p["Hkv"] if _splits(p, c) > 1 else 0, 1, 1)
+
+
 def _constants(p: dict, c: dict) -> tuple:
     return (_qp(p), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["D"]), c["CHUNK"], _splits(p, c) > 1,
             bool(p["new_kv"]), bool(p["fp8"]))
+
+
+def _merge_constants(p: dict, c: dict) -> tuple:
+    return (_qp(p), pow2_ceil(p["D"]))
 
 
 def _bind(a: list, flags: tuple) -> Binding:
@@ -276,11 +274,13 @@ DECODE_ATTENTION = Op(
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(p["D"]), "length_offset": 0},
     launches=(Launch(decode_attention_kernel, _grid,
                      ("q", "k_new", "v_new", "k", "v", "k_scale", "v_scale", "lengths", "o", "opart", "mpart",
-                      "lpart", "arrived", "qk_scale", "length_offset"), _constants,
+                      "lpart", "qk_scale", "length_offset"), _constants,
                      # An ordinary launch, once per layer: with every kernel of a decode step launched early,
                      # kernels queue up several deep and steps run slower (H100: gpt2-xl 2.56 ms against 2.06,
                      # gpt2 0.355 against 0.321; docs/results/decode-one-launch-h100.txt).
-                     dependent=False),),
+                     dependent=False),
+              Launch(decode_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
+                     hinted=False)),
     bind=_bind, choices=dict(new_kv=(0, 1), fp8=(0, 1)), cli_defaults=dict(nq=1, new_kv=1, fp8=0),
     tune_whole=True)
 

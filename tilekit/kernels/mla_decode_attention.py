@@ -7,9 +7,8 @@ j is q_c[h] . c[j] + q_pe[h] . k_pe[j], and its output in latent space is sum_j 
 W_UV and o_proj after). So one program serves a group of heads, stacked as rows of one query tile, and each
 latent tile it loads is both the keys and the values of all of them: a step reads the latent cache once.
 
-The rest is decode_attention's flash-decoding: the context is cut into CHUNK-long splits, each storing a
-partial softmax state, and the last split of a (sequence, head group) to arrive merges them (decode_attention's
-merge_splits; one launch at any split count, no merge with one split); lengths live on
+The rest is decode_attention's flash-decoding: the context is cut into CHUNK-long splits, each keeping a
+partial softmax state that decode_attention's merge kernel combines (no merge with one split); lengths live on
 the device, the grid depends only on the capacity, and given the new tokens' latents the split holding the last
 position writes them into the cache and attends to them from registers.
 """
@@ -27,7 +26,7 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.attention import LOG2E, batch_head, check_heads_out, heads_out, online_softmax_step
-from tilekit.kernels.decode_attention import MAX_QUERIES, merge_splits, query_rows, store_split
+from tilekit.kernels.decode_attention import MAX_QUERIES, decode_merge_kernel, query_rows
 from tilekit.kernels.tiles import sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
@@ -36,10 +35,10 @@ MAX_ROPE = 256
 
 
 @ct.kernel
-def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpart, Arrived, qk_scale: float,
+def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpart, qk_scale: float,
                       length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int], BN: ct.Constant[int],
                       R: ct.Constant[int], P: ct.Constant[int], GROUPS: ct.Constant[int], CHUNK: ct.Constant[int],
-                      MERGE: ct.Constant[bool], NEW_KV: ct.Constant[bool]):
+                      SPLITS: ct.Constant[int], NEW_KV: ct.Constant[bool]):
     """Attention of split bid(1) of (batch, head group) bid(0).
 
     Q: (B, H, nq, R) absorbed queries, Qpe: (B, H, nq, P) rotary queries; C: (B, capacity, R) latents, Kpe:
@@ -47,14 +46,11 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
     queries' own (causal among them). With NEW_KV those nq entries come from Cnew (B, nq, R), Pnew (B, nq, P)
     and the split holding the last position folds them in first (folded after a loop of more than one cached
     tile, the results were wrong at R = 512 with tileiras 13.4, on an H200) and writes them into C, Kpe. Row r
-    of the query tile is head g * H / GROUPS + r // nq, token r % nq. Without MERGE (one split) the program
-    writes O (B, H, nq, R); otherwise its partial state goes to Opart (B, GROUPS, S, QP, R), Mpart, Lpart
-    (B, GROUPS, S, QP) and the last split to count itself in on Arrived[bid(0)] (int32, zero between
-    launches) merges them into O.
+    of the query tile is head g * H / GROUPS + r // nq, token r % nq. With SPLITS == 1 the program writes O (B, H, nq, R); otherwise its
+    partial state goes to Opart (B, GROUPS, S, QP, R), Mpart, Lpart (B, GROUPS, S, QP) for the merge.
     """
     sync_with_previous_kernel()
-    bg = ct.bid(0)
-    b, g = batch_head(bg, GROUPS)
+    b, g = batch_head(ct.bid(0), GROUPS)
     split = ct.bid(1)
     H = Q.shape[1]
     nq = Q.shape[2]
@@ -93,13 +89,12 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
         k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
         s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, c)
-    if not MERGE:
+    if SPLITS == 1:
         ct.scatter(O, (b, head, token, latent), (acc / l_i).astype(O.dtype))
     else:
-        store_split(Opart, Mpart, Lpart, b, g, split, m_i, l_i, acc, QP, R)
-        if ct.atomic_add(Arrived, bg, 1) == Mpart.shape[2] - 1:   # acq_rel: our state before it, theirs after
-            ct.scatter(O, (b, head, token, latent), merge_splits(Opart, Mpart, Lpart, b, g, QP, R).astype(O.dtype))
-            ct.atomic_xchg(Arrived, bg, 0, memory_order=ct.MemoryOrder.RELAXED)   # zero for the next launch
+        ct.store(Opart, (b, g, split, 0, 0), acc.reshape((1, 1, 1, QP, R)))
+        ct.store(Mpart, (b, g, split, 0), m_i.reshape((1, 1, 1, QP)))
+        ct.store(Lpart, (b, g, split, 0), l_i.reshape((1, 1, 1, QP)))
 
 
 def _groups(p: dict, c: dict) -> int:
@@ -131,19 +126,19 @@ def _fits(c: dict, p: dict) -> bool:
             and (c["occupancy"] == 1 or _qp(p, c) * pow2_ceil(p["R"]) <= 8 * 1024))
 
 
-SPACE = SearchSpace(_fits, HP=(1, 2, 4, 8, 16, 32, 64), BN=(16, 32, 64, 128),
-                    CHUNK=(64, 128, 256, 512, 1024, 2048, 4096, 8192), occupancy=(1, 2))
+SPACE = SearchSpace(_fits, HP=(1, 2, 4, 8, 16, 32, 64), BN=(16, 32, 64, 128), CHUNK=(64, 128, 256, 512, 1024, 2048),
+                    occupancy=(1, 2))
 
 
 def default_config(p: dict) -> dict:
     """Every head in one group where the tile allows (the cache read once), the widest latent tile up to 64
     that fits, and splits for about two programs per SM of a 132-SM GPU, but at most 32 per (batch, group):
-    the last split to arrive merges its group's splits, reading R fp32 values per head and split."""
+    one program merges a group's splits, reading R fp32 values per head and split."""
     hp = max(h for h in SPACE.params["HP"] if h == 1 or _heads_fit(p, h))
     bn = max(b for b in (16, 32, 64) if b == 16 or _latent_tile_fits(p, b))
     per_seq = min(32, max(1, 264 // max(1, p["B"] * ct.cdiv(p["H"], hp))))
     chunk = max(64, bn, pow2_ceil(math.ceil(p["capacity"] / per_seq)))
-    return dict(HP=hp, BN=bn, CHUNK=min(8192, chunk), occupancy=1)
+    return dict(HP=hp, BN=bn, CHUNK=min(2048, chunk), occupancy=1)
 
 
 def _splits(p: dict, c: dict) -> int:
@@ -163,24 +158,31 @@ def _arrays(p: dict) -> dict:
 
 
 def _scratch(p: dict, c: dict) -> dict:
-    """Partial softmax states of the splits and the arrival counters (none with one split)."""
+    """Partial softmax states of the splits (none with one split)."""
     B, G, S, QP = p["B"], _groups(p, c), _splits(p, c), _qp(p, c)
     if S == 1:
-        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4),
-                "arrived": absent("int32", 1)}
+        return {"opart": absent("float32", 5), "mpart": absent("float32", 4), "lpart": absent("float32", 4)}
     return {"opart": ArraySpec("float32", (B, G, S, QP, pow2_ceil(p["R"])), role="scratch"),
             "mpart": ArraySpec("float32", (B, G, S, QP), role="scratch"),
-            "lpart": ArraySpec("float32", (B, G, S, QP), role="scratch"),
-            "arrived": ArraySpec("int32", (B * G,), role="zeros")}
+            "lpart": ArraySpec("float32", (B, G, S, QP), role="scratch")}
 
 
 def _grid(p: dict, c: dict) -> tuple:
     return (p["B"] * _groups(p, c), _splits(p, c), 1)
 
 
+def _merge_grid(p: dict, c: dict) -> tuple:
+    """No merge launch with one split."""
+    return (p["B"] * _groups(p, c) if _splits(p, c) > 1 else 0, 1, 1)
+
+
 def _constants(p: dict, c: dict) -> tuple:
     return (_qp(p, c), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["R"]), pow2_ceil(p["P"]), _groups(p, c),
-            c["CHUNK"], _splits(p, c) > 1, bool(p["new_kv"]))
+            c["CHUNK"], _splits(p, c), bool(p["new_kv"]))
+
+
+def _merge_constants(p: dict, c: dict) -> tuple:
+    return (_qp(p, c), pow2_ceil(p["R"]))
 
 
 def _check_4d(a, name: str, like, shape: tuple) -> None:
@@ -236,9 +238,11 @@ MLA_DECODE_ATTENTION = Op(
     scalars=lambda p: {"qk_scale": LOG2E / math.sqrt(192), "length_offset": 0},
     launches=(Launch(mla_decode_kernel, _grid,
                      ("q", "q_pe", "c_new", "pe_new", "c", "k_pe", "lengths", "o", "opart", "mpart", "lpart",
-                      "arrived", "qk_scale", "length_offset"), _constants,
-                     dependent=False),),     # one ordinary launch per layer, as decode_attention (see there)
-    bind=_bind, cli_defaults=dict(nq=1, new_kv=1), tune_whole=True)
+                      "qk_scale", "length_offset"), _constants,
+                     dependent=False),       # one ordinary launch per layer, as decode_attention (see there)
+              Launch(decode_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
+                     hinted=False)),
+    bind=_bind, cli_defaults=dict(nq=1, new_kv=1))
 
 
 def mla_decode_attention(q, q_pe, c_cache, pe_cache, lengths, *, scale: float, new_c=None, new_pe=None,

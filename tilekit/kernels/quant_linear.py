@@ -230,7 +230,7 @@ def quant_linear_kernel(X, Xs, W, Ws, Bias, Res, Y, Partial, Counter,
         acc = acc + ct.load(Bias, (pid_n,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
     if HAS_RES:
         acc = acc + ct.load(Res, (pid_m, pid_n), (TM, TN), padding_mode=ZERO).astype(ct.float32)
-    if SPLIT_K > 1:
+    if SPLIT_K > 1 or MODE != MMA:     # SWAP's tile stored whole wrote past a strided out's columns (H200)
         ct.scatter(Y, (rows, cols), acc.astype(Y.dtype))
     else:
         ct.store(Y, (pid_m, pid_n), acc.astype(Y.dtype))
@@ -248,6 +248,12 @@ def _partial(c: dict, p: dict) -> bool:
     return c["MODE"] != FMA and (p["scale"] == "block" or p["xq"] == "fp8")
 
 
+def _aligned_rows(p: dict) -> bool:
+    """Whether W's rows start 16 bytes apart (K a multiple of 16 one-byte weights): SWAP and FMA split over K
+    summed wrongly where they did not (K = 1544 on an H200; 1536 and 2112 were right, MMA was right at 1544)."""
+    return p["K"] % 16 == 0
+
+
 def _fits(c: dict, p: dict) -> bool:
     """Few rows (<= 64): the three products (MMA with M padded to TM >= 16; SWAP with TM >= 16 as the narrow mma
     side, 8 fell back to FMA code with spills, as fp32 does; FMA for up to 4 rows, its TM x TN x TK accumulator in
@@ -256,7 +262,8 @@ def _fits(c: dict, p: dict) -> bool:
     is 1 except with FP8 activations and channel scales: fast accumulation promoted every PROMOTE K tiles (at most
     512 products). Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8 tile with its
     partial spilled with one warpgroup, 546 local stores in its sm_90 cubin; some longer promotions spill anyway,
-    which the tuner sees). K tiles inside a scale block. Split-K tiles at least 32 columns wide: 16-wide ones with
+    which the tuner sees). K tiles inside a scale block. SWAP and FMA split K only over 16-byte weight rows
+    (_aligned_rows). Split-K tiles at least 32 columns wide: 16-wide ones with
     occupancy 2 summed wrongly on an H200 (SwiGLU, block scales; cause not found)."""
     m = pow2_ceil(p["M"])
     few_rows = m <= 64
@@ -280,6 +287,7 @@ def _fits(c: dict, p: dict) -> bool:
                  else c["MODE"] != FMA and c["TN"] >= 64 and c["TK"] <= 128 and c["SPLIT_K"] == 1)
             and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])
             and (c["SPLIT_K"] == 1 or c["TN"] >= 32)
+            and (c["SPLIT_K"] == 1 or c["MODE"] == MMA or _aligned_rows(p))
             and tile <= 128 * 256
             and tile * (2 if _partial(c, p) else 1) <= 128 * 128 * warpgroups
             and (c["TM"] * item + c["TN"] * halves) * c["TK"] <= 64 * 1024       # x and weight tiles, bytes
@@ -324,7 +332,8 @@ def default_config(p: dict) -> dict:
         c.update(MODE=MMA, TK=128)
     k_tiles, tiles = ct.cdiv(p["K"], c["TK"]), ct.cdiv(p["N"], c["TN"])
     split = 1
-    while split < 16 and 2 * split * MIN_SPLIT_TILES <= k_tiles and tiles * split < MIN_PROGRAMS:
+    while (split < 16 and 2 * split * MIN_SPLIT_TILES <= k_tiles and tiles * split < MIN_PROGRAMS
+           and (c["MODE"] == MMA or _aligned_rows(p))):
         split *= 2
     return dict(c, SPLIT_K=split)
 

@@ -579,6 +579,11 @@ def _generation_options(args) -> dict:
     sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                                               "presence_penalty", "frequency_penalty")}
     options = dict(sampling, min_new_tokens=args.min_new_tokens, stop_strings=args.stop or None, seed=args.seed)
+    if args.kv_cache_dtype != "auto":
+        if args.device != "cuda":
+            raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} needs --device cuda (the NumPy reference keeps "
+                             "its cache in float64)")
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     checked = {k: v for k, v in options.items() if v is not None}
     SamplingParams(**{k: checked[k] for k in sampling if k in checked})
     GenerationSettings(max_new_tokens=args.max_new_tokens, **{k: checked[k] for k in options
@@ -764,6 +769,9 @@ def _generation_args(p) -> None:
     p.add_argument("--frequency-penalty", type=float, help="subtract this per time a token was generated (0: off)")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop once the text contains TEXT (repeatable)")
     p.add_argument("--seed", type=_count, help="random seed, for repeatable samples")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="auto (default): keys and values in the model's dtype; fp8: e4m3 codes with per-head scales, "
+                        "half the bytes each decode step reads (GPT-2 and Llama families, --device cuda)")
 
 
 def _count(text: str) -> int:

@@ -58,6 +58,8 @@ def test_a_prompts_file_is_one_batch_printed_as_json_lines(tmp_path, capsys):
     (["--max-new-tokens", "-1"], "argument --max-new-tokens"),
     (["--max-new-tokens", "abc"], "argument --max-new-tokens"),
     (["--stop", ""], "stop_strings"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 needs --device cuda"),
+    (["--kv-cache-dtype", "int4"], "argument --kv-cache-dtype: invalid choice"),
 ])
 def test_bad_generation_options_are_refused_before_loading(args, says, capsys, monkeypatch):
     from tilekit.models import families
@@ -127,3 +129,15 @@ def test_explain_follows_the_autotune_mode(capsys, monkeypatch):
     assert all(line.endswith("heuristic default") for line in lines[1:]), lines
     monkeypatch.setenv("TILEKIT_AUTOTUNE", "sometimes")
     assert "TILEKIT_AUTOTUNE='sometimes' is not one of" in misuse(base, capsys)
+
+
+@pytest.mark.gpu
+def test_generate_with_an_fp8_kv_cache_prints_the_models_fp8_continuation(capsys):
+    """`--kv-cache-dtype fp8` reaches generate(): greedy text equal to the model's own with kv_cache_dtype="fp8"."""
+    from tilekit.models import families
+    rc, out, err = run(["generate", "--model", str(TINY), "--prompt", "the quick", "--max-new-tokens", "12",
+                        "--temperature", "0", "--dtype", "fp32", "--kv-cache-dtype", "fp8"], capsys)
+    assert (rc, err) == (0, ""), err
+    model = families.load_model(TINY, dtype="float32")
+    expected = model.generate_text("the quick", 12, temperature=0, kv_cache_dtype="fp8")
+    assert out == "the quick" + expected + "\n"

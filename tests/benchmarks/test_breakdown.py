@@ -43,14 +43,14 @@ def test_calls_expand_to_their_launches_in_order():
         kernel_rows(calls, [kernels[1], kernels[0], kernels[2], kernels[3]], 200, 4000.0)
 
 
-def test_decode_attention_is_one_launch_at_any_split_count():
+def test_a_merge_runs_only_with_several_splits():
     one, several = dict(ATT, capacity=256), dict(ATT, capacity=4096)      # default configs: 1 and 16 splits
     split = [("decode_attention_kernel_a", 4.0, 104.0)]
-    for problem in (one, several):
-        rows = kernel_rows([(DECODE_ATTENTION, problem)], split, 200, 4000.0)
-        assert [r["kernel"] for r in rows] == ["decode_attention_kernel"]
-    with pytest.raises(RuntimeError, match="profiled"):      # no merge launch to match a second kernel
-        kernel_rows([(DECODE_ATTENTION, several)], split + [("other_kernel_b", 1.0, 105.0)], 200, 4000.0)
+    assert len(kernel_rows([(DECODE_ATTENTION, one)], split, 200, 4000.0)) == 1
+    rows = kernel_rows([(DECODE_ATTENTION, several)], split + [("decode_merge_kernel_b", 1.0, 105.0)], 200, 4000.0)
+    assert [r["kernel"] for r in rows] == ["decode_attention_kernel", "decode_merge_kernel"]
+    with pytest.raises(RuntimeError, match="profiled"):
+        kernel_rows([(DECODE_ATTENTION, several)], split, 200, 4000.0)
 
 
 PREFILL_ATT = dict(dtype="bfloat16", B=8, H=25, Hkv=25, Tq=1024, Tk=1024, D=64, causal=1)

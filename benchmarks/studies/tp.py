@@ -297,7 +297,8 @@ def format_table(results: dict, config, nvlink) -> str:
         for B in (1, 8):
             r = row(world, "all_reduce", B)
             step = row(world, "decode", B)["ms"]
-            lines.append(f"| tp={world} all-reduce B{B} ({r['bytes']} B): {r['us']:.1f} us, {2 * r['us']:.1f} us/layer, "
+            lines.append(f"| tp={world} all-reduce B{B} ({r['bytes']} B): {r['us']:.1f} us, "
+                         f"{2 * r['us']:.1f} us/layer, "
                          f"{2 * L * r['us'] / 1e3:.3f} ms/step ({100 * 2 * L * r['us'] / 1e3 / step:.0f}% of the step) "
                          "| | | | |")
         big = row(world, "all_reduce", None)

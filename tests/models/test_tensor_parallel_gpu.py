@@ -1,8 +1,8 @@
-"""Tensor-parallel Llama, GPT-2 and DeepSeek-V2 on two GPUs of one host (and four, where the host has them): the ranks are processes started by
-parallel.launch (tp_worker.py), joined through NCCL. TP=2 logits equal TP=1's within the dtype's tolerance (and
-transformers'), greedy tokens agree over 32 steps, graph and eager agree, every rank holds the same logits and
-tokens (an unseeded sampled run included: the ranks agree on its seed), and a rank that dies makes the other exit
-instead of hanging inside NCCL."""
+"""Tensor-parallel Llama, GPT-2 and DeepSeek-V2 on two GPUs of one host (and four, where the host has them): the
+ranks are processes started by parallel.launch (tp_worker.py), joined through NCCL. TP=N logits equal TP=1's within
+the dtype's tolerance (and transformers'), greedy tokens agree over 32 steps, graph and eager agree, every rank holds
+the same logits and tokens (an unseeded sampled run included: the ranks agree on its seed), and a rank that dies
+makes the other exit instead of hanging inside NCCL."""
 
 import sys
 from pathlib import Path
@@ -73,7 +73,8 @@ def wide_deepseek(tmp_path_factory):
 
 # world 4: fewer KV heads than ranks (tiny Llamas: 2 and 1) replicates them; 8B shapes split 8 KV heads in 4
 @pytest.mark.parametrize("name, dtype, world", [
-    ("tiny-llama", "float32", 2), ("tiny-llama-tied", "float32", 2), ("wide", "bfloat16", 2), ("tiny-gpt2", "float32", 2),
+    ("tiny-llama", "float32", 2), ("tiny-llama-tied", "float32", 2), ("wide", "bfloat16", 2),
+    ("tiny-gpt2", "float32", 2),
     ("tiny-deepseek-v2", "float32", 2), ("tiny-deepseek-v2-qlora", "float32", 2), ("wide_deepseek", "bfloat16", 2),
     ("tiny-llama", "float32", 4), ("tiny-llama-tied", "float32", 4), ("wide", "bfloat16", 4),
     ("tiny-gpt2", "float32", 4), ("tiny-deepseek-v2", "float32", 4)])

@@ -1,21 +1,27 @@
 """Tensor parallelism on one multi-GPU host: a Llama-3.1-8B-shape model (or another preset's: --preset
-deepseek-v2-lite, llama-3.1-70b; random bf16 weights, written once as a Hugging Face checkpoint under /tmp) at TP=1
-and TP=N in the same run, each TP a fresh set of rank processes (tilekit.parallel.launch) reading the same
-checkpoint. --quantize fp8 | int8 (Llama): the random weights are quantized per channel on one GPU as they are drawn
-and written as a compressed-tensors checkpoint, which every rank then reads its slices of (a 70B model's bf16
-weights fit no single 80 GB GPU, its fp8 ones do: about 72 GB with the bf16 embedding and LM head, on disk too).
-A TP=1 run that fails (out of memory) is reported and the TP=N rows are kept, without their anchor.
+deepseek-v2-lite, llama-3.1-70b; random bf16 weights, written once as a Hugging Face checkpoint under /tmp) at each
+TP size of --tp in the same run (default 1,2), each a fresh set of rank processes (tilekit.parallel.launch) reading
+the same checkpoint. --quantize fp8 | int8 (Llama): the random weights are quantized per channel on one GPU as they
+are drawn and written as a compressed-tensors checkpoint, which every rank then reads its slices of (a 70B model's
+bf16 weights fit no single 80 GB GPU, its fp8 ones do: about 72 GB with the bf16 embedding and LM head, on disk too).
+A run that fails (out of memory) is reported and the other sizes' rows are kept; the smallest size that ran is the
+anchor.
 
-    source .gpu/setup.sh && python -m benchmarks.studies.tp --out $OUT [--tp 2] [--layers 32] [--preset NAME]
+    source .gpu/setup.sh && python -m benchmarks.studies.tp --out $OUT [--tp 1,2,4] [--layers 32] [--preset NAME]
         [--quantize fp8]
 
 Rows: decode B1 and B8 (the replayed decode graph, all-reduces included, after a 128-token prompt: ms/token),
 prefill B8 T1024 (generate()'s replayed prompt-prefill graph: every block over 8 x 1024 tokens and the last
-tokens' logits), and, at TP=N, one all-reduce of the decode step's residual stream (B x n_embd as the model keeps
-it: bf16 for Llama, int64 fixed point for DeepSeek-V2; two per layer) timed as 64 of them captured in a graph,
-plus the bus bandwidth of a 256 MiB all-reduce against the NVLink's (H100 SXM: 450 GB/s per direction). The greedy
-tokens of TP=N are compared with TP=1's (bf16: the all-reduced sums round differently, so a near tie may flip late
-tokens). Prints a table (TP=N rows labelled "tp=N ...") and writes tp.json to --out.
+tokens' logits), each with its ratio to the anchor and its strong-scaling efficiency (anchor ms x anchor size /
+(ms x size)); at each size above 1, one all-reduce of the decode step's residual stream (B x n_embd as the model
+keeps it: bf16 for Llama, int64 fixed point for DeepSeek-V2; two per layer) timed as 64 of them captured in a
+graph, plus the bus bandwidth of a 256 MiB all-reduce against the NVLink's (H100 / H200 SXM: 450 GB/s per
+direction). The profile: rank 0's kernels of five replays of the decode B1 graph (CUPTI through torch.profiler)
+split into NCCL all-reduce time (which includes waiting for the slowest rank), the other kernels' time and the idle
+gaps between kernels, beside the rank's floor (its weight and KV bytes at the measured copy bandwidth). The greedy
+tokens of each size are compared with the anchor's (bf16: the all-reduced sums round differently, so a near tie
+may flip late tokens). Prints a table (rows labelled "tp=N ...") and writes tp-PRESET[-QUANTIZE].json and .md to
+--out.
 """
 
 from __future__ import annotations
@@ -110,11 +116,73 @@ def all_reduce_rows(comm, streams: dict, count: int = 64) -> list[dict]:
     return rows
 
 
+def busy_us(spans: list) -> float:
+    """Microseconds covered by the union of (start, end) spans."""
+    total, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total
+
+
+def cache_bytes(cache) -> float:
+    """Bytes of the device arrays a KV (or latent) cache owns on this rank (views not counted twice), per position
+    of its capacity."""
+    import cupy
+    arrays = [a for v in vars(cache).values() for a in (v if isinstance(v, (list, tuple)) else [v])]
+    return sum(a.nbytes for a in arrays if isinstance(a, cupy.ndarray) and a.base is None) / cache.capacity
+
+
+def decode_profile(gen, comm, reps: int = 5) -> dict:
+    """Where one replay of gen's decode graph spends its time on this rank: the span from its first kernel's start
+    to its last kernel's end, the time NCCL kernels run (waiting for the slowest rank included), the time only
+    other kernels run, and the gaps where none does (the median replay of `reps` by span, in us). The ranks line
+    up on an all-reduce inside the profiled window and again before each replay, so that a rank's all-reduces do
+    not count the others' profiler start-up as waiting."""
+    import cupy
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    stream = gen.stream
+    gen.decode_graph.launch(stream)
+    stream.synchronize()
+    flag = cupy.zeros((1,), cupy.float32)
+
+    def line_up():
+        if comm is not None:
+            with stream:
+                comm.all_reduce(flag)
+        stream.synchronize()
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            line_up()
+            gen.decode_graph.launch(stream)
+        stream.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name.startswith("nccl")) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA
+                     and not e.name.startswith(("Memcpy", "Memset", "[memory]")))
+    per = len(kernels) // reps           # each replay's kernels after its line-up all-reduce (none at TP=1)
+    replays = [kernels[i * per + (comm is not None):(i + 1) * per] for i in range(reps)]
+    if not replays[0]:
+        return {}
+    stats = []
+    for spans in replays:
+        every = busy_us([k[:2] for k in spans])
+        nccl = busy_us([k[:2] for k in spans if k[2]])
+        span = spans[-1][1] - spans[0][0]
+        stats.append(dict(kind="profile", batch=1, span_us=span, all_reduce_us=nccl, compute_us=every - nccl,
+                          idle_us=span - every, kernels=len(spans)))
+    return sorted(stats, key=lambda r: r["span_us"])[reps // 2]
+
+
 def rank_main(args) -> int:
     """A rank: load the checkpoint's shard, time decode, prefill and the all-reduces; rank 0 writes the JSON."""
     import cupy
     import numpy as np
 
+    from benchmarks.harness.timing import copy_bandwidth
     from tilekit import env, parallel
     from tilekit.models.families import load_model
     dist = env.distributed()
@@ -124,6 +192,8 @@ def rank_main(args) -> int:
     model = load_model(args.checkpoint, dtype="bfloat16", comm=comm)
     cupy.cuda.runtime.deviceSynchronize()
     rows = [dict(kind="load", seconds=time.perf_counter() - start)]
+    copy_gbs = copy_bandwidth()["gbs"]
+    weights = sum(a.nbytes for a in model.params.values())        # this rank's shard, as it holds it
     rng = np.random.default_rng(0)
     V = model.config.vocab_size
     tokens, streams = None, {}
@@ -135,7 +205,11 @@ def rank_main(args) -> int:
         (gen,) = model._generations.values()
         streams[B] = (gen.state.acts.x.shape, gen.state.acts.x.dtype)    # the residual stream the step all-reduces
         times = [replay_ms(gen.decode_graph, gen.stream, 50) for _ in range(3)]
-        rows.append(dict(kind="decode", batch=B, ms=float(np.median(times)), rounds=times))
+        kv = cache_bytes(gen.state.cache) * (PROMPT + NEW / 2)           # what the mean step reads
+        rows.append(dict(kind="decode", batch=B, ms=float(np.median(times)), rounds=times,
+                         floor_ms=(weights + kv) / (copy_gbs * 1e9) * 1e3, copy_gbs=copy_gbs))
+        if B == 1:
+            rows.append(decode_profile(gen, comm))
     model.forget_graphs()
     ids = rng.integers(0, V, (8, 1024))
     for _ in range(2):       # a prompt length seen twice: its prefill is captured
@@ -156,84 +230,113 @@ def rank_main(args) -> int:
 
 # -- the study --------------------------------------------------------------------------------------------
 
-def run(tp: int, layers: int | None, out: Path | None, log=print, preset: str = PRESET,
+def run(sizes: list[int], layers: int | None, out: Path | None, log=print, preset: str = PRESET,
         quantize: str | None = None) -> dict:
     import cupy
 
     from tilekit import parallel
     from tilekit.device import device_info
     gpus = cupy.cuda.runtime.getDeviceCount()
-    if gpus < tp:
-        raise SystemExit(f"tp.py: --tp {tp} needs {tp} GPUs, this host shows {gpus}")
+    if max(sizes) > gpus:
+        raise SystemExit(f"tp.py: --tp {max(sizes)} needs {max(sizes)} GPUs, this host shows {gpus}")
     config = model_config(preset, layers)
     checkpoint = checkpoint_path(preset, quantize)
     write_checkpoint(checkpoint, config, log, quantize)
     name = device_info().name
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for world in (1, tp):
+        for world in sizes:
             result = Path(tmp) / f"tp{world}.json"
             start = time.perf_counter()
             status = parallel.launch(world, ["-m", "benchmarks.studies.tp", "--rank", "--checkpoint", str(checkpoint),
                                              "--result", str(result)], program=[sys.executable], quiet_ranks=False)
-            if status and world == 1 and tp > 1:       # e.g. a model that fits only sharded
-                log(f"tp.py: the TP=1 run failed (status {status}); the TP={tp} rows have no anchor")
+            if status:          # e.g. a model that fits only sharded: the other sizes' rows are kept
+                log(f"tp.py: the TP={world} ranks failed (status {status})")
                 continue
-            if status:
-                raise SystemExit(f"tp.py: the TP={world} ranks failed (status {status})")
             results[world] = json.loads(result.read_text())
             log(f"TP={world}: {time.perf_counter() - start:.0f} s")
+    if not results:
+        raise SystemExit("tp.py: no TP size ran")
     nvlink = next((v for k, v in NVLINK_GBS.items() if k in name), None)
-    table = format_table(results, tp, config, nvlink)
+    table = format_table(results, config, nvlink)
     weights = f"{quantize} weights (per channel, bf16 activations in decode)" if quantize else "bf16"
-    log(f"\n{name} x{tp}, {preset} shape ({config.n_layer} layers), {weights}, random weights\n" + table)
-    report = dict(gpu=name, preset=preset, layers=config.n_layer, tp=tp, quantize=quantize, results=results,
+    log(f"\n{name} x{max(sizes)}, {preset} shape ({config.n_layer} layers), {weights}, random weights\n" + table)
+    report = dict(gpu=name, preset=preset, layers=config.n_layer, sizes=sizes, quantize=quantize, results=results,
                   nvlink_gbs=nvlink)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "tp.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / "tp.md").write_text(table + "\n")
+        stem = f"tp-{preset}{'-' + quantize if quantize else ''}"
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / f"{stem}.md").write_text(table + "\n")
     return report
 
 
-def format_table(results: dict, tp: int, config, nvlink) -> str:
+def format_table(results: dict, config, nvlink) -> str:
+    """The rows of every TP size that ran (results: size -> rank 0's result), against the smallest as anchor."""
     def row(world, kind, batch):
         return next((r for r in results[world]["rows"] if r["kind"] == kind and r.get("batch") == batch), None)
-    lines = ["| run | ms | vs tp=1 |", "|---|---:|---:|"]
-    for kind, batch, label, per in (("decode", 1, "decode B1 ms/token", 1), ("decode", 8, "decode B8 ms/token", 1),
-                                    ("prefill", 8, "prefill B8 T1024 ms", 1)):
-        base = row(1, kind, batch)["ms"] if 1 in results else None
+    anchor = min(results)
+    lines = [f"| run | ms | vs tp={anchor} | scaling efficiency | % of the rank's floor |", "|---|---:|---:|---:|---:|"]
+    for kind, batch, label in (("decode", 1, "decode B1 ms/token"), ("decode", 8, "decode B8 ms/token"),
+                               ("prefill", 8, "prefill B8 T1024 ms")):
+        base = row(anchor, kind, batch)["ms"]
         for world in sorted(results):
-            ms = row(world, kind, batch)["ms"]
-            lines.append(f"| tp={world} {label} | {ms:.3f} | " + (f"{ms / base:.2f}x |" if base else "no tp=1 |"))
+            r = row(world, kind, batch)
+            floor = f"{100 * r['floor_ms'] / r['ms']:.0f}% of {r['floor_ms']:.3f}" if "floor_ms" in r else ""
+            lines.append(f"| tp={world} {label} | {r['ms']:.3f} | {r['ms'] / base:.2f}x | "
+                         f"{100 * base * anchor / (r['ms'] * world):.0f}% | {floor} |")
     L = config.n_layer
-    for B in (1, 8):
-        r = row(tp, "all_reduce", B)
-        step = row(tp, "decode", B)["ms"]
-        lines.append(f"| tp={tp} all-reduce B{B} ({r['bytes']} B): {r['us']:.1f} us, {2 * r['us']:.1f} us/layer, "
-                     f"{2 * L * r['us'] / 1e3:.3f} ms/step ({100 * 2 * L * r['us'] / 1e3 / step:.0f}% of the step) "
-                     "| | |")
-    big = row(tp, "all_reduce", None)
-    lines.append(f"| tp={tp} all-reduce 256 MiB: bus bandwidth {big['busbw_gbs']:.0f} GB/s"
-                 + (f" ({100 * big['busbw_gbs'] / nvlink:.0f}% of NVLink's {nvlink:.0f} GB/s)" if nvlink else "")
-                 + " | | |")
-    if 1 in results:
-        one, many = results[1]["tokens"], results[tp]["tokens"]
-        agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one, many)]
-        lines.append(f"| tp={tp} greedy B1 tokens agreeing with tp=1: {min(agree)} of {len(one[0])} | | |")
+    for world in sorted(results):
+        prof = row(world, "profile", 1)
+        if prof:
+            lines.append(f"| tp={world} decode B1 profile (rank 0, us per step): kernels span {prof['span_us']:.0f}, "
+                         f"all-reduce {prof['all_reduce_us']:.0f}, other kernels {prof['compute_us']:.0f}, idle "
+                         f"{prof['idle_us']:.0f} ({prof['kernels']} kernels) | | | | |")
+        if world == 1:
+            continue
+        for B in (1, 8):
+            r = row(world, "all_reduce", B)
+            step = row(world, "decode", B)["ms"]
+            lines.append(f"| tp={world} all-reduce B{B} ({r['bytes']} B): {r['us']:.1f} us, "
+                         f"{2 * r['us']:.1f} us/layer, "
+                         f"{2 * L * r['us'] / 1e3:.3f} ms/step ({100 * 2 * L * r['us'] / 1e3 / step:.0f}% of the step) "
+                         "| | | | |")
+        big = row(world, "all_reduce", None)
+        lines.append(f"| tp={world} all-reduce 256 MiB: bus bandwidth {big['busbw_gbs']:.0f} GB/s"
+                     + (f" ({100 * big['busbw_gbs'] / nvlink:.0f}% of NVLink's {nvlink:.0f} GB/s)" if nvlink else "")
+                     + " | | | | |")
+    one = results[anchor]["tokens"]
+    for world in sorted(results):
+        if world != anchor:
+            many = results[world]["tokens"]
+            agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one, many)]
+            lines.append(f"| tp={world} greedy B1 tokens agreeing with tp={anchor}: {min(agree)} of {len(one[0])} "
+                         "| | | | |")
     return "\n".join(lines)
+
+
+def tp_sizes(text: str) -> list[int]:
+    """--tp's comma-separated sizes, each a positive integer, sorted, without repeats."""
+    try:
+        sizes = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tp takes comma-separated positive integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"--tp takes comma-separated positive integers, got {text!r}")
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.studies.tp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--tp", type=int, default=2, help="ranks of the parallel run (default 2)")
+    p.add_argument("--tp", type=tp_sizes, default=[1, 2],
+                   help="comma-separated TP sizes, each run in turn; the smallest is the anchor (default 1,2)")
     p.add_argument("--preset", default=PRESET, help=f"the model shape (default {PRESET}; e.g. deepseek-v2-lite, "
                                                     "llama-3.1-70b)")
     p.add_argument("--quantize", choices=("int8", "fp8"),
                    help="write the checkpoint with the linears quantized per channel (Llama)")
     p.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
-                   help="where tp.json goes (default $OUT)")
+                   help="where tp-PRESET.json goes (default $OUT)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)

@@ -11,7 +11,7 @@ from tests._autotune_fakes import B200, DEFAULT, H100, H100_PCIE, H200, entry, m
 from tilekit.autotune import store
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.space import SearchSpace
-from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, TuningDBError, TuningDBWarning, device_file_name
+from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, TuningDBError, TuningDBWarning, device_file_name, dumps
 from tilekit.device import DeviceInfo
 
 
@@ -496,7 +496,7 @@ def test_strict_json_in_and_out():
     store.user_db().store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
     good = user_file().read_text()
     for literal in ("NaN", "Infinity", "-Infinity", "1e400"):
-        user_file().write_text(good.replace('"time_us": 10.0', f'"time_us": {literal}'))
+        user_file().write_text(good.replace('"time_us":10.0', f'"time_us":{literal}'))
         store.reset()
         with tuning_warnings() as got:
             assert op.resolve(problem(), H100).source == "default"
@@ -666,3 +666,16 @@ def test_a_user_database_inside_the_shipped_one_is_never_written(tmp_path, monke
     with pytest.raises(Exception, match="read-only"):
         store.user_db().store(H100, {key_of(op): entry(op, {"A": 4, "occupancy": 1})})
     assert not any((tmp_path / "both").rglob("*.json"))
+
+
+def test_a_database_file_is_one_compact_entry_per_line():
+    data = {"schema": 1, "device": {"name": "GPU", "arch": "sm_90"},
+            "entries": {"op/M=2": {"config": {"A": 4}, "time_us": 1.5}, "op/M=1": {"config": {"A": 2}, "time_us": 2.0}}}
+    text = dumps(data)
+    assert json.loads(text) == data
+    lines = text.splitlines()
+    assert '  "op/M=1": {"config":{"A":2},"time_us":2.0},' in lines
+    assert '  "op/M=2": {"config":{"A":4},"time_us":1.5}' in lines
+    assert json.loads(dumps({**data, "entries": {}}))["entries"] == {}
+    with pytest.raises(ValueError):
+        dumps({**data, "entries": {"op/M=1": {"time_us": float("nan")}}})

@@ -415,7 +415,7 @@ def test_db_verify_reports_invalid(capsys):
 @pytest.mark.parametrize("damage, says", [
     (lambda p: p.write_text("{ truncated"), "not valid JSON"),
     (lambda p: p.write_text(p.read_text().replace('"schema": 1', '"schema": 2')), "schema version 2"),
-    (lambda p: p.write_text(p.read_text().replace('"time_us": 0.08', '"time_us": NaN')), "not strict JSON"),
+    (lambda p: p.write_text(p.read_text().replace('"time_us":0.08', '"time_us":NaN')), "not strict JSON"),
     (lambda p: (p.unlink(), p.mkdir()), "is a directory"),
     (lambda p: (p.unlink(), os.mkfifo(p)), "is not a regular file"),
 ])

@@ -1,8 +1,8 @@
-"""Tensor-parallel Llama, GPT-2 and DeepSeek-V2 on two GPUs of one host: the ranks are processes started by
-parallel.launch (tp_worker.py), joined through NCCL. TP=2 logits equal TP=1's within the dtype's tolerance (and
-transformers'), greedy tokens agree over 32 steps, graph and eager agree, every rank holds the same logits and
-tokens (an unseeded sampled run included: the ranks agree on its seed), and a rank that dies makes the other exit
-instead of hanging inside NCCL."""
+"""Tensor-parallel Llama, GPT-2 and DeepSeek-V2 on two GPUs of one host (and four, where the host has them): the
+ranks are processes started by parallel.launch (tp_worker.py), joined through NCCL. TP=N logits equal TP=1's within
+the dtype's tolerance (and transformers'), greedy tokens agree over 32 steps, graph and eager agree, every rank holds
+the same logits and tokens (an unseeded sampled run included: the ranks agree on its seed), and a rank that dies
+makes the other exit instead of hanging inside NCCL."""
 
 import sys
 from pathlib import Path
@@ -23,14 +23,21 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
+def gpu_count() -> int:
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return 0
+
+
+def need_gpus(count: int) -> None:
+    if gpu_count() < count:
+        pytest.skip(f"this test needs {count} GPUs, this host shows {gpu_count()}")
+
+
 @pytest.fixture(autouse=True)
 def two_gpus():
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        count = 0
-    if count < 2:
-        pytest.skip(f"tensor-parallel GPU tests need 2 GPUs, this host shows {count}")
+    need_gpus(2)
 
 
 def ranks(checkpoint, dtype: str, out: Path, world: int = 2, *extra) -> list[dict]:
@@ -64,16 +71,21 @@ def wide_deepseek(tmp_path_factory):
     return wide_checkpoint(tmp_path_factory, "deepseek-v2-lite", n_routed_experts=16)
 
 
-@pytest.mark.parametrize("name, dtype", [("tiny-llama", "float32"), ("tiny-llama-tied", "float32"),
-                                         ("wide", "bfloat16"), ("tiny-gpt2", "float32"),
-                                         ("tiny-deepseek-v2", "float32"), ("tiny-deepseek-v2-qlora", "float32"),
-                                         ("wide_deepseek", "bfloat16")])
-def test_two_ranks_equal_one(request, tmp_path, name, dtype):
+# world 4: fewer KV heads than ranks (tiny Llamas: 2 and 1) replicates them; 8B shapes split 8 KV heads in 4
+@pytest.mark.parametrize("name, dtype, world", [
+    ("tiny-llama", "float32", 2), ("tiny-llama-tied", "float32", 2), ("wide", "bfloat16", 2),
+    ("tiny-gpt2", "float32", 2),
+    ("tiny-deepseek-v2", "float32", 2), ("tiny-deepseek-v2-qlora", "float32", 2), ("wide_deepseek", "bfloat16", 2),
+    ("tiny-llama", "float32", 4), ("tiny-llama-tied", "float32", 4), ("wide", "bfloat16", 4),
+    ("tiny-gpt2", "float32", 4), ("tiny-deepseek-v2", "float32", 4)])
+def test_ranks_equal_one(request, tmp_path, name, dtype, world):
+    need_gpus(world)
     shaped = name.startswith("wide")         # a random checkpoint of a preset's layer shapes
     checkpoint = request.getfixturevalue(name) if shaped else DATA / name
-    per_rank = ranks(checkpoint, dtype, tmp_path)
-    for key in per_rank[0]:
-        np.testing.assert_array_equal(per_rank[1][key], per_rank[0][key], err_msg=key)   # the ranks agree
+    per_rank = ranks(checkpoint, dtype, tmp_path, world)
+    for rank in range(1, world):
+        for key in per_rank[0]:
+            np.testing.assert_array_equal(per_rank[rank][key], per_rank[0][key], err_msg=f"rank {rank} {key}")
     got = per_rank[0]
     one = families.load_model(checkpoint, dtype=dtype)
     ids = np.load(checkpoint / "input_ids.npy") if not shaped else \

@@ -117,8 +117,26 @@ def read_json(path: Path):
 
 
 def dumps(data) -> str:
-    """Strict JSON text (ValueError on NaN or Infinity), sorted keys, so a diff shows what changed."""
-    return json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n"
+    """Strict JSON text (ValueError on NaN or Infinity), sorted keys, so a diff shows what changed: a database
+    file's entries one per line, each compact (the shipped files travel to every GPU host)."""
+    if not (isinstance(data, dict) and isinstance(data.get("entries"), dict)):
+        return json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n"
+    lines, keys = ["{"], sorted(data)
+    for i, key in enumerate(keys):
+        comma = "," if i < len(keys) - 1 else ""
+        if key == "entries":
+            items = sorted(data[key].items())
+            lines.append(f' "{key}": {{')
+            lines += [f"  {_compact(name)}: {_compact(entry)}{',' if j < len(items) - 1 else ''}"
+                      for j, (name, entry) in enumerate(items)]
+            lines.append(" }" + comma)
+        else:
+            lines.append(f" {_compact(key)}: {_compact(data[key])}{comma}")
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def _compact(value) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

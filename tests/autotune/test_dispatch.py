@@ -240,6 +240,17 @@ def test_concurrent_first_calls_tune_a_key_once(auto, monkeypatch):
     assert results == [TUNED] * 4 and calls == [op.problem_key(problem(M=1000))[1]]
 
 
+def test_a_key_stored_after_a_callers_miss_is_not_tuned_again(auto, monkeypatch):
+    """The window between a caller's database miss and its turn to tune: another thread's tuning stored the key
+    and ended there, so the caller takes the stored config (seen under load: the key was tuned twice)."""
+    op, calls = make_op(), []
+    _fake_measurement(monkeypatch, TUNED, calls)
+    assert call_config(op, M=1000) == TUNED and len(calls) == 1
+    p = op.tuning_problem(problem(M=1000))
+    assert op_module._tuning.tune(op, p, op.problem_key(problem(M=1000))[1], H100) == TUNED
+    assert len(calls) == 1
+
+
 def test_a_failed_auto_tune_is_not_retried_for_new_signatures(auto, monkeypatch):
     op, attempts = make_op(), []
 

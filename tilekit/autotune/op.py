@@ -137,7 +137,8 @@ class _Tuning:
             return None if key in self.failed else _stored_config(op, problem, device)
         from tilekit.autotune.tuner import tune
         try:
-            return tune(op, problem).config
+            # another thread may have stored it between this caller's miss and now (its tuning has ended)
+            return _stored_config(op, problem, device) or tune(op, problem).config
         except Exception:
             self.failed.add(key)
             raise

@@ -44,6 +44,20 @@ def test_sharded_logits_equal_one_rank_and_transformers(cpu, name, world):
     assert rel_err(per_rank[0], np.load(DATA / name / "logits.npy")) <= 1e-5
 
 
+def test_eight_ranks_equal_one(cpu, tmp_path):
+    """TP=8, the most GPUs of one host: 8 query heads over 2 key/value heads (each held by 4 ranks), the MLP's
+    columns and the vocabulary cut in 8, against one rank on random weights."""
+    config, _ = weights.load_state_dict(DATA / "tiny-llama")
+    config = config.replace(n_head=8, n_kv_head=2, vocab_size=600)       # 10 blocks of 64: ranks get 1 or 2
+    weights.save_state_dict(tmp_path, config, weights.random_state_dict(config, seed=3), dtype="float32")
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11))
+    whole = forward(Llama.from_pretrained(tmp_path, dtype="float32"), ids)
+    per_rank = on_ranks(8, lambda comm: forward(Llama.from_pretrained(tmp_path, dtype="float32", comm=comm), ids))
+    for logits in per_rank[1:]:
+        np.testing.assert_array_equal(logits, per_rank[0])
+    assert rel_err(per_rank[0], whole) <= 1e-6
+
+
 @pytest.mark.parametrize("name", FIXTURES)
 def test_sharded_greedy_tokens_equal_transformers(cpu, name):
     ids, expected = np.load(DATA / name / "input_ids.npy"), np.load(DATA / name / "greedy_ids.npy")

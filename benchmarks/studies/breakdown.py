@@ -127,18 +127,29 @@ def format_table(summary: list[dict], bandwidth_gbs: float, step_ms: float, sequ
     return "\n".join(lines)
 
 
-def replay_ms(gen, reps: int = 20) -> float:
-    """Mean wall time of one replay of gen's decode graph."""
+def graph_ms(graph, stream, reps: int) -> float:
+    """Mean wall time of one replay of a captured graph on `stream` (after one unmeasured replay)."""
     import cupy
-    stream = gen.stream
-    gen.decode_graph.launch(stream)
+    graph.launch(stream)
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     start.record(stream)
     for _ in range(reps):
-        gen.decode_graph.launch(stream)
+        graph.launch(stream)
     end.record(stream)
     end.synchronize()
     return cupy.cuda.get_elapsed_time(start, end) / reps
+
+
+def replay_ms(gen, reps: int = 20) -> float:
+    """Mean wall time of one replay of gen's decode graph."""
+    return graph_ms(gen.decode_graph, gen.stream, reps)
+
+
+def kernel_events(prof) -> list:
+    """The GPU kernels a torch profiler recorded (no copies or fills), in start order."""
+    import torch
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.name.startswith(("Memcpy", "Memset", "[memory]"))), key=lambda e: e.time_range.start)
 
 
 def interleaved_replays(gens: dict, rounds: int, reps: int) -> dict[str, list[float]]:
@@ -175,11 +186,8 @@ def profile_step(gen, bandwidth_gbs: float, reps: int = 5, step_reps: int = 200)
 def median_run_rows(prof, reps: int, calls: list, context: int, bandwidth_gbs: float) -> list[dict]:
     """kernel_rows of the median of the `reps` equal runs a torch profiler recorded (kernels only, no
     copies or fills), with the configs this GPU's databases give the calls."""
-    import torch
-
     from tilekit.device import device_info
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                     and not e.name.startswith(("Memcpy", "Memset", "[memory]"))), key=lambda e: e.time_range.start)
+    events = kernel_events(prof)
     per_run = len(events) // reps
     runs = [[(e.name, e.time_range.end - e.time_range.start, e.time_range.end)
              for e in events[i * per_run:(i + 1) * per_run]] for i in range(reps)]

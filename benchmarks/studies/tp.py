@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.studies.breakdown import graph_ms, kernel_events, replay_ms
+
 PRESET = "llama-3.1-8b"
 PROMPT, NEW = 128, 128
 NVLINK_GBS = {"H100": 450.0, "H200": 450.0}     # NVLink 4, per direction per GPU (SXM)
@@ -71,18 +73,6 @@ def write_checkpoint(path: Path, config, log=print, quantize: str | None = None)
 
 # -- one rank ---------------------------------------------------------------------------------------------
 
-def replay_ms(graph, stream, reps: int) -> float:
-    import cupy
-    graph.launch(stream)
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    start.record(stream)
-    for _ in range(reps):
-        graph.launch(stream)
-    end.record(stream)
-    end.synchronize()
-    return cupy.cuda.get_elapsed_time(start, end) / reps
-
-
 def all_reduce_rows(comm, streams: dict, count: int = 64) -> list[dict]:
     """One decode all-reduce (of each batch's residual stream, `streams`: B -> (shape, dtype)) timed as `count` of
     them in a captured graph; and the bus bandwidth of a 256 MiB one (NCCL's busbw: 2 (n - 1) / n x bytes /
@@ -98,7 +88,7 @@ def all_reduce_rows(comm, streams: dict, count: int = 64) -> list[dict]:
             for _ in range(count):
                 comm.all_reduce(x)
             graph = stream.end_capture()
-        ms = min(replay_ms(graph, stream, 10) for _ in range(3)) / count
+        ms = min(graph_ms(graph, stream, 10) for _ in range(3)) / count
         rows.append(dict(kind="all_reduce", batch=B, bytes=x.nbytes, us=ms * 1e3))
     big = cupy.zeros((128 << 20,), cupy.float16)
     with stream:
@@ -142,7 +132,6 @@ def decode_profile(gen, comm, reps: int = 5) -> dict:
     up on an all-reduce inside the profiled window and again before each replay, so that a rank's all-reduces do
     not count the others' profiler start-up as waiting."""
     import cupy
-    import torch
     from torch.profiler import ProfilerActivity, profile
     stream = gen.stream
     gen.decode_graph.launch(stream)
@@ -160,9 +149,7 @@ def decode_profile(gen, comm, reps: int = 5) -> dict:
             line_up()
             gen.decode_graph.launch(stream)
         stream.synchronize()
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name.startswith("nccl")) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA
-                     and not e.name.startswith(("Memcpy", "Memset", "[memory]")))
+    kernels = [(e.time_range.start, e.time_range.end, e.name.startswith("nccl")) for e in kernel_events(prof)]
     per = len(kernels) // reps           # each replay's kernels after its line-up all-reduce (none at TP=1)
     replays = [kernels[i * per + (comm is not None):(i + 1) * per] for i in range(reps)]
     if not replays[0]:
@@ -204,7 +191,7 @@ def rank_main(args) -> int:
         tokens = tokens if tokens is not None else np.stack(out)[:, PROMPT:].tolist()
         (gen,) = model._generations.values()
         streams[B] = (gen.state.acts.x.shape, gen.state.acts.x.dtype)    # the residual stream the step all-reduces
-        times = [replay_ms(gen.decode_graph, gen.stream, 50) for _ in range(3)]
+        times = [replay_ms(gen, 50) for _ in range(3)]
         kv = cache_bytes(gen.state.cache) * (PROMPT + NEW / 2)           # what the mean step reads
         rows.append(dict(kind="decode", batch=B, ms=float(np.median(times)), rounds=times,
                          floor_ms=(weights + kv) / (copy_gbs * 1e9) * 1e3, copy_gbs=copy_gbs))
@@ -216,7 +203,7 @@ def rank_main(args) -> int:
         model.generate(ids, 2, temperature=0, eos_token_id=[])
     (gen,) = model._generations.values()
     buf = gen.prompts[1024]
-    times = [replay_ms(buf.graph, gen.stream, 3) for _ in range(3)]
+    times = [graph_ms(buf.graph, gen.stream, 3) for _ in range(3)]
     rows.append(dict(kind="prefill", batch=8, tokens=1024, ms=float(np.median(times)), rounds=times))
     model.forget_graphs()
     if comm is not None:

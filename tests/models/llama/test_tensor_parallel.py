@@ -31,17 +31,22 @@ def cpu(numpy_cupy, monkeypatch):
                        (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
 
 
-@pytest.mark.parametrize("name", FIXTURES)
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_logits_equal_one_rank_and_transformers(cpu, name, world):
-    ids = np.load(DATA / name / "input_ids.npy")
-    whole = forward(Llama.from_pretrained(DATA / name, dtype="float32"), ids)
-    per_rank = on_ranks(world, lambda comm: forward(Llama.from_pretrained(DATA / name, dtype="float32",
-                                                                          comm=comm), ids))
+def sharded_logits(path, ids, world: int) -> np.ndarray:
+    """forward() of the checkpoint at `path` over `world` ranks, held alike by every rank, within 1e-6 of one
+    rank's."""
+    whole = forward(Llama.from_pretrained(path, dtype="float32"), ids)
+    per_rank = on_ranks(world, lambda comm: forward(Llama.from_pretrained(path, dtype="float32", comm=comm), ids))
     for logits in per_rank[1:]:
         np.testing.assert_array_equal(logits, per_rank[0])       # every rank holds the same logits
     assert rel_err(per_rank[0], whole) <= 1e-6
-    assert rel_err(per_rank[0], np.load(DATA / name / "logits.npy")) <= 1e-5
+    return per_rank[0]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_logits_equal_one_rank_and_transformers(cpu, name, world):
+    logits = sharded_logits(DATA / name, np.load(DATA / name / "input_ids.npy"), world)
+    assert rel_err(logits, np.load(DATA / name / "logits.npy")) <= 1e-5
 
 
 def test_eight_ranks_equal_one(cpu, tmp_path):
@@ -50,12 +55,7 @@ def test_eight_ranks_equal_one(cpu, tmp_path):
     config, _ = weights.load_state_dict(DATA / "tiny-llama")
     config = config.replace(n_head=8, n_kv_head=2, vocab_size=600)       # 10 blocks of 64: ranks get 1 or 2
     weights.save_state_dict(tmp_path, config, weights.random_state_dict(config, seed=3), dtype="float32")
-    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 11))
-    whole = forward(Llama.from_pretrained(tmp_path, dtype="float32"), ids)
-    per_rank = on_ranks(8, lambda comm: forward(Llama.from_pretrained(tmp_path, dtype="float32", comm=comm), ids))
-    for logits in per_rank[1:]:
-        np.testing.assert_array_equal(logits, per_rank[0])
-    assert rel_err(per_rank[0], whole) <= 1e-6
+    sharded_logits(tmp_path, np.random.default_rng(0).integers(0, config.vocab_size, (2, 11)), 8)
 
 
 @pytest.mark.parametrize("name", FIXTURES)

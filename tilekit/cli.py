@@ -218,6 +218,9 @@ def _tune_here(args, items, shard: str | None) -> int:
             r = info["result"]
             results.append(r)
             progress.line(f"tuned {r.key}: {r.time_us:.1f} us", force=True)
+            for config, reason, why in r.failures:
+                if reason == "WrongOutput":
+                    progress.line(f"  rejected {config}: {why}", force=True)
         elif event in ("skipped", "budget-exhausted"):
             progress.line(f"{event}: {info.get('key', '')} {info.get('reason', '')}", force=True)
 
@@ -578,7 +581,8 @@ def _generation_options(args) -> dict:
     from tilekit.models.generation import GenerationSettings, SamplingParams
     sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                                               "presence_penalty", "frequency_penalty")}
-    options = dict(sampling, min_new_tokens=args.min_new_tokens, stop_strings=args.stop or None, seed=args.seed)
+    settings = dict(min_new_tokens=args.min_new_tokens, stop_strings=args.stop or None, seed=args.seed)
+    options = dict(sampling, **settings)
     if args.kv_cache_dtype != "auto":
         if args.device != "cuda":
             raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} needs --device cuda (the NumPy reference keeps "
@@ -586,8 +590,7 @@ def _generation_options(args) -> dict:
         options["kv_cache_dtype"] = args.kv_cache_dtype
     checked = {k: v for k, v in options.items() if v is not None}
     SamplingParams(**{k: checked[k] for k in sampling if k in checked})
-    GenerationSettings(max_new_tokens=args.max_new_tokens, **{k: checked[k] for k in options
-                                                                   if k in checked and k not in sampling})
+    GenerationSettings(max_new_tokens=args.max_new_tokens, **{k: checked[k] for k in settings if k in checked})
     return options
 
 

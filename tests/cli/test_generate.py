@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import tilekit
+from tilekit import cli
 from tests.cli.test_cli import misuse, run
 from tilekit.models import ReferenceGPT
 from tilekit.models.text import load_tokenizer
@@ -66,6 +67,14 @@ def test_bad_generation_options_are_refused_before_loading(args, says, capsys, m
     monkeypatch.setattr(families, "load_reference", lambda *a, **k: pytest.fail("loaded a model"))
     line = misuse(["generate", "--model", str(TINY), "--prompt", "x", "--device", "cpu", *args], capsys)
     assert says in line, line
+
+
+def test_generation_options_carry_the_kv_cache_dtype_past_the_settings_check():
+    """The options checked before loading keep --kv-cache-dtype for generate() (not a GenerationSettings field)."""
+    args = cli.build_parser().parse_args(["generate", "--model", str(TINY), "--prompt", "x", "--device", "cuda",
+                                          "--kv-cache-dtype", "fp8", "--seed", "3", "--temperature", "0.5"])
+    options = cli._generation_options(args)
+    assert (options["kv_cache_dtype"], options["seed"], options["temperature"]) == ("fp8", 3, 0.5)
 
 
 def test_prompt_choice_and_files_are_checked(tmp_path, capsys):

@@ -427,3 +427,47 @@ def bench_array(spec: ArraySpec, device: int, rng):
             flat = random_array((extent,), spec.dtype, device, rng)
         item = ITEMSIZE[spec.dtype]
         return cupy.lib.stride_tricks.as_strided(flat, spec.shape, tuple(s * item for s in strides))
+
+
+POISON_BYTE = 0x4D     # every byte of an output before a run whose outputs are compared (bf16 2.1e8, fp16 21.2)
+
+
+def _module(a):
+    """numpy for a NumPy array, else cupy."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def poison(a) -> None:
+    """Fill an array with POISON_BYTE bytes (through an unsigned view of its item size: any dtype)."""
+    item = a.dtype.itemsize
+    a.view(np.dtype(f"uint{8 * item}")).fill(int.from_bytes(bytes([POISON_BYTE]) * item, "little"))
+
+
+def as_float64(a):
+    """An array's values as float64 (bfloat16 through its bits; integers and FP8 codes as numbers)."""
+    xp = _module(a)
+    if a.dtype == numpy_dtype("bfloat16"):
+        a = (xp.ascontiguousarray(a).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return a.astype(xp.float64)
+
+
+def relative_difference(a, b) -> float:
+    """||a - b|| / ||b|| over positions finite in both; inf where a non-finite value differs (NaN matches NaN)."""
+    xp = _module(a)
+    x, y = as_float64(a), as_float64(b)
+    finite = xp.isfinite(x) & xp.isfinite(y)
+    same = (x == y) | (xp.isnan(x) & xp.isnan(y))
+    if bool(xp.any(~finite & ~same)):
+        return math.inf
+    x, y = xp.where(finite, x, 0.0), xp.where(finite, y, 0.0)
+    diff = float(xp.linalg.norm(x - y))
+    return diff / max(float(xp.linalg.norm(y)), 1e-30) if diff else 0.0
+
+
+def agreement_tolerance(dtype) -> float:
+    """Relative difference two correct configs' outputs of `dtype` stay within: 16-bit roundings of sums taken in
+    another order; fp32 sums in another order; integers (codes, ids, fixed point) all but equal."""
+    return 2e-2 if str(dtype) in ("bfloat16", "float16") else 1e-3

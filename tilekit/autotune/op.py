@@ -96,6 +96,7 @@ class BenchCase:
     grid: Callable[[Config], tuple]
     args: Callable[[Config], tuple]
     launches: Callable[[Config], list] | None = None   # tune_whole ops: [(kernel, grid, args)] of every launch
+    outputs: Callable[[Config], dict] | None = None    # config -> {name: array} after one run from the same start
 
 
 _ARRAY, _VIEW, _FIXED, _WORK, _SCALAR = range(5)
@@ -448,9 +449,11 @@ class Op:
         p = self.complete(problem)
         device, rng, launch = cupy.cuda.runtime.getDevice(), cupy.random.default_rng(), self.tuned_launch
         used = {n for each in (self.launches if self.tune_whole else (launch,)) for n in each.args}
-        values = {n: arr.bench_array(s, device, rng) for n, s in self.arrays(p).items() if n in used}
+        specs = {n: s for n, s in self.arrays(p).items() if n in used}
+        values = {n: arr.bench_array(s, device, rng) for n, s in specs.items()}
         values.update(self.scalars(p) if self.scalars else {})
         work: dict[tuple, object] = {}
+        start: dict[str, object] = {}
 
         def args(c: Config, each: Launch = launch) -> tuple:
             for n, s in (self.scratch(p, c) if self.scratch else {}).items():
@@ -463,8 +466,24 @@ class Op:
             return [(self.hinted(c) if each.hinted else each.kernel, tuple(each.grid(p, c)), args(c, each))
                     for each in self.launches if 0 not in tuple(each.grid(p, c))]
 
+        def outputs(c: Config) -> dict:
+            """Every array of the case after one run of `c` from the contents of the first such run (outputs
+            poisoned), for comparing configs: what one writes that another does not shows too."""
+            if not start:
+                for n, s in specs.items():
+                    if s.role == "out":
+                        arr.poison(values[n])
+                start.update({n: values[n].copy() for n, s in specs.items() if s.role != "absent"})
+            for n, a in start.items():
+                values[n][...] = a
+            recipe = launches(c) if self.tune_whole else [(self.hinted(c), tuple(launch.grid(p, c)), args(c))]
+            stream = cupy.cuda.get_current_stream()
+            for kernel, grid, a in recipe:
+                ct_launch(stream, grid, kernel, a)
+            return {n: values[n].copy() for n in start}
+
         return BenchCase(grid=lambda c: tuple(launch.grid(p, c)), args=args,
-                         launches=launches if self.tune_whole else None)
+                         launches=launches if self.tune_whole else None, outputs=outputs)
 
     def compile_args(self, problem: Problem, config: Config) -> list[tuple[Any, tuple]]:
         """(kernel, arguments with ArraySpecs for arrays) of every launch, for export_kernel."""

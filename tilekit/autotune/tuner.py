@@ -98,6 +98,10 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
             continue
         notify("measure", op=op.name, key=key, n=len(configs), index=i, count=len(plans))
         case = op.bench_case(bucketed)
+        configs, wrong = agreeing(case, configs, default)
+        if not configs:
+            notify("skipped", key=key, reason=f"every candidate's output differs from the default's: {wrong[0][2]}")
+            continue
         if case.launches is not None:
             found = measure_launches(configs, stream, case.launches)
         else:
@@ -110,14 +114,45 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
         result = TuneResult(op=op.name, key=key, config=best, time_us=found.best.mean_us,
                             default_config=default, default_time_us=timings.get(_freeze(default)),
                             candidates=len(candidates), measured=len(found.successes),
-                            failures=[(c, e.__name__, m.splitlines()[0] if m else "")
-                                      for c, e, m in found.failures], timings=timings)
+                            failures=wrong + [(c, e.__name__, m.splitlines()[0] if m else "")
+                                              for c, e, m in found.failures], timings=timings)
         if save:
             store.user_db().store(dev, {key: _entry(op, result, dev)})
             op.forget()
         notify("tuned", result=result)
         results.append(result)
     return results
+
+
+def agreeing(case, configs: Sequence[Config], reference: Config) -> tuple[list, list]:
+    """(configs whose outputs agree with the reference config's, [(config, reason, why)] of the rest).
+
+    Each config runs once on the case's arrays from the same contents; every array it leaves behind (outputs,
+    caches written in place) must lie within the dtype's agreement tolerance of the reference's. The compiler
+    miscompiled some configs of correct kernels (sm_90, tileiras 13.4: decode attention of 128-wide heads at a
+    few tile / occupancy pairs; docs/results/wrong-configs.txt), so a timing alone cannot pick a winner. The
+    reference is the op's default config (each op's tests check it against a float64 reference); without it
+    among the compiled configs every config is kept."""
+    from tilekit.autotune.arrays import agreement_tolerance, relative_difference
+    if reference not in configs:
+        return list(configs), []
+    want = case.outputs(reference)
+    kept, wrong = [], []
+    for config in configs:
+        try:
+            got = want if config == reference else case.outputs(config)
+        except Exception as e:  # noqa: BLE001  (a candidate that cannot run fails, as in measuring)
+            wrong.append((config, type(e).__name__, str(e).splitlines()[0] if str(e) else ""))
+            continue
+        worst = max(((relative_difference(got[n], a) / agreement_tolerance(a.dtype), n) for n, a in want.items()),
+                    default=(0.0, ""))
+        if worst[0] <= 1:
+            kept.append(config)
+        else:
+            d = worst[0] * agreement_tolerance(want[worst[1]].dtype)
+            wrong.append((config, "WrongOutput", f"{worst[1]} differs from the default config's by {d:.3g} "
+                                                 f"(relative)"))
+    return kept, wrong
 
 
 def measure_launches(configs: Sequence[Config], stream, launches: Callable, samples: int = 30, warmup: int = 3):

@@ -14,16 +14,19 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 class FakeCase:
-    """A bench case whose configs produce given arrays; raises for a config named in `broken`."""
+    """A bench case whose configs produce given arrays (a list: one run's arrays after another, the last
+    repeating); raises for a config named in `broken`."""
 
     def __init__(self, results, broken=()):
         self.results, self.broken, self.runs = results, broken, []
 
     def outputs(self, config):
-        self.runs.append(config["c"])
-        if config["c"] in self.broken:
+        c = config["c"]
+        if c in self.broken:
             raise RuntimeError("launch failed\nsecond line")
-        return {n: a.copy() for n, a in self.results[config["c"]].items()}
+        runs = self.results[c] if isinstance(self.results[c], list) else [self.results[c]]
+        self.runs.append(c)
+        return {n: a.copy() for n, a in runs[min(self.runs.count(c), len(runs)) - 1].items()}
 
 
 def test_configs_whose_outputs_differ_from_the_defaults_are_rejected_with_the_array_and_size():
@@ -45,7 +48,22 @@ def test_configs_whose_outputs_differ_from_the_defaults_are_rejected_with_the_ar
     assert wrong[0][2].startswith("y differs from the default config's by 0.")
     assert wrong[1][2].startswith("k differs")
     assert wrong[2][2] == "launch failed"
-    assert case.runs.count(0) == 1                                       # the default runs once
+    assert [case.runs.count(i) for i in range(4)] == [3, 3, 1, 1]        # three runs each, unless one differs
+
+
+def test_a_config_wrong_in_one_run_of_three_is_rejected_and_a_default_unequal_to_itself_keeps_nothing():
+    rng = np.random.default_rng(2)
+    y = rng.standard_normal(100).astype(np.float32)
+    racy = y.copy()
+    racy[:10] = 0
+    case = FakeCase({0: {"y": y}, 1: [{"y": y}, {"y": racy}, {"y": y}], 2: {"y": y}})
+    configs = [{"c": i} for i in range(3)]
+    kept, wrong = agreeing(case, configs, configs[0])
+    assert kept == [configs[0], configs[2]] and [c for c, _, _ in wrong] == [configs[1]]
+    unsteady = FakeCase({0: [{"y": y}, {"y": racy}], 1: {"y": y}})
+    kept, wrong = agreeing(unsteady, configs[:2], configs[0])
+    assert kept == [] and {c["c"] for c, _, _ in wrong} == {0, 1}
+    assert "does not agree with itself" in wrong[-1][2]
 
 
 def test_without_the_default_among_the_configs_nothing_is_checked():

@@ -124,34 +124,44 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
     return results
 
 
-def agreeing(case, configs: Sequence[Config], reference: Config) -> tuple[list, list]:
+def agreeing(case, configs: Sequence[Config], reference: Config, runs: int = 3) -> tuple[list, list]:
     """(configs whose outputs agree with the reference config's, [(config, reason, why)] of the rest).
 
-    Each config runs once on the case's arrays from the same contents; every array it leaves behind (outputs,
-    caches written in place) must lie within the dtype's agreement tolerance of the reference's. The compiler
-    miscompiled some configs of correct kernels (sm_90, tileiras 13.4: decode attention of 128-wide heads at a
-    few tile / occupancy pairs; docs/results/wrong-configs.txt), so a timing alone cannot pick a winner. The
-    reference is the op's default config (each op's tests check it against a float64 reference); without it
-    among the compiled configs every config is kept."""
+    Each config runs `runs` times on the case's arrays, from the same contents each time; every array it leaves
+    behind (outputs, caches written in place) must lie within the dtype's agreement tolerance of the
+    reference's first run, every time. tileiras 13.4 builds some configs of correct kernels that race on sm_90
+    (decode attention: wrong in some runs only; docs/results/wrong-configs.txt), so a timing alone cannot pick a
+    winner. The reference is the op's default config (each op's tests check it against a float64 reference);
+    when it does not agree with itself nothing is kept, and without it among the compiled configs every config
+    is kept."""
     from tilekit.autotune.arrays import agreement_tolerance, relative_difference
     if reference not in configs:
         return list(configs), []
     want = case.outputs(reference)
     kept, wrong = [], []
+
+    def disagreement(got: dict) -> str | None:
+        ratio, name = max((relative_difference(got[n], a) / agreement_tolerance(a.dtype), n) for n, a in want.items())
+        if ratio <= 1:
+            return None
+        return f"{name} differs from the default config's by {ratio * agreement_tolerance(want[name].dtype):.3g} (relative)"
+
     for config in configs:
+        why = None
         try:
-            got = want if config == reference else case.outputs(config)
+            for _ in range(runs - 1 if config == reference else runs):
+                why = disagreement(case.outputs(config))
+                if why:
+                    break
         except Exception as e:  # noqa: BLE001  (a candidate that cannot run fails, as in measuring)
             wrong.append((config, type(e).__name__, str(e).splitlines()[0] if str(e) else ""))
             continue
-        worst = max(((relative_difference(got[n], a) / agreement_tolerance(a.dtype), n) for n, a in want.items()),
-                    default=(0.0, ""))
-        if worst[0] <= 1:
-            kept.append(config)
+        if why:
+            wrong.append((config, "WrongOutput", why))
         else:
-            d = worst[0] * agreement_tolerance(want[worst[1]].dtype)
-            wrong.append((config, "WrongOutput", f"{worst[1]} differs from the default config's by {d:.3g} "
-                                                 f"(relative)"))
+            kept.append(config)
+    if reference not in kept:
+        return [], wrong + [(c, "WrongOutput", "the default config does not agree with itself") for c in kept]
     return kept, wrong
 
 

@@ -156,6 +156,11 @@ def cmd_tune(args) -> int:
 def _stale_items(layer: str) -> list:
     """(op, problem) of every entry of this GPU's file in `layer` that is stale: tuned for another
     kernel, search space or (user layer) toolchain; malformed entries are left to `db verify`."""
+    return [(op, problem) for op, problem, entry, stale in _entries_here(layer) if stale]
+
+
+def _entries_here(layer: str) -> list:
+    """(op, problem, entry, stale) of every well-formed entry of this GPU's file in `layer`."""
     from tilekit.autotune import store
     from tilekit.autotune.entries import entry_defect
     from tilekit.autotune.keys import parse_key
@@ -167,8 +172,7 @@ def _stale_items(layer: str) -> list:
         if entry_defect(key, entry) is None:
             name, problem = parse_key(key)
             op = registered_ops()[name]
-            if op.why_unusable(entry, layer):
-                items.append((op, problem))
+            items.append((op, problem, entry, bool(op.why_unusable(entry, layer))))
     return items
 
 
@@ -361,7 +365,7 @@ def cmd_db(args) -> int:
         raise UsageError(f"the user tuning database {store.user_db().root} cannot be used: {problem} "
                          f"(see TILEKIT_CACHE_DIR)")
     handler = {"list": _db_list, "show": _db_show, "explain": _db_explain, "export": _db_export,
-               "import": _db_import, "verify": _db_verify, "clear": _db_clear}[args.db_command]
+               "import": _db_import, "verify": _db_verify, "check": _db_check, "clear": _db_clear}[args.db_command]
     result = handler(args)
     store.reset()
     return result
@@ -552,6 +556,27 @@ def _db_verify(args) -> int:
                     ok += 1
     print(f"{ok} usable, {stale} stale, {invalid} invalid" + (f", {bad} unusable files" if bad else ""))
     return 1 if invalid or bad or (stale and args.strict) else 0
+
+
+def _db_check(args) -> int:
+    from tilekit.autotune.tuner import disagreeing_entries
+    from tilekit.device import device_info, gpu_unavailable_reason
+    reason = gpu_unavailable_reason()
+    if reason:
+        raise UsageError(f"db check needs a GPU: {reason}")
+    items = [(op, problem, entry["config"]) for op, problem, entry, stale in _entries_here(args.layer) if not stale]
+    print(f"checking {len(items)} {args.layer} entries for {device_info().name}", flush=True)
+    progress = Progress()
+    wrong = disagreeing_entries(items, workers=args.workers, progress=lambda done, total: progress.line(
+        f"run {_bar(done, total)}"))
+    progress.done()
+    for op, problem, config, why in wrong:
+        print(f"WRONG   {op.problem_key(problem)[1]}: {config}: {why}")
+    print(f"{len(items) - len(wrong)} of {len(items)} entries agree with their kernel's default config")
+    if wrong and args.retune:
+        retune = argparse.Namespace(force=True, budget=None, workers=args.workers)
+        return _tune_here(retune, [(op, problem) for op, problem, _, _ in wrong], shard=None)
+    return 1 if wrong else 0
 
 
 def _db_clear(args) -> int:
@@ -855,6 +880,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="a file written by `tilekit db export`")
     p = dbs.add_parser("verify", help="check files and entries; non-zero exit when any is invalid or unusable")
     p.add_argument("--strict", action="store_true", help="treat stale entries as invalid too")
+    p = dbs.add_parser("check", help="run this GPU's entries against their kernel's default config",
+                       description="Run the config of every usable entry of this GPU's file three times, and the "
+                                   "kernel's default config, from the same random inputs: an entry whose outputs "
+                                   "differ from the default's (a config the compiler built wrong) is listed, and "
+                                   "the exit is non-zero. --retune tunes those shapes again into the user database "
+                                   "(the tuner drops configs that disagree). Needs a GPU.")
+    p.add_argument("--layer", choices=("user", "shipped"), default="shipped", help="which database (default shipped)")
+    p.add_argument("--retune", action="store_true", help="tune the disagreeing shapes again")
+    p.add_argument("--workers", type=_positive, help="compile processes (default: CPU cores - 1)")
     p = dbs.add_parser("clear", help="delete the user database",
                        description="Delete the user database: its device files and the temporary files of "
                                    "killed writers. Lock files stay (deleting one a writer waits on would let "

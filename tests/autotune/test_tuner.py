@@ -156,3 +156,30 @@ def test_an_op_tuned_whole_times_all_its_launches(isolated_cache):
     scan = ct.tune.exhaustive_search([result.config], cupy.cuda.get_current_stream(), case.grid, NEXT_TOKEN.kernel,
                                      case.args, lambda c: split_hints(c)[1], quiet=True)
     assert result.time_us > scan.best.mean_us
+
+
+def test_db_check_runs_entries_against_the_default_and_retunes_those_that_disagree(isolated_cache, monkeypatch,
+                                                                                  capsys):
+    """`tilekit db check`: an entry whose config agrees passes; one the check rejects (planted here: no config
+    is known to stay miscompiled) is listed with exit 1, and --retune replaces it with what the tuner keeps."""
+    from tilekit import cli
+    from tilekit.autotune import tuner
+    dev = device_info()
+    tune(LINEAR, SMALL)
+    (key, entry), = store.user_db().file_for(dev).read().items()
+    problem = LINEAR.tuning_problem(SMALL)
+    default = LINEAR.default(problem)
+    other = next(c for c in LINEAR.space.candidates(problem) if c != default)
+    store.user_db().store(dev, {key: {**entry, "config": other}})
+    assert cli.main(["db", "check", "--layer", "user"]) == 0
+    assert "1 of 1 entries agree" in capsys.readouterr().out
+
+    def planted(case, configs, reference, runs=3):
+        return [reference], [(c, "WrongOutput", "planted disagreement") for c in configs if c != reference]
+    monkeypatch.setattr(tuner, "agreeing", planted)
+    assert cli.main(["db", "check", "--layer", "user"]) == 1
+    out = capsys.readouterr().out
+    assert f"WRONG   {key}: {other}: planted disagreement" in out and "0 of 1 entries agree" in out
+    assert cli.main(["db", "check", "--layer", "user", "--retune"]) == 0
+    store.reset()
+    assert store.user_db().file_for(dev).read()[key]["config"] == default

@@ -86,8 +86,8 @@ def listed_keys(out: str) -> set[str]:
 # -- help and misuse -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv", [[], ["tune"], ["db"], ["db", "list"], ["db", "show"], ["db", "explain"],
-                                  ["db", "export"], ["db", "import"], ["db", "verify"], ["db", "clear"],
-                                  ["generate"]])
+                                  ["db", "export"], ["db", "import"], ["db", "verify"], ["db", "check"],
+                                  ["db", "clear"], ["generate"]])
 def test_help_exits_0(argv, capsys):
     rc, out, err = run(argv + ["--help"], capsys)
     assert rc == 0, err
@@ -130,6 +130,11 @@ def test_import_of_a_non_export_file(tmp_path, capsys):
                                   ["tune", "--kernel", "linear", "--shape", "M=8,N=8,K=8"]])
 def test_tune_without_gpu_says_so(argv, capsys):
     assert "tuning needs a GPU" in misuse(argv, capsys)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the message on a machine without a GPU")
+def test_db_check_without_gpu_says_so(capsys):
+    assert "db check needs a GPU" in misuse(["db", "check"], capsys)
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the message on a machine without a GPU")

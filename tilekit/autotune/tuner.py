@@ -165,6 +165,25 @@ def agreeing(case, configs: Sequence[Config], reference: Config, runs: int = 3) 
     return kept, wrong
 
 
+def disagreeing_entries(items: Sequence[tuple], *, workers: int | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> list[tuple]:
+    """[(op, problem, config, why)] of the (op, problem, config) items whose config does not agree with the op's
+    default config (`agreeing`, on the problem's bench case); every config is compiled in parallel first."""
+    bucketed = [(op, op.tuning_problem(problem), config) for op, problem, config in items]
+    tasks = [t for op, b, config in bucketed for t in ((op, b, config), (op, b, op.default(b)))]
+    precompile(tasks, device_info().arch, workers=workers)
+    wrong = []
+    for i, ((op, problem, config), (_, b, _)) in enumerate(zip(items, bucketed)):
+        default = op.default(b)
+        if config != default:
+            kept, rejected = agreeing(op.bench_case(b), [default, config], default)
+            if config not in kept:
+                wrong.append((op, problem, config, rejected[-1][2]))
+        if progress:
+            progress(i + 1, len(items))
+    return wrong
+
+
 def measure_launches(configs: Sequence[Config], stream, launches: Callable, samples: int = 30, warmup: int = 3):
     """exhaustive_search's result for ops tuned whole (Op.tune_whole): each config's launches(config), a list of
     (kernel, grid, args), run in order and timed together between two events, L2 flushed before each sample;

@@ -73,14 +73,6 @@ def sampled_configs(name, k=5):
     return [op.default(p)] + [c for c in picks if c != op.default(p)]
 
 
-@pytest.fixture(scope="module")
-def precompiled_space_samples():
-    """Fill cuTile's disk cache for the sampled configs in parallel before measuring them."""
-    tasks = [(OPS[name], OPS[name].tuning_problem(p), c)
-             for name, p in SPACE_CASES.items() for c in sampled_configs(name)]
-    precompile(tasks, device_info().arch)
-
-
 def run_case(name):
     p = SPACE_CASES[name]
     if name.startswith("linear"):
@@ -111,12 +103,13 @@ def run_case(name):
 
 
 @pytest.mark.parametrize("name", list(SPACE_CASES))
-def test_sampled_configs_are_correct_or_rejected_by_the_tuner(name, precompiled_space_samples):
+def test_sampled_configs_are_correct_or_rejected_by_the_tuner(name):
     """The default config is correct; every other sampled config is correct or the tuner's output check
     (tuner.agreeing) rejects it: tileiras 13.4 miscompiles a few configs of correct kernels, and the tuner
     must never pick one."""
     op, configs = OPS[name], sampled_configs(name)
     problem = op.tuning_problem(SPACE_CASES[name])
+    precompile([(op, problem, c) for c in configs], device_info().arch, workers=len(configs))   # this case's only
     kept, rejected = agreeing(op.bench_case(problem), configs, configs[0])
     assert configs[0] in kept, rejected
     for config in configs:

@@ -27,3 +27,20 @@ def decode_logits(model, prompts: np.ndarray, follow: np.ndarray, kv_cache_dtype
         out.append(cupy.asnumpy(model.lm_head(acts.h)).astype(np.float64))
         positions += 1
     return np.stack(out, 1), cache
+
+
+def check_past_the_window(model, reference, prompt_len: int, window: int, tol: float, steps: int = 4,
+                          rng=None) -> None:
+    """A random prompt of prompt_len tokens and `steps` decode steps after it: the prefill logits past the
+    position window and the decode logits against the float64 reference model's forward of the whole."""
+    import cupy
+
+    from tilekit.kernels.checks import rel_err
+    rng = rng or np.random.default_rng(1)
+    vocab = model.config.vocab_size
+    prompt, follow = rng.integers(0, vocab, (1, prompt_len)), rng.integers(0, vocab, (1, steps))
+    expected = reference.forward(np.concatenate([prompt, follow], 1))
+    prefill = cupy.asnumpy(model(prompt)).astype(np.float64)
+    assert rel_err(prefill[:, window:], expected[:, window:prompt_len]) <= tol
+    decoded, _ = decode_logits(model, prompt, follow)
+    assert rel_err(decoded, expected[:, prompt_len:]) <= tol

@@ -62,18 +62,12 @@ def test_yarn_past_the_original_window_matches_the_reference():
     float32 only: over 600 tokens a bf16 run would likely route some token to other experts (see
     test_logits_match_hugging_face), which says nothing about the rotation."""
     dtype = "float32"
-    from tests.models.steps import decode_logits
+    from tests.models.steps import check_past_the_window
     config = DeepseekV2.from_pretrained(DATA / "tiny-deepseek-v2", dtype="float32").config.replace(
         max_position_embeddings=1024)
     state = random_state_dict(config, seed=3)
-    rng = np.random.default_rng(1)
-    prompt, follow = rng.integers(0, config.vocab_size, (1, 600)), rng.integers(0, config.vocab_size, (1, 4))
-    expected = ReferenceDeepseekV2(config, state).forward(np.concatenate([prompt, follow], 1))
-    model = DeepseekV2(config, dtype=dtype, state=state)
-    prefill = cupy.asnumpy(model(prompt)).astype(np.float64)
-    assert rel_err(prefill[:, 64:], expected[:, 64:600]) <= MODEL_TOL[dtype]
-    decoded, _ = decode_logits(model, prompt, follow)
-    assert rel_err(decoded, expected[:, 600:]) <= MODEL_TOL[dtype]
+    check_past_the_window(DeepseekV2(config, dtype=dtype, state=state), ReferenceDeepseekV2(config, state), 600, 64,
+                          MODEL_TOL[dtype])
 
 
 def test_logits_match_hugging_face_at_v2_lite_shapes(tmp_path):

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.models.steps import decode_logits
+from tests.models.steps import check_past_the_window
 from tilekit.kernels.checks import rel_err
 from tilekit.models import Llama, LlamaConfig, ReferenceLlama
 from tilekit.models.llama import model as llama_model
@@ -73,13 +73,6 @@ def test_positions_past_the_original_window_are_where_scaling_matters():
 def test_llama3_scaling_past_the_original_window_matches_the_reference(dtype):
     """A 900-token prompt (7x the window) and four decode steps after it, prefill and decode logits against the
     float64 reference at every position past the window."""
-    import cupy
     state = random_state_dict(LONG, seed=2)
-    rng = np.random.default_rng(1)
-    prompt, follow = rng.integers(0, LONG.vocab_size, (1, 900)), rng.integers(0, LONG.vocab_size, (1, 4))
-    expected = ReferenceLlama(LONG, state).forward(np.concatenate([prompt, follow], 1))
-    model = Llama(LONG, dtype=dtype, state=state)
-    prefill = cupy.asnumpy(model(prompt)).astype(np.float64)
-    assert rel_err(prefill[:, 128:], expected[:, 128:900]) <= MODEL_TOL[dtype]
-    decoded, _ = decode_logits(model, prompt, follow)
-    assert rel_err(decoded, expected[:, 900:]) <= MODEL_TOL[dtype]
+    check_past_the_window(Llama(LONG, dtype=dtype, state=state), ReferenceLlama(LONG, state), 900, 128,
+                          MODEL_TOL[dtype])

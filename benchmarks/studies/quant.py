@@ -6,8 +6,8 @@ quantized linear against PyTorch's FP8 / INT8 GEMMs on the same shapes.
 Decode rows: the replayed greedy decode step (128-token prompt + 128 new tokens) of random weights, each
 quantized model against the bf16 step as its anchor, with % of its own weight-streaming floor (quantized linears
 at one byte a weight plus their scales, the rest in bf16, and the mean step's KV cache, at the copy bandwidth) and
-the share of next tokens each model picks as bf16's greedy run did, fed that run's tokens (teacher-forced). Prefill row: B8 x T1024 full-logits forward, fp8 (W8A8) against
-bf16. Linear rows: quant_linear per Llama linear shape against torch._scaled_mm (FP8, row-wise scales, fast
+the share of next tokens each model picks as bf16's greedy run did, fed that run's tokens (teacher-forced).
+Prefill row: B8 x T1024 full-logits forward, fp8 (W8A8) against bf16. Linear rows: quant_linear per Llama linear shape against torch._scaled_mm (FP8, row-wise scales, fast
 accumulation) and torch._int_mm (INT8, M > 16), % of the bandwidth floor (few rows) or the tensor-core rate.
 """
 
@@ -33,7 +33,7 @@ def next_token_agreement(model, sequences, prompt: int) -> float:
     Free-running generations of random weights part for good at their first different token, so comparing them
     says little; this compares every step on the same history."""
     import numpy as np
-    logits = np.asarray(_host(model(sequences[:, :-1]))[:, prompt - 1:], np.float32)
+    logits = np.asarray(_host(model(sequences[:, :-1])[:, prompt - 1:]), np.float32)    # sliced before the copy
     return float(np.mean(logits.argmax(-1) == sequences[:, prompt:]))
 
 
@@ -70,7 +70,8 @@ def decode_rows(preset: str, batch: int, copy_gbs: float, log=print) -> list[dic
         row = dict(preset=preset, batch=batch, weights=kind or "bf16", step_ms=ms, vs_bf16=base / ms, floor_ms=floor,
                    pct_floor=100 * floor / ms, next_token_agree=next_token_agreement(model, tokens, PROMPT))
         log(f"{preset} {row['weights']:5s} B{batch:<3d} {ms:7.3f} ms/step  {row['vs_bf16']:5.2f}x bf16  "
-            f"{row['pct_floor']:4.0f}% of the {floor:.3f} ms floor  next tokens as bf16's: {row['next_token_agree']:.1%}")
+            f"{row['pct_floor']:4.0f}% of the {floor:.3f} ms floor  "
+            f"next tokens as bf16's: {row['next_token_agree']:.1%}")
         rows.append(row)
         model.forget_graphs()
         del model, gen

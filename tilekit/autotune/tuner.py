@@ -169,14 +169,16 @@ def disagreeing_entries(items: Sequence[tuple], *, workers: int | None = None,
                         progress: Callable[[int, int], None] | None = None) -> list[tuple]:
     """[(op, problem, config, why)] of the (op, problem, config) items whose config does not agree with the op's
     default config (`agreeing`, on the problem's bench case); every config is compiled in parallel first."""
-    bucketed = [(op, op.tuning_problem(problem), config) for op, problem, config in items]
-    tasks = [t for op, b, config in bucketed for t in ((op, b, config), (op, b, op.default(b)))]
-    precompile(tasks, device_info().arch, workers=workers)
+    checks = []
+    for op, problem, config in items:
+        bucketed = op.tuning_problem(problem)
+        checks.append((op, problem, config, bucketed, op.default(bucketed)))
+    precompile([task for op, _, config, bucketed, default in checks
+                for task in ((op, bucketed, config), (op, bucketed, default))], device_info().arch, workers=workers)
     wrong = []
-    for i, ((op, problem, config), (_, b, _)) in enumerate(zip(items, bucketed)):
-        default = op.default(b)
+    for i, (op, problem, config, bucketed, default) in enumerate(checks):
         if config != default:
-            kept, rejected = agreeing(op.bench_case(b), [default, config], default)
+            kept, rejected = agreeing(op.bench_case(bucketed), [default, config], default)
             if config not in kept:
                 wrong.append((op, problem, config, rejected[-1][2]))
         if progress:

@@ -44,9 +44,10 @@ def test_fp8_decode_attention_matches_the_dequantized_reference(B, H, Hkv, nq, c
         expected_k[b, :, n - nq:n] = fp8_codes(new["new_k"], ks)[b]
         expected_v[b, :, n - nq:n] = fp8_codes(new["new_v"], vs)[b]
     out = poisoned((B, H, nq, D), dtype)
-    config = dict(BN=64, CHUNK=chunk, occupancy=2) if chunk else DECODE_ATTENTION.default(
-        DECODE_ATTENTION.tuning_problem(dict(dtype=dtype, B=B, H=H, Hkv=Hkv, nq=nq, capacity=capacity, D=D,
-                                             new_kv=int(new_kv), fp8=1)))
+    # pinned splits; occupancy 2 only with 64-wide 16-bit heads, as in the space (docs/results/wrong-configs.txt)
+    config = dict(BN=64, CHUNK=chunk, occupancy=2 if D == 64 and dtype != "float32" else 1) if chunk else \
+        DECODE_ATTENTION.default(DECODE_ATTENTION.tuning_problem(dict(dtype=dtype, B=B, H=H, Hkv=Hkv, nq=nq,
+                                                                      capacity=capacity, D=D, new_kv=int(new_kv), fp8=1)))
     with DECODE_ATTENTION.pinned(config):
         for _ in range(2):             # a second call on the same caches: the same result
             decode_attention(q, kc, vc, cupy.asarray(lengths), new_k=k_new, new_v=v_new, k_scale=k_scale,

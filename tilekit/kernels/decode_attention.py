@@ -154,9 +154,16 @@ def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Cons
 
 
 def _fits(c: dict, p: dict) -> bool:
-    # 256-key tiles only where K and V tiles stay 32 KB and the fp32 score tile does not spill
+    """256-key tiles only where K and V tiles stay 32 KB and the fp32 score tile does not spill. Left out, as
+    tileiras 13.4 builds them wrong on sm_90 at some shapes (docs/results/wrong-configs.txt): occupancy 2 with
+    query rows of 256 bytes or more (bf16 D128, fp32), and 64-key tiles at occupancy 4 with 16-bit D128 rows.
+    The tuner's check catches such a config at the shape it tunes; this keeps a shape that borrows another
+    shape's entry from inheriting one."""
+    row_bytes = pow2_ceil(p["D"]) * (4 if p["dtype"] == "float32" else 2)
     return (c["BN"] <= c["CHUNK"] <= max(128, pow2_ceil(p["capacity"]))
-            and (c["BN"] <= 128 or (p["D"] <= 64 and p["dtype"] != "float32")))
+            and (c["BN"] <= 128 or (p["D"] <= 64 and p["dtype"] != "float32"))
+            and (c["occupancy"] != 2 or row_bytes < 256)
+            and not (c["BN"] == 64 and c["occupancy"] == 4 and p["dtype"] != "float32" and p["D"] > 64))
 
 
 # The tuner times the merge launch with the splits, so splits go down to 128 positions (batch 1 with few

@@ -561,10 +561,14 @@ def _db_verify(args) -> int:
 def _db_check(args) -> int:
     from tilekit.autotune.tuner import disagreeing_entries
     from tilekit.device import device_info, gpu_unavailable_reason
+    from tilekit.autotune.registry import registered_ops
+    if args.kernel is not None and args.kernel not in registered_ops():
+        raise UsageError(f"--kernel must be one of {', '.join(sorted(registered_ops()))}")
     reason = gpu_unavailable_reason()
     if reason:
         raise UsageError(f"db check needs a GPU: {reason}")
-    items = [(op, problem, entry["config"]) for op, problem, entry, stale in _entries_here(args.layer) if not stale]
+    items = [(op, problem, entry["config"]) for op, problem, entry, stale in _entries_here(args.layer)
+             if not stale and args.kernel in (None, op.name)]
     print(f"checking {len(items)} {args.layer} entries for {device_info().name}", flush=True)
     progress = Progress()
     wrong = disagreeing_entries(items, workers=args.workers, progress=lambda done, total: progress.line(
@@ -888,6 +892,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(the tuner drops configs that disagree). Needs a GPU.")
     p.add_argument("--layer", choices=("user", "shipped"), default="shipped", help="which database (default shipped)")
     p.add_argument("--retune", action="store_true", help="tune the disagreeing shapes again")
+    p.add_argument("--kernel", help="check only this kernel's entries")
     p.add_argument("--workers", type=_positive, help="compile processes (default: CPU cores - 1)")
     p = dbs.add_parser("clear", help="delete the user database",
                        description="Delete the user database: its device files and the temporary files of "

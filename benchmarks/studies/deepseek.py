@@ -26,10 +26,10 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
+from benchmarks.harness.compiling import Precompile, distinct_tasks
 from benchmarks.studies.breakdown import NEW_TOKENS, PROMPT, _decode_generation, replay_ms
 
 PRESET = "deepseek-v2-lite"
@@ -87,37 +87,12 @@ def workload_tasks(model, batches, prefill: int, config_of=None) -> list[tuple]:
     """(op, problem, config) of every kernel the run launches (generate at each batch, forward of each batch's
     prompts, the prefill), each once, with config_of(op, problem) (default: the config this GPU's databases give
     it, else the default)."""
-    if config_of is None:
-        from tilekit.device import device_info
-        device = device_info()
-
-        def config_of(op, problem):
-            return op.resolve(problem, device).config
     calls = []
     for b in batches:
         calls += model.kernel_problems(b, PROMPT, NEW_TOKENS) + model.kernel_problems(b, PROMPT)
     if prefill:
         calls += model.kernel_problems(1, prefill)
-    tasks = {}
-    for op, problem in calls:
-        config = config_of(op, problem)
-        key = (op.name, json.dumps(problem, sort_keys=True, default=str), json.dumps(config, sort_keys=True))
-        tasks.setdefault(key, (op, problem, config))
-    return list(tasks.values())
-
-
-class Precompile(threading.Thread):
-    """tilekit.autotune.compile.precompile of the tasks in worker processes, in the background."""
-
-    def __init__(self, tasks: list[tuple], arch: str):
-        super().__init__(daemon=True)
-        self.tasks, self.arch, self.ok, self.errors, self.seconds = tasks, arch, set(), {}, 0.0
-
-    def run(self) -> None:
-        from tilekit.autotune.compile import precompile
-        start = time.perf_counter()
-        self.ok, self.errors = precompile(self.tasks, self.arch)
-        self.seconds = time.perf_counter() - start
+    return distinct_tasks(calls, config_of)
 
 
 # -- the anchor ---------------------------------------------------------------------------------------------------
@@ -395,8 +370,7 @@ def run(config, preset: str, batches: list[int], prefill: int, anchor: bool = Tr
             anchor_note = f"none: {type(e).__name__}: {e}"
             log(f"no anchor: {type(e).__name__}: {e}")
     compiling.join()
-    log(f"precompiled {len(compiling.ok)}/{len(compiling.tasks)} kernels in {compiling.seconds:.0f} s"
-        + (f"; {len(compiling.errors)} failed, e.g. {next(iter(compiling.errors.values()))}" if compiling.errors else ""))
+    log(compiling.summary())
     results = {"preset": preset, "copy_gbs": copy_gbs, "anchor": anchor_note, "cache": cache_row(model, preset),
                "decode": [], "prefill": []}
     failed = 0

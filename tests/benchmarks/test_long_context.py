@@ -28,3 +28,17 @@ def test_summary_table_takes_geomeans_and_the_worst_row():
     assert table[3] == "| decode fp8 B1 | 1 | nanx | nanx (D64 G4 ctx 4096) | 30% |"
     assert table[4] == "| prefill B4 H16 T2048 D128 | 1 | 1.10x | 512 TFLOP/s | - |"
     assert table[5].startswith("| llama-3.1-8b shape, 4 of 32 layers ctx 8192 | 1 | 1.25x (1.000 ms/token")
+
+
+def test_kernel_calls_are_the_rows_problems_with_every_key_field():
+    """What the study compiles up front: each decode shape with both caches, each prefill shape; every problem
+    holds the fields its op's key reads, and the shapes whose bf16 cache exceeds the cap are left out."""
+    calls = long_context.kernel_calls(["decode", "prefill"])
+    shapes = list(long_context.decode_shapes())
+    assert len(calls) == 2 * len(shapes) + len(long_context.PREFILL)
+    assert all(2 * B * Hkv * ctx * D * 2 <= long_context.MAX_CACHE_BYTES for B, Hkv, D, ctx in shapes)
+    assert (32, 32, 128, 131072) not in shapes and (1, 32, 64, 131072) in shapes
+    for op, problem in calls:
+        assert op.space.candidates(op.tuning_problem(problem)), (op.name, problem)
+        assert set(op.fields) == set(problem), (op.name, sorted(set(op.fields) ^ set(problem)))
+    assert long_context.kernel_calls(["model"]) == []

@@ -137,6 +137,10 @@ def test_db_check_without_gpu_says_so(capsys):
     assert "db check needs a GPU" in misuse(["db", "check"], capsys)
 
 
+def test_db_check_refuses_an_unknown_kernel_before_looking_for_a_gpu(capsys):
+    assert "--kernel must be one of" in misuse(["db", "check", "--kernel", "no_such_op"], capsys)
+
+
 @pytest.mark.skipif(HAS_GPU, reason="checks the message on a machine without a GPU")
 def test_explain_without_gpu_needs_gpu_name(capsys):
     assert "--gpu NAME" in misuse(["db", "explain", "--model", "gpt2"], capsys)

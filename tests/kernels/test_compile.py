@@ -109,8 +109,8 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
                dict(TM=16, TN=64, TK=128, GROUP_M=8, SPLIT_K=4, PERSISTENT=0, occupancy=1, num_ctas=1,
                     num_worker_warps=0))]
     decode = ops["decode_attention"]     # the space's ends: the shortest splits, the longest
-    tasks += [(decode, decode.tuning_problem(PROBLEMS["decode_attention"][4]), dict(BN=64, CHUNK=128, occupancy=1)),
-              (decode, decode.tuning_problem(PROBLEMS["decode_attention"][4]), dict(BN=128, CHUNK=8192, occupancy=4))]
+    tasks += [(decode, decode.tuning_problem(PROBLEMS["decode_attention"][4]), dict(BN=64, PROGRAMS=4096, occupancy=1)),
+              (decode, decode.tuning_problem(PROBLEMS["decode_attention"][4]), dict(BN=128, PROGRAMS=1, occupancy=4))]
     mla = ops["mla_decode_attention"]
     tasks += [(mla, mla.tuning_problem(PROBLEMS["mla_decode_attention"][0]), dict(HP=16, BN=32, CHUNK=4096, occupancy=1))]
     quant = ops["quant_linear"]

@@ -8,11 +8,19 @@ from hypothesis import given, settings, strategies as st
 
 from tilekit.kernels import decode_attention
 from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand
-from tilekit.kernels.decode_attention import DECODE_ATTENTION, decode_attention_reference
+from tilekit.kernels.decode_attention import PROGRAMS, DECODE_ATTENTION, decode_attention_reference, split_chunk
 
 pytestmark = pytest.mark.gpu
 
 GPU = settings(max_examples=12, deadline=None, derandomize=True)
+
+
+def with_chunk(problem: dict, chunk: int, **config) -> dict:
+    """config with the fewest programs whose splits are `chunk` positions long at this problem."""
+    for programs in PROGRAMS:
+        if split_chunk(problem, dict(config, PROGRAMS=programs)) == chunk:
+            return dict(config, PROGRAMS=programs)
+    raise AssertionError(f"no program count makes {chunk}-position splits at {problem}")
 
 
 def check_decode(B, H, nq, capacity, D, dtype, Hkv=None, new_kv=False, lengths_h=None, rng=np.random.default_rng(0)):
@@ -57,19 +65,21 @@ def test_decode_splits_merge_and_write_new_keys_at_every_boundary(chunk, BN):
     splits' states wrongly at times when the last split to arrive did it, fp32 tiles on an H200)."""
     for nq in (1, 3):
         lengths = np.array([chunk, chunk + 1, chunk + nq, 2 * chunk + nq - 2, 600, nq], np.int32)
+        bf16 = dict(B=6, Hkv=2, capacity=600)
+        fp32 = dict(B=6, Hkv=4, capacity=600)
         for _ in range(2):
-            with DECODE_ATTENTION.pinned(dict(BN=BN, CHUNK=chunk, occupancy=2)):
+            with DECODE_ATTENTION.pinned(with_chunk(bf16, chunk, BN=BN, occupancy=2)):
                 check_decode(6, 8, nq, 600, 64, "bfloat16", 2, new_kv=True, lengths_h=lengths)
             if BN <= 128:       # the space keeps fp32 to 128-key tiles, and off occupancy 2 (wrong-configs.txt)
-                with DECODE_ATTENTION.pinned(dict(BN=BN, CHUNK=chunk, occupancy=4)):
+                with DECODE_ATTENTION.pinned(with_chunk(fp32, chunk, BN=BN, occupancy=4)):
                     check_decode(6, 4, nq, 600, 64, "float32", new_kv=False, lengths_h=lengths)
 
 
-@pytest.mark.parametrize("capacity,chunk,occupancy", [(16384, 128, 1), (40000, 8192, 4)])
-def test_long_contexts_many_and_few_splits(capacity, chunk, occupancy):
-    """128 splits of one sequence (many partial states to merge) and a few long ones, GQA group 4 and 8,
-    three calls each."""
-    with DECODE_ATTENTION.pinned(dict(BN=128, CHUNK=chunk, occupancy=occupancy)):
+@pytest.mark.parametrize("capacity,programs,occupancy", [(16384, 1024, 1), (40000, 64, 4)])
+def test_long_contexts_many_and_few_splits(capacity, programs, occupancy):
+    """128 splits of one sequence (the most there are: many partial states to merge) and a few long ones (5 of 8192
+    and 10 of 4096 positions), GQA group 4 and 8, three calls each."""
+    with DECODE_ATTENTION.pinned(dict(BN=128, PROGRAMS=programs, occupancy=occupancy)):
         for H, Hkv in ((32, 8), (32, 4)):
             for _ in range(3):
                 check_decode(1, H, 1, capacity, 128, "bfloat16", Hkv, new_kv=True)

@@ -37,5 +37,5 @@ def test_64_wide_16_bit_heads_keep_occupancy_2():
 def test_a_borrowed_miscompile_is_not_admitted():
     """The entry lookup admits a borrowed config only if the space does at the borrowing shape."""
     p = _problem("bfloat16", 128, B=2)
-    assert not DECODE_ATTENTION.space.admits(dict(BN=128, CHUNK=1024, occupancy=2), p)
-    assert DECODE_ATTENTION.space.admits(dict(BN=128, CHUNK=1024, occupancy=4), p)
+    assert not DECODE_ATTENTION.space.admits(dict(BN=128, PROGRAMS=64, occupancy=2), p)
+    assert DECODE_ATTENTION.space.admits(dict(BN=128, PROGRAMS=64, occupancy=4), p)

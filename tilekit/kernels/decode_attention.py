@@ -1,7 +1,7 @@
 """Decode attention: a few new query tokens per sequence against a KV cache, split over the context.
 
 Flash-decoding: the context of each (sequence, head) is cut into CHUNK-long splits handled by
-separate programs, so even batch 1 can fill the GPU; each split stores a partial softmax state
+separate programs, so even batch 1 can fill the GPU (the tuner picks a program count, split_chunk the length); each split stores a partial softmax state
 (max, sum, unnormalised output) and a second, small kernel merges them (no merge with one split); the
 tuner times both launches. (A merge by the last split to arrive, counted on an atomic, was one launch
 but read other splits' states wrongly at times on an H200: fp32 tiles, and MLA's 32 splits of a 4K
@@ -153,36 +153,54 @@ def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Cons
     ct.scatter(O, (b, head, token, ct.arange(D, dtype=ct.int32).reshape((1, D))), (out / total).astype(O.dtype))
 
 
+MIN_CHUNK = 128       # positions of the shortest split
+MAX_SPLITS = 128      # partial states the merge reads back per (sequence, key/value head)
+
+
+def split_chunk(p: dict, c: dict) -> int:
+    """Positions per split: the capacity cut so that the grid holds at most PROGRAMS programs (B x Hkv x splits),
+    the split a power of two from MIN_CHUNK (and the key tile) up to the whole capacity, at most MAX_SPLITS splits.
+    B and the capacity count as their buckets, so every problem of a tuned entry's bucket runs its kernel. Tuning a
+    program count rather than a split length lets a shape that borrows another's entry (another batch, GQA group
+    or context) keep a grid that fills the GPU."""
+    capacity = pow2_ceil(p["capacity"])
+    splits = max(1, c["PROGRAMS"] // (pow2_ceil(p["B"]) * p["Hkv"]))
+    chunk = max(MIN_CHUNK, c["BN"], pow2_ceil(ct.cdiv(capacity, splits)), capacity // MAX_SPLITS)
+    return min(chunk, max(capacity, MIN_CHUNK, c["BN"]))
+
+
 def _fits(c: dict, p: dict) -> bool:
-    """256-key tiles only where K and V tiles stay 32 KB and the fp32 score tile does not spill. Left out, as
-    tileiras 13.4 builds them wrong on sm_90 at some shapes (docs/results/wrong-configs.txt): occupancy 2 with
-    query rows of 256 bytes or more (bf16 D128, fp32), and 64-key tiles at occupancy 4 with 16-bit D128 rows.
-    The tuner's check catches such a config at the shape it tunes; this keeps a shape that borrows another
-    shape's entry from inheriting one."""
+    """A program count only where it makes a split length of its own (the smallest one that does). 256-key tiles
+    only where K and V tiles stay 32 KB and the fp32 score tile does not spill. Left out, as tileiras 13.4 builds
+    them wrong on sm_90 at some shapes (docs/results/wrong-configs.txt): occupancy 2 with query rows of 256 bytes
+    or more (bf16 D128, fp32), and 64-key tiles at occupancy 4 with 16-bit D128 rows. The tuner's check catches
+    such a config at the shape it tunes; this keeps a shape that borrows another shape's entry from inheriting one."""
     row_bytes = pow2_ceil(p["D"]) * (4 if p["dtype"] == "float32" else 2)
-    return (c["BN"] <= c["CHUNK"] <= max(128, pow2_ceil(p["capacity"]))
+    index = PROGRAMS.index(c["PROGRAMS"])
+    return ((index == 0 or split_chunk(p, dict(c, PROGRAMS=PROGRAMS[index - 1])) != split_chunk(p, c))
             and (c["BN"] <= 128 or (p["D"] <= 64 and p["dtype"] != "float32"))
             and (c["occupancy"] != 2 or row_bytes < 256)
             and not (c["BN"] == 64 and c["occupancy"] == 4 and p["dtype"] != "float32" and p["D"] > 64))
 
 
-# The tuner times the merge launch with the splits, so splits go down to 128 positions (batch 1 with few
-# key/value heads fills the GPU at 4K) and up to 8192 (a 128K context in 16 splits).
-SPACE = SearchSpace(_fits, BN=(64, 128, 256), CHUNK=(128, 256, 512, 1024, 2048, 4096, 8192), occupancy=(1, 2, 4))
+# The tuner times the merge launch with the splits, so it weighs more programs against more states to merge.
+# PROGRAMS 1: one split per (sequence, key/value head), no merge.
+PROGRAMS = (1, 64, 128, 256, 512, 1024, 2048, 4096)
+SPACE = SearchSpace(_fits, BN=(64, 128, 256), PROGRAMS=PROGRAMS, occupancy=(1, 2, 4))
 
 
 def default_config(p: dict) -> dict:
-    # About two programs per SM on a 132-SM GPU, a split at least two 128-key tiles long; at most 64 splits,
-    # each of which the merge reads back.
-    per_seq = max(1, 264 // max(1, p["B"] * p["Hkv"]))
-    chunk = max(256, pow2_ceil(math.ceil(p["capacity"] / per_seq)), pow2_ceil(math.ceil(p["capacity"] / 64)))
-    # fp32 products run on FMA units with the tiles in registers: 64-key tiles spill less (sm_90 D64: 1.9 KB a
-    # thread against 2.5 KB at 128; docs/results/fp32-tiles-sm90.txt)
-    return dict(BN=64 if p["dtype"] == "float32" else 128, CHUNK=min(8192, chunk), occupancy=4)
+    """About two programs per SM of a 132-SM GPU, in splits of at least two 128-key tiles (a short context in one
+    split: no merge launch). fp32 products run on FMA units with the tiles in registers: 64-key tiles spill less
+    (sm_90 D64: 1.9 KB a thread against 2.5 KB at 128; docs/results/fp32-tiles-sm90.txt)."""
+    c = dict(BN=64 if p["dtype"] == "float32" else 128, occupancy=4)
+    chunk = {n: split_chunk(p, dict(c, PROGRAMS=n)) for n in PROGRAMS}
+    target = min((chunk[n] for n in PROGRAMS if n <= 256 and chunk[n] >= 256), default=chunk[1])
+    return dict(c, PROGRAMS=min(n for n in PROGRAMS if chunk[n] == target))     # the space's one for that length
 
 
 def _splits(p: dict, c: dict) -> int:
-    return ct.cdiv(p["capacity"], c["CHUNK"])
+    return ct.cdiv(p["capacity"], split_chunk(p, c))
 
 
 def _qp(p: dict) -> int:
@@ -225,7 +243,7 @@ def _merge_grid(p: dict, c: dict) -> tuple:
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (_qp(p), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["D"]), c["CHUNK"], _splits(p, c) > 1,
+    return (_qp(p), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["D"]), split_chunk(p, c), _splits(p, c) > 1,
             bool(p["new_kv"]), bool(p["fp8"]))
 
 

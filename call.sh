@@ -13,6 +13,10 @@ if [ "$t_tune" -gt 0 ]; then
   cp $TILEKIT_CACHE_DIR/tuning/sm_*/*.json $OUT/ 2>/dev/null
   python3 -m tilekit db verify | tail -1
 fi
+if [ -n "${CHECK_KERNEL:-}" ]; then
+  timeout 120 python3 -m tilekit db check --kernel $CHECK_KERNEL --retune > $OUT/check.txt 2>&1; echo "check rc $?"
+  tail -3 $OUT/check.txt; cp $TILEKIT_CACHE_DIR/tuning/sm_*/*.json $OUT/ 2>/dev/null
+fi
 if [ "$t_study" -gt 0 ]; then
   timeout $t_study python3 -m "$@" --out $OUT > $OUT/study.txt 2>&1; echo "study rc $?"
   tail -40 $OUT/study.txt

@@ -77,8 +77,8 @@ def test_decode_splits_merge_and_write_new_keys_at_every_boundary(chunk, BN):
 
 @pytest.mark.parametrize("capacity,programs,occupancy", [(16384, 1024, 1), (40000, 64, 4)])
 def test_long_contexts_many_and_few_splits(capacity, programs, occupancy):
-    """128 splits of one sequence (the most there are: many partial states to merge) and a few long ones (5 of 8192
-    and 10 of 4096 positions), GQA group 4 and 8, three calls each."""
+    """128 splits of one sequence (the most there are: many partial states to merge) and a few long ones (10 of 4096
+    positions), GQA group 4 and 8, three calls each."""
     with DECODE_ATTENTION.pinned(dict(BN=128, PROGRAMS=programs, occupancy=occupancy)):
         for H, Hkv in ((32, 8), (32, 4)):
             for _ in range(3):

@@ -155,16 +155,20 @@ def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Cons
 
 MIN_CHUNK = 128       # positions of the shortest split
 MAX_SPLITS = 128      # partial states the merge reads back per (sequence, key/value head)
+FILL_PROGRAMS, LONG_SPLIT = 264, 4096
 
 
 def split_chunk(p: dict, c: dict) -> int:
     """Positions per split: the capacity cut so that the grid holds at most PROGRAMS programs (B x Hkv x splits),
     the split a power of two from MIN_CHUNK (and the key tile) up to the whole capacity, at most MAX_SPLITS splits.
     B and the capacity count as their buckets, so every problem of a tuned entry's bucket runs its kernel. Tuning a
-    program count rather than a split length lets a shape that borrows another's entry (another batch, GQA group
-    or context) keep a grid that fills the GPU."""
+    program count rather than a split length lets a shape that borrows another's entry (another batch, GQA group)
+    keep a grid that fills the GPU; and since short contexts tune to few programs, a context long enough for splits
+    of LONG_SPLIT positions gets at least FILL_PROGRAMS programs (two per SM of a 132-SM GPU) whatever the entry
+    (borrowed from a 1K context, one split per head ran batch 1 with 32 heads at 128K at 23% of the copy bandwidth)."""
     capacity = pow2_ceil(p["capacity"])
-    splits = max(1, c["PROGRAMS"] // (pow2_ceil(p["B"]) * p["Hkv"]))
+    pairs = pow2_ceil(p["B"]) * p["Hkv"]
+    splits = max(1, c["PROGRAMS"] // pairs, min(FILL_PROGRAMS // pairs, capacity // LONG_SPLIT))
     chunk = max(MIN_CHUNK, c["BN"], pow2_ceil(ct.cdiv(capacity, splits)), capacity // MAX_SPLITS)
     return min(chunk, max(capacity, MIN_CHUNK, c["BN"]))
 

@@ -695,6 +695,10 @@ class TestThroughTheModels:
         ("tiny-llama", {"rope_theta": 5e-324, "rope_parameters": None},
          "field 'rope_theta' is 5e-324: it gives rotary frequencies that are not finite and > 0 (with head_dim 16)"),
         ("tiny-llama", {"rope_scaling": []}, "field 'rope_scaling' is [], expected a JSON object"),
+        ("tiny-llama", {"rope_parameters": {"rope_type": ["llama3"]}},
+         "field 'rope_parameters.rope_type' is [\"llama3\"], a variant tilekit does not compute"),
+        ("tiny-llama", {"rope_parameters": None, "rope_scaling": {"type": {}}},
+         "field 'rope_scaling.type' is {}, a variant tilekit does not compute"),
         ("tiny-llama", {"eos_token_id": []}, "field 'eos_token_id' is [], expected a token id or a non-empty list of "
                                              "them (integers in [0, 259))"),
         ("tiny-llama", {"num_hidden_layers": 2.7}, "field 'num_hidden_layers' is 2.7, expected an integer in "

@@ -437,7 +437,8 @@ def rope_fields(f: Fields, kinds: dict[str, tuple[str, ...]], theta: float) -> t
     rope = f.object("rope_scaling", None) or f.object("rope_parameters", None)
     if rope is None:
         return None, "default", theta
-    kind = rope.variant("rope_type" if "rope_type" in rope else "type", "default", lambda v: v in kinds)
+    kind = rope.variant("rope_type" if "rope_type" in rope else "type", "default",
+                        lambda v: isinstance(v, str) and v in kinds)
     extra = sorted(set(rope.d) - {"rope_type", "type", "rope_theta", *kinds[kind]})
     if extra:
         rope.variant(extra[0], None, lambda v: False)

@@ -614,8 +614,17 @@ def load(path, cls=None):
                     cls.from_pretrained(path, dtype="float32"))
 
 
+DS_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+
+
 @pytest.mark.usefixtures("numpy_cupy")
 class TestThroughTheModels:
+    @pytest.fixture(autouse=True)
+    def imported(self):
+        """Every family's modules imported before a test measures what a refusal allocates."""
+        for family in families.FAMILIES.values():
+            assert family.model_class and family.hub_orgs is not None
+
     def test_links_out_of_the_directory(self, tmp_path):
         d = tiny(tmp_path, "tiny-llama")
         (d / SHARD_2).rename(tmp_path / SHARD_2)
@@ -716,6 +725,25 @@ class TestThroughTheModels:
         d = tiny(tmp_path, fixture)
         config = json.loads((d / "config.json").read_text())
         (d / "config.json").write_text(json.dumps({k: v for k, v in {**config, **changes}.items() if v is not None}))
+        refused(tmp_path, ModelFileError, f"{d}/config.json: {problem}", load(d))
+        refused(tmp_path, ModelFileError, f"{d}/config.json: {problem}", lambda: families.config_from_path(d))
+
+    @pytest.mark.parametrize("changes, problem", [
+        ({"rope_parameters": dict(DS_YARN, rope_theta=1.0)},
+         "field 'rope_parameters.rope_theta' is 1.0: it leaves YaRN's correction range undefined (with beta_fast "
+         "32.0, beta_slow 1.0)"),
+        ({"rope_parameters": dict(DS_YARN, beta_fast=5e-324, beta_slow=5e-324)},
+         "field 'rope_parameters.rope_theta' is 10000.0: it leaves YaRN's correction range undefined (with "
+         "beta_fast 5e-324, beta_slow 5e-324)"),
+        ({"rope_theta": 5e-324},
+         "field 'rope_theta' is 5e-324: it gives rotary frequencies that are not finite and > 0 (with "
+         "qk_rope_head_dim 16)"),
+    ])
+    def test_deepseek_rope(self, tmp_path, changes, problem):
+        d = tiny(tmp_path, "tiny-deepseek-v2")
+        config = json.loads((d / "config.json").read_text())
+        config.pop("rope_parameters")
+        (d / "config.json").write_text(json.dumps({**config, **changes}))
         refused(tmp_path, ModelFileError, f"{d}/config.json: {problem}", load(d))
         refused(tmp_path, ModelFileError, f"{d}/config.json: {problem}", lambda: families.config_from_path(d))
 

@@ -86,6 +86,8 @@ def test_variants_it_does_not_compute_are_refused_naming_the_key(key, value):
     (dict(routed_scaling_factor=math.inf), "routed_scaling_factor"), (dict(rms_norm_eps=0.0), "rms_norm_eps"),
     (dict(eos_token_id=102400), "token ids"), (dict(tie_word_embeddings=1), "tie_word_embeddings"),
     (dict(rope_scaling={"factor": 40}), "rope_scaling must be a YarnScaling"),
+    (dict(rope_theta=1.0), "rope_theta 1.0 leaves YaRN's correction range undefined"),
+    (dict(rope_theta=5e-324, rope_scaling=None), "rope_theta 5e-324 gives rotary frequencies that are not finite"),
 ])
 def test_bad_values_are_refused(changes, match):
     with pytest.raises(ValueError, match=match):

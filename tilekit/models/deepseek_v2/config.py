@@ -99,6 +99,21 @@ def rope_inv_freq(dim: int, theta: float, scaling: YarnScaling | None = None) ->
     return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
 
 
+def rope_problem(dim: int, theta: float, scaling: YarnScaling | None) -> str | None:
+    """Why these RoPE parameters cannot rotate, or None: YaRN's correction range undefined (rope_theta 1, or a beta
+    so small that its rotation count overflows), or a frequency that is not > 0, or not finite in float32."""
+    try:
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            inv_freq = rope_inv_freq(dim, theta, scaling)
+    except (ZeroDivisionError, OverflowError, ValueError):
+        return (f"leaves YaRN's correction range undefined (with beta_fast {scaling.beta_fast}, beta_slow "
+                f"{scaling.beta_slow})")
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not ((inv_freq > 0) & np.isfinite(inv_freq.astype(np.float32))).all():
+            return f"gives rotary frequencies that are not finite and > 0 (with qk_rope_head_dim {dim})"
+    return None
+
+
 @dataclass(frozen=True)
 class DeepseekV2Config(hf.HFConfig):
     """Shape of a DeepSeek-V2 model (multi-head latent attention, a mixture of experts after the first
@@ -160,6 +175,9 @@ class DeepseekV2Config(hf.HFConfig):
         hf.check_number(self, "rope_theta")
         if not isinstance(self.rope_scaling, (YarnScaling, type(None))):
             raise ValueError(f"DeepseekV2Config.rope_scaling must be a YarnScaling or None, got {self.rope_scaling!r}")
+        problem = rope_problem(self.qk_rope_head_dim, self.rope_theta, self.rope_scaling)
+        if problem:
+            raise ValueError(f"DeepseekV2Config.rope_theta {self.rope_theta} {problem}")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"DeepseekV2Config.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
         hf.check_token_ids(self)
@@ -218,6 +236,11 @@ class DeepseekV2Config(hf.HFConfig):
                 rope.number("beta_slow", 1.0, positive=True), rope.number("mscale", None, low=0.0),
                 rope.number("mscale_all_dim", None, low=0.0), rope.number("attention_factor", None, low=0.0),
                 rope.boolean("truncate", True))
+        rope_dim = f.integer("qk_rope_head_dim", low=1, high=hf.MAX_SIZE)
+        problem = rope_problem(rope_dim, theta, scaling) if rope_dim % 2 == 0 else None   # odd: build says so
+        if problem:
+            where = rope if rope is not None and "rope_theta" in rope else f
+            raise where.error("rope_theta", f"is {theta}: it {problem}")
         vocab = f.integer("vocab_size", low=1, high=hf.MAX_SIZE)
         return f.build(cls, n_layer=f.integer("num_hidden_layers", low=1, high=hf.MAX_LAYERS), n_head=n_head,
                        n_embd=f.integer("hidden_size", low=1, high=hf.MAX_SIZE), vocab_size=vocab,
@@ -232,7 +255,7 @@ class DeepseekV2Config(hf.HFConfig):
                                              high=hf.MAX_SIZE),
                        kv_lora_rank=f.integer("kv_lora_rank", low=1, high=hf.MAX_SIZE),
                        qk_nope_head_dim=f.integer("qk_nope_head_dim", low=1, high=hf.MAX_SIZE),
-                       qk_rope_head_dim=f.integer("qk_rope_head_dim", low=1, high=hf.MAX_SIZE),
+                       qk_rope_head_dim=rope_dim,
                        v_head_dim=f.integer("v_head_dim", low=1, high=hf.MAX_SIZE), max_position_embeddings=positions,
                        rms_norm_eps=f.number("rms_norm_eps", 1e-6, positive=True), rope_theta=theta,
                        rope_scaling=scaling, tie_word_embeddings=f.boolean("tie_word_embeddings", False),

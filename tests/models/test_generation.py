@@ -24,7 +24,7 @@ DATA = os.path.join(ROOT, "data")
 @pytest.mark.parametrize("name,value", [
     ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", True),
     ("temperature", "0.7"), ("temperature", None),
-    ("top_k", -1), ("top_k", 2.0), ("top_k", True), ("top_k", "5"),
+    ("top_k", -1), ("top_k", 2.0), ("top_k", True), ("top_k", "5"), ("top_k", 2 ** 32 + 5), ("top_k", 10 ** 30),
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", math.nan), ("top_p", False),
     ("min_p", -0.01), ("min_p", 1.5), ("min_p", math.nan),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.2), ("repetition_penalty", math.inf),
@@ -344,6 +344,7 @@ def test_hub_snapshot_links_into_blobs_are_inside(tmp_path):
 
 def test_settings_constructor_checks():
     for kwargs, name in [(dict(max_new_tokens=-1), "max_new_tokens"), (dict(min_new_tokens=True), "min_new_tokens"),
+                         (dict(min_new_tokens=2 ** 40), "min_new_tokens"),
                          (dict(seed=-1), "seed"), (dict(seed=2 ** 64), "seed"), (dict(seed=1.0), "seed"),
                          (dict(eos_token_ids=(1, None)), "eos_token_ids"), (dict(stop_strings=("a", 1)), "stop"),
                          (dict(sampling={"temperature": 0}), "sampling")]:

@@ -761,7 +761,10 @@ class TestThroughTheModels:
                                  "(integers >= 0)"),
         ('{"do_sample": 1}', "do_sample must be true or false, got 1"),
         ('{"temperature": 1e400}', "not strict JSON (1e400 is out of range)"),
-        ('{"top_k": 2.7, "do_sample": true}', "top_k must be an int >= 0, got 2.7"),
+        ('{"top_k": 2.7, "do_sample": true}', "top_k must be an int >= 0 and <= 1073741824, got 2.7"),
+        ('{"top_k": 4294967301}', "top_k must be an int >= 0 and <= 1073741824, got 4294967301"),
+        ('{"min_new_tokens": 100000000000000000000000}', "min_new_tokens must be an int >= 0 and <= 1073741824, got "
+                                                         "100000000000000000000000"),
     ])
     def test_generation_config(self, tmp_path, text, problem):
         d = tiny(tmp_path, "tiny-llama")

@@ -39,6 +39,7 @@ GENERATION_CONFIG = "generation_config.json"
 MAX_EOS_IDS = 1024
 MAX_STOP_STRINGS = 64            # a hostile generation_config.json must not make each step's stop check slow
 MAX_STOP_STRING_CHARS = 1024
+MAX_COUNT = 1 << 30              # a top_k or min_new_tokens beyond any vocabulary or context: the GPU packs them in int32
 HF_DEFAULTS = dict(temperature=1.0, top_k=50, top_p=1.0)   # GenerationConfig's global defaults when sampling
 FILE_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")   # HF has no other
 
@@ -89,7 +90,7 @@ class SamplingParams:
         put("temperature", _number("temperature", self.temperature))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        put("top_k", _count("top_k", 0 if self.top_k is None else self.top_k))
+        put("top_k", _count("top_k", 0 if self.top_k is None else self.top_k, most=MAX_COUNT))
         put("top_p", _number("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -164,7 +165,7 @@ class GenerationSettings:
     def __post_init__(self):
         if self.max_new_tokens is not None:
             _count("max_new_tokens", self.max_new_tokens)
-        _count("min_new_tokens", self.min_new_tokens)
+        _count("min_new_tokens", self.min_new_tokens, most=MAX_COUNT)
         object.__setattr__(self, "eos_token_ids", _token_ids("eos_token_ids", self.eos_token_ids))
         object.__setattr__(self, "stop_strings", _stop_strings(self.stop_strings))
         if self.seed is not None:

@@ -69,6 +69,17 @@ def test_a_shipped_database_that_is_not_there_is_an_error_not_an_empty_layer(mon
     assert store.shipped_dir().name == "tuning_db"                  # empty: unset, the packaged database
 
 
+def test_a_shipped_database_path_too_long_is_an_error_naming_the_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / ("a" * 300)))
+    for action in (env.check, store.layers):
+        store.reset()
+        with pytest.raises(ValueError) as info:
+            action()
+        assert str(info.value).startswith(f"TILEKIT_SHIPPED_DB='{tmp_path}/aaa")
+        assert str(info.value).endswith("'...: cannot be read (File name too long) (unset it to use the tuning "
+                                        "database packaged with tilekit)")
+
+
 @pytest.mark.parametrize("name", ["TILEKIT_CACHE_DIR", "TILEKIT_SHIPPED_DB", "HF_HUB_CACHE", "HF_HOME",
                                   "XDG_CACHE_HOME"])
 def test_an_unknown_user_is_an_error_naming_the_variable(monkeypatch, name):

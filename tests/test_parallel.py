@@ -40,6 +40,8 @@ def test_torchrun_variables_are_read(monkeypatch):
     (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="70000"), r"MASTER_PORT='70000'"),
     (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="h;rm", MASTER_PORT="1"), r"MASTER_ADDR='h;rm' is not a host"),
     (dict(RANK="1", LOCAL_RANK="3", WORLD_SIZE="4", MASTER_ADDR="h", MASTER_PORT="1"), r"LOCAL_RANK=3 is above"),
+    (dict(RANK="0", WORLD_SIZE="1" * 5000, MASTER_ADDR="h", MASTER_PORT="1"),
+     r"^WORLD_SIZE='1{200}'\.\.\. is not an integer in \[1, 65536\]$"),
 ])
 def test_bad_torchrun_variables_are_named(monkeypatch, values, message):
     for name, value in values.items():

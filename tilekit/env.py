@@ -59,10 +59,14 @@ def shipped_dir() -> Path | None:
     """TILEKIT_SHIPPED_DB: a shipped tuning database to read instead of the packaged one (None: unset). It must
     be an existing directory: a typo must not silently leave every kernel untuned."""
     path = directory("TILEKIT_SHIPPED_DB")
-    if path is not None and not path.is_dir():
-        raise ValueError(f"TILEKIT_SHIPPED_DB={quoted(os.environ['TILEKIT_SHIPPED_DB'])}: "
-                         + ("not a directory" if path.exists() else "no such directory")
-                         + " (unset it to use the tuning database packaged with tilekit)")
+    try:
+        problem = None if path is None or path.is_dir() else "not a directory" if path.exists() else \
+            "no such directory"
+    except OSError as e:    # a name too long, a permission denied on the way
+        problem = f"cannot be read ({e.strerror})"
+    if problem:
+        raise ValueError(f"TILEKIT_SHIPPED_DB={quoted(os.environ['TILEKIT_SHIPPED_DB'])}: {problem} (unset it to "
+                         "use the tuning database packaged with tilekit)")
     return path
 
 
@@ -82,9 +86,10 @@ def integer(name: str, low: int, high: int | None = None) -> int | None:
     if not raw.strip():
         return None
     text = raw.strip()
-    if not (text.isascii() and text.isdigit()) or int(text) < low or (high is not None and int(text) > high):
+    value = int(text) if text.isascii() and text.isdigit() and len(text) <= 20 else None   # not Python's digit limit
+    if value is None or value < low or (high is not None and value > high):
         raise ValueError(f"{name}={quoted(raw)} is not an integer in [{low}, {'...' if high is None else high}]")
-    return int(text)
+    return value
 
 
 DISTRIBUTED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -316,6 +316,28 @@ def test_failing_templates_are_value_errors_naming_the_source(template, match):
     assert str(e.value).startswith("/ckpt/tokenizer_config.json: chat_template")
 
 
+@pytest.mark.parametrize("template, problem", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     "the template makes more than 262144 loop iterations and calls"),
+    ("{% set s = 'ab' * 1000 %}{% for a in s %}{% for b in s %}{% for c in s %}{% endfor %}{% endfor %}{% endfor %}",
+     "the template makes more than 262144 loop iterations and calls"),
+    ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+     "the template makes more than 262144 loop iterations and calls"),
+    ("{{ 'ab' * 16777216 }}", "'*' would make 2 x 16777216 items, more than 16777216"),
+    ("{{ (2 ** 33554432) > 1 }}", "'**' would make an integer of more than 16777216 bits"),
+])
+def test_templates_that_would_run_for_hours_or_fill_memory_are_refused(template, problem):
+    error = run_briefly(lambda: render_chat(template, CONVERSATION, source="chat_template.jinja"), seconds=20)
+    assert type(error) is ValueError and str(error) == f"chat_template.jinja fails to render: {problem}"
+
+
+def test_the_bounds_leave_real_templates_alone():
+    looped = "{% for m in messages %}{{ loop.index }}/{{ loop.length }} {{ m.role * 2 }}{% else %}none{% endfor %}"
+    assert render_chat(looped + "{{ 2 ** 10 }}", CONVERSATION[:1]) == "1/1 systemsystem1024"
+    assert render_chat("{% for m in messages %}{% endfor %}{% for x in [] %}{% else %}none{% endfor %}",
+                       CONVERSATION) == "none"
+
+
 def test_template_size_is_bounded():
     with pytest.raises(ValueError, match="at most"):
         render_chat("x" * ((1 << 20) + 1), CONVERSATION)

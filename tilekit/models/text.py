@@ -6,6 +6,7 @@ bounded size that stays inside the checkpoint directory; a bad one is a ValueErr
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 import re
@@ -17,6 +18,8 @@ from tilekit.models.hf import Checkpoint, ModelFileError, quoted, shown
 
 MAX_TOKENIZER_BYTES = 64 << 20   # tokenizer.json of a 256k vocabulary is ~35 MB
 MAX_TEMPLATE_CHARS = 1 << 20     # real chat templates are a few kB to a few tens of kB
+MAX_TEMPLATE_STEPS = 1 << 18     # loop iterations and calls in one render; real templates make tens to thousands
+MAX_TEMPLATE_VALUE = 1 << 24     # items a '*' may make (of a string or list), bits a '**' may make
 ROLES = ("system", "user", "assistant", "tool")
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")    # a byte-fallback token (SentencePiece, Llama-2)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -198,6 +201,7 @@ def render_chat(template: str, messages: Sequence[Mapping], special_tokens: Mapp
     if not isinstance(template, str) or len(template) > MAX_TEMPLATE_CHARS:
         raise ValueError(f"{source}: a template is a string of at most {MAX_TEMPLATE_CHARS} characters")
     check_messages(messages)
+    budget = _steps_left.set([MAX_TEMPLATE_STEPS])
     try:
         return _compiled(template).render(messages=[dict(m) for m in messages], tools=None, documents=None,
                                           add_generation_prompt=add_generation_prompt, **(special_tokens or {}))
@@ -205,6 +209,28 @@ def render_chat(template: str, messages: Sequence[Mapping], special_tokens: Mapp
         raise ValueError(f"{source} fails to render: {shown(str(e), 300)}") from None
     except Exception as e:    # anything else the template's own expressions raise (1 / 0, 'a' + 1, ...)
         raise ValueError(f"{source} fails to render: {type(e).__name__}: {shown(str(e), 300)}") from None
+    finally:
+        _steps_left.reset(budget)
+
+
+_steps_left: contextvars.ContextVar[list[int]] = contextvars.ContextVar("tilekit_template_steps")
+
+
+def _step() -> None:
+    """Count one loop iteration or call of the render in progress; SecurityError past MAX_TEMPLATE_STEPS (a
+    template that loops for hours: nested loops, a macro calling itself twice)."""
+    from jinja2.sandbox import SecurityError
+    left = _steps_left.get()
+    left[0] -= 1
+    if left[0] < 0:
+        raise SecurityError(f"the template makes more than {MAX_TEMPLATE_STEPS} loop iterations and calls")
+
+
+def _counted(iterable):
+    """A for loop's iterable, each item counted (_step)."""
+    for item in iterable:
+        _step()
+        yield item
 
 
 def check_messages(messages) -> None:
@@ -225,10 +251,29 @@ def check_messages(messages) -> None:
 def _compiled(template: str):
     """The template compiled in transformers' environment: sandboxed and immutable, trim_blocks and
     lstrip_blocks, loop controls, {% generation %} blocks (rendered as their body), a tojson that keeps
-    non-ASCII and HTML characters, raise_exception() and strftime_now()."""
+    non-ASCII and HTML characters, raise_exception() and strftime_now(). Bounded, unlike transformers': every
+    loop iteration and call counts against MAX_TEMPLATE_STEPS, and '*' and '**' may not make more than
+    MAX_TEMPLATE_VALUE items or bits."""
     import jinja2
     from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja's signature)
+            _step()
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def call_binop(self, context, operator, left, right):
+            seq, times = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            if operator == "*" and isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
+                    and len(seq) * times > MAX_TEMPLATE_VALUE:
+                raise SecurityError(f"'*' would make {len(seq)} x {times} items, more than {MAX_TEMPLATE_VALUE}")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                    and right * abs(left).bit_length() > MAX_TEMPLATE_VALUE:
+                raise SecurityError(f"'**' would make an integer of more than {MAX_TEMPLATE_VALUE} bits")
+            return super().call_binop(context, operator, left, right)
 
     class Generation(Extension):
         tags = {"generation"}
@@ -247,9 +292,15 @@ def _compiled(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, "jinja2.ext.loopcontrols"])
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
+    env.filters["tilekit_counted"] = _counted    # a filter: a template cannot rebind it
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template)
+    try:
+        tree = env.parse(template)
+    except jinja2.TemplateSyntaxError:
+        return env.from_string(template)     # raises it again, as transformers reports it
+    for loop in tree.find_all(jinja2.nodes.For):
+        loop.iter = jinja2.nodes.Filter(loop.iter, "tilekit_counted", [], [], None, None).set_lineno(loop.lineno)
+    return env.from_string(tree)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import tilekit.kernels  # noqa: F401  (declares every op the files name; run alone, nothing else imports them)
 from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, _parse, device_file_name, entry_problem
 from tilekit.autotune.keys import bucket_problem, key_string, parse_key
 from tilekit.autotune.registry import registered_ops

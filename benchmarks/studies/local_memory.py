@@ -25,8 +25,15 @@ CASES = {   # op -> (problem, fixed configs besides the default)
                 [dict(TM=16, TN=32, TK=128), dict(TM=16, TN=32, TK=32)])],
     "attention": [(dict(B=1, H=12, Hkv=12, Tq=128, Tk=128, D=64, causal=1),
                    [dict(BM=64, BN=128, LONGEST_FIRST=1, occupancy=2), dict(BM=64, BN=64, LONGEST_FIRST=1, occupancy=2)])],
-    "decode_attention": [(dict(B=1, H=12, Hkv=12, nq=1, capacity=256, D=64, new_kv=1),
-                          [dict(BN=128, CHUNK=256, occupancy=4)])],
+    "decode_attention": [(dict(B=1, H=12, Hkv=12, nq=1, capacity=256, D=64, new_kv=1, fp8=0),
+                          [dict(BN=128, PROGRAMS=1, occupancy=4)]),
+                         (dict(B=8, H=32, Hkv=8, nq=1, capacity=32768, D=128, new_kv=1, fp8=0),
+                          [dict(BN=128, PROGRAMS=256, occupancy=4), dict(BN=128, PROGRAMS=256, occupancy=1),
+                           dict(BN=64, PROGRAMS=256, occupancy=1),
+                           dict(BN=128, PROGRAMS=256, occupancy=4, num_worker_warps=8)]),
+                         (dict(B=8, H=32, Hkv=8, nq=1, capacity=32768, D=128, new_kv=1, fp8=1),
+                          [dict(BN=128, PROGRAMS=256, occupancy=4), dict(BN=128, PROGRAMS=256, occupancy=1),
+                           dict(BN=64, PROGRAMS=256, occupancy=1)])],
     "residual_linear": [(dict(M=1, N=768, K=768, bias=1), [dict(TM=16, TN=64, TK=128, SPLIT_K=4, occupancy=1)])],
     "swiglu_linear": [(dict(M=1, N=8192, K=2048), [dict(TM=16, TN=32, TK=128, GROUP_M=8, occupancy=1,
                                                          num_worker_warps=0)])],
@@ -87,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             for label, config in [("default", op.default(p))] + [("fixed", f) for f in fixed]:
                 config = dict(LINEAR_PLAIN, **config) if name == "linear" and label == "fixed" else config
                 for kernel, frame, shared in usage(op, p, config, args.arch):
-                    tiles = {k: v for k, v in config.items() if k[0] in "TB" or k in ("SPLIT_K", "num_worker_warps")}
+                    tiles = {k: v for k, v in config.items()
+                             if k[0] in "TB" or k in ("SPLIT_K", "PROGRAMS", "occupancy", "num_worker_warps")}
                     print(f"{name:<17}{shape:<58}{label:<8}{str(tiles):<60}{kernel:<26}"
                           f"frame {frame:>6} B  shared {shared:>7} B", flush=True)
     return 0

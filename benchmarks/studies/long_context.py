@@ -76,13 +76,18 @@ def copy_ms(nbytes: int) -> float:
     return timed(lambda: cupy.copyto(dst, src))
 
 
+def cache_bytes(B: int, Hkv: int, D: int, context: int) -> int:
+    """Bytes of a bf16 key and value cache (what one decode call reads)."""
+    return 2 * B * Hkv * context * D * 2
+
+
 def decode_shapes():
     """(B, Hkv, D, context) of each decode row."""
     for D in HEAD_DIMS:
         for G in GROUPS:
             for B in DECODE_BATCHES:
                 for ctx in CONTEXTS:
-                    if 2 * B * (HEADS // G) * ctx * D * 2 <= MAX_CACHE_BYTES:
+                    if cache_bytes(B, HEADS // G, D, ctx) <= MAX_CACHE_BYTES:
                         yield B, HEADS // G, D, ctx
 
 
@@ -108,7 +113,7 @@ def decode_rows(log=print) -> list[dict]:
     from tilekit.kernels import decode_attention
     rows = []
     for B, Hkv, D, ctx in decode_shapes():
-        G, nbytes = HEADS // Hkv, 2 * B * Hkv * ctx * D * 2
+        G, nbytes = HEADS // Hkv, cache_bytes(B, Hkv, D, ctx)
         q = torch.randn(B, HEADS, 1, D, dtype=torch.bfloat16, device="cuda")
         k = torch.randn(B, Hkv, ctx, D, dtype=torch.bfloat16, device="cuda")
         v = torch.randn(B, Hkv, ctx, D, dtype=torch.bfloat16, device="cuda")

@@ -429,6 +429,15 @@ class Fields:
         return None if value is None else Fields(value, self.path, f"{self.prefix}{key}.")
 
 
+def rotary_problem(inv_freq: np.ndarray, dim_field: str, dim: int) -> str | None:
+    """Why rotary inverse frequencies cannot rotate, or None: one that is not > 0, or not finite in float32 (as
+    transformers computes them; beyond, its angles and logits are NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not ((inv_freq > 0) & np.isfinite(inv_freq.astype(np.float32))).all():
+            return f"gives rotary frequencies that are not finite and > 0 (with {dim_field} {dim})"
+    return None
+
+
 def rope_fields(f: Fields, kinds: dict[str, tuple[str, ...]], theta: float) -> tuple["Fields | None", str, float]:
     """(the RoPE object or None, its rope_type, rope_theta) of a config.json: transformers 4 writes rope_scaling
     (None for plain RoPE) next to rope_theta, 5 writes rope_parameters holding rope_theta. `kinds`: each rope_type

@@ -101,17 +101,14 @@ def rope_inv_freq(dim: int, theta: float, scaling: YarnScaling | None = None) ->
 
 def rope_problem(dim: int, theta: float, scaling: YarnScaling | None) -> str | None:
     """Why these RoPE parameters cannot rotate, or None: YaRN's correction range undefined (rope_theta 1, or a beta
-    so small that its rotation count overflows), or a frequency that is not > 0, or not finite in float32."""
+    so small that its rotation count overflows), or frequencies hf.rotary_problem refuses."""
     try:
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             inv_freq = rope_inv_freq(dim, theta, scaling)
     except (ZeroDivisionError, OverflowError, ValueError):
         return (f"leaves YaRN's correction range undefined (with beta_fast {scaling.beta_fast}, beta_slow "
                 f"{scaling.beta_slow})")
-    with np.errstate(over="ignore", invalid="ignore"):
-        if not ((inv_freq > 0) & np.isfinite(inv_freq.astype(np.float32))).all():
-            return f"gives rotary frequencies that are not finite and > 0 (with qk_rope_head_dim {dim})"
-    return None
+    return hf.rotary_problem(inv_freq, "qk_rope_head_dim", dim)
 
 
 @dataclass(frozen=True)

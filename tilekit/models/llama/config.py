@@ -51,13 +51,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 
 
 def rope_problem(head_dim: int, theta: float, scaling: RopeScaling | None) -> str | None:
-    """Why these RoPE parameters cannot rotate, or None: a frequency that is not > 0, or not finite in float32 (as
-    transformers computes them; beyond, its angles and logits are NaN)."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling)
-    with np.errstate(over="ignore", invalid="ignore"):
-        if not ((inv_freq > 0) & np.isfinite(inv_freq.astype(np.float32))).all():
-            return f"gives rotary frequencies that are not finite and > 0 (with head_dim {head_dim})"
-    return None
+    """Why these RoPE parameters cannot rotate, or None (hf.rotary_problem)."""
+    return hf.rotary_problem(rope_inv_freq(head_dim, theta, scaling), "head_dim", head_dim)
 
 
 @dataclass(frozen=True)

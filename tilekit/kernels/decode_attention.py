@@ -92,13 +92,16 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
     acc = ct.zeros((QP, D), dtype=ct.float32)
     for j in range(start // BN, ct.cdiv(end, BN)):
         k = ct.load(K, (b, hk, 0, j), (1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO).reshape((D, BN))
-        v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
         if FP8:
             k = ct.bitcast(k, ct.float8_e4m3fn).astype(Q.dtype)
-            v = ct.bitcast(v, ct.float8_e4m3fn).astype(Q.dtype)
         s = ct.mma(q, k, ct.zeros((QP, BN), dtype=ct.float32)) * score_scale
         k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
         s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
+        # V's tile loaded after the scores: loaded beside K's, a 128-wide bf16 head took 225 KB of shared memory (one
+        # program an SM) whatever the occupancy; here 33 KB at occupancy 4 (docs/results/decode-attention-cubins-sm90.txt)
+        v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
+        if FP8:
+            v = ct.bitcast(v, ct.float8_e4m3fn).astype(Q.dtype)
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v)
     if NEW_KV:
         if split == (length - 1) // CHUNK:

@@ -158,7 +158,7 @@ def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Cons
 
 MIN_CHUNK = 128       # positions of the shortest split
 MAX_SPLITS = 128      # partial states the merge reads back per (sequence, key/value head)
-FILL_PROGRAMS, LONG_SPLIT = 264, 4096
+FILL_PROGRAMS, LONG_SPLIT = 264, 1024
 
 
 def split_chunk(p: dict, c: dict) -> int:
@@ -168,7 +168,8 @@ def split_chunk(p: dict, c: dict) -> int:
     program count rather than a split length lets a shape that borrows another's entry (another batch, GQA group)
     keep a grid that fills the GPU; and since short contexts tune to few programs, a context long enough for splits
     of LONG_SPLIT positions gets at least FILL_PROGRAMS programs (two per SM of a 132-SM GPU) whatever the entry
-    (borrowed from a 1K context, one split per head ran batch 1 with 32 heads at 128K at 23% of the copy bandwidth)."""
+    (borrowed from a 1K context, one split per head ran batch 1 with 32 heads at 128K at 23% of the copy bandwidth;
+    with LONG_SPLIT 4096, at 4K at 33% against 51% with 8 splits)."""
     capacity = pow2_ceil(p["capacity"])
     pairs = pow2_ceil(p["B"]) * p["Hkv"]
     splits = max(1, c["PROGRAMS"] // pairs, min(FILL_PROGRAMS // pairs, capacity // LONG_SPLIT))

@@ -19,7 +19,7 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.tiles import batch_head, online_softmax_step, sync_with_previous_kernel
+from tilekit.kernels.tiles import batch_head, online_softmax_step, sync_with_previous_kernel, tensor_mma
 
 ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634
@@ -35,7 +35,7 @@ def prefill_softmax_step(s, m_i, l_i, acc, v, qk_scale):
     p = ct.exp2(s * qk_scale - m_new, flush_to_zero=True)
     alpha = ct.exp2(m_i - m_new, flush_to_zero=True)
     l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
-    acc = ct.mma(p.astype(v.dtype), v, acc * alpha)
+    acc = tensor_mma(p.astype(v.dtype), v, acc * alpha)
     return m_new, l_i, acc
 
 
@@ -73,12 +73,12 @@ def attention_kernel(Q, K, V, O, qk_scale: float, BM: ct.Constant[int], BN: ct.C
     for j in range(n_full):
         k = ct.load(K, (b, hk, 0, j), (1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO).reshape((D, BN))
         v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
-        s = ct.mma(q, k, ct.zeros((BM, BN), dtype=ct.float32))
+        s = tensor_mma(q, k, ct.zeros((BM, BN), dtype=ct.float32))
         m_i, l_i, acc = prefill_softmax_step(s, m_i, l_i, acc, v, qk_scale)
     for j in range(n_full, ct.cdiv(kv_end, BN)):
         k = ct.load(K, (b, hk, 0, j), (1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO).reshape((D, BN))
         v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
-        s = ct.mma(q, k, ct.zeros((BM, BN), dtype=ct.float32))
+        s = tensor_mma(q, k, ct.zeros((BM, BN), dtype=ct.float32))
         k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
         visible = k_pos < Tk
         if CAUSAL:

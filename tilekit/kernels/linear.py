@@ -19,7 +19,7 @@ from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.device import sm_count
 from tilekit.kernels.gelu import gelu_reference
-from tilekit.kernels.tiles import gelu_tanh, grouped_tile, sync_with_previous_kernel
+from tilekit.kernels.tiles import gelu_tanh, grouped_tile, sync_with_previous_kernel, tensor_mma
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -44,9 +44,9 @@ def output_tile(X, W, Bias, Res, Y, Partial, Counter, tile, split, TM, TN, TK, G
         else:
             b = ct.load(W, (k, pid_n), (TK, TN), padding_mode=ZERO)
         if TF32:
-            a = a.astype(ct.tfloat32)
-            b = b.astype(ct.tfloat32)
-        acc = ct.mma(a, b, acc)
+            acc = ct.mma(a.astype(ct.tfloat32), b.astype(ct.tfloat32), acc)
+        else:
+            acc = tensor_mma(a, b, acc)
 
     rows = (ct.arange(TM, dtype=ct.int32) + pid_m * TM).reshape((TM, 1))
     cols = (ct.arange(TN, dtype=ct.int32) + pid_n * TN).reshape((1, TN))

@@ -18,7 +18,7 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.tiles import grouped_tile, sync_with_previous_kernel
+from tilekit.kernels.tiles import grouped_tile, sync_with_previous_kernel, tensor_mma
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -36,8 +36,8 @@ def swiglu_linear_kernel(X, Wg, Wu, Y, TM: ct.Constant[int], TN: ct.Constant[int
     up = ct.zeros((TM, TN), dtype=ct.float32)
     for k in range(ct.cdiv(K, TK)):
         a = ct.load(X, (pid_m, k), (TM, TK), padding_mode=ZERO)
-        gate = ct.mma(a, ct.load(Wg, (k, pid_n), (TK, TN), order=(1, 0), padding_mode=ZERO), gate)
-        up = ct.mma(a, ct.load(Wu, (k, pid_n), (TK, TN), order=(1, 0), padding_mode=ZERO), up)
+        gate = tensor_mma(a, ct.load(Wg, (k, pid_n), (TK, TN), order=(1, 0), padding_mode=ZERO), gate)
+        up = tensor_mma(a, ct.load(Wu, (k, pid_n), (TK, TN), order=(1, 0), padding_mode=ZERO), up)
     ct.store(Y, (pid_m, pid_n), (gate / (1.0 + ct.exp(-gate)) * up).astype(Y.dtype))
 
 

@@ -109,3 +109,27 @@ def gelu_tanh(x):
     """
     u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
     return ct.truediv(x, 1.0 + ct.exp(-2.0 * u), flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX)
+
+
+
+TF32_HIGH_BITS = -8192       # 0xFFFFE000: sign, exponent and the 10 mantissa bits a tf32 operand keeps
+
+
+@ct.function
+def tensor_mma(a, b, acc):
+    """acc + a @ b on tensor cores, fp32 tiles included (to about fp32 accuracy, 3xTF32). fp32 ct.mma runs on FMA
+    units with its tiles in registers, at about 2 TFLOP/s in GPT-2's prefill (docs/results/fp32-tiles-sm90.txt);
+    here each fp32 operand is split into a high part (its top 10 mantissa bits, exact in tf32) and the rest
+    rounded to tf32, and a_hi b_hi + a_hi b_lo + a_lo b_hi leaves out only a_lo b_lo and that rounding: each
+    product is off by about 2^-21 of its size, against 2^-24 for an fp32 FMA and 2^-11 for one tf32 product."""
+    if a.dtype == ct.float32:
+        a_hi = ct.bitcast(ct.bitcast(a, ct.int32) & TF32_HIGH_BITS, ct.float32)
+        b_hi = ct.bitcast(ct.bitcast(b, ct.int32) & TF32_HIGH_BITS, ct.float32)
+        a_lo = (a - a_hi).astype(ct.tfloat32)
+        b_lo = (b - b_hi).astype(ct.tfloat32)
+        a_hi = a_hi.astype(ct.tfloat32)
+        b_hi = b_hi.astype(ct.tfloat32)
+        acc = ct.mma(a_lo, b_hi, acc)
+        acc = ct.mma(a_hi, b_lo, acc)
+        return ct.mma(a_hi, b_hi, acc)
+    return ct.mma(a, b, acc)

@@ -5,8 +5,9 @@ entry's problem (code under a compile-time constant it never sets, such as the G
 linear without activation). For each entry of the shipped files that is stale only for its kernel
 source, this compiles its (problem, config) for its arch under the tilekit of OLD (the git commit whose
 kernels it was tuned for: its kernel hash must match OLD's) and under this checkout, and gives it this
-checkout's kernel hash only where every launch compiles to byte-identical cubins, so its measurement
-is a measurement of the very code that runs now. The rest stays stale, for `tilekit tune --stale`.
+checkout's kernel hash only where every launch compiles to the same cubin, debug sections aside (they hold
+the source's line numbers, which any edit above a kernel shifts), so its measurement is a measurement of the
+very code that runs now. The rest stays stale, for `tilekit tune --stale`.
 
     python scripts/carry_unchanged.py OLD_COMMIT
 """
@@ -24,21 +25,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Run under one tree's tilekit: JSON tasks [op, problem, config, arch] on stdin -> JSON on stdout:
-# each op's kernel hash, and per task the sha256 of every launch's cubin (or the compile error).
+# each op's kernel hash, and per task the sha256 of every launch's cubin without its debug sections (ELF64
+# section headers; the string tables name the debug sections too) or the compile error.
 COMPILE = r"""
-import hashlib, io, json, sys
+import hashlib, io, json, struct, sys
 import tilekit.kernels
 from cuda.tile.compilation import export_kernel
 from tilekit.autotune.compile import signature
 from tilekit.autotune.registry import registered_ops
 ops, tasks, out = registered_ops(), json.load(sys.stdin), []
+
+def code_digest(elf):
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    size, count, names = struct.unpack_from("<HHH", elf, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * size) for i in range(count)]
+    table = headers[names][4]
+    digest = hashlib.sha256()
+    for name_at, kind, _, _, offset, length, *_ in headers:
+        name = elf[table + name_at:elf.index(b"\0", table + name_at)]
+        if b"debug" not in name and name not in (b".strtab", b".shstrtab"):
+            digest.update(name + b"\0" + (str(length).encode() if kind == 8 else elf[offset:offset + length]))
+    return digest.hexdigest()
+
 for name, problem, config, arch in tasks:
     try:
         digests = []
         for kernel, args in ops[name].compile_args(problem, config):
             buf = io.BytesIO()
             export_kernel(kernel, [signature(kernel, args)], buf, gpu_code=arch, output_format="cubin")
-            digests.append(hashlib.sha256(buf.getvalue()).hexdigest())
+            digests.append(code_digest(buf.getvalue()))
         out.append(digests)
     except Exception as e:
         out.append(f"{type(e).__name__}: {e}")

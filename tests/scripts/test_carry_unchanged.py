@@ -1,6 +1,7 @@
 """scripts/carry_unchanged.py on CPU (tileiras compiles without a GPU): in a scratch copy of the tree, an edit
-to the exact GELU's code leaves the approximate GELU's cubins byte-identical, so only that entry is carried to
-the new kernel hash; the exact GELU's entry stays stale."""
+to the exact GELU's code (with lines added above the kernels, which moves their line numbers in the cubins'
+debug sections) leaves the approximate GELU's code sections identical, so only that entry is carried to the new
+kernel hash; the exact GELU's entry stays stale."""
 
 import json
 import os
@@ -54,7 +55,8 @@ def test_only_entries_whose_cubins_did_not_change_are_carried(tmp_path):
     source = tree / "tilekit" / "kernels" / "gelu.py"      # the exact form's code: not in the approximate cubin
     text = source.read_text()
     assert text.count("1.00002368") == 1
-    source.write_text(text.replace("1.00002368", "1.00012368"))    # another float32 (1.00002369 is the same one)
+    shifted = "# a comment\n" * 3 + text.replace("1.00002368", "1.00012368")    # another float32 (not 1.00002369)
+    source.write_text(shifted)
 
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run([sys.executable, str(tree / "scripts" / "carry_unchanged.py"), old], cwd=tree, env=env,

@@ -1,13 +1,16 @@
-"""Carry shipped tuning entries across a kernel change that leaves their compiled kernels unchanged.
+"""Carry shipped tuning entries across a kernel or search-space change that leaves what they measured unchanged.
 
 An entry goes stale whenever its op's kernel source changes, even where the change cannot reach the
 entry's problem (code under a compile-time constant it never sets, such as the GELU epilogue for a
-linear without activation). For each entry of the shipped files that is stale only for its kernel
+linear without activation). For each entry of the shipped files that is stale for its kernel
 source, this compiles its (problem, config) for its arch under the tilekit of OLD (the git commit whose
 kernels it was tuned for: its kernel hash must match OLD's) and under this checkout, and gives it this
 checkout's kernel hash only where every launch compiles to the same cubin, debug sections aside (they hold
 the source's line numbers, which any edit above a kernel shifts), so its measurement is a measurement of the
-very code that runs now. The rest stays stale, for `tilekit tune --stale`.
+very code that runs now. Likewise an entry stale for its search space alone (or for both) is carried where the
+space admits exactly the same configs for its problem as OLD's did (a change of the fp32 rule, say, leaves a bf16
+problem's candidates alone): its tuner chose among the very configs it would choose among now. The rest stays
+stale, for `tilekit tune --stale`.
 
     python scripts/carry_unchanged.py OLD_COMMIT
 """
@@ -25,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Run under one tree's tilekit: JSON tasks [op, problem, config, arch] on stdin -> JSON on stdout:
-# each op's kernel hash, and per task the sha256 of every launch's cubin without its debug sections (ELF64
-# section headers; the string tables name the debug sections too) or the compile error.
+# each op's kernel and space hashes; per task the sha256 of every launch's cubin without its debug sections
+# (ELF64 section headers; the string tables name the debug sections too) or the compile error, and the
+# configs the op's space admits for the problem.
 COMPILE = r"""
 import hashlib, io, json, struct, sys
 import tilekit.kernels
@@ -57,7 +61,9 @@ for name, problem, config, arch in tasks:
         out.append(digests)
     except Exception as e:
         out.append(f"{type(e).__name__}: {e}")
-json.dump({"hashes": {n: op.kernel_hash() for n, op in ops.items()}, "cubins": out}, sys.stdout)
+json.dump({"hashes": {n: op.kernel_hash() for n, op in ops.items()},
+           "spaces": {n: op.space_hash() for n, op in ops.items()}, "cubins": out,
+           "candidates": [ops[name].space.candidates(problem) for name, problem, _, _ in tasks]}, sys.stdout)
 """
 
 
@@ -77,19 +83,19 @@ def main(old: str) -> int:
     from tilekit.autotune.keys import parse_key
     from tilekit.autotune.registry import registered_ops
     ops = registered_ops()
-    source_stale = "stale: tuned for another version of the kernel source or its launch"
+    stale = ("stale: tuned for another version of the kernel source or its launch",
+             "stale: tuned over another search space")
     shipped = TuningDB(ROOT / "tuning_db", "maintainer", writable=True)
     candidates = []            # (device file, key, entry, task); files read and checked as lookup reads them
     for file in shipped.device_files():
         device = file.device()
         for key, entry in file.read().items():
-            if entry_reason(key, entry, "shipped") != source_stale:    # sound, and stale for its source alone?
-                continue
-            name, problem = parse_key(key)
-            if entry["space_hash"] == ops[name].space_hash():
+            if entry_reason(key, entry, "shipped") in stale:    # sound, and stale for its source or space alone?
+                name, problem = parse_key(key)
                 task = [name, ops[name].tuning_problem(problem), entry["config"], device.arch]
                 candidates.append((file, key, entry, task))
-    print(f"{len(candidates)} entries stale for their kernel source alone; compiling each under {old} and here")
+    print(f"{len(candidates)} entries stale for their kernel source or search space; compiling each under {old} "
+          f"and here")
     tasks = [task for *_, task in candidates]
     with tempfile.TemporaryDirectory() as tmp:
         # Both versions compile from the same path: cubins carry source locations.
@@ -103,16 +109,19 @@ def main(old: str) -> int:
         now = compile_under(tree, tasks, str(Path(tmp) / "cache-now"))   # compiled again, not looked up
     carried: dict = {}
     kept = 0
-    for (file, key, entry, task), a, b in zip(candidates, before["cubins"], now["cubins"]):
+    for (file, key, entry, task), a, b, was, now_admits in zip(candidates, before["cubins"], now["cubins"],
+                                                            before["candidates"], now["candidates"]):
         name = task[0]
-        if entry["kernel_hash"] == before["hashes"].get(name) and isinstance(a, list) and a == b:
-            carried.setdefault(file, {})[key] = {**entry, "kernel_hash": now["hashes"][name]}
+        if (entry["kernel_hash"] == before["hashes"].get(name) and entry["space_hash"] == before["spaces"].get(name)
+                and isinstance(a, list) and a == b and was == now_admits):
+            carried.setdefault(file, {})[key] = {**entry, "kernel_hash": now["hashes"][name],
+                                                 "space_hash": now["spaces"][name]}
         else:
             kept += 1
     for file, entries in carried.items():
         shipped.store(file.device(), entries)
         file.path.with_name(file.path.name + ".lock").unlink(missing_ok=True)     # not part of the repository
-        print(f"{file.path.relative_to(ROOT)}: carried {len(entries)} entries with unchanged cubins")
+        print(f"{file.path.relative_to(ROOT)}: carried {len(entries)} entries with unchanged cubins and candidates")
     print(f"left stale (code changed, or tuned for a source other than {old}'s): {kept}")
     return 0
 

@@ -5,8 +5,9 @@ tilekit's graphed step against the gpt-fast-style eager PyTorch step over the sa
 
     python -m benchmarks.studies.fp32_prefill [--batch 1] [--seq 128] [--dtype float32 --dtype bfloat16] [--tiles]
 
-Untuned fp32 shapes run the heuristic defaults (fp32 products run on FMA units, docs/results/fp32-tiles-sm90.txt);
---tiles adds fp32 prefill with every linear pinned to each of a few fixed tiles, to check the default's choice.
+Untuned fp32 shapes run the heuristic defaults (fp32 products run on tensor cores as three tf32 products,
+tiles.tensor_mma); --tiles adds fp32 prefill with every linear pinned to each of a few fixed tiles, to check the
+default's choice.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import contextlib
 import sys
 
 PLAIN = dict(GROUP_M=8, SPLIT_K=1, PERSISTENT=0, occupancy=1, num_ctas=1, num_worker_warps=0)
-TILES = [dict(PLAIN, TM=128, TN=128, TK=64), dict(PLAIN, TM=64, TN=64, TK=64), dict(PLAIN, TM=64, TN=64, TK=32),
+TILES = [dict(PLAIN, TM=128, TN=128, TK=32, num_worker_warps=8), dict(PLAIN, TM=128, TN=64, TK=32),
+         dict(PLAIN, TM=64, TN=64, TK=64), dict(PLAIN, TM=64, TN=64, TK=32),
          dict(PLAIN, TM=64, TN=64, TK=32, num_worker_warps=8), dict(PLAIN, TM=64, TN=32, TK=32),
          dict(PLAIN, TM=32, TN=32, TK=32)]
 SHORT, LONG = 1, 65       # new tokens of the two generate() calls whose difference is the decode time

@@ -1,7 +1,8 @@
-"""scripts/carry_unchanged.py on CPU (tileiras compiles without a GPU): in a scratch copy of the tree, an edit
+"""scripts/carry_unchanged.py on CPU (tileiras compiles without a GPU), in a scratch copy of the tree: an edit
 to the exact GELU's code (with lines added above the kernels, which moves their line numbers in the cubins'
 debug sections) leaves the approximate GELU's code sections identical, so only that entry is carried to the new
-kernel hash; the exact GELU's entry stays stale."""
+kernel hash; a space rule that drops configs of the exact GELU only carries the approximate GELU's entry to the
+new space hash."""
 
 import json
 import os
@@ -37,7 +38,9 @@ def _git(tree: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def test_only_entries_whose_cubins_did_not_change_are_carried(tmp_path):
+def _carry_after(tmp_path, edit) -> tuple[dict, dict, dict]:
+    """(entries after carry_unchanged, the two entries before, gelu's (kernel, space) hashes after) in a scratch
+    tree whose gelu.py `edit` (text -> text) changed after the entries were committed as tuned."""
     gelu = registered_ops()["gelu"]
     tree = tmp_path / "tree"
     for part in ("tilekit", "scripts"):
@@ -51,24 +54,46 @@ def test_only_entries_whose_cubins_did_not_change_are_carried(tmp_path):
     _git(tree, "-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
     _git(tree, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tuned")
     old = _git(tree, "rev-parse", "HEAD")
-
-    source = tree / "tilekit" / "kernels" / "gelu.py"      # the exact form's code: not in the approximate cubin
-    text = source.read_text()
-    assert text.count("1.00002368") == 1
-    shifted = "# a comment\n" * 3 + text.replace("1.00002368", "1.00012368")    # another float32 (not 1.00002369)
-    source.write_text(shifted)
-
+    source = tree / "tilekit" / "kernels" / "gelu.py"
+    source.write_text(edit(source.read_text()))
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run([sys.executable, str(tree / "scripts" / "carry_unchanged.py"), old], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "2 entries stale for their kernel source alone" in done.stdout
-    entries = json.loads(db_file.read_text())["entries"]
-    new_hash = subprocess.run([sys.executable, "-c", "import tilekit.kernels; from tilekit.autotune.registry import "
-                               "registered_ops; print(registered_ops()['gelu'].kernel_hash())"], env=env, cwd=tree,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    assert new_hash != gelu.kernel_hash()
-    assert entries[approximate[0]]["kernel_hash"] == new_hash               # carried: identical cubins
-    assert entries[exact[0]]["kernel_hash"] == gelu.kernel_hash()           # left stale: its code changed
-    assert {k: v for k, v in entries[approximate[0]].items() if k != "kernel_hash"} == \
-        {k: v for k, v in approximate[1].items() if k != "kernel_hash"}
+    assert "2 entries stale for their kernel source or search space" in done.stdout
+    hashes = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, tilekit.kernels; from tilekit.autotune.registry import registered_ops; "
+         "op = registered_ops()['gelu']; print(json.dumps(dict(kernel=op.kernel_hash(), space=op.space_hash())))"],
+        env=env, cwd=tree, capture_output=True, text=True, check=True).stdout)
+    return json.loads(db_file.read_text())["entries"], dict([approximate, exact]), hashes
+
+
+def test_only_entries_whose_cubins_did_not_change_are_carried(tmp_path):
+    gelu = registered_ops()["gelu"]
+
+    def edit(text):          # the exact form's code (not in the approximate cubin), and every kernel's lines moved
+        assert text.count("1.00002368") == 1
+        return "# a comment\n" * 3 + text.replace("1.00002368", "1.00012368")   # another float32 (not 1.00002369)
+    entries, before, hashes = _carry_after(tmp_path, edit)
+    (approximate, _), (exact, _) = _entry(gelu, 0), _entry(gelu, 1)
+    assert hashes["kernel"] != gelu.kernel_hash() and hashes["space"] == gelu.space_hash()
+    assert entries[approximate]["kernel_hash"] == hashes["kernel"]          # carried: identical code sections
+    assert entries[exact]["kernel_hash"] == gelu.kernel_hash()              # left stale: its code changed
+    assert {k: v for k, v in entries[approximate].items() if k != "kernel_hash"} == \
+        {k: v for k, v in before[approximate].items() if k != "kernel_hash"}
+
+
+def test_a_space_change_carries_only_the_problems_whose_candidates_it_leaves_alone(tmp_path):
+    gelu = registered_ops()["gelu"]
+
+    def edit(text):          # the exact form loses its 256-wide blocks; the approximate one keeps every config
+        rule = 'return c["BLOCK"] <= max(256, pow2_ceil(p["n"]))'
+        assert text.count(rule) == 1
+        return text.replace(rule, rule + ' and (p["exact"] == 0 or c["BLOCK"] >= 512)')
+    entries, before, hashes = _carry_after(tmp_path, edit)
+    (approximate, _), (exact, _) = _entry(gelu, 0), _entry(gelu, 1)
+    assert hashes["kernel"] == gelu.kernel_hash() and hashes["space"] != gelu.space_hash()
+    assert entries[approximate]["space_hash"] == hashes["space"]            # carried: the same candidates
+    assert entries[exact] == before[exact]                                  # left stale: candidates changed
+    assert {k: v for k, v in entries[approximate].items() if k != "space_hash"} == \
+        {k: v for k, v in before[approximate].items() if k != "space_hash"}

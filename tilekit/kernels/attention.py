@@ -104,8 +104,8 @@ def default_config(p: dict) -> dict:
     """64 x 128 tiles, two programs per SM, at head_dim 64 and 128 alike (untuned head_dim 128, B4 H16
     T2048: 0.58x of cuDNN at one program per SM, 0.85x (H100) and 0.95x (H200) at two;
     docs/results/linear-default-h100.txt)."""
-    if p["dtype"] == "float32":   # FMA products, tiles in registers: 64x32 spills 1.9 KB a thread, 64x128 8.7 KB
-        return dict(BM=64, BN=32, LONGEST_FIRST=int(bool(p["causal"])), occupancy=2)
+    if p["dtype"] == "float32":   # three tf32 products (tensor_mma), operands split in registers: 64x64 spills none
+        return dict(BM=64, BN=64, LONGEST_FIRST=int(bool(p["causal"])), occupancy=2)   # (64x32 184 B, sm_90)
     return dict(BM=64, BN=128 if p["Tk"] >= 128 else 64, LONGEST_FIRST=int(bool(p["causal"])), occupancy=2)
 
 

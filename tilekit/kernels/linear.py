@@ -110,8 +110,8 @@ def _fits(c: dict, p: dict) -> bool:
     return (tm_min <= c["TM"] <= max(16, m)
             and c["TN"] <= max(32, pow2_ceil(p["N"])) and c["TK"] <= max(32, pow2_ceil(p["K"]))
             and (few_rows or c["TN"] >= 32)
-            # thin tiles only pay off for few rows; short K steps only for the two-warpgroup 128x256 tiles
-            and (m < 256 or (c["TN"] >= 64 and (c["TK"] >= 64 or (tile == 128 * 256 and eight_warps))))
+            # thin tiles only pay off for few rows; K steps under 128 bytes only for the two-warpgroup 128x256 tiles
+            and (m < 256 or (c["TN"] >= 64 and (c["TK"] * item >= 128 or (tile == 128 * 256 and eight_warps))))
             and (c["TK"] <= 128 or few_rows)      # long K steps cut the serial loop when rows are few
             and (not few_rows or (c["TN"] <= 64 and c["TK"] >= 128 and c["num_ctas"] == 1 and not eight_warps))
             and (c["SPLIT_K"] == 1 or (few_rows and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])))
@@ -156,14 +156,21 @@ def default_config(p: dict) -> dict:
                 num_worker_warps=0)
 
 
+FP32_TILES = ((128, 128, 32, 8), (64, 64, 64, 0), (64, 64, 32, 0), (32, 32, 32, 0))   # (TM, TN, TK, worker warps), largest first
+
+
 def _fp32_default(p: dict, m: int, plain: dict) -> dict:
-    """fp32 products run on FMA units, not tensor cores (tileiras: "MMA operation failed to optimize to use
-    Tensor Cores"), and the operand and accumulator tiles live in registers: at 128x128x64 each thread
-    spills 6.7 KB to local memory (sm_90 cubins), at 16x32x128 (the few-row default) 0.1-1 KB. Spill-free or
-    nearly so (docs/results/fp32-tiles-sm90.txt): K steps of 32; many rows 64x64 with two warpgroups (0.2 KB,
-    16 KB of operands per step); few rows 16 x 32 (none), split over K until about two programs per SM."""
+    """fp32 products run on tensor cores as three tf32 products (tiles.tensor_mma), the operands split in registers
+    on the way. From 128 rows: the largest of FP32_TILES the space admits that makes at least MIN_TILES output tiles
+    (GPT-2 fp32 prefill on an H100, every linear on one tile: B8 x T512 20.7 ms at 128x128x32 with two warpgroups,
+    24.6 at 64x64x64, 46.8 at 32x32x32, against 28.9 eager; B1 x T128 2.3 ms at 64x64x64, 2.0 at 32x32x32, against
+    4.4; docs/results/fp32-h100.txt). Few rows: 16 x 32 tiles with K steps of 32, split over K until about two
+    programs per SM."""
     if m >= 128:
-        return dict(plain, TM=64, TN=64, TK=32, num_worker_warps=8)
+        admitted = [c for tm, tn, tk, warps in FP32_TILES
+                    if _fits(c := dict(plain, TM=tm, TN=tn, TK=tk, num_worker_warps=warps), p)]
+        return next((c for c in admitted if _tiles(p, c) >= MIN_TILES),
+                    admitted[-1] if admitted else dict(plain, TM=64, TN=64, TK=32))
     tiles, k_tiles = ct.cdiv(p["N"], 32), ct.cdiv(p["K"], 32)
     split = 1
     while split < 8 and 2 * split <= k_tiles and tiles * split < 2 * MIN_TILES:

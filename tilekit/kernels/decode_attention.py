@@ -212,12 +212,8 @@ def _splits(p: dict, c: dict) -> int:
 
 
 def _qp(p: dict) -> int:
-    """Rows of the query tile: the group's query heads x the new tokens, at least 16 (the tensor cores' minimum)
-    except in fp32, whose products run on FMA units: there the padding rows multiplied the work and the registers
-    (gpt2 fp32, B8: 100 us a call, 43% of the step, H100; the cubin's spills 1.9 KB -> 8 B a thread at D64).
-    (tiles.tensor_mma, which would put fp32 on tensor cores, does not compile here: tileiras 13.4 fails its loop
-    schedule.)"""
-    return max(1 if p["dtype"] == "float32" else 16, pow2_ceil(p["H"] // p["Hkv"] * p["nq"]))
+    """Rows of the query tile: the group's query heads x the new tokens."""
+    return max(16, pow2_ceil(p["H"] // p["Hkv"] * p["nq"]))
 
 
 def _arrays(p: dict) -> dict:

@@ -19,7 +19,8 @@ def _linear(dtype, M, N, K, wt="kn"):
 @pytest.mark.parametrize("M, N, K, wt, tile", [
     (4096, 2304, 768, "kn", (128, 128, 32, 8)), (8192, 768, 3072, "kn", (128, 128, 32, 8)),
     (128, 50257, 768, "nk", (128, 128, 32, 8)), (128, 2304, 768, "kn", (64, 64, 64, 0)),
-    (256, 768, 768, "kn", (64, 64, 32, 0)), (128, 768, 768, "kn", (32, 32, 32, 0)), (300, 20, 20, "kn", (64, 64, 32, 0))])
+    (256, 768, 768, "kn", (64, 64, 32, 0)), (128, 768, 768, "kn", (32, 32, 32, 0)),
+    (300, 20, 20, "kn", (64, 64, 32, 0))])
 def test_fp32_many_rows_take_the_largest_tile_that_makes_enough_output_tiles(M, N, K, wt, tile):
     c = _linear("float32", M, N, K, wt)
     assert (c["TM"], c["TN"], c["TK"], c["num_worker_warps"], c["SPLIT_K"]) == (*tile, 1)

@@ -97,8 +97,9 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
         s = ct.mma(q, k, ct.zeros((QP, BN), dtype=ct.float32)) * score_scale
         k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
         s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
-        # V's tile loaded after the scores: loaded beside K's, a 128-wide bf16 head took 225 KB of shared memory (one
-        # program an SM) whatever the occupancy; here 33 KB at occupancy 4 (docs/results/decode-attention-cubins-sm90.txt)
+        # V's tile loaded after the scores: loaded beside K's, a 128-wide bf16 head took 225 KB of shared memory
+        # (one program an SM) whatever the occupancy; here 33 KB at occupancy 4
+        # (docs/results/decode-attention-cubins-sm90.txt)
         v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
         if FP8:
             v = ct.bitcast(v, ct.float8_e4m3fn).astype(Q.dtype)

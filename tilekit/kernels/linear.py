@@ -156,7 +156,8 @@ def default_config(p: dict) -> dict:
                 num_worker_warps=0)
 
 
-FP32_TILES = ((128, 128, 32, 8), (64, 64, 64, 0), (64, 64, 32, 0), (32, 32, 32, 0))   # (TM, TN, TK, worker warps), largest first
+# (TM, TN, TK, worker warps) of the fp32 many-row default, largest first
+FP32_TILES = ((128, 128, 32, 8), (64, 64, 64, 0), (64, 64, 32, 0), (32, 32, 32, 0))
 
 
 def _fp32_default(p: dict, m: int, plain: dict) -> dict:
@@ -279,8 +280,8 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
     """act(x @ W + bias) + residual over the last dimension of x.
 
     weight is [in, out] (weight_layout='in_out', GPT-2's Conv1D) or [out, in] ('out_in', e.g. the
-    tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). fp32 inputs use exact fp32
-    products unless allow_tf32=True. Returns an array of x's kind, or writes into `out`, whose rows
+    tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). fp32 inputs keep fp32 accuracy
+    (three tf32 products each, tiles.tensor_mma) unless allow_tf32=True (one). Returns an array of x's kind, or writes into `out`, whose rows
     may be padded (a [..., :N] slice of a buffer of wider rows: an odd N's rows then start 16-byte
     aligned and store faster; configs are tuned on contiguous outputs). The padding is scratch: the
     vector store of a row's last elements may write zeros up to the row's next 16-byte boundary.

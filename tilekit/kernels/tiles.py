@@ -1,6 +1,6 @@
 """The tile helpers (@ct.function) and constants that several ops' kernels share: the dependent-launch
 sync, the fixed-point residual stream, the (batch, head) split, the online-softmax step, the grouped tile
-order and the tanh GELU.
+order, the tanh GELU and the fp32 product on tensor cores.
 
 Programmatic dependent launch: every tilekit kernel may start while the kernel before it finishes.
 
@@ -109,7 +109,6 @@ def gelu_tanh(x):
     """
     u = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
     return ct.truediv(x, 1.0 + ct.exp(-2.0 * u), flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX)
-
 
 
 TF32_HIGH_BITS = -8192       # 0xFFFFE000: sign, exponent and the 10 mantissa bits a tf32 operand keeps

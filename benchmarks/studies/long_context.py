@@ -8,7 +8,8 @@ dim 64/128, 32 query heads in GQA groups of 1/4/8, contexts 4K-128K (shapes whos
 left out), against F.scaled_dot_product_attention (enable_gqa) under each of the flash / efficient / cuDNN
 backends (the fastest that runs; outputs checked against tilekit's), L2 flushed. % copy: the cache bytes read
 per second against a device-to-device copy moving the same bytes (half of them read, half written), timed
-beside it. fp8 rows: the same shapes over an FP8 (e4m3) cache, half the bytes, against the same SDPA time.
+beside it. Each row is timed twice on both sides: one call with its host cost (tilekit's Python dispatch, SDPA's
+C++ one), and a CUDA-graph replay of the call (GPU work alone, as a model's replayed decode step runs it). fp8 rows: the same shapes over an FP8 (e4m3) cache, half the bytes, against the same SDPA time.
 Prefill rows: causal attention() against the fastest SDPA backend, TFLOP/s of the visible half.
 Model rows: the replayed decode step (greedy, bf16 weights, random) of the Llama-3.1-8B shape with --layers of
 its 32 layers (the whole model's step is about 32 / layers times the non-head part), bf16 and FP8 caches, at
@@ -42,18 +43,32 @@ def timed(fn) -> float:
     return measure(fn, flush_l2=True, warmup=2, reps=REPS)["median_ms"]
 
 
-def best_sdpa(q, k, v, reference, **kw) -> tuple[float, str]:
-    """(ms, backend) of the fastest SDPA backend that runs on these inputs and agrees with `reference` (tilekit's
-    output on the device; relative error <= 2e-2); (nan, reasons) when none does."""
+def timed_graph(fn) -> float:
+    """Median ms of a CUDA-graph replay of fn (its GPU work alone, no launch cost), L2 flushed before each rep; nan
+    when fn cannot be captured."""
+    from benchmarks.harness.timing import measure_graph
+    found = measure_graph(fn, flush_l2=True, warmup=2, reps=REPS)
+    return math.nan if "eager" in found else found["median_ms"]
+
+
+def sdpa_call(q, k, v, backend: str, **kw):
+    """F.scaled_dot_product_attention(q, k, v, **kw) under one backend (a BACKENDS name)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    def run():
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+    return run
+
+
+def best_sdpa(q, k, v, reference, **kw) -> tuple[float, str]:
+    """(ms, backend) of the fastest SDPA backend that runs on these inputs and agrees with `reference` (tilekit's
+    output on the device; relative error <= 2e-2); (nan, reasons) when none does."""
     from benchmarks.harness.checks import rel_error
     best, why = (math.nan, ""), []
     for name in BACKENDS:
-        def run(name=name):
-            with sdpa_kernel(getattr(SDPBackend, name)):
-                return F.scaled_dot_product_attention(q, k, v, **kw)
+        run = sdpa_call(q, k, v, name, **kw)
         try:
             err = rel_error(run(), reference)
         except Exception as e:  # noqa: BLE001 - a backend that does not take this shape or build
@@ -125,9 +140,13 @@ def decode_rows(log=print) -> list[dict]:
             decode_attention(q, k, v, lengths, new_k=new_k, new_v=new_v, out=out)
         ours()
         sdpa_ms, backend = best_sdpa(q, k, v, out.clone(), enable_gqa=True)
-        ms, base = timed(ours), copy_ms(nbytes)
+        sdpa_graph_ms = (timed_graph(sdpa_call(q, k, v, f"{backend.upper()}_ATTENTION", enable_gqa=True))
+                         if math.isfinite(sdpa_ms) else math.nan)
+        ms, graph_ms, base = timed(ours), timed_graph(ours), copy_ms(nbytes)
         row = dict(B=B, H=HEADS, Hkv=Hkv, D=D, context=ctx, cache="bf16", ms=ms, sdpa_ms=sdpa_ms,
-                   sdpa_backend=backend, vs_sdpa=sdpa_ms / ms, copy_ms=base, pct_copy=100 * base / ms)
+                   sdpa_backend=backend, vs_sdpa=sdpa_ms / ms, copy_ms=base, pct_copy=100 * base / ms,
+                   graph_ms=graph_ms, sdpa_graph_ms=sdpa_graph_ms, vs_sdpa_graph=sdpa_graph_ms / graph_ms,
+                   pct_copy_graph=100 * base / graph_ms)
         rows.append(row)
         del k, v
         free_memory()
@@ -140,12 +159,15 @@ def decode_rows(log=print) -> list[dict]:
             decode_attention(q, *codes, lengths, new_k=new_k, new_v=new_v, k_scale=scales,
                              v_scale=scales, out=out)
         fp8()
-        ms8, base8 = timed(fp8), copy_ms(nbytes // 2)
+        ms8, graph8, base8 = timed(fp8), timed_graph(fp8), copy_ms(nbytes // 2)
         rows.append(dict(row, cache="fp8", ms=ms8, vs_sdpa=sdpa_ms / ms8, copy_ms=base8,
-                         pct_copy=100 * base8 / ms8, vs_bf16=ms / ms8))
+                         pct_copy=100 * base8 / ms8, vs_bf16=ms / ms8, graph_ms=graph8,
+                         vs_sdpa_graph=sdpa_graph_ms / graph8, pct_copy_graph=100 * base8 / graph8))
         log(f"decode B{B:<2d} D{D:<3d} G{G} ctx {ctx:>6d}: bf16 {ms * 1e3:8.1f} us "
             f"{row['pct_copy']:4.0f}% copy {row['vs_sdpa']:5.2f}x sdpa ({backend}); fp8 {ms8 * 1e3:8.1f} us "
-            f"{rows[-1]['pct_copy']:4.0f}% copy {rows[-1]['vs_sdpa']:5.2f}x sdpa")
+            f"{rows[-1]['pct_copy']:4.0f}% copy {rows[-1]['vs_sdpa']:5.2f}x sdpa | graphed: bf16 {graph_ms * 1e3:8.1f} us "
+            f"{row['pct_copy_graph']:4.0f}% copy {row['vs_sdpa_graph']:5.2f}x sdpa; fp8 {graph8 * 1e3:8.1f} us "
+            f"{rows[-1]['pct_copy_graph']:4.0f}% copy {rows[-1]['vs_sdpa_graph']:5.2f}x sdpa")
         del codes, q, out
         free_memory()
     cupy.cuda.runtime.deviceSynchronize()
@@ -255,9 +277,16 @@ def geomean(values) -> float:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else math.nan
 
 
+def lowest(values) -> float:
+    values = [v for v in values if math.isfinite(v)]
+    return min(values) if values else math.nan
+
+
 def summary_table(results: dict) -> str:
-    """The short table printed last: decode by (cache, batch), prefill and model rows."""
-    lines = ["| part | rows | vs SDPA / compiled (geomean) | worst | % copy (min) |", "|---|---|---|---|---|"]
+    """The short table printed last: decode by (cache, batch), timed with host cost and as graph replays (GPU work
+    alone, both sides), prefill and model rows."""
+    lines = ["| part | rows | vs SDPA / compiled (geomean) | worst | % copy (min) | graphed: vs SDPA | % copy (min) |",
+             "|---|---|---|---|---|---|---|"]
     for cache in ("bf16", "fp8"):
         for B in DECODE_BATCHES:
             part = [r for r in results["decode"] if r["cache"] == cache and r["B"] == B]
@@ -265,13 +294,15 @@ def summary_table(results: dict) -> str:
                 worst = min(part, key=lambda r: r["vs_sdpa"] if math.isfinite(r["vs_sdpa"]) else math.inf)
                 lines.append(f"| decode {cache} B{B} | {len(part)} | {geomean(r['vs_sdpa'] for r in part):.2f}x | "
                              f"{worst['vs_sdpa']:.2f}x (D{worst['D']} G{HEADS // worst['Hkv']} ctx {worst['context']}) | "
-                             f"{min(r['pct_copy'] for r in part):.0f}% |")
+                             f"{min(r['pct_copy'] for r in part):.0f}% | "
+                             f"{geomean(r.get('vs_sdpa_graph', math.nan) for r in part):.2f}x | "
+                             f"{lowest(r.get('pct_copy_graph', math.nan) for r in part):.0f}% |")
     for r in results["prefill"]:
         lines.append(f"| prefill B{r['B']} H{r['H']} T{r['T']} D{r['D']} | 1 | {r['vs_sdpa']:.2f}x | "
-                     f"{r['tflops']:.0f} TFLOP/s | - |")
+                     f"{r['tflops']:.0f} TFLOP/s | - | - | - |")
     for r in results["model"]:
         lines.append(f"| {r['model']} ctx {r['context']} | 1 | {r['vs_compiled']:.2f}x ({r['bf16_ms']:.3f} ms/token; "
-                     f"fp8 cache {r['fp8_ms']:.3f}) | - | - |")
+                     f"fp8 cache {r['fp8_ms']:.3f}) | - | - | - | - |")
     return "\n".join(lines)
 
 

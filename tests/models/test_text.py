@@ -331,6 +331,43 @@ def test_templates_that_would_run_for_hours_or_fill_memory_are_refused(template,
     assert type(error) is ValueError and str(error) == f"chat_template.jinja fails to render: {problem}"
 
 
+BIG = "{% set a = 'x' * 16777216 %}"
+
+
+@pytest.mark.parametrize("template, problem", [
+    (BIG + "{{ a ~ a }}", "'~' would make 33554432 items, more than 16777216"),
+    (BIG + "{% set b = a ~ 'y' %}", "'~' would make 16777217 items, more than 16777216"),
+    (BIG + "{{ a + a }}", "'+' would make 33554432 items, more than 16777216"),
+    ("{{ ('a' * 10000)|replace('a', 'b' * 10000) }}", "replace would make 100000000 items, more than 16777216"),
+    ("{{ ('a' * 10000).replace('a', 'b' * 10000) }}", "replace would make 100000000 items, more than 16777216"),
+    ("{{ (['a'] * 10000)|join('x' * 10000) }}", "join would make 100000000 items, more than 16777216"),
+    ("{{ ('x' * 10000).join(['a'] * 10000) }}", "join would make 100000000 items, more than 16777216"),
+    ("{{ '%99999999999s' % 'a' }}", "'%' has a width or precision past 16777216"),
+    ("{{ '%.99999999999f' % 1.5 }}", "'%' has a width or precision past 16777216"),
+    ("{{ '%*s' % (1000000000, 'a') }}", "'%' takes an integer past 16777216"),
+    ("{{ '{:>99999999999}'.format('a') }}", "the call format() has a width or precision past 16777216"),
+    ("{{ 'a'.center(10 ** 9) }}", "the call center() takes an integer past 16777216"),
+    ("{{ 'a'|center(10 ** 9) }}", "the filter center takes an integer past 16777216"),
+    ("{{ '%99999999999s'|format('a') }}", "the filter format has a width or precision past 16777216"),
+    ("{{ 'a'|indent(10 ** 9, true) }}", "the filter indent takes an integer past 16777216"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+     "the template's output would make 16778000 items, more than 16777216"),
+])
+def test_templates_that_would_build_huge_values_are_refused_before_they_do(template, problem):
+    error = run_briefly(lambda: render_chat(template, CONVERSATION, source="chat_template.jinja"), seconds=20)
+    assert type(error) is ValueError and str(error).startswith(f"chat_template.jinja fails to render: {problem}")
+
+
+def test_the_size_bounds_keep_jinjas_results():
+    cases = {"{{ 'a' ~ 1 ~ none ~ [2] }}": "a1None[2]", "{{ 'ab' + 'c' }}{{ [1] + [2] }}{{ 2 + 3 }}": "abc[1, 2]5",
+             "{{ '%5s|%-4d|%.2f' % ('a', 7, 1.005) }}": "    a|7   |1.00", "{{ '{:>4}'.format('b') }}": "   b",
+             "{{ 'aXa'|replace('a', 'bb') }}{{ 'x'.join(['1', '2']) }}{{ [1, 2]|join('-') }}": "bbXbb1x21-2",
+             "{{ 'ab'|center(6) }}|{{ '%s'|format('q') }}|{{ 'xy'.center(4, '*') }}": "  ab  |q|*xy*",
+             "{% set s %}{{ 'a' ~ 'b' }}{% endset %}{{ s ~ s|upper }}": "abAB"}
+    for template, want in cases.items():
+        assert render_chat(template, CONVERSATION) == want, template
+
+
 def test_the_bounds_leave_real_templates_alone():
     looped = "{% for m in messages %}{{ loop.index }}/{{ loop.length }} {{ m.role * 2 }}{% else %}none{% endfor %}"
     assert render_chat(looped + "{{ 2 ** 10 }}", CONVERSATION[:1]) == "1/1 systemsystem1024"

@@ -19,7 +19,7 @@ from tilekit.models.hf import Checkpoint, ModelFileError, quoted, shown
 MAX_TOKENIZER_BYTES = 64 << 20   # tokenizer.json of a 256k vocabulary is ~35 MB
 MAX_TEMPLATE_CHARS = 1 << 20     # real chat templates are a few kB to a few tens of kB
 MAX_TEMPLATE_STEPS = 1 << 18     # loop iterations and calls in one render; real templates make tens to thousands
-MAX_TEMPLATE_VALUE = 1 << 24     # items a '*' may make (of a string or list), bits a '**' may make
+MAX_TEMPLATE_VALUE = 1 << 24     # items of any value a render makes (string, list), bits of an integer; its output
 ROLES = ("system", "user", "assistant", "tool")
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")    # a byte-fallback token (SentencePiece, Llama-2)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -203,8 +203,14 @@ def render_chat(template: str, messages: Sequence[Mapping], special_tokens: Mapp
     check_messages(messages)
     budget = _steps_left.set([MAX_TEMPLATE_STEPS])
     try:
-        return _compiled(template).render(messages=[dict(m) for m in messages], tools=None, documents=None,
-                                          add_generation_prompt=add_generation_prompt, **(special_tokens or {}))
+        pieces, size = [], 0
+        for piece in _compiled(template).generate(messages=[dict(m) for m in messages], tools=None, documents=None,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **(special_tokens or {})):
+            size += len(piece)
+            _check_size("the template's output", size)
+            pieces.append(piece)
+        return "".join(pieces)
     except jinja2.TemplateError as e:   # a syntax error, raise_exception(), an undefined name, the sandbox
         raise ValueError(f"{source} fails to render: {shown(str(e), 300)}") from None
     except Exception as e:    # anything else the template's own expressions raise (1 / 0, 'a' + 1, ...)
@@ -233,6 +239,74 @@ def _counted(iterable):
         yield item
 
 
+def _bounded(value):
+    """`value` unless it is a string or collection of more than MAX_TEMPLATE_VALUE items (SecurityError)."""
+    from jinja2.sandbox import SecurityError
+    if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > MAX_TEMPLATE_VALUE:
+        raise SecurityError(f"the template makes a value of {len(value)} items, more than {MAX_TEMPLATE_VALUE}")
+    return value
+
+
+def _check_size(what: str, size: int) -> None:
+    """SecurityError when `what` would make more than MAX_TEMPLATE_VALUE items (checked before it is made)."""
+    from jinja2.sandbox import SecurityError
+    if size > MAX_TEMPLATE_VALUE:
+        raise SecurityError(f"{what} would make {size} items, more than {MAX_TEMPLATE_VALUE}")
+
+
+_WIDTHS = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\d*)(?:\.(\d*))?|\{[^{}]*?:([^{}]*)\}")
+
+
+def _check_arguments(what: str, fmt, args, kwargs) -> None:
+    """Before a call, filter or '%' runs: no integer argument past MAX_TEMPLATE_VALUE (a width, a count), no
+    width or precision past it in a format string (`fmt`: '%99999999999s', '{:>99999999999}'), and for the
+    calls whose result can outgrow their inputs (replace, join) a result of at most MAX_TEMPLATE_VALUE items."""
+    from jinja2.sandbox import SecurityError
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_TEMPLATE_VALUE:
+            raise SecurityError(f"{what} takes an integer past {MAX_TEMPLATE_VALUE}")
+    if isinstance(fmt, str):
+        for m in _WIDTHS.finditer(fmt):
+            numbers = [g for g in m.groups()[:2] if g] + re.findall(r"\d+", m.group(3) or "")
+            if any(len(n) > 9 or int(n) > MAX_TEMPLATE_VALUE for n in numbers):
+                raise SecurityError(f"{what} has a width or precision past {MAX_TEMPLATE_VALUE}")
+
+
+def _check_result_size(what: str, obj, args) -> None:
+    """Before str.replace or str.join (method or filter) runs: the size of its result."""
+    if what == "replace" and isinstance(obj, str) and len(args) >= 2 and isinstance(args[0], str) \
+            and isinstance(args[1], str):
+        count = obj.count(args[0]) if args[0] else len(obj) + 1
+        _check_size("replace", len(obj) + count * max(0, len(args[1]) - len(args[0])))
+    if what == "join" and isinstance(obj, str) and args and isinstance(args[0], (list, tuple)):
+        _check_size("join", len(obj) * max(0, len(args[0]) - 1) + sum(len(str(x)) for x in args[0]))
+
+
+def _concat(pieces) -> str:
+    """The '~' operator's join, bounded (the template's Concat nodes are rewritten to this filter)."""
+    pieces = [str(p) for p in pieces]
+    _check_size("'~'", sum(map(len, pieces)))
+    return "".join(pieces)
+
+
+def _bounded_filter(name: str, f):
+    """Filter `f` whose arguments are checked before it runs and whose result is bounded."""
+    passed = hasattr(f, "jinja_pass_arg")         # a context, eval context or environment comes first
+
+    @functools.wraps(f)
+    def run(*args, **kwargs):
+        plain = args[1:] if passed else args
+        _check_arguments(f"the filter {name}", plain[0] if name == "format" and plain else None, plain[1:], kwargs)
+        if plain and name in ("replace", "join"):
+            if name == "join":
+                items = list(plain[0])
+                _check_result_size("join", plain[1] if len(plain) > 1 and isinstance(plain[1], str) else "", [items])
+            else:
+                _check_result_size("replace", plain[0], plain[1:])
+        return _bounded(f(*args, **kwargs))
+    return run
+
+
 def check_messages(messages) -> None:
     """ValueError unless `messages` is a non-empty list of {"role": one of ROLES, "content": str}."""
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -252,18 +326,24 @@ def _compiled(template: str):
     """The template compiled in transformers' environment: sandboxed and immutable, trim_blocks and
     lstrip_blocks, loop controls, {% generation %} blocks (rendered as their body), a tojson that keeps
     non-ASCII and HTML characters, raise_exception() and strftime_now(). Bounded, unlike transformers': every
-    loop iteration and call counts against MAX_TEMPLATE_STEPS, and '*' and '**' may not make more than
-    MAX_TEMPLATE_VALUE items or bits."""
+    loop iteration and call counts against MAX_TEMPLATE_STEPS, and no value it makes (by '*', '+', '%', '~', a
+    call or a filter) nor its output may exceed MAX_TEMPLATE_VALUE items (bits for '**'): what could outgrow that
+    in one step (widths, counts, replace, join) is checked before it runs."""
     import jinja2
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
     class Bounded(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**"})
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
 
         def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja's signature)
             _step()
-            return super().call(__context, __obj, *args, **kwargs)
+            name = getattr(__obj, "__name__", "")
+            owner = getattr(__obj, "__self__", None)
+            _check_arguments(f"the call {name}()", owner if name in ("format", "format_map") else None,
+                             args, kwargs)
+            _check_result_size(name, owner, args)
+            return _bounded(super().call(__context, __obj, *args, **kwargs))
 
         def call_binop(self, context, operator, left, right):
             seq, times = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
@@ -273,7 +353,21 @@ def _compiled(template: str):
             if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
                     and right * abs(left).bit_length() > MAX_TEMPLATE_VALUE:
                 raise SecurityError(f"'**' would make an integer of more than {MAX_TEMPLATE_VALUE} bits")
-            return super().call_binop(context, operator, left, right)
+            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                _check_size("'+'", len(left) + len(right))
+            if operator == "%" and isinstance(left, str):
+                _check_arguments("'%'", left, right if isinstance(right, tuple) else (right,), {})
+            return _bounded(super().call_binop(context, operator, left, right))
+
+        def wrap_str_format(self, value):
+            run = super().wrap_str_format(value)
+            if run is None:
+                return None
+
+            def checked(*args, **kwargs):
+                _check_arguments(f"the call {value.__name__}()", value.__self__, args, kwargs)
+                return _bounded(run(*args, **kwargs))
+            return checked
 
     class Generation(Extension):
         tags = {"generation"}
@@ -294,7 +388,9 @@ def _compiled(template: str):
 
     env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
-    env.filters["tilekit_counted"] = _counted    # a filter: a template cannot rebind it
+    env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
+    env.filters["tilekit_counted"] = _counted    # filters: a template cannot rebind them
+    env.filters["tilekit_concat"] = _concat
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
@@ -303,4 +399,17 @@ def _compiled(template: str):
         return env.from_string(template)     # raises it again, as transformers reports it
     for loop in tree.find_all(jinja2.nodes.For):
         loop.iter = jinja2.nodes.Filter(loop.iter, "tilekit_counted", [], [], None, None).set_lineno(loop.lineno)
+    for parent in list(tree.find_all(jinja2.nodes.Node)):      # '~' joins: bounded like '+'
+        for name, child in parent.iter_fields():
+            if isinstance(child, jinja2.nodes.Concat):
+                setattr(parent, name, _concat_filter(jinja2, child))
+            elif isinstance(child, list):
+                setattr(parent, name, [_concat_filter(jinja2, c) if isinstance(c, jinja2.nodes.Concat) else c
+                                       for c in child])
     return env.from_string(tree)
+
+
+def _concat_filter(jinja2, node):
+    """A Concat node as the tilekit_concat filter over the list of its parts."""
+    return jinja2.nodes.Filter(jinja2.nodes.List(node.nodes), "tilekit_concat", [], [], None, None) \
+        .set_lineno(node.lineno)

@@ -350,6 +350,7 @@ BIG = "{% set a = 'x' * 16777216 %}"
     ("{{ 'a'|center(10 ** 9) }}", "the filter center takes an integer past 16777216"),
     ("{{ '%99999999999s'|format('a') }}", "the filter format has a width or precision past 16777216"),
     ("{{ 'a'|indent(10 ** 9, true) }}", "the filter indent takes an integer past 16777216"),
+    ("".join(f"{{% set v{i} = 'x' * 16000000 %}}" for i in range(10)), "the template makes more than 134217728 items"),
     ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
      "the template's output would make 16778000 items, more than 16777216"),
 ])

@@ -20,6 +20,7 @@ MAX_TOKENIZER_BYTES = 64 << 20   # tokenizer.json of a 256k vocabulary is ~35 MB
 MAX_TEMPLATE_CHARS = 1 << 20     # real chat templates are a few kB to a few tens of kB
 MAX_TEMPLATE_STEPS = 1 << 18     # loop iterations and calls in one render; real templates make tens to thousands
 MAX_TEMPLATE_VALUE = 1 << 24     # items of any value a render makes (string, list), bits of an integer; its output
+MAX_TEMPLATE_ITEMS = 1 << 27     # items of all the values one render makes (many values kept in variables)
 ROLES = ("system", "user", "assistant", "tool")
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")    # a byte-fallback token (SentencePiece, Llama-2)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -201,7 +202,7 @@ def render_chat(template: str, messages: Sequence[Mapping], special_tokens: Mapp
     if not isinstance(template, str) or len(template) > MAX_TEMPLATE_CHARS:
         raise ValueError(f"{source}: a template is a string of at most {MAX_TEMPLATE_CHARS} characters")
     check_messages(messages)
-    budget = _steps_left.set([MAX_TEMPLATE_STEPS])
+    budget = _steps_left.set([MAX_TEMPLATE_STEPS, MAX_TEMPLATE_ITEMS])
     try:
         pieces, size = [], 0
         for piece in _compiled(template).generate(messages=[dict(m) for m in messages], tools=None, documents=None,
@@ -224,7 +225,8 @@ _steps_left: contextvars.ContextVar[list[int]] = contextvars.ContextVar("tilekit
 
 def _step() -> None:
     """Count one loop iteration or call of the render in progress; SecurityError past MAX_TEMPLATE_STEPS (a
-    template that loops for hours: nested loops, a macro calling itself twice)."""
+    template that loops for hours: nested loops, a macro calling itself twice). The budget holds [steps left,
+    items left] (items: _bounded)."""
     from jinja2.sandbox import SecurityError
     left = _steps_left.get()
     left[0] -= 1
@@ -240,10 +242,16 @@ def _counted(iterable):
 
 
 def _bounded(value):
-    """`value` unless it is a string or collection of more than MAX_TEMPLATE_VALUE items (SecurityError)."""
+    """`value` unless it is a string or collection of more than MAX_TEMPLATE_VALUE items, or its items bring those
+    of all the values the render made past MAX_TEMPLATE_ITEMS (SecurityError)."""
     from jinja2.sandbox import SecurityError
-    if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > MAX_TEMPLATE_VALUE:
-        raise SecurityError(f"the template makes a value of {len(value)} items, more than {MAX_TEMPLATE_VALUE}")
+    if isinstance(value, (str, bytes, list, tuple, dict)):
+        if len(value) > MAX_TEMPLATE_VALUE:
+            raise SecurityError(f"the template makes a value of {len(value)} items, more than {MAX_TEMPLATE_VALUE}")
+        left = _steps_left.get()
+        left[1] -= len(value)
+        if left[1] < 0:
+            raise SecurityError(f"the template makes more than {MAX_TEMPLATE_ITEMS} items in all")
     return value
 
 
@@ -286,7 +294,7 @@ def _concat(pieces) -> str:
     """The '~' operator's join, bounded (the template's Concat nodes are rewritten to this filter)."""
     pieces = [str(p) for p in pieces]
     _check_size("'~'", sum(map(len, pieces)))
-    return "".join(pieces)
+    return _bounded("".join(pieces))
 
 
 def _bounded_filter(name: str, f):

@@ -342,6 +342,7 @@ BIG = "{% set a = 'x' * 16777216 %}"
     ("{{ ('a' * 10000).replace('a', 'b' * 10000) }}", "replace would make 100000000 items, more than 16777216"),
     ("{{ (['a'] * 10000)|join('x' * 10000) }}", "join would make 100000000 items, more than 16777216"),
     ("{{ ('x' * 10000).join(['a'] * 10000) }}", "join would make 100000000 items, more than 16777216"),
+    ("{{ ('x' * 10000).join(range(10000)|map('string')) }}", "join would make 100028890 items, more than 16777216"),
     ("{{ '%99999999999s' % 'a' }}", "'%' has a width or precision past 16777216"),
     ("{{ '%.99999999999f' % 1.5 }}", "'%' has a width or precision past 16777216"),
     ("{{ '%*s' % (1000000000, 'a') }}", "'%' takes an integer past 16777216"),
@@ -364,7 +365,9 @@ def test_the_size_bounds_keep_jinjas_results():
              "{{ '%5s|%-4d|%.2f' % ('a', 7, 1.005) }}": "    a|7   |1.00", "{{ '{:>4}'.format('b') }}": "   b",
              "{{ 'aXa'|replace('a', 'bb') }}{{ 'x'.join(['1', '2']) }}{{ [1, 2]|join('-') }}": "bbXbb1x21-2",
              "{{ 'ab'|center(6) }}|{{ '%s'|format('q') }}|{{ 'xy'.center(4, '*') }}": "  ab  |q|*xy*",
-             "{% set s %}{{ 'a' ~ 'b' }}{% endset %}{{ s ~ s|upper }}": "abAB"}
+             "{% set s %}{{ 'a' ~ 'b' }}{% endset %}{{ s ~ s|upper }}": "abAB",
+             "{{ ['a', 'b']|map('upper')|join('-') }}|{{ messages|map(attribute='role')|join }}": "A-B|systemuserassistantuser",
+             "{{ '+'.join(['a', 'b']|map('upper')) }}{{ [{'n': 'x'}, {'n': 'y'}]|join(',', attribute='n') }}": "A+Bx,y"}
     for template, want in cases.items():
         assert render_chat(template, CONVERSATION) == want, template
 

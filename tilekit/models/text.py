@@ -267,8 +267,7 @@ _WIDTHS = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\d*)(?:\.(\d*))?|\{[^{}]*?:([^{}
 
 def _check_arguments(what: str, fmt, args, kwargs) -> None:
     """Before a call, filter or '%' runs: no integer argument past MAX_TEMPLATE_VALUE (a width, a count), no
-    width or precision past it in a format string (`fmt`: '%99999999999s', '{:>99999999999}'), and for the
-    calls whose result can outgrow their inputs (replace, join) a result of at most MAX_TEMPLATE_VALUE items."""
+    width or precision past it in a format string (`fmt`: '%99999999999s', '{:>99999999999}')."""
     from jinja2.sandbox import SecurityError
     for a in (*args, *kwargs.values()):
         if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_TEMPLATE_VALUE:
@@ -280,14 +279,18 @@ def _check_arguments(what: str, fmt, args, kwargs) -> None:
                 raise SecurityError(f"{what} has a width or precision past {MAX_TEMPLATE_VALUE}")
 
 
-def _check_result_size(what: str, obj, args) -> None:
-    """Before str.replace or str.join (method or filter) runs: the size of its result."""
+def _check_result_size(what: str, obj, args: tuple) -> tuple:
+    """Before str.replace or str.join (method or filter) runs: the size of its result. Returns args, a join's
+    iterable made a list (counted, then passed on)."""
     if what == "replace" and isinstance(obj, str) and len(args) >= 2 and isinstance(args[0], str) \
             and isinstance(args[1], str):
         count = obj.count(args[0]) if args[0] else len(obj) + 1
         _check_size("replace", len(obj) + count * max(0, len(args[1]) - len(args[0])))
-    if what == "join" and isinstance(obj, str) and args and isinstance(args[0], (list, tuple)):
-        _check_size("join", len(obj) * max(0, len(args[0]) - 1) + sum(len(str(x)) for x in args[0]))
+    if what == "join" and isinstance(obj, str) and args and not isinstance(args[0], (str, Mapping)):
+        items = list(_counted(args[0]))
+        _check_size("join", len(obj) * max(0, len(items) - 1) + sum(len(str(x)) for x in items))
+        args = (items, *args[1:])
+    return args
 
 
 def _concat(pieces) -> str:
@@ -303,14 +306,14 @@ def _bounded_filter(name: str, f):
 
     @functools.wraps(f)
     def run(*args, **kwargs):
-        plain = args[1:] if passed else args
+        lead, plain = (args[:1], args[1:]) if passed else ((), args)
         _check_arguments(f"the filter {name}", plain[0] if name == "format" and plain else None, plain[1:], kwargs)
-        if plain and name in ("replace", "join"):
-            if name == "join":
-                items = list(plain[0])
-                _check_result_size("join", plain[1] if len(plain) > 1 and isinstance(plain[1], str) else "", [items])
-            else:
-                _check_result_size("replace", plain[0], plain[1:])
+        if name == "replace" and plain:
+            _check_result_size("replace", plain[0], plain[1:])
+        if name == "join" and plain:     # value|join(d): d.join(value), the iterable made a list on the way
+            separator = plain[1] if len(plain) > 1 else kwargs.get("d", "")
+            (items,) = _check_result_size("join", separator if isinstance(separator, str) else "", plain[:1])
+            args = (*lead, items, *plain[1:])
         return _bounded(f(*args, **kwargs))
     return run
 
@@ -350,7 +353,7 @@ def _compiled(template: str):
             owner = getattr(__obj, "__self__", None)
             _check_arguments(f"the call {name}()", owner if name in ("format", "format_map") else None,
                              args, kwargs)
-            _check_result_size(name, owner, args)
+            args = _check_result_size(name, owner, args)
             return _bounded(super().call(__context, __obj, *args, **kwargs))
 
         def call_binop(self, context, operator, left, right):

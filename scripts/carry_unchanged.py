@@ -81,16 +81,15 @@ def main(old: str) -> int:
     from tilekit.autotune.db import TuningDB
     from tilekit.autotune.entries import entry_reason
     from tilekit.autotune.keys import parse_key
+    from tilekit.autotune.op import STALE_KERNEL, STALE_SPACE
     from tilekit.autotune.registry import registered_ops
     ops = registered_ops()
-    stale = ("stale: tuned for another version of the kernel source or its launch",
-             "stale: tuned over another search space")
     shipped = TuningDB(ROOT / "tuning_db", "maintainer", writable=True)
     candidates = []            # (device file, key, entry, task); files read and checked as lookup reads them
     for file in shipped.device_files():
         device = file.device()
         for key, entry in file.read().items():
-            if entry_reason(key, entry, "shipped") in stale:    # sound, and stale for its source or space alone?
+            if entry_reason(key, entry, "shipped") in (STALE_KERNEL, STALE_SPACE):   # sound; stale for these alone?
                 name, problem = parse_key(key)
                 task = [name, ops[name].tuning_problem(problem), entry["config"], device.arch]
                 candidates.append((file, key, entry, task))

@@ -38,6 +38,9 @@ from tilekit.env import autotune_mode, dependent_launch
 # tilekit.kernels.tiles) unless TILEKIT_DEPENDENT_LAUNCH=0.
 DEPENDENT_LAUNCH = dependent_launch()
 
+STALE_KERNEL = "stale: tuned for another version of the kernel source or its launch"    # why_unusable's reasons
+STALE_SPACE = "stale: tuned over another search space"
+
 
 @dataclass(frozen=True)
 class Resolution:
@@ -416,9 +419,9 @@ class Op:
         """None when a sound stored entry (entry_defect found nothing, so a config outside the space
         was tuned over another one) may be used by this kernel now, else the reason."""
         if entry["kernel_hash"] != self.kernel_hash():
-            return "stale: tuned for another version of the kernel source or its launch"
+            return STALE_KERNEL
         if entry["space_hash"] != self.space_hash():
-            return "stale: tuned over another search space"
+            return STALE_SPACE
         if layer == "user" and entry["toolchain"] != toolchain():
             return f"stale: tuned with {entry['toolchain']}, running {toolchain()}"
         return None

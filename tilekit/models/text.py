@@ -350,10 +350,8 @@ def _compiled(template: str):
         def call(__self, __context, __obj, *args, **kwargs):   # noqa: N805 (jinja's signature)
             _step()
             name = getattr(__obj, "__name__", "")
-            owner = getattr(__obj, "__self__", None)
-            _check_arguments(f"the call {name}()", owner if name in ("format", "format_map") else None,
-                             args, kwargs)
-            args = _check_result_size(name, owner, args)
+            _check_arguments(f"the call {name}()", None, args, kwargs)    # format strings: wrap_str_format
+            args = _check_result_size(name, getattr(__obj, "__self__", None), args)
             return _bounded(super().call(__context, __obj, *args, **kwargs))
 
         def call_binop(self, context, operator, left, right):

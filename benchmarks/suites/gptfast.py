@@ -1,7 +1,8 @@
-"""The strongest decode anchor a PyTorch engineer writes by hand: GPT-2 and Llama in the style of gpt-fast.
+"""The strongest decode anchor a PyTorch engineer writes by hand: GPT-2, Llama and DeepSeek-V2 in the style of
+gpt-fast.
 
-Static KV-cache buffers (one pair per layer, written in place), SDPA over the whole cache under a
-causal mask, greedy argmax on the GPU.
+Static KV-cache buffers (one pair per layer, written in place; DeepSeek-V2's compressed latent), attention over the
+whole cache under a causal mask, greedy argmax on the GPU.
 One decode step reads its token and position from buffers and writes the next token back, so
 `torch.compile(mode="reduce-overhead", fullgraph=True)` turns it into Inductor kernels replayed as a
 CUDA graph with no host work between steps. The prompt's prefill runs the same module eagerly (gpt-fast's
@@ -32,13 +33,12 @@ class KVCache(torch.nn.Module):
 
 
 class StaticDecoder(torch.nn.Module):
-    """Greedy generation over static buffers: a KV cache per layer, the tokens, the position and a causal
-    mask. Subclasses hold the HF model's modules and define forward(ids, pos) -> logits (B, V)."""
+    """Greedy generation over static buffers: a cache per layer (`caches`), the tokens, the position and a
+    causal mask. Subclasses hold the HF model's modules and define forward(ids, pos) -> logits (B, V)."""
 
-    def __init__(self, batch: int, capacity: int, layers: int, cache_shape: tuple, like: torch.Tensor, *,
-                 compile: bool):
+    def __init__(self, batch: int, capacity: int, caches, like: torch.Tensor, *, compile: bool):
         super().__init__()
-        self.kv = torch.nn.ModuleList(KVCache(cache_shape, like) for _ in range(layers))
+        self.kv = torch.nn.ModuleList(caches)
         self.register_buffer("causal", torch.ones(capacity, capacity, dtype=torch.bool, device=like.device).tril())
         self.register_buffer("tokens", torch.zeros(batch, capacity, dtype=torch.long, device=like.device))
         self.register_buffer("pos", torch.zeros(1, dtype=torch.long, device=like.device))
@@ -72,8 +72,8 @@ class GPT2Decoder(StaticDecoder):
     def __init__(self, hf, batch: int, capacity: int, *, compile: bool = True):
         t, n_head = hf.transformer, hf.config.n_head
         w = t.wte.weight
-        super().__init__(batch, capacity, len(t.h), (batch, n_head, capacity, w.shape[1] // n_head), w,
-                         compile=compile)
+        shape = (batch, n_head, capacity, w.shape[1] // n_head)
+        super().__init__(batch, capacity, [KVCache(shape, w) for _ in t.h], w, compile=compile)
         self.wte, self.wpe, self.h, self.ln_f = t.wte, t.wpe, t.h, t.ln_f
         self.n_head = n_head
 
@@ -108,8 +108,8 @@ class LlamaDecoder(StaticDecoder):
         m, c = hf.model, hf.config
         w = m.embed_tokens.weight
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        super().__init__(batch, capacity, len(m.layers), (batch, c.num_key_value_heads, capacity, head_dim), w,
-                         compile=compile)
+        shape = (batch, c.num_key_value_heads, capacity, head_dim)
+        super().__init__(batch, capacity, [KVCache(shape, w) for _ in m.layers], w, compile=compile)
         self.embed, self.layers, self.norm, self.lm_head = m.embed_tokens, m.layers, m.norm, hf.lm_head
         self.head_dim, self.group = head_dim, c.num_attention_heads // c.num_key_value_heads
         # cos, sin (1, capacity, D) in the weights' dtype, as HF computes them (x only lends dtype and device)
@@ -137,6 +137,90 @@ class LlamaDecoder(StaticDecoder):
             x = x + attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
             h = layer.post_attention_layernorm(x)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        return self.lm_head(self.norm(x[:, -1]))
+
+
+def rotate_pairs(x, cos, sin):
+    """DeepSeek's RoPE layout (HF's apply_rotary_emb): adjacent pairs of the head dimension rotated as complex
+    numbers, in float32, back to x's dtype."""
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
+
+
+class LatentCache(torch.nn.Module):
+    """One layer's compressed keys and values (B, capacity, latent + rope): the normalised latent and the rotated
+    shared rope key of each position, written in place."""
+
+    def __init__(self, shape: tuple, like: torch.Tensor):
+        super().__init__()
+        self.register_buffer("kv", torch.zeros(shape, dtype=like.dtype, device=like.device))
+        torch._dynamo.mark_static_address(self.kv)
+
+    def update(self, pos, latent_and_rope):
+        self.kv[:, pos] = latent_and_rope
+        return self.kv
+
+
+class DeepseekV2Decoder(StaticDecoder):
+    """Greedy DeepSeek-V2 generation for `batch` sequences of up to `capacity` tokens over an HF
+    DeepseekV2ForCausalLM, as a PyTorch engineer writes it for speed: multi-head latent attention in the absorbed
+    form over a static latent cache (the query's no-rope part taken into the latent through kv_b_proj's key half,
+    the output back out through its value half, so a step reads the cache once, as FlashMLA does); a decode step's
+    experts gathered per token (gpt-fast's Mixtral: each token's top-k expert matrices indexed, then batched
+    products); longer inputs (the eager prompt) through the HF MoE module (its grouped GEMM), as gathering per token
+    would copy every expert of every token."""
+
+    model_type = "deepseek_v2"
+
+    def __init__(self, hf, batch: int, capacity: int, *, compile: bool = True):
+        m, c = hf.model, hf.config
+        w = m.embed_tokens.weight
+        shape = (batch, capacity, c.kv_lora_rank + c.qk_rope_head_dim)
+        super().__init__(batch, capacity, [LatentCache(shape, w) for _ in m.layers], w, compile=compile)
+        self.embed, self.layers, self.norm, self.lm_head = m.embed_tokens, m.layers, m.norm, hf.lm_head
+        self.heads, self.rank = c.num_attention_heads, c.kv_lora_rank
+        self.nope, self.rope, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        freqs = m.rotary_emb(w, torch.arange(capacity, device=w.device)[None])[0]    # complex (capacity, rope / 2)
+        self.register_buffer("cos", freqs.real.float().contiguous())
+        self.register_buffer("sin", freqs.imag.float().contiguous())
+        torch._dynamo.mark_static_address(self.cos)
+        torch._dynamo.mark_static_address(self.sin)
+
+    def attention(self, attn, cache, h, pos, mask, cos, sin):
+        B, T, _ = h.shape
+        q = attn.q_proj(h) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(h)))
+        q_nope, q_pe = q.view(B, T, self.heads, -1).split([self.nope, self.rope], dim=-1)
+        latent, k_pe = attn.kv_a_proj_with_mqa(h).split([self.rank, self.rope], dim=-1)
+        q_pe = rotate_pairs(q_pe, cos[:, None], sin[:, None])
+        k_pe = rotate_pairs(k_pe, cos, sin)
+        kv = cache.update(pos, torch.cat((attn.kv_a_layernorm(latent), k_pe), dim=-1))    # (B, capacity, rank + rope)
+        up = attn.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, up[:, :self.nope])
+        scores = torch.einsum("bthr,bsr->bhts", torch.cat((q_latent, q_pe), dim=-1), kv).float() * attn.scaling
+        p = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).type_as(h)
+        o_latent = torch.einsum("bhts,bsr->bthr", p, kv[..., :self.rank])
+        o = torch.einsum("bthr,hvr->bthv", o_latent, up[:, self.nope:])
+        return attn.o_proj(o.reshape(B, T, -1))
+
+    @staticmethod
+    def feed_forward(mlp, h):
+        if not hasattr(mlp, "experts") or h.shape[1] > 1:
+            return mlp(h)                                  # the dense layer; the prompt through HF's grouped GEMM
+        x = h.view(-1, h.shape[-1])
+        _, weights, experts = mlp.gate(x)                  # (N, k) routing weights (scaled as HF does), expert ids
+        gate, up = torch.einsum("nd,nkod->nko", x, mlp.experts.gate_up_proj[experts]).chunk(2, dim=-1)
+        y = torch.einsum("nki,nkdi->nkd", mlp.experts.act_fn(gate) * up, mlp.experts.down_proj[experts])
+        y = torch.einsum("nkd,nk->nd", y.float(), weights).type_as(x)
+        return (y + mlp.shared_experts(x)).view_as(h)
+
+    def forward(self, ids, pos):
+        """Logits (B, V) after the last of `ids` (B, T) at positions `pos` (T,); the latents go into the cache."""
+        x = self.embed(ids)
+        mask = self.causal[pos]                      # (T, capacity): each query sees positions <= its own
+        cos, sin = self.cos[pos], self.sin[pos]      # (T, rope / 2)
+        for layer, cache in zip(self.layers, self.kv):
+            x = x + self.attention(layer.self_attn, cache, layer.input_layernorm(x), pos, mask, cos, sin)
+            x = x + self.feed_forward(layer.mlp, layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x[:, -1]))
 
 

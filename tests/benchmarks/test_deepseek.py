@@ -61,12 +61,13 @@ def test_cache_values_come_from_the_allocations_not_their_views():
 
 def test_the_kernels_compiled_ahead_are_every_call_once():
     model = family_of_config(TINY).model_class(TINY, dtype="bfloat16", meta=True)
-    tasks = bench.workload_tasks(model, [1, 2], 64, lambda op, p: op.default(p))
+    tasks = bench.workload_tasks(model, [1, 2], [64, 96], lambda op, p: op.default(p))
     names = {op.name for op, _, _ in tasks}
     assert {"mla_decode_attention", "moe_router", "moe_gate_up", "moe_down_combine", "attention", "next_token"} <= names
     keys = [(op.name, json.dumps(p, sort_keys=True)) for op, p, _ in tasks]
     assert len(keys) == len(set(keys))
-    calls = model.kernel_problems(2, bench.PROMPT, bench.NEW_TOKENS) + model.kernel_problems(1, 64)
+    calls = model.kernel_problems(2, bench.PROMPT, bench.NEW_TOKENS) + model.kernel_problems(1, 64) \
+        + model.kernel_problems(1, 96)
     assert {(op.name, json.dumps(p, sort_keys=True)) for op, p in calls} <= set(keys)
     assert all(config == op.default(p) for op, p, config in tasks)
 
@@ -74,46 +75,58 @@ def test_the_kernels_compiled_ahead_are_every_call_once():
 def test_arguments(monkeypatch, tmp_path, capsys):
     monkeypatch.delenv("OUT", raising=False)
     a = bench.parse_args([])
-    assert (a.model, a.batch, a.prefill, a.no_anchor, a.out) == ("deepseek-v2-lite", None, 1024, False, None)
+    assert (a.model, a.batch, a.prefill, a.no_anchor, a.out) == ("deepseek-v2-lite", [1, 8, 32], [1024, 4096], False,
+                                                                   None)
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert bench.parse_args(["--batch", "8", "--prefill", "0", "--no-anchor"]).out == tmp_path
+    a = bench.parse_args(["--batch", "8", "--prefill", "0", "--no-anchor"])
+    assert (a.out, a.batch, a.prefill) == (tmp_path, [8], [])
+    assert (bench.parse_args(["--batch", "0", "--prefill", "512"]).batch, a.no_anchor) == ([], True)
     for argv, message in ((["--model", "gpt2"], "not a mixture-of-experts preset"), (["--model", "gpt5"], "not a preset"),
-                          (["--batch", "0"], "--batch must be >= 1")):
+                          (["--batch", "-1"], "--batch and --prefill must be >= 0"),
+                          (["--prefill", "-4"], "--batch and --prefill must be >= 0")):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def _results():
-    decode = dict(batch=1, step_ms=2.0, floor_ms=1.6, pct_floor=80.0, generate_ms_per_token=2.5, anchor="HF x",
-                  anchor_ms_per_token=50.0, speedup=20.0, status="ok")
-    failed = dict(decode, batch=8, anchor_ms_per_token=None, speedup=None, status="failed")
-    prefill = dict(seq=1024, forward_ms=40.0, tokens_per_s=25600.0, anchor="HF y", anchor_ms=80.0, speedup=2.0,
-                   status="ok")
+    step = dict(name="compiled step", measure="step", ms=5.0, speedup=2.5, status="ok")
+    gen = dict(name="HF x", measure="generate", ms=50.0, speedup=20.0, status="ok")
+    decode = dict(batch=1, step_ms=2.0, floor_ms=1.6, pct_floor=80.0, generate_ms_per_token=2.5, anchors=[step, gen])
+    failed = dict(decode, batch=8, anchors=[dict(step, ms=None, speedup=None, status="failed", note="logits off")])
+    prefill = dict(seq=1024, forward_ms=40.0, tokens_per_s=25600.0,
+                   anchors=[dict(name="HF compiled", measure="forward", ms=60.0, speedup=1.5, status="ok"),
+                            dict(name="HF y", measure="forward", ms=80.0, speedup=2.0, status="ok")])
     cache = dict(values_per_token_layer=576.0, bytes_per_token_layer=1152.0, mha_values_per_token_layer=5120,
                  mha_bytes_per_token_layer=10240, ratio=5120 / 576)
     return dict(preset="deepseek-v2-lite", copy_gbs=3000.0, anchor="HF x", cache=cache, decode=[decode, failed],
-                prefill=[prefill])
+                prefill=[prefill, dict(prefill, seq=4096, anchors=[])])
 
 
 def test_table_and_json(monkeypatch, tmp_path, capsys):
     lines = bench.format_table(_results()).splitlines()
-    assert lines[1].split() == ["decode", "B1", "step", "ms", "2.000", "1.600", "80%"]
-    assert lines[2].split() == ["generate", "ms/token", "2.500", "50.000", "20.0x", "ok"]
-    assert lines[4].split() == ["generate", "ms/token", "2.500", "-", "-", "failed"]
-    assert lines[5].split()[:8] == ["prefill", "B1", "T1024", "ms", "40.00", "80.00", "2.0x", "ok"]
-    assert "576 values (1152 B) per token and layer vs MHA 5120 (10240 B): 8.9x smaller" in lines[6]
-    assert "copy bandwidth 3000 GB/s; anchor: HF x, HF y" in lines[7]
+    assert lines[1].split() == ["decode", "B1", "step", "ms", "2.000", "1.600", "80%", "5.000", "2.50x", "ok",
+                                "(compiled", "step)"]
+    assert lines[2].split() == ["decode", "B1", "generate", "ms/token", "2.500", "50.000", "20.00x", "ok", "(HF", "x)"]
+    assert lines[3].split()[-5:] == ["failed", "(compiled", "step:", "logits", "off)"]
+    assert lines[4].split()[-2:] == ["no", "anchor"] and lines[4].split()[:4] == ["decode", "B8", "generate", "ms/token"]
+    assert lines[5].split() == ["prefill", "B1", "T1024", "ms", "40.00", "60.000", "1.50x", "ok", "(HF", "compiled)"]
+    assert lines[6].split() == ["prefill", "B1", "T1024", "ms", "40.00", "80.000", "2.00x", "ok", "(HF", "y)"]
+    assert lines[7].split() == ["prefill", "B1", "T4096", "ms", "40.00", "-", "-", "no", "anchor"]
+    assert "576 values (1152 B) per token and layer vs MHA 5120 (10240 B): 8.9x smaller" in lines[8]
+    assert "copy bandwidth 3000 GB/s; HF model: HF x" in lines[9]
     seen = {}
 
-    def run(config, preset, batches, prefill, anchor, log):
+    def run(config, preset, batches, prefill, anchor, log, saved):
         seen.update(preset=preset, batches=batches, prefill=prefill, anchor=anchor)
+        saved(_results())           # after a row: written as it stands
+        assert json.loads((tmp_path / "deepseek.json").read_text())["decode"][0]["batch"] == 1
         return _results(), 1
     monkeypatch.setattr(bench, "run", run)
     assert bench.main(["--batch", "1", "--batch", "8", "--no-anchor", "--out", str(tmp_path)]) == 1
-    assert seen == dict(preset="deepseek-v2-lite", batches=[1, 8], prefill=1024, anchor=False)
+    assert seen == dict(preset="deepseek-v2-lite", batches=[1, 8], prefill=[1024, 4096], anchor=False)
     saved = json.loads((tmp_path / "deepseek.json").read_text())
-    assert saved["decode"][1]["status"] == "failed" and saved["seconds"] >= 0
+    assert saved["decode"][1]["anchors"][0]["status"] == "failed" and saved["seconds"] >= 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("deepseek-v2-lite, random weights, bf16")
 
 
@@ -121,13 +134,16 @@ def test_table_and_json(monkeypatch, tmp_path, capsys):
 def test_gpu_every_row_at_a_tiny_config():
     """The floor's routed experts counted from the router, the HF model on tilekit's memory agreeing with it."""
     pytest.importorskip("transformers")
-    results, failed = bench.run(TINY, "tiny", [1, 2], 64)
+    results, failed = bench.run(TINY, "tiny", [1, 2], [64])
     assert failed == 0, results
     assert results["cache"]["values_per_token_layer"] == 32 + 16 and results["cache"]["ratio"] == 4 * (16 + 16 + 16) / 48
     for r in results["decode"]:
-        assert r["status"] == "ok" and r["speedup"] > 0 and r["logits_error"] < 5e-2, r
+        assert [a["measure"] for a in r["anchors"]] == ["step", "generate"]
+        for a in r["anchors"]:          # the compiled step and HF generate on tilekit's weights agree with it
+            assert a["status"] == "ok" and a["speedup"] > 0 and a["logits_error"] < 5e-2, a
         assert 0 < r["pct_floor"] and r["step_ms"] > 0 and r["generate_ms_per_token"] > 0
         routed = r["routed_experts_per_layer"]
         assert routed == 3 if r["batch"] == 1 else 3 <= routed <= 6
     (p,) = results["prefill"]
-    assert p["status"] == "ok" and p["speedup"] > 0 and p["tokens_per_s"] > 0
+    assert [a["name"] for a in p["anchors"]][0].startswith("HF compiled forward") and p["tokens_per_s"] > 0
+    assert all(a["status"] == "ok" and a["speedup"] > 0 for a in p["anchors"]), p

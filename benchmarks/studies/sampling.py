@@ -1,6 +1,7 @@
 """Sampled decode against greedy decode of the same model, in one process: ms per new token of generate()
 (a 128-token prompt and 128 new tokens, prefill included, wall time), and of one replayed decode step, the
-greedy and the sampled graphs replayed interleaved. Rows "sample <model> B<b> <options>" have the greedy run
+greedy and the sampled graphs replayed interleaved, and the next_token kernels' microseconds in a profiled
+replay of each. Rows "sample <model> B<b> <options>" have the greedy run
 of the same model and batch as their anchor (ratio = sampled / greedy: 1.05 means 5% slower).
 
     python -m benchmarks.studies.sampling --model gpt2 --model llama-3.2-1b --batch 1 --batch 8 [--out DIR]
@@ -42,6 +43,19 @@ def _timed_generation(model, prompt, options: dict, runs: int = 3):
     return float(np.median(times)), gen, np.stack(out)
 
 
+def next_token_kernels(gen) -> dict[str, float]:
+    """Microseconds of each next_token kernel in a profiled replay of gen's decode graph (breakdown.profile_step:
+    the median of 5 replays)."""
+    from benchmarks.studies.breakdown import profile_step
+    rows = profile_step(gen, 1.0, step_reps=1)["kernels"]
+    return {r["kernel"].removeprefix("next_token_").removesuffix("_kernel"): r["us"] for r in rows
+            if r["op"] == "next_token"}
+
+
+def _us(kernels: dict) -> str:
+    return " + ".join(f"{name} {us:.1f}" for name, us in kernels.items()) + " us"
+
+
 def run(preset: str, batch: int, variants: list[str], rounds: int = 5, reps: int = 100, log=print) -> list[dict]:
     import numpy as np
     model = decode_model(preset)
@@ -51,17 +65,20 @@ def run(preset: str, batch: int, variants: list[str], rounds: int = 5, reps: int
     runs = {name: _timed_generation(model, prompt, OPTIONS[name]) for name in variants}
     steps = interleaved_replays({"greedy": greedy_gen, **{name: runs[name][1] for name in variants}}, rounds, reps)
     greedy_step = float(np.median(steps["greedy"]))
+    greedy_pick = next_token_kernels(greedy_gen)
     rows = []
     for name in variants:
-        gen_ms, _, tokens = runs[name]
+        gen_ms, gen, tokens = runs[name]
         step = float(np.median(steps[name]))
         distinct = len(np.unique(tokens[:, PROMPT:]))
+        pick = next_token_kernels(gen)
         rows.append(dict(case=f"sample {preset} B{batch} {name}", anchor="greedy", ms_per_token=gen_ms,
                          anchor_ms_per_token=greedy_ms, ratio=gen_ms / greedy_ms, step_ms=step,
-                         anchor_step_ms=greedy_step, step_ratio=step / greedy_step, distinct_tokens=distinct))
+                         anchor_step_ms=greedy_step, step_ratio=step / greedy_step, distinct_tokens=distinct,
+                         next_token_us=pick, anchor_next_token_us=greedy_pick))
         log(f"sample {preset:13s} B{batch:<2d} {name:30s} generate {gen_ms:7.3f} vs greedy {greedy_ms:7.3f} ms/token "
             f"({gen_ms / greedy_ms:5.3f}x); step {step:7.3f} vs {greedy_step:7.3f} ms ({step / greedy_step:5.3f}x); "
-            f"{distinct} distinct tokens")
+            f"{distinct} distinct tokens; next_token kernels {_us(pick)} vs greedy {_us(greedy_pick)}")
     model.forget_graphs()
     return rows
 

@@ -29,7 +29,7 @@ PROMPT, NEW_TOKENS = 128, 128
 
 def min_bytes(op_name: str, p: dict, context: int) -> float:
     """The fewest DRAM bytes one call must move: each input read once, each output written once."""
-    item = {"float32": 4}.get(p["dtype"], 2)
+    item = {"float32": 4}.get(p.get("dtype"), 2)     # ops without a dtype key (MoE routing) count 2 bytes
     if op_name == "linear":
         return item * (p["M"] * p["K"] + p["K"] * p["N"] + p["bias"] * p["N"] + (1 + p["res"]) * p["M"] * p["N"])
     if op_name == "residual_linear":            # the fixed-point residual read and written, 8 bytes each

@@ -92,26 +92,6 @@ def test_entries_are_sound_and_in_space(path):
     assert not stale, f"{len(stale)} stale entries (re-tune on that GPU):\n" + "\n".join(stale[:10])
 
 
-# Ops whose kernel changed after a GPU's file was last tuned, their entries dropped there: session 22 changed
-# decode_attention and re-tuned it on the H100 only (the device tool lent no H200), so the H200's decode shapes take
-# the H100's entries through the same-arch lookup until `scripts/gpu-tune.sh MODEL...` on an H200 fills them in (it
-# tunes what the shipped file lacks). Every other shape of that file is still required.
-NOT_RETUNED = {H200_FILE: "decode_attention/"}
-
-
-def _resolved_from_another_file(path: Path, model: str, dtype: str, keys: list[str], monkeypatch) -> None:
-    """Each of `keys` (shapes path's GPU lacks) resolves exactly, on that GPU, from another shipped sm_90 file."""
-    from tilekit.autotune import store
-    device = DeviceInfo(**{k: _parse(path)[0]["device"][k] for k in ("name", "arch", "sm_count")})
-    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(SHIPPED))
-    store.reset()
-    for op, problem in model_problems(_config(model), dtype, (1, 8), (128, 1024)):
-        if op.problem_key(problem)[1] in keys:
-            found = op.resolve(problem, device, "cached")
-            assert found.source == "shipped" and found.match.exact, (op.name, problem)
-            assert found.match.device_rule.startswith("same-arch"), found.describe()
-
-
 def _config(model: str):
     return LLAMA_PRESETS[model] if model in LLAMA_PRESETS else GPTConfig.preset(model)
 
@@ -128,15 +108,9 @@ def _missing(path: Path, model: str, dtype: str = "bfloat16") -> list[str]:
 @pytest.mark.parametrize("model, dtype", [("gpt2", "bfloat16"), ("gpt2-medium", "bfloat16"),
                                           ("gpt2-large", "bfloat16"), ("gpt2-xl", "bfloat16"), ("gpt2", "float16"),
                                           ("llama-3.2-1b", "bfloat16"), ("llama-3.1-8b", "bfloat16")])
-def test_each_shipped_gpu_covers_every_model_shape(path, model, dtype, monkeypatch):
+def test_each_shipped_gpu_covers_every_model_shape(path, model, dtype):
     missing = _missing(path, model, dtype)
-    gap = [key for key in missing if key.startswith(NOT_RETUNED.get(path, "\0"))]
-    missing = [key for key in missing if key not in gap]
     assert not missing, f"{len(missing)} {model} {dtype} shapes missing from {_rel(path)}: {missing}"
-    if gap:
-        _resolved_from_another_file(path, model, dtype, gap, monkeypatch)
-        pytest.xfail(f"{len(gap)} {model} {dtype} shapes of an op changed since {_rel(path)} was tuned; this GPU takes "
-                     f"another sm_90 file's entries for them until re-tuned (NOT_RETUNED)")
 
 
 @pytest.mark.parametrize("device", OTHER_SM90, ids=lambda d: d.name)

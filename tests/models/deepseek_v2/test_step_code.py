@@ -146,8 +146,13 @@ def test_the_workload_is_the_step_code_on_meta_arrays():
     prompt = [(op.name, p) for op, p in model.kernel_problems(2, 64)]
     assert {n for n, _ in prompt} >= {"mla_kv", "attention", "fixed_cast"}
     assert all(p["D"] == 192 for n, p in prompt if n == "attention")
-    o_proj = [p for n, p in prompt if n == "moe_down_combine" and p["E"] == 16]
-    assert len(o_proj) == 27 and all(p["slots"] == 16 and p["I"] == 128 for p in o_proj)
+    # o_proj: one expert over token-major rows (M, H dv), the prompts' value columns copied there by write_kv
+    o_proj = [p for n, p in prompt if n == "moe_down_combine" and p["I"] == 16 * 128]
+    assert len(o_proj) == 27 and all(p["E"] == 1 and p["slots"] == 1 and p["M"] == 128 for p in o_proj)
+    copies = [p for n, p in prompt if n == "write_kv" and p["B"] == 1 and p["T"] == 128]
+    assert len(copies) == 27 and all(p["H"] == 16 and p["D"] == 128 for p in copies)
+    assert [p for n, p in step if n == "moe_down_combine" and p["I"] == 2048][0].items() >= dict(E=1, M=1).items()
+    assert not [p for op, p in calls if op.name == "moe_down_combine" and p["E"] == 16]
 
 
 def hf_config(**changes):

@@ -159,7 +159,7 @@ def test_a_rank_runs_its_shard_shapes():
             ("linear", 1, None, 64 + 16 * 192, 2048, None, None), ("swiglu_linear", 1, None, 10944, 2048, None, None),
             ("linear", 1, None, 102400, 2048, None, None)} <= one
     assert {("mla_decode_attention", None, 8, None, None, None, None), ("moe_gate_up", 1, None, None, None, 704, 66),
-            ("moe_down_combine", 1, None, None, None, 704, 66), ("moe_down_combine", 1, None, None, None, 128, 8),
+            ("moe_down_combine", 1, None, None, None, 704, 66), ("moe_down_combine", 1, None, None, None, 8 * 128, 1),
             ("linear", 1, None, 64 + 8 * 192, 2048, None, None), ("swiglu_linear", 1, None, 5472, 2048, None, None),
             ("linear", 1, None, 51200, 2048, None, None), ("head_linear", 1, 8, 512, 128, None, None)} <= two
     assert ("linear", 1, None, 512, 2048, None, None) in one & two          # the latent: every rank, whole

@@ -259,6 +259,8 @@ def hf_generate_anchor(model, hf, prompt, tokens, gen_ms: float) -> dict:
 def _anchor(fn, name: str, measure: str, *args) -> dict:
     """fn(*args) under inference mode; a failure is a failed anchor that says why."""
     import torch
+
+    from benchmarks.harness import timing
     try:
         with torch.inference_mode():
             return fn(*args)
@@ -266,7 +268,6 @@ def _anchor(fn, name: str, measure: str, *args) -> dict:
         return dict(name=name, measure=measure, ms=None, speedup=None, status="failed",
                     note=f"{type(e).__name__}: {e}")
     finally:
-        from benchmarks.harness import timing
         timing.free_memory()
 
 

@@ -180,7 +180,7 @@ class Activations:
         self.o_heads = self.o.reshape(batch, tokens, H, dq).transpose(0, 2, 1, 3)            # (B, H, T, dq)
         self.o_values = self.o.reshape(1, M, H, dq)[:, :, :, :dv].transpose(0, 2, 1, 3)     # (1, H, M, dv)
         self.start = arrays.zeros((1,), "int32")
-        # prompts (plain form)
+        # and their per-head keys and values
         self.kv = arrays.empty((M, H * (dn + dv)), dtype)
         self.k = arrays.empty((M, H, dq), dtype)
         self.v = arrays.zeros((M, H, dq), dtype)                         # columns past dv stay zero

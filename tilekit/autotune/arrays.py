@@ -98,6 +98,10 @@ class MetaArray:
             raise ValueError(f"cannot reshape {self.shape} into {shape}")
         return MetaArray(shape, self.dtype, device=self.device)   # a view of a contiguous array, or a copy
 
+    def __add__(self, other):
+        """An elementwise sum (with a scalar offset): a new contiguous array of this shape and dtype."""
+        return MetaArray(self.shape, self.dtype, device=self.device)
+
     def transpose(self, *axes):
         axes = tuple(axes[0]) if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else axes
         axes = axes or tuple(reversed(range(self.ndim)))

@@ -176,10 +176,17 @@ class DecodeState:
         self.acts = model.activations(batch, 1, arrays)
         self.logits = arrays.empty((batch, V), model.dtype)
 
-    def prefill(self, buf: PromptBuffers) -> None:
-        """Fill the KV cache from padded prompts and pick each sequence's first new token."""
-        attend = self.model.prefill_attend(self.cache, buf.zeros)
-        self._head(self.model.hidden(buf.acts, buf.ids, buf.positions, attend), buf.last)
+    def prefill(self, buf: PromptBuffers, start: int = 0, final: bool = True) -> None:
+        """Fill the KV cache from padded prompts (their positions start.. of each sequence: a chunk of a longer
+        prompt whose earlier positions are cached, prefill_pieces) and, for the final piece, pick each
+        sequence's first new token."""
+        if start:
+            attend = self.model.prefill_attend(self.cache, buf.zeros + start, past=start)
+            x = self.model.hidden(buf.acts, buf.ids, buf.positions + start, attend)
+        else:
+            x = self.model.hidden(buf.acts, buf.ids, buf.positions, self.model.prefill_attend(self.cache, buf.zeros))
+        if final:
+            self._head(x, buf.last)
 
     def step(self) -> None:
         """One token for every sequence."""
@@ -206,6 +213,21 @@ def capacity_for(model: "CausalLM", prompt_len: int, new_tokens: int) -> tuple[i
     """(KV-cache capacity, padded prompt length) of a generate call."""
     capacity = min(model.context_length, -(-(prompt_len + new_tokens) // PAD) * PAD)
     return capacity, min(capacity, -(-prompt_len // PAD) * PAD)
+
+
+def prefill_pieces(model: "CausalLM", tokens: int, newest: int, cache) -> list[tuple[int, int]]:
+    """(start, tokens) of the passes that prefill prompts padded to `tokens`: one, or, past model.prefill_chunk
+    tokens with a KVCache in the model's dtype (later chunks attend over the cached keys and values of the earlier
+    ones: not FP8 codes, not a latent cache), chunks of prefill_chunk tokens up to the PAD block that holds `newest`
+    (the shortest prompt's newest position), then one pass over the rest, which holds every prompt's newest token
+    (longer than a chunk only where the prompts' lengths differ by more)."""
+    chunk = model.prefill_chunk
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0 or chunk % PAD:
+        raise ValueError(f"prefill_chunk must be 0 (off) or a positive multiple of {PAD}, got {chunk!r}")
+    tail = newest // PAD * PAD
+    if not chunk or tokens <= chunk or not isinstance(cache, KVCache) or cache.k_scale is not None or not tail:
+        return [(0, tokens)]
+    return [(s, min(chunk, tail - s)) for s in range(0, tail, chunk)] + [(tail, tokens - tail)]
 
 
 def _capture(stream, fn) -> object:
@@ -251,19 +273,21 @@ class Generation:
             state.seen.set(seen)
             state.out_counts.fill(0)
 
-    def prefill(self, ids: np.ndarray, last: np.ndarray, use_graph: bool) -> None:
-        """Run the prompt prefill of padded prompts ids (B, T); `last` are the rows (of the flattened
-        B x T tokens) of each sequence's newest token. A prompt length seen twice replays a graph."""
-        T = ids.shape[1]
-        buf = self.prompts.pop(T, None)
-        if buf is None:
-            with self.stream:
-                buf = PromptBuffers(self.model, self.batch, T, Arrays())
-        self.prompts[T] = buf
-        while len(self.prompts) > self.max_prompt_shapes:
-            self.prompts.popitem(last=False)
+    def prefill(self, ids: np.ndarray, lengths: np.ndarray, use_graph: bool) -> None:
+        """Run the prompt prefill of padded prompts ids (B, T) of `lengths` tokens. A prompt length seen twice
+        replays a graph; a prompt longer than the model's prefill_chunk runs in chunks (prefill_pieces), eagerly."""
+        B, T = ids.shape
+        pieces = prefill_pieces(self.model, T, int(lengths.min()) - 1, self.state.cache)
+        if len(pieces) > 1:
+            for start, n in pieces:
+                buf = self._buffers(n)
+                buf.ids.set(np.ascontiguousarray(ids[:, start:start + n]).reshape(-1))
+                buf.last.set(np.arange(B, dtype=np.int32) * n + lengths - 1 - start)
+                self.state.prefill(buf, start, final=start + n == T)
+            return
+        buf = self._buffers(T)
         buf.ids.set(ids.reshape(-1))
-        buf.last.set(last)
+        buf.last.set(np.arange(B, dtype=np.int32) * T + lengths - 1)
         if use_graph and buf.graph is not None:
             buf.graph.launch(self.stream)
             return
@@ -271,6 +295,17 @@ class Generation:
         buf.runs += 1
         if use_graph and buf.runs >= 2:        # a prompt shape seen twice: replay it from now on
             buf.graph = _capture(self.stream, lambda: self.state.prefill(buf))
+
+    def _buffers(self, T: int) -> PromptBuffers:
+        """The prompt buffers of T tokens a sequence (the last max_prompt_shapes lengths are kept)."""
+        buf = self.prompts.pop(T, None)
+        if buf is None:
+            with self.stream:
+                buf = PromptBuffers(self.model, self.batch, T, Arrays())
+        self.prompts[T] = buf
+        while len(self.prompts) > self.max_prompt_shapes:
+            self.prompts.popitem(last=False)
+        return buf
 
     def decode(self, use_graph: bool) -> None:
         """One token for every sequence; the first call runs eagerly and captures the step."""
@@ -378,6 +413,7 @@ class CausalLM(TextGeneration):
     vocab: tuple[int, int] = (0, 0)   # tensor-parallel: the vocabulary rows [start, stop) of this rank's LM head
     max_prefill_graphs = 4
     max_generations = 2
+    prefill_chunk = 8192       # generate() prefills prompts longer than this in chunks of it (0: never; prefill_pieces)
     comm = None                # tensor-parallel: this rank's tilekit.parallel.Communicator (None: one process)
     shards_quantized = False   # tensor-parallel with quantized linears (a subclass whose sharding supports it)
 
@@ -450,13 +486,18 @@ class CausalLM(TextGeneration):
         """generate()'s cache for `batch` sequences of up to `capacity` positions, of KV_CACHE_DTYPES `dtype`."""
         return KVCache(self, batch, capacity, arrays, dtype)
 
-    def prefill_attend(self, cache, start) -> Callable:
+    def prefill_attend(self, cache, start, past: int = 0) -> Callable:
         """hidden()'s attend for a prompt prefill: attend(layer, q, k, v, out) writes the keys and values into the
         cache at `start` (int32 (B,) device offsets) and attends causally over the prompts (their own k and v,
-        in the model's dtype, whatever the cache holds)."""
+        in the model's dtype, whatever the cache holds); with `past` positions of every sequence already cached
+        (a chunk of a longer prompt at start = past, prefill_pieces), over the cache's first past + T positions."""
         def attend(i, q, k, v, out):
             write_kv(k, v, cache.k[i], cache.v[i], start, **cache.scales(i))
-            attention(q, k, v, causal=True, out=out)
+            if past:
+                end = past + q.shape[2]
+                attention(q, cache.k[i][:, :, :end], cache.v[i][:, :, :end], causal=True, out=out)
+            else:
+                attention(q, k, v, causal=True, out=out)
         return attend
 
     def decode_attend(self, cache, positions) -> Callable:
@@ -804,7 +845,7 @@ class CausalLM(TextGeneration):
         with self._generation(B, capacity, picker, kv_cache_dtype) as gen, gen.stream:
             state = gen.state
             gen.start(history, lengths - 1, fparams, iparams, seen)
-            gen.prefill(padded, np.arange(B, dtype=np.int32) * T + lengths - 1, use_graph)
+            gen.prefill(padded, lengths, use_graph)
             for produced in range(1, new + 1):
                 if watch:
                     tokens = state.tokens.get()
@@ -875,7 +916,8 @@ class CausalLM(TextGeneration):
                 capacity, padded = capacity_for(self, seq_len, new_tokens)
                 for picker in WORKLOAD_PICKERS:
                     state = DecodeState(self, batch, capacity, META, picker)
-                    state.prefill(PromptBuffers(self, batch, padded, META))
+                    for start, n in prefill_pieces(self, padded, seq_len - 1, state.cache):
+                        state.prefill(PromptBuffers(self, batch, n, META), start, final=start + n == padded)
                     state.step()
         return calls
 

@@ -215,3 +215,18 @@ def test_fp8_kv_cache_generate_with_graphs_equals_eager(small_llama):
     graphed = small_llama.generate(prompts, 12, temperature=0, kv_cache_dtype="fp8")
     eager = small_llama.generate(prompts, 12, temperature=0, kv_cache_dtype="fp8", use_graph=False)
     assert [s.tolist() for s in graphed] == [s.tolist() for s in eager]
+
+
+def test_a_chunked_prefill_generates_the_whole_prefills_tokens():
+    """generate() with prompts longer than prefill_chunk (a ragged batch, fp32): the chunks' attention over the cached
+    positions, on the GPU's kernels, gives the whole prefill's greedy tokens."""
+    model = Llama.from_pretrained(DATA / "tiny-llama", dtype="float32")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model.config.vocab_size, n) for n in (300, 229)]
+    runs = {}
+    for chunk in (0, 64):
+        model.prefill_chunk = chunk
+        runs[chunk] = model.generate(prompts, 16, temperature=0, eos_token_id=[])
+        model.forget_graphs()
+    for whole, chunked in zip(runs[0], runs[64]):
+        np.testing.assert_array_equal(whole, chunked)

@@ -223,6 +223,7 @@ class DeepseekV2(CausalLM):
 
     weights = weights
     config_class = DeepseekV2Config
+    prefill_chunk = 0      # prompts prefill whole: a chunk's plain-form attention would expand every earlier latent
 
     def __init__(self, config: DeepseekV2Config, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, empty: bool = False, meta: bool = False,

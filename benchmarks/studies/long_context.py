@@ -9,7 +9,8 @@ left out), against F.scaled_dot_product_attention (enable_gqa) under each of the
 backends (the fastest that runs; outputs checked against tilekit's), L2 flushed. % copy: the cache bytes read
 per second against a device-to-device copy moving the same bytes (half of them read, half written), timed
 beside it. Each row is timed twice on both sides: one call with its host cost (tilekit's Python dispatch, SDPA's
-C++ one), and a CUDA-graph replay of the call (GPU work alone, as a model's replayed decode step runs it). fp8 rows: the same shapes over an FP8 (e4m3) cache, half the bytes, against the same SDPA time.
+C++ one), and a CUDA-graph replay of the call (GPU work alone, as a model's replayed decode step runs it). fp8
+rows: the same shapes over an FP8 (e4m3) cache, half the bytes, against the same SDPA time.
 Prefill rows: causal attention() against the fastest SDPA backend, TFLOP/s of the visible half.
 Model rows: the replayed decode step (greedy, bf16 weights, random) of the Llama-3.1-8B shape with --layers of
 its 32 layers (the whole model's step is about 32 / layers times the non-head part), bf16 and FP8 caches, at
@@ -62,11 +63,12 @@ def sdpa_call(q, k, v, backend: str, **kw):
     return run
 
 
-def best_sdpa(q, k, v, reference, **kw) -> tuple[float, str]:
-    """(ms, backend) of the fastest SDPA backend that runs on these inputs and agrees with `reference` (tilekit's
-    output on the device; relative error <= 2e-2); (nan, reasons) when none does."""
+def best_sdpa(q, k, v, reference, **kw) -> tuple:
+    """(ms, backend, call) of the fastest SDPA backend that runs on these inputs and agrees with `reference`
+    (tilekit's output on the device; relative error <= 2e-2; call: sdpa_call's, to time again); (nan, reasons,
+    None) when none does."""
     from benchmarks.harness.checks import rel_error
-    best, why = (math.nan, ""), []
+    best, why = (math.nan, "", None), []
     for name in BACKENDS:
         run = sdpa_call(q, k, v, name, **kw)
         try:
@@ -79,8 +81,8 @@ def best_sdpa(q, k, v, reference, **kw) -> tuple[float, str]:
             continue
         ms = timed(run)
         if not ms >= best[0]:
-            best = (ms, name.removesuffix("_ATTENTION").lower())
-    return best if best[1] else (math.nan, "; ".join(why))
+            best = (ms, name.removesuffix("_ATTENTION").lower(), run)
+    return best if best[2] else (math.nan, "; ".join(why), None)
 
 
 def copy_ms(nbytes: int) -> float:
@@ -139,9 +141,8 @@ def decode_rows(log=print) -> list[dict]:
         def ours():
             decode_attention(q, k, v, lengths, new_k=new_k, new_v=new_v, out=out)
         ours()
-        sdpa_ms, backend = best_sdpa(q, k, v, out.clone(), enable_gqa=True)
-        sdpa_graph_ms = (timed_graph(sdpa_call(q, k, v, f"{backend.upper()}_ATTENTION", enable_gqa=True))
-                         if math.isfinite(sdpa_ms) else math.nan)
+        sdpa_ms, backend, sdpa = best_sdpa(q, k, v, out.clone(), enable_gqa=True)
+        sdpa_graph_ms = timed_graph(sdpa) if sdpa else math.nan
         ms, graph_ms, base = timed(ours), timed_graph(ours), copy_ms(nbytes)
         row = dict(B=B, H=HEADS, Hkv=Hkv, D=D, context=ctx, cache="bf16", ms=ms, sdpa_ms=sdpa_ms,
                    sdpa_backend=backend, vs_sdpa=sdpa_ms / ms, copy_ms=base, pct_copy=100 * base / ms,
@@ -184,7 +185,7 @@ def prefill_rows(log=print) -> list[dict]:
         q, k, v = (torch.randn(B, H, T, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         out = torch.empty_like(q)
         attention(q, k, v, causal=True, out=out)
-        sdpa_ms, backend = best_sdpa(q, k, v, out.clone(), is_causal=True)
+        sdpa_ms, backend, _ = best_sdpa(q, k, v, out.clone(), is_causal=True)
         ms = timed(lambda: attention(q, k, v, causal=True, out=out))
         flops = 4.0 * B * H * T * T * D / 2
         rows.append(dict(B=B, H=H, T=T, D=D, ms=ms, tflops=tflops(flops, ms), sdpa_ms=sdpa_ms, sdpa_backend=backend,

@@ -3,9 +3,10 @@
 Flash-decoding: the context of each (sequence, head) is cut into CHUNK-long splits handled by
 separate programs, so even batch 1 can fill the GPU (the tuner picks a program count, split_chunk the
 length); each split stores a partial softmax state (max, sum, unnormalised output) and a second,
-small kernel merges them (no merge with one split); the tuner times both launches. (A merge by the last split to arrive, counted on an atomic, was one launch
-but read other splits' states wrongly at times on an H200: fp32 tiles, and MLA's 32 splits of a 4K
-context.) Given the new tokens' keys and values, the kernel also writes them into the
+small kernel merges them (no merge with one split); the tuner times both launches. (A merge by the
+last split to arrive, counted on an atomic, was one launch but read other splits' states wrongly at
+times on an H200: fp32 tiles, and MLA's 32 splits of a 4K context.) Given the new tokens' keys and
+values, the kernel also writes them into the
 cache (no separate KV write) and attends to them from registers. Lengths live on the device, so a
 CUDA graph can replay a decode step as the cache grows; the grid depends only on the cache
 capacity, and splits past a sequence's length store an empty state at once. With grouped-query

@@ -43,7 +43,8 @@ DEFINITIONS = {
                            "HF static = transformers generate with cache_implementation='static' (compiles "
                            "the decode forward); HF sdpa / eager = generate with the dynamic cache",
     "decode_floor_ms": "(weight bytes + KV-cache bytes read per step) / copy_bandwidth_gbs: itemsize x "
-                       "parameter count (a tied LM head counted once) plus 2 * n_layer * B * Hkv * D * "
+                       "parameters read (every one but an untied embedding table, of which the batch's rows; a tied "
+                       "LM head once) plus 2 * n_layer * B * Hkv * D * "
                        "itemsize * the mean context (prompt + new / 2) (GPT-2: Hkv * D = C); prefill not "
                        "counted, so a lower bound",
     "pct_roofline": "tilekit % of floor: perf / roofline * 100 (kernels, prefill), or decode floor_ms / "
@@ -145,11 +146,29 @@ def layer_matmul_params(config) -> int:
     return sum(math.prod(s) for s in shapes if len(s) == 2)
 
 
+def streamed_params(config, batch: int) -> int:
+    """Parameters one decode step of `batch` tokens reads: every tensor of the checkpoint but the token embedding
+    table, of which only the batch's rows (all of it where the LM head is tied to it, GPT-2's always)."""
+    unread = 0 if getattr(config, "tie_word_embeddings", True) else (config.vocab_size - batch) * config.n_embd
+    return param_count(config) - unread
+
+
+def streamed_bytes(model, batch: int) -> int:
+    """Bytes of a built model's weights one decode step of `batch` tokens reads, as the model holds them (codes,
+    scales and float tensors; a tensor-parallel rank's shard): every array but the embedding table, of which the
+    batch's rows, or where the LM head is tied to it the head's rows (this rank's vocabulary slice)."""
+    table = getattr(model, "embed", None)
+    total = sum(a.nbytes for a in model.params.values())
+    if table is None or getattr(model.config, "tie_word_embeddings", True):
+        return total - (0 if table is None else table.nbytes - model.head.nbytes)
+    return total - table.nbytes + batch * table.shape[1] * table.dtype.itemsize
+
+
 def decode_floor_ms(config, batch: int, prompt: int, new: int, copy_gbs: float, itemsize: int = 2) -> float:
-    """Time to read every weight and the mean step's KV cache once at the copy bandwidth
+    """Time to read the step's weights (streamed_params) and the mean step's KV cache once at the copy bandwidth
     (see DEFINITIONS['decode_floor_ms'])."""
     kv = 2 * config.n_layer * batch * kv_width(config) * itemsize * (prompt + new / 2)
-    return (param_count(config) * itemsize + kv) / (copy_gbs * 1e9) * 1e3
+    return (streamed_params(config, batch) * itemsize + kv) / (copy_gbs * 1e9) * 1e3
 
 
 def prefill_flops(config, batch: int, seq: int) -> float:

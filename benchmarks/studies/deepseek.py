@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -56,13 +55,9 @@ def active_weight_bytes(config, batch: int, routed_per_step: float, itemsize: in
     """Weight bytes one decode step of `batch` tokens must read: every tensor of the config but the embedding table
     (its `batch` rows only, unless the LM head is tied to it) and the routed experts, of which `routed_per_step`
     (summed over the MoE layers) are read."""
-    from tilekit.models.families import family_of_config
-    shapes = family_of_config(config).weights.state_dict_shapes(config)
-    total = sum(math.prod(s) for s in shapes.values())
-    table = config.vocab_size * config.n_embd
-    unread = 0 if config.tie_word_embeddings else table - batch * config.n_embd
+    from benchmarks.harness.report import streamed_params
     routed = moe_layers(config) * config.n_routed_experts * expert_params(config)
-    return itemsize * (total - unread - routed + routed_per_step * expert_params(config))
+    return itemsize * (streamed_params(config, batch) - routed + routed_per_step * expert_params(config))
 
 
 def cache_values_per_token_layer(cache, config, batch: int, capacity: int) -> float:

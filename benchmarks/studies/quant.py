@@ -5,7 +5,8 @@ quantized linear against PyTorch's FP8 / INT8 GEMMs on the same shapes.
 
 Decode rows: the replayed greedy decode step (128-token prompt + 128 new tokens) of random weights, each
 quantized model against the bf16 step as its anchor, with % of its own weight-streaming floor (quantized linears
-at one byte a weight plus their scales, the rest in bf16, and the mean step's KV cache, at the copy bandwidth) and
+at one byte a weight plus their scales, the rest in bf16, the embedding table's batch rows only, and the mean
+step's KV cache, at the copy bandwidth) and
 the share of next tokens each model picks as bf16's greedy run did, fed that run's tokens (teacher-forced).
 Prefill row: B8 x T1024 full-logits forward, fp8 (W8A8) against bf16. Linear rows: quant_linear per Llama linear shape against torch._scaled_mm (FP8, row-wise scales, fast
 accumulation) and torch._int_mm (INT8, M > 16), % of the bandwidth floor (few rows) or the tensor-core rate.
@@ -20,11 +21,6 @@ import sys
 from benchmarks.studies.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_parser, replay_ms
 
 KINDS = (None, "int8", "fp8")
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the model's weights as it holds them (codes, scales and bf16 tensors; each once)."""
-    return sum(a.nbytes for a in model.params.values())
 
 
 def next_token_agreement(model, sequences, prompt: int) -> float:
@@ -55,7 +51,7 @@ def timed(fn) -> float:
 def decode_rows(preset: str, batch: int, copy_gbs: float, log=print) -> list[dict]:
     import numpy as np
 
-    from benchmarks.harness.report import kv_width
+    from benchmarks.harness.report import kv_width, streamed_bytes
     from benchmarks.harness.timing import free_memory
     rows, base, tokens = [], None, None
     for kind in KINDS:
@@ -64,7 +60,7 @@ def decode_rows(preset: str, batch: int, copy_gbs: float, log=print) -> list[dic
         gen = _decode_generation(model, batch)
         ms = float(np.median([replay_ms(gen, 50) for _ in range(5)]))
         kv = 2 * config.n_layer * batch * kv_width(config) * 2 * (PROMPT + NEW_TOKENS / 2)
-        floor = (weight_bytes(model) + kv) / (copy_gbs * 1e9) * 1e3
+        floor = (streamed_bytes(model, batch) + kv) / (copy_gbs * 1e9) * 1e3
         if kind is None:
             base, tokens = ms, np.asarray(gen.state.history.get())[:, :PROMPT + NEW_TOKENS]
         row = dict(preset=preset, batch=batch, weights=kind or "bf16", step_ms=ms, vs_bf16=base / ms, floor_ms=floor,

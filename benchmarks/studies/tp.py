@@ -169,6 +169,7 @@ def rank_main(args) -> int:
     import cupy
     import numpy as np
 
+    from benchmarks.harness.report import streamed_bytes
     from benchmarks.harness.timing import copy_bandwidth
     from tilekit import env, parallel
     from tilekit.models.families import load_model
@@ -180,7 +181,6 @@ def rank_main(args) -> int:
     cupy.cuda.runtime.deviceSynchronize()
     rows = [dict(kind="load", seconds=time.perf_counter() - start)]
     copy_gbs = copy_bandwidth()["gbs"]
-    weights = sum(a.nbytes for a in model.params.values())        # this rank's shard, as it holds it
     rng = np.random.default_rng(0)
     V = model.config.vocab_size
     tokens, streams = None, {}
@@ -194,7 +194,7 @@ def rank_main(args) -> int:
         times = [replay_ms(gen, 50) for _ in range(3)]
         kv = cache_bytes(gen.state.cache) * (PROMPT + NEW / 2)           # what the mean step reads
         rows.append(dict(kind="decode", batch=B, ms=float(np.median(times)), rounds=times,
-                         floor_ms=(weights + kv) / (copy_gbs * 1e9) * 1e3, copy_gbs=copy_gbs))
+                         floor_ms=(streamed_bytes(model, B) + kv) / (copy_gbs * 1e9) * 1e3, copy_gbs=copy_gbs))
         if B == 1:
             rows.append(decode_profile(gen, comm))
     model.forget_graphs()

@@ -131,6 +131,26 @@ def test_llama_param_count_and_decode_floor():
     b8 = report.decode_floor_ms(llama, 8, 128, 16, 1000.0, itemsize=4)
     assert b8 == pytest.approx((1_235_814_400 * 4 + 2 * L * 8 * Hkv * D * 4 * 136) / 1e12 * 1e3)
     assert report.kv_width(llama) == 512 and report.kv_width(GPTConfig.preset("gpt2")) == 768
+    untied = llama.replace(tie_word_embeddings=False)       # the table's batch rows only: the head is the rest
+    assert report.streamed_params(untied, 8) == 1_235_814_400 + 8 * C
+    assert report.decode_floor_ms(untied, 8, 128, 16, 1000.0, itemsize=4) == pytest.approx(b8 + 8 * C * 4 / 1e9)
+
+
+def test_streamed_bytes_of_a_built_model_skip_an_untied_table():
+    """A model's own arrays: an untied table counts its batch rows, a tied one the head's rows (a rank's slice)."""
+    class Built:
+        def __init__(self, tied, head_rows):
+            self.config = LlamaConfig(n_layer=1, n_head=2, n_kv_head=1, n_embd=8, head_dim=4, intermediate_size=16,
+                                      vocab_size=100, max_position_embeddings=64, rope_scaling=None,
+                                      tie_word_embeddings=tied)
+            self.embed = np.zeros((100, 8), np.float32)
+            self.head = self.embed[:head_rows] if tied else np.zeros((100, 8), np.float32)
+            self.params = {"embed": self.embed, "w": np.zeros((8, 16), np.int8)}
+            if not tied:
+                self.params["head"] = self.head
+    assert report.streamed_bytes(Built(False, 100), 3) == 128 + 3200 + 3 * 8 * 4
+    assert report.streamed_bytes(Built(True, 100), 3) == 128 + 3200
+    assert report.streamed_bytes(Built(True, 50), 3) == 128 + 1600
 
 
 def test_llama_prefill_flops():

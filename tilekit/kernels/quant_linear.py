@@ -310,7 +310,9 @@ def default_config(p: dict) -> dict:
     over K only below MIN_PROGRAMS programs (fp32: MMA, no tensor cores for SWAP). From 1024 rows 128 x 256 tiles
     (128 x 128 for SwiGLU's two accumulators) with two warpgroups, halved where a partial sum doubles the
     accumulator (block scales, FP8 activations promoted every K tile of 128, as DeepSeek-V3); 128-1023 rows 64 x 64
-    x 128; fp32 64 x 64 x 32."""
+    x 128; fp32 64 x 64 x 32. A split-K default runs one program a SM: split-K configs with two summed wrongly now
+    and then (the tuner rejects 4-11 per few-row shape against this default; a TP=2 rank's FP8 forward with the
+    split default of its 3072-row qkv slice differed between two runs of the same inputs, H100; cause not found)."""
     m = pow2_ceil(p["M"])
     plain = dict(GROUP_M=8, SPLIT_K=1, PROMOTE=1, occupancy=1, num_worker_warps=0)
     if m > 64:
@@ -335,7 +337,7 @@ def default_config(p: dict) -> dict:
     while (split < 16 and 2 * split * MIN_SPLIT_TILES <= k_tiles and tiles * split < MIN_PROGRAMS
            and (c["MODE"] == MMA or _aligned_rows(p))):
         split *= 2
-    return dict(c, SPLIT_K=split)
+    return dict(c, SPLIT_K=split, occupancy=1 if split > 1 else c["occupancy"])
 
 
 def _scale_shape(p: dict) -> tuple:

@@ -362,9 +362,11 @@ def quantize_into(src, codes, scale, kind: str) -> None:
         codes[...], s = quantize_fp8_reference(src)
         scale[...] = s[:, 0]
         return
-    if kind == "fp8":
+    if kind == "fp8":           # the kernel reads whole rows: a row-parallel rank's column slice is copied first
+        import cupy
+
         from tilekit.kernels import quantize_fp8
-        quantize_fp8(src, codes, scale.reshape(-1, 1))
+        quantize_fp8(cupy.ascontiguousarray(src), codes, scale.reshape(-1, 1))
         return
     if host:
         xp = np

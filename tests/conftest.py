@@ -1,7 +1,7 @@
 """Shared test setup: every test gets its own empty user tuning cache, and tests marked `gpu` skip with the
 reason where no usable CUDA GPU is present. `no_hang`: a test that blocks for 20 s (a FIFO opened) fails.
 With TESTS_SPREAD_OVER_GPUS=N (scripts/gpu-tests.sh sets it on a host with N GPUs), pytest-xdist worker k runs on
-GPU k mod N."""
+GPU k mod N; HOST_GPUS then says how many the host has (the processes a multi-GPU test starts may see them all)."""
 
 import os
 import signal
@@ -11,9 +11,11 @@ import pytest
 from tilekit.autotune import store
 
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+HOST_GPUS = 0         # with the spread: the host's GPU count, of which this worker sees one
 if _WORKER.startswith("gw") and os.environ.get("TESTS_SPREAD_OVER_GPUS", "").isdigit() \
         and "CUDA_VISIBLE_DEVICES" not in os.environ:       # before anything starts CUDA in this worker
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_WORKER[2:]) % max(1, int(os.environ["TESTS_SPREAD_OVER_GPUS"])))
+    HOST_GPUS = max(1, int(os.environ["TESTS_SPREAD_OVER_GPUS"]))
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_WORKER[2:]) % HOST_GPUS)
 
 
 def pytest_collection_modifyitems(config, items):

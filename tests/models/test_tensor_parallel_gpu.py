@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import conftest
 from tilekit.kernels.checks import rel_err
 
 cupy = pytest.importorskip("cupy")
@@ -24,6 +25,9 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
 def gpu_count() -> int:
+    """The host's GPUs (conftest.HOST_GPUS where the spread confines this worker to one)."""
+    if conftest.HOST_GPUS:
+        return conftest.HOST_GPUS
     try:
         return cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError:
@@ -36,8 +40,11 @@ def need_gpus(count: int) -> None:
 
 
 @pytest.fixture(autouse=True)
-def two_gpus():
+def two_gpus(monkeypatch):
+    """Skips below 2 GPUs; the ranks a test starts see every GPU, even from a worker the spread confines to one."""
     need_gpus(2)
+    if conftest.HOST_GPUS:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
 
 
 def ranks(checkpoint, dtype: str, out: Path, world: int = 2, *extra) -> list[dict]:

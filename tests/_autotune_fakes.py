@@ -58,12 +58,13 @@ def _bind(infos, flags):
     return Binding(problem=dict(dtype=x.dtype, M=x.shape[0], N=x.shape[1]), arrays={})
 
 
-def make_op(space: SearchSpace = SPACE, func=fake_kernel_body, key=None, choices=None) -> Op:
+def make_op(space: SearchSpace = SPACE, func=fake_kernel_body, key=None, choices=None, borrowable=None) -> Op:
     """A new op with a unique name (the registry is keyed by name), taking one 2-D array x; its key is
     (dtype, M bucketed, N) unless given."""
     return Op(f"fake_xyz{os.getpid()}_{next(_names)}", args=("x",), key=key or dict(dtype=None, M=pow2_bucket, N=None),
               space=space, default=lambda p: dict(DEFAULT), arrays=_no_arrays,
-              launches=(Launch(FakeKernel(func), _grid, (), _constants),), bind=_bind, choices=choices)
+              launches=(Launch(FakeKernel(func), _grid, (), _constants),), bind=_bind, choices=choices,
+              borrowable=borrowable)
 
 
 def call_config(op: Op, M: int = 1000, N: int = 768, dtype: str = "bfloat16", device: int = 0) -> dict:

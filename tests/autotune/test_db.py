@@ -433,6 +433,17 @@ def test_a_borrowed_config_that_does_not_fit_is_skipped():
     assert op.resolve(shaped(N=300, M=64), H100).config["A"] == 4
 
 
+def test_a_config_the_op_does_not_lend_serves_only_its_own_key():
+    op = make_op(**SHAPED, borrowable=lambda c: c["occupancy"] == 1)
+    store_shaped(op, **{"1024_4096_4096_none": 2})                        # occupancy 1: lent
+    key = op.problem_key(shaped(N=2048))[1]
+    store.user_db().store(H100, {key: entry(op, {"A": 4, "occupancy": 2})})  # the nearest shape, not lent
+    assert op.resolve(shaped(N=2048), H100).config == {"A": 4, "occupancy": 2}          # its own key: used
+    r = op.resolve(shaped(N=3000), H100)                  # 2048 is nearer than 4096, but not lent
+    assert r.config == {"A": 2, "occupancy": 1} and r.match.rule == "nearest shape"
+    assert op.resolve(shaped(M=64, N=2048), H100).config == {"A": 2, "occupancy": 1}    # nor to another bucket
+
+
 def test_validity_is_judged_on_the_bucketed_problem():
     seen = []
     op = make_op(key=SHAPED["key"], choices=SHAPED["choices"],

@@ -209,6 +209,8 @@ class Op:
     command line fills in for fields it was not given.
     tune_whole: the tuner times every launch of a config in order (the op's whole cost), not the hinted one
     alone; for ops whose later launches' work depends on the config.
+    borrowable(config): whether a config tuned (and checked) for another problem may serve an untuned one, beyond
+    the space admitting it (default: every config may).
     """
 
     def __init__(self, name: str, *, args: tuple[str, ...], optional: tuple[str, ...] = (),
@@ -219,7 +221,7 @@ class Op:
                  scalars: Callable[[Problem], dict] | None = None,
                  extras: Mapping[str, Callable[[Problem], Any]] | None = None,
                  choices: Mapping[str, tuple] | None = None, cli_defaults: Mapping | None = None,
-                 tune_whole: bool = False):
+                 tune_whole: bool = False, borrowable: Callable[[Config], bool] | None = None):
         self.name, self.args, self.bind = name, tuple(args), bind
         self.required = tuple(a not in optional for a in args)
         self.fields = tuple(key)
@@ -228,7 +230,7 @@ class Op:
         self.space, self.default = space, default
         self.arrays, self.scratch, self.scalars = arrays, scratch, scalars
         self.launches = tuple(launches)
-        self.tune_whole = tune_whole
+        self.tune_whole, self.borrowable = tune_whole, borrowable
         (self.tuned_launch,) = [launch for launch in self.launches if launch.hinted]
         self.kernel = self.tuned_launch.kernel
         self.field_defaults = dict(cli_defaults or {})
@@ -400,7 +402,8 @@ class Op:
         found = [m for db in store.layers()
                  if (m := db.lookup(self.name, bucketed, device, self.buckets,
                                     lambda k, e, layer=db.layer: entry_reason(k, e, layer), self.sizes,
-                                    lambda config: self.space.admits(config, tuning)))]
+                                    lambda config: self.space.admits(config, tuning)
+                                    and (self.borrowable is None or self.borrowable(config))))]
         best = min(found, key=lambda m: m.rank(), default=None)   # on a tie, the user layer's
         exact = best is not None and best.device_rule == "exact-gpu" and best.exact
         if mode == "auto" and not exact:

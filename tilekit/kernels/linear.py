@@ -19,7 +19,7 @@ from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.device import sm_count
 from tilekit.kernels.gelu import gelu_reference
-from tilekit.kernels.tiles import gelu_tanh, grouped_tile, sync_with_previous_kernel, tensor_mma
+from tilekit.kernels.tiles import gelu_tanh, grouped_tile, lends_split_k, sync_with_previous_kernel, tensor_mma
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -270,7 +270,7 @@ LINEAR = Op(
     launches=(Launch(linear_kernel, _grid, ("x", "w", "bias", "res", "y", "partial", "counter"), _constants,
                      dependent=_dependent),),
     bind=_bind, choices=dict(wt=("kn", "nk"), bias=(0, 1), act=("none", "gelu"), res=(0, 1), tf32=(0, 1)),
-    cli_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0))
+    cli_defaults=dict(wt="kn", bias=1, act="none", res=0, tf32=0), borrowable=lends_split_k)
 
 
 # -- public function ---------------------------------------------------------------------------

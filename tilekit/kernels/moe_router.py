@@ -25,7 +25,7 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.tiles import sync_with_previous_kernel
+from tilekit.kernels.tiles import lends_split_k, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 MAX_EXPERTS = 256
@@ -180,7 +180,7 @@ MOE_ROUTER = Op(
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch, scalars=lambda p: {"scale": 1.0},
     launches=(Launch(moe_router_kernel, _grid, ("x", "w", "ids", "weights", "partial", "counter", "scale"),
                      _constants),),
-    bind=_bind, cli_defaults=dict(shared=0, renorm=0))
+    bind=_bind, cli_defaults=dict(shared=0, renorm=0), borrowable=lends_split_k)
 
 
 def moe_router(x, gate_weight, top_k: int, *, renormalize: bool = False, scale: float = 1.0, shared: int = 0,

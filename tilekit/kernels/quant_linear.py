@@ -36,7 +36,7 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.swiglu_linear import swiglu_reference
-from tilekit.kernels.tiles import grouped_tile, sync_with_previous_kernel
+from tilekit.kernels.tiles import grouped_tile, lends_split_k, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 QBLOCK = 128              # the side of a block scale's square of weights (and of an activation group)
@@ -465,7 +465,7 @@ QUANT_LINEAR = Op(
                                                   "counter"), _constants),),
     bind=_bind, choices=dict(wq=("int8", "fp8"), scale=("channel", "block"), xq=("none", "fp8"),
                              act=("none", "swiglu"), bias=(0, 1), res=(0, 1)),
-    cli_defaults=dict(wq="fp8", scale="channel", xq="none", act="none", bias=0, res=0))
+    cli_defaults=dict(wq="fp8", scale="channel", xq="none", act="none", bias=0, res=0), borrowable=lends_split_k)
 
 
 # -- public function ---------------------------------------------------------------------------

@@ -88,6 +88,14 @@ def online_softmax_step(s, m_i, l_i, acc, v):
     return m_new, l_i, acc
 
 
+def lends_split_k(config) -> bool:
+    """Whether a tuned config of a split-K op (linear, quant_linear, moe_router) may serve the problems it was not
+    tuned for (Op borrowable): not split-K with two programs a SM. Such configs summed wrongly now and then on
+    shapes they were not checked on (the tuner rejects 4-11 of them per few-row quant_linear shape against the
+    default config; a borrowed or default one broke a tensor-parallel FP8 forward; cause not found)."""
+    return config.get("SPLIT_K", 1) == 1 or config.get("occupancy", 1) == 1
+
+
 @ct.function
 def grouped_tile(tile, tiles_m, tiles_n, GROUP_M):
     """(row tile, column tile) of a program in grouped order: GROUP_M row tiles share each column

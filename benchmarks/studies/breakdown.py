@@ -113,13 +113,17 @@ def summarize(rows: list[dict], by: str = "op") -> list[dict]:
     return out
 
 
-def format_table(summary: list[dict], bandwidth_gbs: float, step_ms: float, sequential_ms: float) -> str:
-    lines = [f"{'op':<18}{'kernels':>8}{'total us':>10}{'mean us':>9}{'share':>7}{'MB':>8}{'% of BW':>9}"
-             f"{'path us':>9}{'path dep':>9}"]
+def format_table(summary: list[dict], bandwidth_gbs: float, step_ms: float, sequential_ms: float,
+                 by: str = "op") -> str:
+    """The summary's rows (by op, or by="key": by problem, keys shortened) and the step's totals."""
+    width = 18 if by == "op" else 62
+    lines = [f"{'op' if by == 'op' else 'problem':<{width}}{'kernels':>8}{'total us':>10}{'mean us':>9}{'share':>7}"
+             f"{'MB':>8}{'% of BW':>9}{'path us':>9}{'path dep':>9}"]
     for s in summary:
         pct = 100.0 * s["bytes"] / (s["us"] * 1e-6) / (bandwidth_gbs * 1e9) if s["bytes"] else 0.0
         dependent = f"{s['path_us_dependent']:>9.1f}" if s.get("path_us_dependent") is not None else f"{'-':>9}"
-        lines.append(f"{s['op']:<18}{s['kernels']:>8}{s['us']:>10.1f}{s['mean_us']:>9.2f}{100 * s['share']:>6.0f}%"
+        name = s["op"] if by == "op" else short_key(s["op"])
+        lines.append(f"{name:<{width}}{s['kernels']:>8}{s['us']:>10.1f}{s['mean_us']:>9.2f}{100 * s['share']:>6.0f}%"
                      f"{s['bytes'] / 1e6:>8.1f}{pct:>8.0f}%{s['path_us']:>9.1f}" + dependent)
     kernel_us = sum(s["us"] for s in summary)
     lines.append(f"kernels {kernel_us / 1e3:.3f} ms of a {sequential_ms:.3f} ms step without dependent launch; "
@@ -227,8 +231,9 @@ def decode_model(preset: str, dtype: str = "bfloat16", quantize: str | None = No
 
 
 def run(preset: str, batch: int, bandwidth_gbs: float, log=print, dtype: str = "bfloat16",
-        quantize: str | None = None) -> dict:
-    """The decode step profiled as it runs (dependent launch), then captured and profiled without it."""
+        quantize: str | None = None, by_problem: bool = False) -> dict:
+    """The decode step profiled as it runs (dependent launch), then captured and profiled without it; by_problem:
+    a second table per problem key (which shape of an op falls short)."""
     from tilekit.autotune import op
     model = decode_model(preset, dtype, quantize)
     dependent = profile_step(_decode_generation(model, batch), bandwidth_gbs) if op.DEPENDENT_LAUNCH else None
@@ -244,6 +249,9 @@ def run(preset: str, batch: int, bandwidth_gbs: float, log=print, dtype: str = "
                   quantize=quantize)
     log(f"[breakdown {preset} {quantize or dtype} B{batch}]\n" + format_table(result["summary"], bandwidth_gbs, result["step_ms"],
                                                           result["step_ms_sequential"]))
+    if by_problem:
+        log(format_table(summarize(result["kernels"], by="key"), bandwidth_gbs, result["step_ms"],
+                         result["step_ms_sequential"], by="key"))
     return result
 
 
@@ -335,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = model_batch_parser("breakdown", __doc__)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--quantize", choices=("int8", "fp8"), help="the model's linears quantized (Llama family)")
+    ap.add_argument("--by-problem", action="store_true", help="decode: also a table per problem (kernel shape)")
     ap.add_argument("--prefill", type=int, action="append", metavar="T",
                     help="profile forward() on batch x T tokens instead of a decode step (repeatable)")
     args = ap.parse_args(argv)
@@ -353,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
                     results += [run_prefill(preset, batch, seq, bandwidth, peak, dtype=args.dtype,
                                             quantize=args.quantize) for seq in args.prefill]
                 else:
-                    results.append(run(preset, batch, bandwidth, dtype=args.dtype, quantize=args.quantize))
+                    results.append(run(preset, batch, bandwidth, dtype=args.dtype, quantize=args.quantize,
+                                       by_problem=args.by_problem))
             except Exception:  # noqa: BLE001 - the other models still run
                 failed += 1
                 traceback.print_exc()

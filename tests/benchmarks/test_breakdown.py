@@ -37,6 +37,10 @@ def test_calls_expand_to_their_launches_in_order():
     assert [s["path_us"] for s in summary] == [5.0, 3.0, 4.0]
     assert sum(s["share"] for s in summary) == pytest.approx(1.0)
     assert "decode_attention" in format_table(summary, 4000.0, 0.02, 0.03)
+    by_key = summarize(rows, by="key")           # one row per problem, named by its short key
+    table = format_table(by_key, 4000.0, 0.02, 0.03, by="key").splitlines()
+    assert table[0].startswith("problem") and len(table) == 2 + len(by_key) == 5
+    assert table[1].startswith(short_key(rows[0]["key"])) and "linear" in table[1]
     with pytest.raises(RuntimeError, match="profiled"):
         kernel_rows(calls, kernels[:3], 200, 4000.0)
     with pytest.raises(RuntimeError, match="was launched"):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU host: tune MODEL[:DTYPE][+int8|+fp8] ... (+: the model with quantized linears) into a fresh user database. Kernel shapes the shipped database
+# On a GPU host: tune MODEL[:DTYPE][+int8|+fp8[+head]] ... (+: the model with quantized linears, +head its LM head
+# too) into a fresh user database. Kernel shapes the shipped database
 # already holds, usable, for this very GPU are skipped (FRESH=1 tunes everything), so after a kernel
 # change this re-tunes just what went stale or is new. The GPU's tuned file, an export of the user
 # database and one log (all models) land in $OUT, refreshed after each model so that a call cut short
@@ -20,7 +21,8 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_' |
 log="$out/tune-$gpu.txt"
 status=0
 for spec in "$@"; do
-    base="${spec%%+*}"; quant=(); [[ "$spec" == *+* ]] && quant=(--quantize "${spec##*+}")
+    quant=(); [[ "$spec" == *+head ]] && quant=(--quantize-head) && spec="${spec%+head}"   # llama-3.1-8b+int8+head
+    base="${spec%%+*}"; [[ "$spec" == *+* ]] && quant+=(--quantize "${spec##*+}")
     model="${base%%:*}"; dtype="bf16"; [[ "$base" == *:* ]] && dtype="${base##*:}"
     echo "== $spec" >> "$log"
     { time python3 -m tilekit tune --model "$model" --dtype "$dtype" "${quant[@]}" ${TUNE_ARGS:-}; } >> "$log" 2>&1 || status=1

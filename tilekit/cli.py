@@ -122,6 +122,18 @@ def _bar(done: int, total: int, width: int = 24) -> str:
 
 # -- tune ------------------------------------------------------------------------------------
 
+def _check_quantize_head(args) -> None:
+    if args.quantize_head and args.quantize is None:
+        raise UsageError("--quantize-head goes with --quantize int8 | fp8")
+
+
+def _model_problems(args) -> list:
+    """The workload of --model with its --dtype, sizes, --quantize[-head] and --tp (tune, db explain)."""
+    from tilekit.models.workload import model_problems
+    return model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens, args.new_tokens,
+                          args.quantize, args.tp, args.quantize_head)
+
+
 def cmd_tune(args) -> int:
     from tilekit.autotune.registry import registered_ops
     from tilekit.device import gpu_unavailable_reason
@@ -129,6 +141,7 @@ def cmd_tune(args) -> int:
         raise UsageError("tune needs exactly one of --model, --kernel or --stale")
     if args.quantize is not None and args.model is None:
         raise UsageError("--quantize goes with --model")
+    _check_quantize_head(args)
     if args.tp != 1 and args.model is None:
         raise UsageError("--tp goes with --model")
     if args.kernel is not None:
@@ -139,9 +152,7 @@ def cmd_tune(args) -> int:
             raise UsageError("--kernel needs --shape, e.g. --shape M=8192,N=2304,K=768")
         items = [(ops[args.kernel], _parse_shape(ops[args.kernel], args.shape, args.dtype))]
     elif args.model is not None:
-        from tilekit.models.workload import model_problems
-        items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens,
-                               args.new_tokens, args.quantize, args.tp)
+        items = _model_problems(args)
     reason = gpu_unavailable_reason()
     if reason:
         raise UsageError(f"tuning needs a GPU: {reason}")
@@ -413,9 +424,8 @@ def _db_show(args) -> int:
 
 def _db_explain(args) -> int:
     from tilekit.device import DeviceInfo, device_info, gpu_unavailable_reason
-    from tilekit.models.workload import model_problems
-    items = model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens, args.new_tokens,
-                           args.quantize, args.tp)
+    _check_quantize_head(args)
+    items = _model_problems(args)
     if args.gpu:
         device = DeviceInfo(args.gpu, args.arch, 0)
     elif gpu_unavailable_reason() is None:
@@ -664,7 +674,9 @@ def _load(args, comm=None):
         reason = gpu_unavailable_reason()
         if reason:   # before loading any weights
             raise UsageError(f"{args.command} needs a GPU: {reason} (--device cpu runs the NumPy reference, slowly)")
-        return families.load_model(args.model, dtype=args.dtype, quantize=args.quantize, comm=comm)
+        _check_quantize_head(args)
+        return families.load_model(args.model, dtype=args.dtype, quantize=args.quantize, comm=comm,
+                                   quantize_head=args.quantize_head)
     if args.quantize:
         raise UsageError("--quantize needs --device cuda (the NumPy reference computes in float)")
     return families.load_reference(args.model)
@@ -773,6 +785,8 @@ def _model_args(p, default_model=None):
                    help="tokens generate() adds after each prompt in the workload (default 128)")
     p.add_argument("--quantize", choices=("int8", "fp8"),
                    help="the workload of the model with its linears quantized (Llama and DeepSeek-V2 families)")
+    p.add_argument("--quantize-head", action="store_true",
+                   help="with --quantize: its untied LM head too (Llama family)")
     p.add_argument("--tp", type=_positive, default=1,
                    help="the workload of each rank of the model split over this many GPUs (tensor parallelism; "
                         "Llama, GPT-2 and DeepSeek-V2 families)")
@@ -787,6 +801,8 @@ def _generation_args(p) -> None:
     p.add_argument("--quantize", choices=("int8", "fp8"),
                    help="quantize the linears per channel as the weights load (FP8 / INT8 checkpoints load quantized "
                         "without it)")
+    p.add_argument("--quantize-head", action="store_true",
+                   help="with --quantize: the untied LM head too (Llama family; as gpt-fast's int8 does)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default): tilekit's kernels; cpu: the family's NumPy float64 reference, slow, for "
                         "checking (same options; its own random draws)")

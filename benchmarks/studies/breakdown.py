@@ -221,9 +221,9 @@ def _decode_generation(model, batch: int):
     return gen
 
 
-def decode_model(preset: str, dtype: str = "bfloat16", quantize: str | None = None):
+def decode_model(preset: str, dtype: str = "bfloat16", quantize=None):
     """tilekit's model of a preset (of any family) in `dtype`, random weights from seed 0 (`quantize`: its linears
-    quantized per channel to "int8" or "fp8")."""
+    quantized per channel to "int8" or "fp8", or a quantization.Scheme)."""
     from tilekit.models.families import family_of_config, preset_config
     config = preset_config(preset)
     options = {} if quantize is None else {"quantize": quantize}

@@ -4,10 +4,10 @@ quantized linear against PyTorch's FP8 / INT8 GEMMs on the same shapes.
     python -m benchmarks.studies.quant [--model llama-3.1-8b] [--batch 1 --batch 8 --batch 32] [--out DIR]
 
 Decode rows: the replayed greedy decode step (128-token prompt + 128 new tokens) of random weights, each
-quantized model against the bf16 step as its anchor, with % of its own weight-streaming floor (quantized linears
-at one byte a weight plus their scales, the rest in bf16, the embedding table's batch rows only, and the mean
-step's KV cache, at the copy bandwidth) and
-the share of next tokens each model picks as bf16's greedy run did, fed that run's tokens (teacher-forced).
+quantized model (int8, fp8; "+head": its LM head quantized too) against the bf16 step as its anchor, with % of its
+own weight-streaming floor (quantized linears at one byte a weight plus their scales, the rest in bf16, the
+embedding table's batch rows only, and the mean step's KV cache, at the copy bandwidth) and the share of next
+tokens each model picks as bf16's greedy run did, fed that run's tokens (teacher-forced).
 Prefill row: B8 x T1024 full-logits forward, fp8 (W8A8) against bf16. Linear rows: quant_linear per Llama linear shape against torch._scaled_mm (FP8, row-wise scales, fast
 accumulation) and torch._int_mm (INT8, M > 16), % of the bandwidth floor (few rows) or the tensor-core rate.
 """
@@ -20,7 +20,14 @@ import sys
 
 from benchmarks.studies.breakdown import NEW_TOKENS, PROMPT, _decode_generation, decode_model, model_batch_parser, replay_ms
 
-KINDS = (None, "int8", "fp8")
+KINDS = (None, "int8", "fp8", "int8+head", "fp8+head")     # +head: the LM head quantized too (quantize_head)
+
+
+def scheme(kind: str | None):
+    """The quantization a decode row's model holds: None (bf16), or a load-time Scheme of its weights (+head: the
+    untied LM head too)."""
+    from tilekit.models.quantization import Scheme
+    return None if kind is None else Scheme(kind.removesuffix("+head"), head=kind.endswith("+head"))
 
 
 def next_token_agreement(model, sequences, prompt: int) -> float:
@@ -55,7 +62,7 @@ def decode_rows(preset: str, batch: int, copy_gbs: float, log=print) -> list[dic
     from benchmarks.harness.timing import free_memory
     rows, base, tokens = [], None, None
     for kind in KINDS:
-        model = decode_model(preset, quantize=kind)
+        model = decode_model(preset, quantize=scheme(kind))
         config = model.config
         gen = _decode_generation(model, batch)
         ms = float(np.median([replay_ms(gen, 50) for _ in range(5)]))
@@ -65,7 +72,7 @@ def decode_rows(preset: str, batch: int, copy_gbs: float, log=print) -> list[dic
             base, tokens = ms, np.asarray(gen.state.history.get())[:, :PROMPT + NEW_TOKENS]
         row = dict(preset=preset, batch=batch, weights=kind or "bf16", step_ms=ms, vs_bf16=base / ms, floor_ms=floor,
                    pct_floor=100 * floor / ms, next_token_agree=next_token_agreement(model, tokens, PROMPT))
-        log(f"{preset} {row['weights']:5s} B{batch:<3d} {ms:7.3f} ms/step  {row['vs_bf16']:5.2f}x bf16  "
+        log(f"{preset} {row['weights']:9s} B{batch:<3d} {ms:7.3f} ms/step  {row['vs_bf16']:5.2f}x bf16  "
             f"{row['pct_floor']:4.0f}% of the {floor:.3f} ms floor  "
             f"next tokens as bf16's: {row['next_token_agree']:.1%}")
         rows.append(row)
@@ -81,7 +88,7 @@ def prefill_rows(preset: str, batch: int = 8, seq: int = 1024, log=print) -> lis
     from benchmarks.harness.timing import free_memory, measure
     rows = []
     for kind in (None, "fp8"):
-        model = decode_model(preset, quantize=kind)
+        model = decode_model(preset, quantize=scheme(kind))
         ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, seq))
         ms = measure(lambda: model(ids), flush_l2=False, warmup=2, reps=10)["median_ms"]
         rows.append(dict(preset=preset, batch=batch, seq=seq, weights=kind or "bf16", forward_ms=ms,

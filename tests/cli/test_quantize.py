@@ -16,6 +16,11 @@ TINY_LLAMA = Path(__file__).resolve().parents[1] / "data" / "tiny-llama"
     (["tune", "--model", "llama-3.2-1b", "--quantize", "int4"], "invalid choice"),
     (["generate", "--model", str(TINY_LLAMA), "--prompt", "hi", "--quantize", "fp8", "--device", "cpu"],
      "--quantize needs --device cuda"),
+    (["tune", "--model", "llama-3.1-8b", "--quantize-head"], "--quantize-head goes with --quantize"),
+    (["db", "explain", "--model", "llama-3.2-1b", "--quantize", "int8", "--quantize-head"],
+     "tied to the token embedding"),
+    (["db", "explain", "--model", "deepseek-v2-lite", "--quantize", "fp8", "--quantize-head"],
+     "keeps its LM head in its dtype"),
 ])
 def test_misuse_exits_2_with_one_line(argv, says, capsys):
     assert says in misuse(argv, capsys)
@@ -36,3 +41,15 @@ def test_db_explain_lists_deepseek_v2_lites_quantized_workload(capsys):
     out = capsys.readouterr().out
     assert "quant_linear/" in out and "quantize_fp8/" in out and "moe_gate_up/" in out
     assert "swiglu_linear/" not in out
+
+
+def test_db_explain_lists_a_quantized_heads_shapes(capsys):
+    """--quantize-head: the untied LM head (Llama-3.1-8B's 128256 rows) is a quant_linear too, weight-only."""
+    argv = ["db", "explain", "--model", "llama-3.1-8b", "--quantize", "int8", "--batch-sizes", "1", "--seq-lens", "128",
+            "--gpu", "NVIDIA H100 80GB HBM3"]
+    assert cli.main(argv) == 0
+    heads = [line for line in capsys.readouterr().out.splitlines() if "N=128256" in line]
+    assert heads and all(line.startswith("linear/") for line in heads)          # the bf16 head by default
+    assert cli.main(argv + ["--quantize-head"]) == 0
+    heads = [line for line in capsys.readouterr().out.splitlines() if "N=128256" in line]
+    assert heads and all(line.startswith("quant_linear/") and "xq=none" in line for line in heads)

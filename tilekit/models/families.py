@@ -137,12 +137,16 @@ def config_from_path(path_or_name):
     return family_of_fields(f).config_class.from_fields(f)
 
 
-def load_model(path_or_name, dtype: str = "bfloat16", quantize: str | None = None, comm=None):
+def load_model(path_or_name, dtype: str = "bfloat16", quantize: str | None = None, comm=None,
+               quantize_head: bool = False):
     """The model of a checkpoint (a directory or a hub model name in the local cache), of the family its
-    config.json's model_type names (that family's from_pretrained; `quantize`: "int8" or "fp8" linears; `comm`:
-    this rank's tilekit.parallel.Communicator, for a tensor-parallel rank's shard)."""
+    config.json's model_type names (that family's from_pretrained; `quantize`: "int8" or "fp8" linears,
+    `quantize_head` the LM head too; `comm`: this rank's tilekit.parallel.Communicator, for a tensor-parallel
+    rank's shard)."""
     checkpoint = find_checkpoint(path_or_name)
     options = {} if quantize is None else {"quantize": quantize}
+    if quantize_head:
+        options["quantize_head"] = True
     if comm is not None and comm.world_size > 1:
         options["comm"] = comm
     return family_of_fields(checkpoint.config()).model_class.from_pretrained(checkpoint, dtype=dtype, **options)

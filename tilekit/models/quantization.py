@@ -53,6 +53,7 @@ INT8_MAX = 127.0
 FILE_DTYPES = {"int8": "I8", "fp8": "F8_E4M3"}
 QUANT_CONFIG = "hf_quant_config.json"           # ModelOpt's description of its checkpoints
 LM_HEAD_NAMES = ("lm_head", "re:.*lm_head", "re:^lm_head$", "lm_head.weight")
+LOAD_TIME = "load-time quantization"
 
 
 @dataclass(frozen=True)
@@ -60,14 +61,17 @@ class Scheme:
     """How a model's linears are quantized (`weight`: int8 | fp8, `scale`: channel | block, what the kernels see)
     and, for a checkpoint, how its files store them: `file_scale` (channel | tensor | block) with `scale_shape`
     ("out1": [out, 1], "one": [1], "scalar": [], "blocks"), the scale tensor's suffix, and suffixes of
-    per-linear tensors read past. `source` names the format (messages)."""
+    per-linear tensors read past. `source` names the format (messages). `head`: an untied LM head is quantized too,
+    in a family whose weights.QUANTIZED_HEAD says it can be (head_quantized): at load where asked (quantize_head;
+    gpt-fast's int8 quantizes every linear, vLLM's FP8 keeps the head), or where a checkpoint stores it as codes."""
 
     weight: str
     scale: str = "channel"
-    source: str = "load-time quantization"
+    source: str = LOAD_TIME
     scale_shape: str = "out1"
     scale_name: str = "weight_scale"
     ignored: tuple[str, ...] = ()
+    head: bool = False
 
     def scale_file_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
         out, k = shape
@@ -277,7 +281,7 @@ def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme
     reads its slice of the codes and the matching slice of the scales (scale_part); load-time quantization
     quantizes the slice."""
     plan = dict(plan)
-    loading = scheme.source == "load-time quantization"
+    loading = scheme.source == LOAD_TIME
     for name in linears:
         target = plan[name]
         shape = target.shape
@@ -333,18 +337,32 @@ def linear_names(shapes: Mapping[str, tuple], modules: tuple[str, ...]) -> tuple
     return tuple(name for name in shapes if name.endswith(tuple(f".{m}.weight" for m in modules)))
 
 
-def scheme_for(checkpoint: hf.Checkpoint, quantize: str | None, mixed: bool = False) -> Scheme | None:
+def scheme_for(checkpoint: hf.Checkpoint, quantize: str | None, mixed: bool = False,
+               quantize_head: bool = False) -> Scheme | None:
     """The scheme a model loaded from `checkpoint` with `quantize` (None, "int8" or "fp8") holds: the checkpoint's
-    own, or load-time per-channel quantization of a float checkpoint (`mixed`: as scheme_of)."""
+    own, or load-time per-channel quantization of a float checkpoint (`mixed`: as scheme_of), its untied LM head
+    too with `quantize_head`."""
     if quantize is not None and quantize not in KINDS:
         raise ValueError(f"quantize must be None, 'int8' or 'fp8', got {quantize!r}")
+    if quantize_head not in (False, True):
+        raise TypeError(f"quantize_head must be a bool, got {quantize_head!r}")
     scheme = scheme_of(checkpoint, mixed)
+    if quantize_head and (quantize is None or scheme is not None):
+        raise ValueError("quantize_head=True quantizes the LM head at load, with quantize='int8' or 'fp8' of a float "
+                         "checkpoint (a quantized checkpoint's head loads as its file stores it)")
     if scheme is None:
-        return None if quantize is None else Scheme(quantize)
+        return None if quantize is None else Scheme(quantize, head=quantize_head)
     if quantize not in (None, scheme.weight):
         raise ValueError(f"quantize={quantize!r}, but {shown(checkpoint.directory)} holds {scheme.weight} weights "
                          f"({scheme.source})")
     return scheme
+
+
+def head_quantized(weights, config, scheme: Scheme | None) -> bool:
+    """Whether a model of this family (its weights module) and config holds its LM head quantized under `scheme`:
+    the scheme's `head`, a family that quantizes its head (weights.QUANTIZED_HEAD) and an untied head."""
+    return bool(scheme and scheme.head and getattr(weights, "QUANTIZED_HEAD", False)
+                and not getattr(config, "tie_word_embeddings", True))
 
 
 def scale_key(weight_name: str) -> str:
@@ -389,10 +407,10 @@ def quantize_weight(w, kind: str) -> tuple[np.ndarray, np.ndarray]:
 
 # -- writing -------------------------------------------------------------------------------------------------
 
-def compressed_tensors_config(scheme: Scheme, dequantized: tuple[str, ...] = ()) -> dict:
+def compressed_tensors_config(scheme: Scheme, dequantized: tuple[str, ...] = (), head: bool = False) -> dict:
     """The quantization_config save_pretrained writes: compressed-tensors, weights as the model holds them,
-    activations dynamic per token; the LM head and the modules of `dequantized` (a family's DEQUANTIZED
-    patterns, written in the model's dtype) listed unquantized."""
+    activations dynamic per token; the LM head (unless `head`: quantized) and the modules of `dequantized` (a
+    family's DEQUANTIZED patterns, written in the model's dtype) listed unquantized."""
     weights = {"num_bits": 8, "type": "float" if scheme.weight == "fp8" else "int", "symmetric": True,
                "strategy": scheme.scale, "dynamic": False}
     if scheme.scale == "block":
@@ -400,7 +418,7 @@ def compressed_tensors_config(scheme: Scheme, dequantized: tuple[str, ...] = ())
     return {"quant_method": "compressed-tensors",
             "format": "float-quantized" if scheme.weight == "fp8" else "int-quantized",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
-            "ignore": ["lm_head"] + [f"re:.*\\.{p}$" for p in dequantized]}
+            "ignore": ([] if head else ["lm_head"]) + [f"re:.*\\.{p}$" for p in dequantized]}
 
 
 def file_tensors(state: Mapping, linears: tuple[str, ...], scheme: Scheme) -> tuple[dict, dict]:

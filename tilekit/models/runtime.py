@@ -14,7 +14,7 @@ import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Callable, Sequence
 
@@ -28,7 +28,7 @@ from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candid
 from tilekit.kernels.quant_linear import QBLOCK, WEIGHT_DTYPES, dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
 from tilekit.models import quantization
-from tilekit.models.hf import Checkpoint, convert, part_shape, take_part, write_checkpoint
+from tilekit.models.hf import LM_HEAD, Checkpoint, convert, part_shape, take_part, write_checkpoint
 
 PAD = 64          # prompts pad to, and KV caches grow in, multiples of this many positions
 LOGIT_ROW_ALIGN = 64   # forward()'s logits rows are padded to multiples of this many entries
@@ -462,6 +462,10 @@ class CausalLM(TextGeneration):
         return self.vocab_parallel(h, out, self.head_product)
 
     def head_product(self, h, out):
+        """h @ head^T into out: linear, or quant_linear (weight-only) for a quantized head."""
+        if LM_HEAD in self.quantized:
+            return quant_linear(h, self.head, self.params[quantization.scale_key(LM_HEAD)],
+                                weight_dtype=self.quant.weight, out=out)
         return linear(h, self.head, weight_layout="out_in", out=out)
 
     def add_partial(self, x, add: Callable[[], None]) -> None:
@@ -527,6 +531,8 @@ class CausalLM(TextGeneration):
         if quantize:
             self.quantized = quantization.linear_names(self.weights.state_dict_shapes(self.config),
                                                        self.weights.QUANTIZED)
+            if quantization.head_quantized(self.weights, self.config, quantize):
+                self.quantized += (LM_HEAD,)
 
     def _allocate_params(self, groups: Sequence[Sequence[str]], halves: Sequence[Sequence[str]] = ()) -> tuple:
         """self.params: every weight of the family's state_dict_shapes (this rank's slice of those in self.parts),
@@ -631,25 +637,28 @@ class CausalLM(TextGeneration):
 
     @classmethod
     def from_pretrained(cls, path_or_name, *, dtype: str = "bfloat16", quantize: str | None = None,
-                        **kwargs) -> "CausalLM":
+                        quantize_head: bool = False, **kwargs) -> "CausalLM":
         """The model of a Hugging Face checkpoint: a directory (single-file or sharded safetensors), a model name
         in the local hub cache, or an hf.Checkpoint. Its config.json is read field by field; once the
         safetensors headers match the config, the model's device arrays are allocated and the tensors streamed
         into them in `dtype`, never the whole checkpoint on the host. An FP8 / INT8 checkpoint
-        (tilekit.models.quantization) loads quantized; quantize="int8" | "fp8" quantizes a float one per channel
-        as it streams in; linears the family keeps in its dtype (weights.DEQUANTIZED) are dequantized as they
-        load. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this rank's
+        (tilekit.models.quantization) loads quantized (its LM head as the file stores it); quantize="int8" | "fp8"
+        quantizes a float one per channel as it streams in, with quantize_head=True its untied LM head too (a
+        family with weights.QUANTIZED_HEAD); linears the family keeps in its dtype (weights.DEQUANTIZED) are
+        dequantized as they load. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this rank's
         slices of the tensors are read (the family's weights.shard_parts), of a quantized linear its codes and
         their scales (quantization.scale_part), quantize= quantizing the slice."""
         checkpoint = cls.weights.resolve(path_or_name)
         config = cls.config_class.from_fields(checkpoint.config())
         dequantized = getattr(cls.weights, "DEQUANTIZED", ())
-        scheme = quantization.scheme_for(checkpoint, quantize, mixed=bool(dequantized))
+        scheme = quantization.scheme_for(checkpoint, quantize, mixed=bool(dequantized), quantize_head=quantize_head)
+        if quantize_head and not quantization.head_quantized(cls.weights, config, scheme):
+            raise ValueError(f"quantize_head=True: {cls.__name__} keeps its LM head in its dtype"
+                             + (" (tied to the token embedding)" if getattr(cls.weights, "QUANTIZED_HEAD", False)
+                                else ""))
         modules = getattr(cls.weights, "QUANTIZED", None)
         if scheme is not None and modules is None:
             raise ValueError(f"{cls.__name__} has no quantized linears ({scheme.source})")
-        if scheme is not None:
-            kwargs["quantize"] = scheme
         linears = () if scheme is None else quantization.linear_names(cls.weights.state_dict_shapes(config), modules)
         comm = kwargs.get("comm")
         parts = None
@@ -659,16 +668,26 @@ class CausalLM(TextGeneration):
             if scheme is not None:
                 cls.check_shards_quantized(scheme.source)
             parts = cls.weights.shard_parts(config, comm.rank, comm.world_size)
-        made = []
+        made, head = [], []
+
+        def rewrite(plan, outs, dtypes):
+            """The plan with the linears quantized, the LM head too where the scheme and the family quantize it
+            (a checkpoint's head: where its file stores codes; decided on the first call, before allocate)."""
+            if not head:
+                stored = dtypes.get(cls.weights.PREFIX + LM_HEAD) == quantization.FILE_DTYPES[scheme.weight]
+                head.append(quantization.head_quantized(cls.weights, config, scheme if scheme.source ==
+                                                        quantization.LOAD_TIME else replace(scheme, head=stored)))
+            return quantization.rewrite_plan(plan, linears + ((LM_HEAD,) if head[0] else ()), scheme, outs, dtypes,
+                                             dequantized)
 
         def allocate() -> dict:
+            if scheme is not None:
+                kwargs["quantize"] = replace(scheme, head=head[0])
             made.append(cls(config, dtype=dtype, empty=True, **kwargs))
             return made[0].params
         options = {} if parts is None else {"parts": parts}
         cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate, ignore=scheme.ignored if scheme else (),
-                         rewrite=scheme and (lambda plan, outs, dtypes: quantization.rewrite_plan(
-                             plan, linears, scheme, outs, dtypes, dequantized)),
-                         **options)
+                         rewrite=scheme and rewrite, **options)
         made[0].checkpoint = checkpoint
         return made[0]
 
@@ -699,7 +718,8 @@ class CausalLM(TextGeneration):
             tensors = self.weights.LAYOUT.to_file(self.config, tensors)
         dequantized = getattr(self.weights, "DEQUANTIZED", ())
         hf_config = dict(self.config.to_hf_dict(), torch_dtype=self.dtype,
-                         quantization_config=quantization.compressed_tensors_config(self.quant, dequantized))
+                         quantization_config=quantization.compressed_tensors_config(self.quant, dequantized,
+                                                                                    LM_HEAD in self.quantized))
         prefix = self.weights.PREFIX
         write_checkpoint(directory, hf_config, {prefix + n: a for n, a in tensors.items()}, dtype=self.dtype,
                          raw={prefix + n: code for n, code in raw.items()})

@@ -112,7 +112,7 @@ def swiglu_linear(x, gate_weight, up_weight, *, out):
     out[...] = swiglu_reference(x @ np.asarray(gate_weight, np.float64).T, x @ np.asarray(up_weight, np.float64).T)
 
 
-def quant_linear(x, weight, weight_scale, *, weight_dtype, x_scale, activation, residual, out):
+def quant_linear(x, weight, weight_scale, *, weight_dtype, x_scale=None, activation=None, residual=None, out):
     out[...] = quant_linear_reference(x, weight, weight_scale, weight_dtype=weight_dtype, x_scale=x_scale,
                                       activation=activation, residual=residual)
     return out

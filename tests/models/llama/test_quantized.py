@@ -8,6 +8,7 @@ import pytest
 
 from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama
 from tests.models.quantized_checks import W8A8_TOL, WEIGHT_ONLY_TOL, assert_near_bf16, logits
+from tilekit.models.quantization import Scheme
 from tilekit.models.runtime import W8A8_MIN_ROWS
 from tilekit.models.llama.weights import random_state_dict, save_state_dict
 
@@ -22,7 +23,7 @@ CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, intermediate_
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_workload_runs_the_quantized_ops(kind):
     """Every block linear of a quantized model is a quant_linear call (FP8 prefill with quantize_fp8 first); the
-    embedding, norms and LM head stay as they are."""
+    embedding, norms and LM head stay as they are, unless the head is quantized too (weight-only; untied only)."""
     config = LLAMA_PRESETS["llama-3.1-8b"].replace(n_layer=1)
     bf16 = {op.name for op, _ in Llama(config, meta=True).kernel_problems(1, 128, 4)}
     calls = Llama(config, meta=True, quantize=kind).kernel_problems(1, 128, 4)
@@ -33,6 +34,13 @@ def test_workload_runs_the_quantized_ops(kind):
     quant = [p for op, p in calls if op.name == "quant_linear"]
     assert {p["wq"] for p in quant} == {kind}
     assert {p["xq"] for p in quant if p["M"] >= W8A8_MIN_ROWS} == {"fp8" if kind == "fp8" else "none"}
+    with_head = Scheme(kind, head=True)
+    calls = Llama(config, meta=True, quantize=with_head).kernel_problems(1, 128, 4)
+    heads = [p for op, p in calls if op.name == "quant_linear" and p["N"] == config.vocab_size]
+    assert "linear" not in {op.name for op, _ in calls} and len(heads) == len(lm_heads)
+    assert all(p["xq"] == "none" and p["K"] == config.n_embd for p in heads)
+    tied = Llama(config.replace(tie_word_embeddings=True), meta=True, quantize=with_head).kernel_problems(1, 128, 4)
+    assert [p["N"] for op, p in tied if op.name == "linear"] == [p["N"] for p in lm_heads]
     assert {p["xq"] for p in quant if p["M"] < W8A8_MIN_ROWS} == {"none"}
 
 
@@ -44,11 +52,15 @@ def test_quantize_is_checked():
 # -- on the GPU -------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "int8+head", "fp8+head"])
 @pytest.mark.parametrize("tokens", [5, 2 * W8A8_MIN_ROWS])
 def test_logits_match_reference_of_dequantized_weights(kind, tokens):
+    """+head: the LM head quantized too (weight-only on quant_linear, into the padded logits rows)."""
     from tilekit.kernels.checks import rel_err
-    model = Llama(CONFIG, state=random_state_dict(CONFIG, seed=3), quantize=kind)
+    scheme = Scheme(kind.removesuffix("+head"), head=kind.endswith("+head"))
+    model = Llama(CONFIG, state=random_state_dict(CONFIG, seed=3), quantize=scheme)
+    assert ("lm_head.weight" in model.quantized) == scheme.head
+    kind = scheme.weight
     ids = np.random.default_rng().integers(0, CONFIG.vocab_size, (2, tokens))
     expected = ReferenceLlama(CONFIG, model.state_dict()).forward(ids)
     tol = W8A8_TOL if kind == "fp8" and 2 * tokens >= W8A8_MIN_ROWS else WEIGHT_ONLY_TOL

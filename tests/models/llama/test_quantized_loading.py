@@ -12,7 +12,7 @@ from tests.models.test_quantization import EXTRAS, LAYOUTS, write_quantized
 from tilekit.kernels.quant_linear import dequantize_reference
 from tilekit.models import Llama, LlamaConfig, quantization
 from tilekit.models.llama.weights import random_state_dict, save_state_dict
-from tilekit.models.quantization import quantize_weight, scale_key
+from tilekit.models.quantization import Scheme, quantize_weight, scale_key
 
 CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, intermediate_size=384, vocab_size=50,
                      max_position_embeddings=64, tie_word_embeddings=False, rope_scaling=None)
@@ -65,6 +65,35 @@ def test_every_layout_lands_in_the_model_and_saves_back(numpy_cupy, layout, tmp_
     again = Llama.from_pretrained(tmp_path / "out")
     assert again.quant.source == "compressed-tensors" and again.quant.scale == model.quant.scale
     assert_same_params(again, model)
+    assert "lm_head.weight" not in model.quantized        # the file's head is bf16: it stays so, saved and read
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_head_quantized_at_load_saves_and_reads_back_as_codes(numpy_cupy, kind, tmp_path):
+    state = random_state_dict(CONFIG, 4)
+    save_state_dict(tmp_path / "in", CONFIG, state)
+    assert "lm_head.weight" not in Llama.from_pretrained(tmp_path / "in", quantize=kind).quantized     # by default
+    model = Llama.from_pretrained(tmp_path / "in", quantize=kind, quantize_head=True)
+    codes, scale = quantize_weight(state["lm_head.weight"], kind)
+    np.testing.assert_array_equal(model.params["lm_head.weight"], codes)
+    np.testing.assert_array_equal(model.params["lm_head.weight_scale"], scale)
+    assert model.head is model.params["lm_head.weight"]
+    model.save_pretrained(tmp_path / "out")
+    qconfig = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert "lm_head" not in qconfig["ignore"]               # compressed-tensors: a Linear not ignored is quantized
+    again = Llama.from_pretrained(tmp_path / "out")
+    assert "lm_head.weight" in again.quantized and again.quant.head
+    assert_same_params(again, model)
+    tied = Llama(CONFIG.replace(tie_word_embeddings=True), quantize=Scheme(kind, head=True))   # the embedding's rows
+    assert "lm_head.weight" not in tied.quantized and tied.head is tied.embed
+    for bad, match in (({}, "with quantize="), ({"quantize": kind}, "file stores")):
+        with pytest.raises(ValueError, match=match):
+            Llama.from_pretrained(tmp_path / ("in" if not bad else "out"), quantize_head=True, **bad)
+    save_state_dict(tmp_path / "tied", tied.config, random_state_dict(tied.config, 4))
+    with pytest.raises(ValueError, match="tied to the token embedding"):
+        Llama.from_pretrained(tmp_path / "tied", quantize=kind, quantize_head=True)
+    with pytest.raises(TypeError, match="quantize_head must be a bool"):
+        Llama.from_pretrained(tmp_path / "in", quantize=kind, quantize_head="yes")
 
 
 def test_block_scaled_q_and_k_need_128_row_multiples(numpy_cupy, tmp_path):

@@ -18,7 +18,7 @@ from tilekit.kernels.checks import rel_err
 from tilekit.models import Llama, LlamaConfig, runtime
 from tilekit.models.llama import model as model_module
 from tilekit.models.llama.weights import random_state_dict, save_state_dict
-from tilekit.models.quantization import QBLOCK, quantize_weight, scale_key
+from tilekit.models.quantization import QBLOCK, Scheme, quantize_weight, scale_key
 
 # head_dim 128: each rank's q, k, v, o and MLP spans are whole 128-blocks at TP=2 (block scales shard)
 CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, intermediate_size=512, vocab_size=200,
@@ -50,6 +50,9 @@ def _checkpoint(tmp_path, layout, config=CONFIG):
 def _slice_of(name, array, rank, block):
     """Rank `rank` of 2's slice of a whole model's weight or scale `name` (TP=1's params)."""
     weight = name[:-len("_scale")] if name.endswith("_scale") else name
+    if weight == "lm_head.weight":          # vocabulary rows, in blocks of parallel.VOCAB_GRANULE (codes and scales)
+        start, stop = parallel.vocab_span(array.shape[0], rank, 2)
+        return array[start:stop]
     row_parallel = weight.endswith(tuple(f"{m}.weight" for m in COLUMNS))
     if name.endswith("_scale") and not block:
         return array if row_parallel else np.array_split(array, 2)[rank]
@@ -108,10 +111,11 @@ def test_load_time_quantization_quantizes_each_ranks_slice(cpu, kind, tmp_path):
     state = random_state_dict(CONFIG, 3)
     save_state_dict(tmp_path, CONFIG, state)
     ids = np.random.default_rng(1).integers(0, CONFIG.vocab_size, (2, 7))
-    whole = Llama.from_pretrained(tmp_path, dtype="float32", quantize=kind)
+    whole = Llama.from_pretrained(tmp_path, dtype="float32", quantize=kind, quantize_head=True)
 
-    def run(comm):
-        model = Llama.from_pretrained(tmp_path, dtype="float32", quantize=kind, comm=comm)
+    def run(comm):           # the LM head quantized too: a rank holds its vocabulary rows' codes and scales
+        model = Llama.from_pretrained(tmp_path, dtype="float32", quantize=kind, quantize_head=True, comm=comm)
+        assert "lm_head.weight" in model.quantized
         for name in model.quantized:
             mine = _slice_of(name, np.asarray(state[name], np.float32), comm.rank, False)
             codes, scale = quantize_weight(mine, kind)      # the absmax of this rank's slice
@@ -120,8 +124,8 @@ def test_load_time_quantization_quantizes_each_ranks_slice(cpu, kind, tmp_path):
             if not name.endswith(tuple(f"{m}.weight" for m in COLUMNS)):   # column-parallel: TP=1's rows
                 np.testing.assert_array_equal(model.params[name], _slice_of(name, whole.params[name], comm.rank,
                                                                             False), err_msg=name)
-        assert_same_params(model, Llama(CONFIG, dtype="float32", state=state, quantize=kind,      # state= alike
-                                        comm=parallel.ShapeOnly(comm.rank, 2)))
+        assert_same_params(model, Llama(CONFIG, dtype="float32", state=state, quantize=Scheme(kind, head=True),
+                                        comm=parallel.ShapeOnly(comm.rank, 2)))             # state= alike
         return forward(model, ids)
     per_rank = on_ranks(2, run)
     np.testing.assert_array_equal(per_rank[1], per_rank[0])
@@ -179,3 +183,16 @@ def test_a_rank_runs_its_quantized_shard_shapes():
         return {(p["N"], p["K"]) for op, p in calls if op.name == "quant_linear"}
     assert shapes(parallel.ShapeOnly(0, 2)) == {((32 + 2 * 4) * 128, 8192), (8192, 32 * 128),   # q/k/v, o
                                                  (28672 // 2, 8192), (8192, 28672 // 2)}        # gate/up (N: out), down
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_quantized_head_computes_the_dequantized_models_logits(cpu, kind, tmp_path):
+    """The step code on NumPy kernels: a float32 model quantized at load, its LM head included, gives the float64
+    reference's logits over its own dequantized weights (state_dict()), head included."""
+    from tilekit.models.llama.reference import ReferenceLlama
+    save_state_dict(tmp_path, CONFIG, random_state_dict(CONFIG, 5))
+    model = Llama.from_pretrained(tmp_path, dtype="float32", quantize=kind, quantize_head=True)
+    assert "lm_head.weight" in model.quantized
+    ids = np.random.default_rng(3).integers(0, CONFIG.vocab_size, (2, 9))
+    expected = ReferenceLlama(CONFIG, model.state_dict()).forward(ids)
+    assert rel_err(forward(model, ids), expected) <= 1e-5

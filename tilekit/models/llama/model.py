@@ -8,7 +8,8 @@ per block (a checkpoint's tensors load straight into them), so a block reads its
 all three. Names follow Hugging Face's LlamaForCausalLM.
 
 Quantized (`quantize=`, or an FP8 / INT8 checkpoint; tilekit.models.quantization), the seven linears of a block
-hold 8-bit codes and fp32 scales and run on kernels.quant_linear: the gate and up projections as one [gate; up]
+(and an untied LM head quantized at load, or stored as codes) hold 8-bit codes and fp32 scales and run on
+kernels.quant_linear: the gate and up projections as one [gate; up]
 matrix with the SwiGLU in the kernel's epilogue; with FP8 weights and at least runtime.W8A8_MIN_ROWS rows (prefill) the
 activations are quantized per token (per 128-column group with block scales) and multiplied in FP8.
 

@@ -19,6 +19,7 @@ EMBEDDING = "model.embed_tokens.weight"
 BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)  # a buffer that checkpoints of older transformers carry
 QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj")  # the linears a quantized model holds in 8 bits (tilekit.models.quantization)
+QUANTIZED_HEAD = True     # and an untied LM head, quantized at load or stored as codes (quantization.head_quantized)
 
 
 def state_dict_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -365,6 +365,13 @@ def head_quantized(weights, config, scheme: Scheme | None) -> bool:
                 and not getattr(config, "tie_word_embeddings", True))
 
 
+def check_head(model_class, config, scheme: Scheme | None) -> None:
+    """ValueError where `scheme` asks for a quantized LM head that this family (or a tied head) keeps in its dtype."""
+    if scheme and scheme.head and not head_quantized(model_class.weights, config, scheme):
+        tied = " (tied to the token embedding)" if getattr(model_class.weights, "QUANTIZED_HEAD", False) else ""
+        raise ValueError(f"quantize_head=True: {model_class.__name__} keeps its LM head in its dtype{tied}")
+
+
 def scale_key(weight_name: str) -> str:
     """Where a model keeps a quantized weight's fp32 scales: '<module>.weight_scale'."""
     return weight_name + "_scale"

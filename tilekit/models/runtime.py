@@ -645,17 +645,14 @@ class CausalLM(TextGeneration):
         (tilekit.models.quantization) loads quantized (its LM head as the file stores it); quantize="int8" | "fp8"
         quantizes a float one per channel as it streams in, with quantize_head=True its untied LM head too (a
         family with weights.QUANTIZED_HEAD); linears the family keeps in its dtype (weights.DEQUANTIZED) are
-        dequantized as they load. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this rank's
-        slices of the tensors are read (the family's weights.shard_parts), of a quantized linear its codes and
-        their scales (quantization.scale_part), quantize= quantizing the slice."""
+        dequantized as they load. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this
+        rank's slices of the tensors are read (the family's weights.shard_parts), of a quantized linear its codes
+        and their scales (quantization.scale_part), quantize= quantizing the slice."""
         checkpoint = cls.weights.resolve(path_or_name)
         config = cls.config_class.from_fields(checkpoint.config())
         dequantized = getattr(cls.weights, "DEQUANTIZED", ())
         scheme = quantization.scheme_for(checkpoint, quantize, mixed=bool(dequantized), quantize_head=quantize_head)
-        if quantize_head and not quantization.head_quantized(cls.weights, config, scheme):
-            raise ValueError(f"quantize_head=True: {cls.__name__} keeps its LM head in its dtype"
-                             + (" (tied to the token embedding)" if getattr(cls.weights, "QUANTIZED_HEAD", False)
-                                else ""))
+        quantization.check_head(cls, config, scheme)
         modules = getattr(cls.weights, "QUANTIZED", None)
         if scheme is not None and modules is None:
             raise ValueError(f"{cls.__name__} has no quantized linears ({scheme.source})")

@@ -29,9 +29,7 @@ def meta_model(config, dtype: str, quantize: str | None = None, rank: int = 0, t
         raise ValueError("quantize_head goes with quantize='int8' or 'fp8'")
     if quantize is not None:
         options["quantize"] = quantization.Scheme(quantize, head=quantize_head)
-        if quantize_head and not quantization.head_quantized(cls.weights, config, options["quantize"]):
-            raise ValueError(f"{cls.__name__} keeps its LM head in its dtype" + (
-                " (tied to the token embedding)" if getattr(cls.weights, "QUANTIZED_HEAD", False) else ""))
+        quantization.check_head(cls, config, options["quantize"])
     if tp > 1:
         options["comm"] = parallel.ShapeOnly(rank, tp)
     return cls(config, dtype=dtype, meta=True, **options)

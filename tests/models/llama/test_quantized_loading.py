@@ -112,3 +112,25 @@ def test_gpt_refuses_quantize(numpy_cupy):
     from tilekit.models import GPT
     with pytest.raises(ValueError, match="GPT has no quantized linears"):
         GPT.from_pretrained(Path(__file__).resolve().parents[2] / "data" / "tiny-gpt2", quantize="int8")
+
+
+def test_a_head_stored_as_codes_needs_its_scales(numpy_cupy, tmp_path):
+    """A compressed-tensors file whose lm_head holds int8 codes (not in `ignore`) loads it quantized; without its
+    scale tensor it is a ModelFileError naming the tensor, before anything is allocated."""
+    from tilekit.models import hf
+    state = random_state_dict(CONFIG, 6)
+    save_state_dict(tmp_path / "in", CONFIG, state)
+    model = Llama.from_pretrained(tmp_path / "in", quantize="int8", quantize_head=True)
+    tensors = {name: np.asarray(a) for name, a in model.params.items()}
+    linears = tuple(name for name in model.quantized)
+    files, raw = quantization.file_tensors(tensors, linears, model.quant)
+    hf_config = dict(CONFIG.to_hf_dict(), quantization_config=quantization.compressed_tensors_config(
+        model.quant, head=True))
+    hf.write_checkpoint(tmp_path / "ok", hf_config, files, raw=raw)
+    again = Llama.from_pretrained(tmp_path / "ok")
+    assert again.quant.head and "lm_head.weight" in again.quantized
+    np.testing.assert_array_equal(again.params["lm_head.weight"], model.params["lm_head.weight"])
+    del files["lm_head.weight_scale"], raw["lm_head.weight_scale"]
+    hf.write_checkpoint(tmp_path / "bad", hf_config, files, raw=raw)
+    with pytest.raises(hf.ModelFileError, match="lm_head.weight_scale"):
+        Llama.from_pretrained(tmp_path / "bad")

@@ -786,7 +786,7 @@ def _model_args(p, default_model=None):
     p.add_argument("--quantize", choices=("int8", "fp8"),
                    help="the workload of the model with its linears quantized (Llama and DeepSeek-V2 families)")
     p.add_argument("--quantize-head", action="store_true",
-                   help="with --quantize: its untied LM head too (Llama family)")
+                   help="with --quantize: its untied LM head too (Llama and DeepSeek-V2 families)")
     p.add_argument("--tp", type=_positive, default=1,
                    help="the workload of each rank of the model split over this many GPUs (tensor parallelism; "
                         "Llama, GPT-2 and DeepSeek-V2 families)")
@@ -802,7 +802,8 @@ def _generation_args(p) -> None:
                    help="quantize the linears per channel as the weights load (FP8 / INT8 checkpoints load quantized "
                         "without it)")
     p.add_argument("--quantize-head", action="store_true",
-                   help="with --quantize: the untied LM head too (Llama family; as gpt-fast's int8 does)")
+                   help="with --quantize: the untied LM head too (Llama and DeepSeek-V2 families; as gpt-fast's int8 "
+                        "does)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default): tilekit's kernels; cpu: the family's NumPy float64 reference, slow, for "
                         "checking (same options; its own random draws)")

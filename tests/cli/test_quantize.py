@@ -19,8 +19,6 @@ TINY_LLAMA = Path(__file__).resolve().parents[1] / "data" / "tiny-llama"
     (["tune", "--model", "llama-3.1-8b", "--quantize-head"], "--quantize-head goes with --quantize"),
     (["db", "explain", "--model", "llama-3.2-1b", "--quantize", "int8", "--quantize-head"],
      "tied to the token embedding"),
-    (["db", "explain", "--model", "deepseek-v2-lite", "--quantize", "fp8", "--quantize-head"],
-     "keeps its LM head in its dtype"),
 ])
 def test_misuse_exits_2_with_one_line(argv, says, capsys):
     assert says in misuse(argv, capsys)

@@ -238,3 +238,17 @@ def test_logits_against_the_float_model_of_the_same_weights(cpu, kind, tokens):
     assert own <= (1e-5 if kind == "int8" or tokens < W8A8_MIN_ROWS else W8A8_OWN), own
     err = rel_err(forward(model, ids), forward(DeepseekV2(LORA, dtype="float32", state=state), ids))
     assert err <= VS_FLOAT[kind], err
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_quantized_head_saves_back_and_computes_its_dequantized_logits(cpu, kind, tmp_path):
+    """quantize_head=True: the untied LM head in 8 bits too (weight-only); the model computes the float model of its
+    own dequantized weights, and saves and loads back as it is."""
+    weights.save_state_dict(tmp_path / "in", LORA, weights.random_state_dict(LORA, 5))
+    model = DeepseekV2.from_pretrained(tmp_path / "in", dtype="float32", quantize=kind, quantize_head=True)
+    assert "lm_head.weight" in model.quantized and model.params["lm_head.weight"].itemsize == 1
+    ids = np.random.default_rng(2).integers(0, LORA.vocab_size, (2, 5))
+    own = forward(DeepseekV2(LORA, dtype="float32", state=model.state_dict()), ids)
+    assert rel_err(forward(model, ids), own) <= 1e-5
+    model.save_pretrained(tmp_path / "out")
+    assert_same_params(DeepseekV2.from_pretrained(tmp_path / "out", dtype="float32"), model)

@@ -28,6 +28,7 @@ BUFFER_SUFFIXES = ()
 # Quantized (tilekit.models.quantization): the linears a quantized model holds in 8 bits and runs on quant_linear
 QUANTIZED = ("self_attn.q_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
              "mlp.gate_proj", "mlp.up_proj")
+QUANTIZED_HEAD = True     # an untied LM head too, with quantize_head or stored as codes (quantization.head_quantized)
 # and those it keeps in its dtype, dequantized as they load from a quantized checkpoint (name patterns): the experts
 # and the projections into the residual stream (moe_down_combine, which has no 8-bit variant), kv_b_proj (read as
 # strided per-head views by head_linear and mla_kv, no 8-bit variant either), and the router

@@ -159,15 +159,22 @@ def streamed_bytes(model, batch: int) -> int:
     batch's rows, or where the LM head is tied to it the head's rows (this rank's vocabulary slice)."""
     table = getattr(model, "embed", None)
     total = sum(a.nbytes for a in model.params.values())
-    if table is None or getattr(model.config, "tie_word_embeddings", True):
-        return total - (0 if table is None else table.nbytes - model.head.nbytes)
-    return total - table.nbytes + batch * table.shape[1] * table.dtype.itemsize
+    if table is None:
+        return total
+    tied = getattr(model.config, "tie_word_embeddings", True)
+    read = model.head.nbytes if tied else batch * table.shape[1] * table.dtype.itemsize
+    return total - table.nbytes + read
+
+
+def mean_kv_bytes(config, batch: int, prompt: int, new: int, itemsize: int = 2) -> float:
+    """KV-cache bytes the mean decode step of `new` tokens after a `prompt`-token prompt reads (keys and values)."""
+    return 2 * config.n_layer * batch * kv_width(config) * itemsize * (prompt + new / 2)
 
 
 def decode_floor_ms(config, batch: int, prompt: int, new: int, copy_gbs: float, itemsize: int = 2) -> float:
     """Time to read the step's weights (streamed_params) and the mean step's KV cache once at the copy bandwidth
     (see DEFINITIONS['decode_floor_ms'])."""
-    kv = 2 * config.n_layer * batch * kv_width(config) * itemsize * (prompt + new / 2)
+    kv = mean_kv_bytes(config, batch, prompt, new, itemsize)
     return (streamed_params(config, batch) * itemsize + kv) / (copy_gbs * 1e9) * 1e3
 
 

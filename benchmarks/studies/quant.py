@@ -58,15 +58,14 @@ def timed(fn) -> float:
 def decode_rows(preset: str, batch: int, copy_gbs: float, log=print) -> list[dict]:
     import numpy as np
 
-    from benchmarks.harness.report import kv_width, streamed_bytes
+    from benchmarks.harness.report import mean_kv_bytes, streamed_bytes
     from benchmarks.harness.timing import free_memory
     rows, base, tokens = [], None, None
     for kind in KINDS:
         model = decode_model(preset, quantize=scheme(kind))
-        config = model.config
         gen = _decode_generation(model, batch)
         ms = float(np.median([replay_ms(gen, 50) for _ in range(5)]))
-        kv = 2 * config.n_layer * batch * kv_width(config) * 2 * (PROMPT + NEW_TOKENS / 2)
+        kv = mean_kv_bytes(model.config, batch, PROMPT, NEW_TOKENS)
         floor = (streamed_bytes(model, batch) + kv) / (copy_gbs * 1e9) * 1e3
         if kind is None:
             base, tokens = ms, np.asarray(gen.state.history.get())[:, :PROMPT + NEW_TOKENS]

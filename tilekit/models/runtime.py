@@ -183,7 +183,7 @@ class DecodeState:
         if start:
             attend = self.model.prefill_attend(self.cache, buf.zeros + start, past=start)
             x = self.model.hidden(buf.acts, buf.ids, buf.positions + start, attend)
-        else:
+        else:         # a whole prompt: the family's own prefill_attend (DeepSeek-V2's takes no past)
             x = self.model.hidden(buf.acts, buf.ids, buf.positions, self.model.prefill_attend(self.cache, buf.zeros))
         if final:
             self._head(x, buf.last)
@@ -276,18 +276,13 @@ class Generation:
     def prefill(self, ids: np.ndarray, lengths: np.ndarray, use_graph: bool) -> None:
         """Run the prompt prefill of padded prompts ids (B, T) of `lengths` tokens. A prompt length seen twice
         replays a graph; a prompt longer than the model's prefill_chunk runs in chunks (prefill_pieces), eagerly."""
-        B, T = ids.shape
+        T = ids.shape[1]
         pieces = prefill_pieces(self.model, T, int(lengths.min()) - 1, self.state.cache)
         if len(pieces) > 1:
             for start, n in pieces:
-                buf = self._buffers(n)
-                buf.ids.set(np.ascontiguousarray(ids[:, start:start + n]).reshape(-1))
-                buf.last.set(np.arange(B, dtype=np.int32) * n + lengths - 1 - start)
-                self.state.prefill(buf, start, final=start + n == T)
+                self.state.prefill(self._buffers(ids, lengths, start, n), start, final=start + n == T)
             return
-        buf = self._buffers(T)
-        buf.ids.set(ids.reshape(-1))
-        buf.last.set(np.arange(B, dtype=np.int32) * T + lengths - 1)
+        buf = self._buffers(ids, lengths, 0, T)
         if use_graph and buf.graph is not None:
             buf.graph.launch(self.stream)
             return
@@ -296,8 +291,9 @@ class Generation:
         if use_graph and buf.runs >= 2:        # a prompt shape seen twice: replay it from now on
             buf.graph = _capture(self.stream, lambda: self.state.prefill(buf))
 
-    def _buffers(self, T: int) -> PromptBuffers:
-        """The prompt buffers of T tokens a sequence (the last max_prompt_shapes lengths are kept)."""
+    def _buffers(self, ids: np.ndarray, lengths: np.ndarray, start: int, T: int) -> PromptBuffers:
+        """The prompt buffers of T tokens a sequence (the last max_prompt_shapes lengths are kept), holding the
+        padded prompts' positions start.. start + T and the rows of each sequence's newest token."""
         buf = self.prompts.pop(T, None)
         if buf is None:
             with self.stream:
@@ -305,6 +301,8 @@ class Generation:
         self.prompts[T] = buf
         while len(self.prompts) > self.max_prompt_shapes:
             self.prompts.popitem(last=False)
+        buf.ids.set(np.ascontiguousarray(ids[:, start:start + T]).reshape(-1))
+        buf.last.set(np.arange(len(ids), dtype=np.int32) * T + lengths - 1 - start)
         return buf
 
     def decode(self, use_graph: bool) -> None:

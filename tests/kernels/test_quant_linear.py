@@ -108,17 +108,29 @@ def test_decode_products(mode, TM, TN, TK, kind, scale, fp8_x):
 
 
 @pytest.mark.parametrize("mode, promote, TK, warps", [(MMA, 1, 128, 8), (MMA, 2, 64, 8), (MMA, 4, 128, 0),
-                                                      (MMA, 2, 128, 8), (SWAP, 1, 128, 8), (SWAP, 2, 64, 8)])
+                                                      (MMA, 2, 128, 8), (SWAP, 1, 128, 8), (SWAP, 2, 64, 8),
+                                                      (MMA, 0, 128, 8), (SWAP, 0, 128, 0)])
 def test_w8a8_promotion(mode, promote, TK, warps):
-    """FP8 x FP8 with fast accumulation promoted into fp32 every `promote` K tiles (up to 512 products): within the
-    bf16 tolerance of the float64 reference of the same FP8 bits at K = 4096 (32 promotions of 128, 8 of 512), and
-    K not a multiple of the promotion interval; MMA and SWAP tiles."""
+    """FP8 x FP8 with fast accumulation promoted into fp32 every `promote` K tiles (up to 512 products), or never
+    (0): within the bf16 tolerance of the float64 reference of the same FP8 bits at K = 4096 (32 promotions of 128,
+    8 of 512), and K not a multiple of the promotion interval; MMA and SWAP tiles."""
     TM, TN = (128, 128) if warps else (64, 64)
     config = dict(TM=TM, TN=TN, TK=TK, GROUP_M=8, SPLIT_K=1, MODE=mode, PROMOTE=promote, occupancy=1,
                   num_worker_warps=warps)
     with QUANT_LINEAR.pinned(config):
         check_quant_linear(300, 520, 4096, "bfloat16", "fp8", "channel", fp8_x=True, res=True)
         check_quant_linear(200, 264, 1000, "bfloat16", "fp8", "channel", fp8_x=True, swiglu=True)
+
+
+@pytest.mark.parametrize("mode", [MMA, SWAP])
+def test_w8a8_unpromoted_wide_tile(mode):
+    """The prefill tile that fast accumulation without promotion allows (128 x 256, two warpgroups, no partial
+    sum): within the bf16 tolerance of the float64 reference at Llama-3.1-8B's longest K (14336) too."""
+    config = dict(TM=128, TN=256, TK=128, GROUP_M=8, SPLIT_K=1, MODE=mode, PROMOTE=0, occupancy=1,
+                  num_worker_warps=8)
+    with QUANT_LINEAR.pinned(config):
+        check_quant_linear(384, 520, 14336, "bfloat16", "fp8", "channel", fp8_x=True, res=True)
+        check_quant_linear(200, 264, 4096, "bfloat16", "fp8", "channel", fp8_x=True)
 
 
 @pytest.mark.parametrize("kind, scale", [("int8", "channel"), ("fp8", "block")])

@@ -44,6 +44,7 @@ class ArraySpec:
     strides: tuple[int, ...] | None = None   # None: C-contiguous
     role: str = "in"                         # in | out | absent (placeholder) | scratch | zeros (scratch)
     high: int | None = None                  # integer inputs: benchmark values in [0, high)
+    signed: bool = False                     # ... with bit 7 set at random too (8-bit codes of either sign)
     fill: int | None = None                  # integer inputs: benchmark value everywhere
     values: tuple | None = None              # inputs: the benchmark's exact contents (offsets, parameters)
     aligned16: bool = True                   # allocations are 256-byte aligned
@@ -426,7 +427,10 @@ def bench_array(spec: ArraySpec, device: int, rng):
         elif spec.values is not None:
             flat = cupy.asarray(spec.values, numpy_dtype(spec.dtype))
         elif spec.dtype in INT_DTYPES + BYTE_DTYPES:
-            flat = rng.integers(0, spec.high or 1, extent).astype(numpy_dtype(spec.dtype))
+            flat = rng.integers(0, spec.high or 1, extent)
+            if spec.signed:
+                flat |= rng.integers(0, 2, extent) << 7
+            flat = flat.astype(numpy_dtype(spec.dtype))
         else:
             flat = random_array((extent,), spec.dtype, device, rng)
         item = ITEMSIZE[spec.dtype]

@@ -10,7 +10,9 @@ layout, with a scale per output channel (`scale="channel"`, Ws [N]) or per 128x1
   share an output tile as in `linear`;
 * W8A8 (`x_scale` given): x is FP8 bits from `quantize_fp8` with a scale per row (Xs [M, 1]) or per row
   and 128-column group (Xs [M, ceil(K/128)], with block weights), multiplied in FP8 with fast
-  accumulation, promoted into the fp32 accumulator every PROMOTE K tiles (at most 512 products).
+  accumulation, promoted into the fp32 accumulator every PROMOTE K tiles (at most 512 products), or with
+  channel scales and PROMOTE 0 accumulated whole in the fast accumulator, as cuBLAS's and vLLM's fast-accumulation
+  FP8 GEMMs do (no partial sum beside it, so twice the tile).
 
 The config's MODE picks the product: MMA, x @ W^T on tensor cores, W's tile loaded transposed (the original
 kernel; its transposed weight tiles are read from shared memory 2 bytes at a time); SWAP, W @ x^T, W's tile
@@ -142,7 +144,7 @@ def quant_linear_kernel(X, Xs, W, Ws, Bias, Res, Y, Partial, Counter,
 
     MODE picks the product (k_product). On tensor cores, block scales and FP8 activations sum PROMOTE K tiles (one
     with block scales; FP8 x FP8 with fast accumulation) into a partial that is scaled and added to the fp32
-    accumulator. (cuTile's exact FP8 accumulation, use_fast_acc=False, does the same per instruction: the 128x128
+    accumulator; FP8 activations with PROMOTE 0 go straight into it, fast. (cuTile's exact FP8 accumulation, use_fast_acc=False, does the same per instruction: the 128x128
     tile then spilled: 275 local stores, sm_90 cubin.) Program bid(0) = tile * SPLIT_K +
     split sums its slice of K into Partial[split] (fp32); the last of a tile's programs to arrive, counted in
     Counter[tile] (left at zero), adds the slices and runs the epilogue, as in linear."""
@@ -175,7 +177,7 @@ def quant_linear_kernel(X, Xs, W, Ws, Bias, Res, Y, Partial, Counter,
     last = ct.minimum(k_tiles, first + per_split)
     gate = ct.zeros(shape, dtype=ct.float32)
     up = ct.zeros(shape, dtype=ct.float32)
-    if MODE != FMA and (BLOCK or XQ):
+    if MODE != FMA and (BLOCK or (XQ and PROMOTE > 0)):
         for k0 in range(first, last, PROMOTE):
             part_gate = ct.zeros(shape, dtype=ct.float32)
             part_up = ct.zeros(shape, dtype=ct.float32)
@@ -198,13 +200,13 @@ def quant_linear_kernel(X, Xs, W, Ws, Bias, Res, Y, Partial, Counter,
             if MODE == FMA and BLOCK:       # elementwise: the block scales multiply the tile's products directly
                 gate = gate + block_scaled(fma_product(a, w, TM, TN, TK), Xs, Ws, 0, kb, rows_k, cols_k, BLOCK, XQ)
             else:
-                gate = k_product(a, w, gate, TM, TN, TK, MODE, False)
+                gate = k_product(a, w, gate, TM, TN, TK, MODE, XQ)
             if SWIGLU:
                 w = weight_tile(W, 1, k, pid_n, TN, TK, MODE, FP8, XQ, Y.dtype)
                 if MODE == FMA and BLOCK:
                     up = up + block_scaled(fma_product(a, w, TM, TN, TK), Xs, Ws, 1, kb, rows_k, cols_k, BLOCK, XQ)
                 else:
-                    up = k_product(a, w, up, TM, TN, TK, MODE, False)
+                    up = k_product(a, w, up, TM, TN, TK, MODE, XQ)
     gate = finished(gate, MODE)
     up = finished(up, MODE)
 
@@ -245,7 +247,7 @@ def _halves(p: dict) -> int:
 def _partial(c: dict, p: dict) -> bool:
     """Whether the main loop keeps a partial sum beside the accumulator (block scales, promoted fast FP8
     accumulation), doubling the accumulator's registers."""
-    return c["MODE"] != FMA and (p["scale"] == "block" or p["xq"] == "fp8")
+    return c["MODE"] != FMA and (p["scale"] == "block" or (p["xq"] == "fp8" and c["PROMOTE"] > 0))
 
 
 def _aligned_rows(p: dict) -> bool:
@@ -260,7 +262,7 @@ def _fits(c: dict, p: dict) -> bool:
     registers), narrow tiles, long K steps, split-K. Many rows: MMA or SWAP tiles from 64 columns, K steps up to 128
     (SWAP keeps the converted weights in registers where MMA stores them back to shared memory for the mma). PROMOTE
     is 1 except with FP8 activations and channel scales: fast accumulation promoted every PROMOTE K tiles (at most
-    512 products). Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8 tile with its
+    512 products), or never (0). Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8 tile with its
     partial spilled with one warpgroup, 546 local stores in its sm_90 cubin; some longer promotions spill anyway,
     which the tuner sees). K tiles inside a scale block. SWAP and FMA split K only over 16-byte weight rows
     (_aligned_rows). Split-K tiles at least 32 columns wide: 16-wide ones with
@@ -278,7 +280,7 @@ def _fits(c: dict, p: dict) -> bool:
     else:
         rows_ok = m <= 4 and c["TM"] == m and tile * c["TK"] <= 128 * 128
     promoted = p["xq"] == "fp8" and p["scale"] == "channel" and not few_rows
-    promote_ok = c["PROMOTE"] * c["TK"] <= 512 if promoted else c["PROMOTE"] == 1
+    promote_ok = c["PROMOTE"] * c["TK"] <= 512 if promoted else c["PROMOTE"] == 1     # 0 with promoted: never
     return (rows_ok and promote_ok and (c["MODE"] != SWAP or p["dtype"] != "float32")
             and c["TN"] <= max(32 if few_rows else 64, pow2_ceil(p["N"])) and c["TK"] <= max(128, pow2_ceil(p["K"]))
             and (c["TK"] <= QBLOCK or (p["scale"] == "channel" and p["xq"] == "none"))
@@ -296,7 +298,7 @@ def _fits(c: dict, p: dict) -> bool:
 
 
 SPACE = SearchSpace(_fits, TM=(1, 2, 4, 8, 16, 32, 64, 128), TN=(16, 32, 64, 128, 256), TK=(32, 64, 128, 256, 512),
-                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8, 16), MODE=(MMA, SWAP, FMA), PROMOTE=(1, 2, 4),
+                    GROUP_M=(8,), SPLIT_K=(1, 2, 4, 8, 16), MODE=(MMA, SWAP, FMA), PROMOTE=(0, 1, 2, 4),
                     occupancy=(1, 2), num_worker_warps=(0, 8))
 
 MIN_PROGRAMS = 128    # an untuned decode GEMV splits K only below about one program per SM of an H100 or H200
@@ -351,10 +353,12 @@ def _scale_shape(p: dict) -> tuple:
 def _arrays(p: dict) -> dict:
     M, N, K, dt = p["M"], p["N"], p["K"], p["dtype"]
     xq = p["xq"] == "fp8"
-    return {"x": ArraySpec("uint8" if xq else dt, (M, K), high=0x7F if xq else None),
+    # Codes of either sign below the NaN codes (0x7F, 0xFF), zero-mean as layers' weights and activations are:
+    # sums of one sign would lose 4-6% to FP8 fast accumulation without promotion (K = 4096-14336, H100).
+    return {"x": ArraySpec("uint8" if xq else dt, (M, K), high=0x7F if xq else None, signed=xq),
             "x_scale": ArraySpec("float32", (M, 1 if p["scale"] == "channel" else ct.cdiv(K, QBLOCK)))
             if xq else absent("float32", 2),
-            "w": ArraySpec(WEIGHT_DTYPES[p["wq"]], (_halves(p), N, K), high=0x7F),
+            "w": ArraySpec(WEIGHT_DTYPES[p["wq"]], (_halves(p), N, K), high=0x7F, signed=True),
             "w_scale": ArraySpec("float32", _scale_shape(p)),
             "bias": ArraySpec(dt, (N,)) if p["bias"] else absent(dt, 1),
             "res": ArraySpec(dt, (M, N)) if p["res"] else absent(dt, 2),

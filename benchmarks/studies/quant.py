@@ -1,15 +1,17 @@
 """Quantized weights (issue #34): decode steps of a Llama shape in bf16, int8 and fp8, FP8 prefill, and each
 quantized linear against PyTorch's FP8 / INT8 GEMMs on the same shapes.
 
-    python -m benchmarks.studies.quant [--model llama-3.1-8b] [--batch 1 --batch 8 --batch 32] [--part prefill] [--out DIR]
+    python -m benchmarks.studies.quant [--model llama-3.1-8b] [--batch 1 --batch 8 --batch 32] [--part prefill]
+        [--out DIR]
 
 Decode rows: the replayed greedy decode step (128-token prompt + 128 new tokens) of random weights, each
 quantized model (int8, fp8; "+head": its LM head quantized too) against the bf16 step as its anchor, with % of its
 own weight-streaming floor (quantized linears at one byte a weight plus their scales, the rest in bf16, the
 embedding table's batch rows only, and the mean step's KV cache, at the copy bandwidth) and the share of next
 tokens each model picks as bf16's greedy run did, fed that run's tokens (teacher-forced).
-Prefill row: B8 x T1024 full-logits forward, fp8 (W8A8) against bf16, and its logits' distance from bf16's. Linear rows: quant_linear per Llama linear shape against torch._scaled_mm (FP8, row-wise scales, fast
-accumulation) and torch._int_mm (INT8, M > 16), % of the bandwidth floor (few rows) or the tensor-core rate.
+Prefill row: B8 x T1024 full-logits forward, fp8 (W8A8) against bf16, and its logits' distance from bf16's.
+Linear rows: quant_linear per Llama linear shape against torch._scaled_mm (FP8, row-wise scales, fast accumulation)
+and torch._int_mm (INT8, M > 16), % of the bandwidth floor (few rows) or the tensor-core rate.
 """
 
 from __future__ import annotations
@@ -102,12 +104,14 @@ def prefill_rows(preset: str, batch: int = 8, seq: int = 1024, log=print) -> lis
             error = float(cupy.linalg.norm(logits - anchor) / cupy.linalg.norm(anchor))
             agree = float(cupy.mean(cupy.argmax(logits, -1) == cupy.argmax(anchor, -1)))
         del logits
-        ms = measure(lambda: model(ids), flush_l2=False, warmup=2, reps=10)["median_ms"]
-        rows.append(dict(preset=preset, batch=batch, seq=seq, weights=kind or "bf16", forward_ms=ms if finite else None,
-                         vs_bf16=rows[0]["forward_ms"] / ms if rows and finite else 1.0, logits_vs_bf16=error,
-                         argmax_as_bf16=agree))
-        log(f"{preset} prefill B{batch} T{seq} {rows[-1]['weights']:5s} {ms:8.2f} ms  {rows[-1]['vs_bf16']:.2f}x bf16"
-            f"  logits {error:.3g} from bf16's, argmax as bf16's {agree:.1%}" + ("" if finite else "  FAILED: non-finite"))
+        ms = measure(lambda: model(ids), flush_l2=False, warmup=2, reps=10)["median_ms"] if finite else None
+        anchor_ms = rows[0]["forward_ms"] if rows else ms
+        vs = None if ms is None or anchor_ms is None else anchor_ms / ms
+        rows.append(dict(preset=preset, batch=batch, seq=seq, weights=kind or "bf16", forward_ms=ms, vs_bf16=vs,
+                         logits_vs_bf16=error, argmax_as_bf16=agree))
+        timing = "FAILED: non-finite logits" if ms is None else f"{ms:8.2f} ms" + (f"  {vs:.2f}x bf16" if vs else "")
+        log(f"{preset} prefill B{batch} T{seq} {rows[-1]['weights']:5s} {timing}  logits {error:.3g} from bf16's, "
+            f"argmax as bf16's {agree:.1%}")
         model.forget_graphs()
         del model
         free_memory()

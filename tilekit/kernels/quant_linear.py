@@ -144,10 +144,11 @@ def quant_linear_kernel(X, Xs, W, Ws, Bias, Res, Y, Partial, Counter,
 
     MODE picks the product (k_product). On tensor cores, block scales and FP8 activations sum PROMOTE K tiles (one
     with block scales; FP8 x FP8 with fast accumulation) into a partial that is scaled and added to the fp32
-    accumulator; FP8 activations with PROMOTE 0 go straight into it, fast. (cuTile's exact FP8 accumulation, use_fast_acc=False, does the same per instruction: the 128x128
-    tile then spilled: 275 local stores, sm_90 cubin.) Program bid(0) = tile * SPLIT_K +
-    split sums its slice of K into Partial[split] (fp32); the last of a tile's programs to arrive, counted in
-    Counter[tile] (left at zero), adds the slices and runs the epilogue, as in linear."""
+    accumulator; FP8 activations with PROMOTE 0 go straight into it, fast. (cuTile's exact FP8 accumulation,
+    use_fast_acc=False, does the same per instruction: the 128x128 tile then spilled: 275 local stores, sm_90
+    cubin.) Program bid(0) = tile * SPLIT_K + split sums its slice of K into Partial[split] (fp32); the last of a
+    tile's programs to arrive, counted in Counter[tile] (left at zero), adds the slices and runs the epilogue, as
+    in linear."""
     sync_with_previous_kernel()
     M = X.shape[0]
     K = X.shape[1]
@@ -262,9 +263,9 @@ def _fits(c: dict, p: dict) -> bool:
     registers), narrow tiles, long K steps, split-K. Many rows: MMA or SWAP tiles from 64 columns, K steps up to 128
     (SWAP keeps the converted weights in registers where MMA stores them back to shared memory for the mma). PROMOTE
     is 1 except with FP8 activations and channel scales: fast accumulation promoted every PROMOTE K tiles (at most
-    512 products), or never (0). Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8 tile with its
-    partial spilled with one warpgroup, 546 local stores in its sm_90 cubin; some longer promotions spill anyway,
-    which the tuner sees). K tiles inside a scale block. SWAP and FMA split K only over 16-byte weight rows
+    512 products), or never (0). Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8
+    tile with its partial spilled with one warpgroup, 546 local stores in its sm_90 cubin; some longer promotions
+    spill anyway, which the tuner sees). K tiles inside a scale block. SWAP and FMA split K only over 16-byte weight rows
     (_aligned_rows). Split-K tiles at least 32 columns wide: 16-wide ones with
     occupancy 2 summed wrongly on an H200 (SwiGLU, block scales; cause not found)."""
     m = pow2_ceil(p["M"])

@@ -453,6 +453,29 @@ def test_validity_is_judged_on_the_bucketed_problem():
     assert seen == [shaped(M=1024, N=2000)]
 
 
+def test_a_far_bucket_after_another_gpus_near_one_before_any_nearest_shape(shipped):
+    """The own GPU's config of the same N and K tuned more than BUCKET_REACH buckets away (M=128 for M=8192) yields
+    to another GPU of the arch holding the exact key or a near bucket, but still wins over every nearest shape."""
+    op = make_op(**SHAPED)
+    store_shaped(op, device=H100, **{"128_2048_4096_none": 1, "8192_4096_4096_none": 4})
+    store_shaped(op, db=shipped, device=H200, **{"8192_2048_4096_none": 2})
+    r = op.resolve(shaped(M=8192), H100)
+    assert (r.config["A"], r.match.device_rule, r.match.rule) == (2, "same-arch (NVIDIA_H200)", "exact")
+    r = op.resolve(shaped(M=4096), H100)         # the other GPU's bucket one octave away
+    assert (r.config["A"], r.match.rule) == (2, "nearest bucket")
+    r = op.resolve(shaped(M=1024), H100)         # 3 octaves from both: the own GPU's first
+    assert (r.config["A"], r.match.device_rule) == (1, "exact-gpu")
+    r = op.resolve(shaped(M=8192), H200)         # its own exact key
+    assert (r.source, r.config["A"]) == ("shipped", 2)
+    r = op.resolve(shaped(M=8192, N=2050), H100)   # no N=2050 anywhere: the nearest shape, own GPU first
+    assert (r.config["A"], r.match.rule) == (1, "nearest shape")
+    store.user_db().file_for(H100).remove()
+    store_shaped(op, device=H100, **{"128_2048_4096_none": 1, "8192_4096_4096_none": 4})
+    shipped.file_for(H200).remove()
+    r = op.resolve(shaped(M=8192), H100)         # alone, the far bucket still beats the nearer-M shape
+    assert (r.config["A"], r.match.rule) == (1, "nearest bucket")
+
+
 def test_any_gpu_of_the_arch_before_a_nearest_shape_then_own_gpu_first(shipped):
     op = make_op(**SHAPED)
     store_shaped(op, device=H100_PCIE, **{"1024_2048_4096_none": 2})

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Mapping
 
 from filelock import FileLock
 
-from tilekit.autotune.keys import EXACT, NEAREST_SHAPE, RULES, Buckets, key_distance, parse_key
+from tilekit.autotune.keys import EXACT, RULES, Buckets, key_distance, parse_key, search_tier
 from tilekit.device import DeviceInfo
 from tilekit.untrusted import parse_json
 
@@ -232,9 +232,9 @@ class Match:
         return self.rule == EXACT
 
     def rank(self) -> tuple:
-        """Smaller is better: a nearest shape last, then the own GPU before others of its arch, then the
-        closer key (the order TuningDB.lookup searches in)."""
-        return self.rule == NEAREST_SHAPE, self.device_rule != "exact-gpu", self.distance
+        """Smaller is better: a nearest shape last, a far bucket before it, then the own GPU before others of its
+        arch, then the closer key (the order TuningDB.lookup searches in)."""
+        return search_tier(self.distance), self.device_rule != "exact-gpu", self.distance
 
     def describe(self) -> str:
         how = "exact bucket" if self.exact else f"{self.rule} ({self.key.partition('/')[2]})"
@@ -381,9 +381,10 @@ class TuningDB:
     def lookup(self, op: str, problem: Mapping, device: DeviceInfo, buckets: Buckets,
                usable: Callable[[str, dict], str | None], sizes: frozenset | set = frozenset(),
                fits: Callable[[dict], bool] | None = None) -> Match | None:
-        """Best usable entry, by keys.key_distance: the exact key or the nearest bucket on the exact GPU,
-        then on another GPU of its arch; then the nearest shape (other `sizes` fields) likewise. Within
-        one GPU's file the closest key wins, the key string breaking ties.
+        """Best usable entry, by keys.key_distance: the exact key or the nearest bucket within
+        keys.BUCKET_REACH on the exact GPU, then on another GPU of its arch; then a farther bucket likewise;
+        then the nearest shape (other `sizes` fields) likewise. Within one GPU's file the closest key wins,
+        the key string breaking ties.
 
         `usable(key, entry)` returns None for an entry this kernel may use, else why not
         (entries.entry_reason is the rule). `fits(config)` says whether a borrowed config (any rule
@@ -393,14 +394,14 @@ class TuningDB:
         tiers = [(own, "exact-gpu")] + [
             (f, f"same-arch ({f.path.stem})") for f in self.device_files(device.arch) if f.path != own.path]
         ranked: dict[Path, tuple[dict, list]] = {}     # a file is read only when the search reaches it
-        for shape in (False, True):
+        for tier in range(3):
             for dfile, device_rule in tiers:
                 if dfile.path not in ranked:
                     entries = dfile.read()
                     ranked[dfile.path] = entries, _near(entries, dfile.path, op, problem, buckets, sizes)
                 entries, near = ranked[dfile.path]
                 for distance, key in near:
-                    if (RULES[distance[0]] == NEAREST_SHAPE) != shape:
+                    if search_tier(distance) != tier:
                         continue
                     why_not = usable(key, entries[key])
                     if why_not:

@@ -47,6 +47,15 @@ def parse_key(key: str) -> tuple[str, dict]:
 
 EXACT, NEAREST_BUCKET, NEAREST_SHAPE = "exact", "nearest bucket", "nearest shape"
 RULES = (EXACT, NEAREST_BUCKET, NEAREST_SHAPE)     # the lookup's rules, best first
+BUCKET_REACH = 3.0     # log2: a bucket more than 8x away is far (an M=128 config ran a TP=2 rank's M=8192 prefill
+                       # 1.8x slower than another H100-class GPU's exact entry, H100, session 25)
+
+
+def search_tier(distance: tuple) -> int:
+    """The lookup's passes over the GPUs of an arch, in order: 0 the exact key or a bucket within BUCKET_REACH, 1 a
+    farther bucket, 2 a nearest shape (of a key_distance)."""
+    rule, _, bucket = distance
+    return 2 if rule == 2 else 1 if bucket > BUCKET_REACH else 0
 
 
 def key_distance(a: Mapping, b: Mapping, buckets: Buckets, sizes: frozenset | set = frozenset()) -> tuple | None:

@@ -79,6 +79,10 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+class TensorValueError(ValueError):
+    """Raised by a load transform for values its tensor must not hold (the loader names the file and tensor)."""
+
+
 class RegularFile:
     """An open regular file: checked with stat before opening (a FIFO or device is never opened) and with fstat
     after; reads are positional and exact. `path` is how messages name it, `real` where it resolves to."""
@@ -845,7 +849,8 @@ def load_weights(checkpoint: Checkpoint, shapes: Mapping[str, tuple[int, ...]], 
         unsliced = sorted(name for name, q in pieces.items() if q.ours in parts and q.part is None)
         if unsliced:
             raise ValueError(f"stored pieces {unsliced} of sharded tensors name no part of their file tensors")
-        whole = {name: shape for name, shape in shapes.items() if name not in {q.ours for q in pieces.values()}}
+        pieced = {q.ours for q in pieces.values()}
+        whole = {name: shape for name, shape in shapes.items() if name not in pieced}
 
         dtypes = {name: info.dtype for name, info in files.tensors.items()}
 
@@ -1012,7 +1017,10 @@ class _Stream:
         """Convert or transform the tensor from scratch into its output (queued on the device after the copies)."""
         src = raw.view(numpy_dtype(DTYPES[info.dtype][1])).reshape(info.shape)
         with self.device.context():
-            (target.transform or convert)(src, out)
+            try:
+                (target.transform or convert)(src, out)
+            except TensorValueError as e:
+                raise ModelFileError(info.file.path, f"tensor {quoted(info.name)} {e}") from None
 
     def run(self) -> dict:
         ring, device = self.ring, self.device

@@ -186,11 +186,28 @@ def _block_fp8(q: hf.Fields, mixed: bool) -> Scheme:
 
 # -- load plans ----------------------------------------------------------------------------------------------
 
+def _array_module(a):
+    """numpy or cupy, as `a` is."""
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+    return cupy
+
+
+def check_scales(src) -> None:
+    """TensorValueError unless every scale of a file's tensor is finite and not negative (as fp32)."""
+    xp = _array_module(src)
+    s = src.astype(np.float32)
+    if not bool(xp.all(xp.isfinite(s) & (s >= 0))):
+        raise hf.TensorValueError("holds a scale that is negative or not finite")
+
+
 def scale_into(out, transform: Callable | None = None) -> Callable:
-    """A transform writing a file's scale tensor (any float dtype, per channel [out, 1], per tensor or blocks)
-    into the model's fp32 scales `out`; per channel through the weight's own `transform` (a row permutation), so
-    that each scale follows its row."""
+    """A transform writing a file's scale tensor (any float dtype, per channel [out, 1], per tensor or blocks;
+    finite, not negative) into the model's fp32 scales `out`; per channel through the weight's own `transform` (a
+    row permutation), so that each scale follows its row."""
     def into(src, _):
+        check_scales(src)
         if transform is None or out.ndim != 1:
             out[...] = src.reshape(out.shape) if src.size == out.size else src.reshape(())
             return
@@ -255,6 +272,7 @@ class Dequantizing:
         self._finish()
 
     def scales(self, src, _) -> None:
+        check_scales(src)
         self.scale = src.copy()
         self._finish()
 
@@ -265,7 +283,13 @@ class Dequantizing:
         ours = self.out.astype(np.float32)
         factor = ours.copy()
         self.transform(full, factor)
-        self.out[...] = ours * factor
+        weights = ours * factor
+        xp = _array_module(weights)
+        import ml_dtypes
+        if not bool(xp.all(xp.abs(weights) <= float(ml_dtypes.finfo(self.out.dtype).max))):    # NaN fails too
+            raise hf.TensorValueError(f"dequantizes to values that {self.out.dtype} cannot hold (codes times scales: "
+                                      "NaN codes, or scales too large)")
+        self.out[...] = weights
         self.scale = None
 
 
@@ -337,15 +361,20 @@ def linear_names(shapes: Mapping[str, tuple], modules: tuple[str, ...]) -> tuple
     return tuple(name for name in shapes if name.endswith(tuple(f".{m}.weight" for m in modules)))
 
 
+def check_arguments(quantize, quantize_head) -> None:
+    """ValueError / TypeError for a `quantize` other than None, 'int8' or 'fp8', or a `quantize_head` not a bool."""
+    if quantize is not None and quantize not in KINDS:
+        raise ValueError(f"quantize must be None, 'int8' or 'fp8', got {quantize!r}")
+    if type(quantize_head) is not bool:
+        raise TypeError(f"quantize_head must be a bool, got {quantize_head!r}")
+
+
 def scheme_for(checkpoint: hf.Checkpoint, quantize: str | None, mixed: bool = False,
                quantize_head: bool = False) -> Scheme | None:
     """The scheme a model loaded from `checkpoint` with `quantize` (None, "int8" or "fp8") holds: the checkpoint's
     own, or load-time per-channel quantization of a float checkpoint (`mixed`: as scheme_of), its untied LM head
     too with `quantize_head`."""
-    if quantize is not None and quantize not in KINDS:
-        raise ValueError(f"quantize must be None, 'int8' or 'fp8', got {quantize!r}")
-    if quantize_head not in (False, True):
-        raise TypeError(f"quantize_head must be a bool, got {quantize_head!r}")
+    check_arguments(quantize, quantize_head)
     scheme = scheme_of(checkpoint, mixed)
     if quantize_head and (quantize is None or scheme is not None):
         raise ValueError("quantize_head=True quantizes the LM head at load, with quantize='int8' or 'fp8' of a float "
@@ -382,25 +411,21 @@ def scale_key(weight_name: str) -> str:
 def quantize_into(src, codes, scale, kind: str) -> None:
     """Per-output-channel absmax quantization of a float [out, in] array (NumPy or CuPy) into `codes` (int8, or
     FP8 e4m3 bits as uint8) and fp32 `scale` [out], computed in fp32 (on a GPU, FP8 by kernels.quantize_fp8)."""
-    host = isinstance(src, np.ndarray)
-    if kind == "fp8" and host:
-        codes[...], s = quantize_fp8_reference(src)
+    xp = _array_module(src)
+    if kind == "fp8" and xp is np:
+        with np.errstate(invalid="ignore", divide="ignore"):     # a non-finite row: refused below
+            codes[...], s = quantize_fp8_reference(src)
         scale[...] = s[:, 0]
-        return
-    if kind == "fp8":           # the kernel reads whole rows: a row-parallel rank's column slice is copied first
-        import cupy
-
+    elif kind == "fp8":         # the kernel reads whole rows: a row-parallel rank's column slice is copied first
         from tilekit.kernels import quantize_fp8
-        quantize_fp8(cupy.ascontiguousarray(src), codes, scale.reshape(-1, 1))
-        return
-    if host:
-        xp = np
+        quantize_fp8(xp.ascontiguousarray(src), codes, scale.reshape(-1, 1))
     else:
-        import cupy as xp
-    w = src.astype(xp.float32)
-    s = xp.maximum(xp.abs(w).max(axis=1), xp.float32(MIN_AMAX)) / xp.float32(INT8_MAX)
-    scale[...] = s
-    codes[...] = xp.clip(xp.rint(w / s[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
+        w = src.astype(xp.float32)
+        scale[...] = xp.maximum(xp.abs(w).max(axis=1), xp.float32(MIN_AMAX)) / xp.float32(INT8_MAX)
+        if bool(xp.all(xp.isfinite(scale))):
+            codes[...] = xp.clip(xp.rint(w / scale[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
+    if not bool(xp.all(xp.isfinite(scale))):      # a NaN or infinite weight's row has no absmax scale
+        raise hf.TensorValueError("holds a value that is not finite: no per-channel scale quantizes its row")
 
 
 def quantize_weight(w, kind: str) -> tuple[np.ndarray, np.ndarray]:

@@ -78,6 +78,7 @@ class FP8Activations:
         return self.codes[:M * K].reshape(M, K), self.scales[:M * groups].reshape(M, groups)
 
 
+DTYPES = ("bfloat16", "float16", "float32")       # a model's weights and activations
 KV_CACHE_DTYPES = ("auto", "fp8")
 # The FP8 cache's scale of every (layer, key/value head), keys and values alike: static, as vLLM's uncalibrated
 # default. Values beyond +-448 saturate; magnitudes below 2^-6 (e4m3's smallest normal) keep an absolute step of
@@ -645,7 +646,16 @@ class CausalLM(TextGeneration):
         family with weights.QUANTIZED_HEAD); linears the family keeps in its dtype (weights.DEQUANTIZED) are
         dequantized as they load. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this
         rank's slices of the tensors are read (the family's weights.shard_parts), of a quantized linear its codes
-        and their scales (quantization.scale_part), quantize= quantizing the slice."""
+        and their scales (quantization.scale_part), quantize= quantizing the slice. The arguments are checked
+        before any file is read."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        quantization.check_arguments(quantize, quantize_head)
+        taken = sorted(set(kwargs) & {"state", "empty", "meta", "quantize"})
+        if taken:
+            raise TypeError(f"from_pretrained sets {', '.join(taken)} itself (the checkpoint's weights, streamed in)")
+        if not isinstance(kwargs.get("comm"), (parallel.Communicator, type(None))):
+            raise TypeError(f"comm must be a tilekit.parallel.Communicator, got {type(kwargs['comm']).__name__}")
         checkpoint = cls.weights.resolve(path_or_name)
         config = cls.config_class.from_fields(checkpoint.config())
         dequantized = getattr(cls.weights, "DEQUANTIZED", ())

@@ -134,3 +134,45 @@ def test_a_head_stored_as_codes_needs_its_scales(numpy_cupy, tmp_path):
     hf.write_checkpoint(tmp_path / "bad", hf_config, files, raw=raw)
     with pytest.raises(hf.ModelFileError, match="lm_head.weight_scale"):
         Llama.from_pretrained(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -0.5])
+def test_a_scale_that_is_not_finite_or_negative_is_refused_naming_its_tensor(numpy_cupy, bad, tmp_path):
+    """A compressed-tensors checkpoint whose scale tensor holds NaN, inf or a negative value: a ModelFileError
+    naming the file and the tensor (a zero scale, an all-zero row's, loads)."""
+    from tilekit.models import hf
+    state = random_state_dict(CONFIG, 7)
+    save_state_dict(tmp_path / "in", CONFIG, state)
+    model = Llama.from_pretrained(tmp_path / "in", quantize="int8")
+    tensors = {name: np.asarray(a) for name, a in model.params.items()}
+    files, raw = quantization.file_tensors(tensors, tuple(model.quantized), model.quant)
+    hf_config = dict(CONFIG.to_hf_dict(), quantization_config=quantization.compressed_tensors_config(model.quant))
+    name = "model.layers.1.self_attn.o_proj.weight_scale"
+    files[name] = files[name].copy()
+    files[name].reshape(-1)[3] = 0.0
+    hf.write_checkpoint(tmp_path / "zero", hf_config, files, raw=raw)
+    assert Llama.from_pretrained(tmp_path / "zero").params[name][3] == 0
+    files[name].reshape(-1)[3] = bad
+    hf.write_checkpoint(tmp_path / "bad", hf_config, files, raw=raw)
+    with pytest.raises(hf.ModelFileError, match=r"model\.safetensors: tensor .*o_proj\.weight_scale.* negative or "
+                                                r"not finite"):
+        Llama.from_pretrained(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_load_time_quantization_refuses_a_weight_that_is_not_finite(numpy_cupy, kind, tmp_path):
+    from tilekit.models import hf
+    state = random_state_dict(CONFIG, 8)
+    state["model.layers.0.mlp.up_proj.weight"][5, 7] = np.inf
+    save_state_dict(tmp_path, CONFIG, state)
+    with pytest.raises(hf.ModelFileError, match=r"tensor .*up_proj\.weight.* not finite"):
+        Llama.from_pretrained(tmp_path, quantize=kind)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(quantize="int4"), ValueError, "quantize must be"), (dict(quantize_head=1), TypeError, "quantize_head"),
+    (dict(dtype="int8"), ValueError, "dtype must be"), (dict(empty=True), TypeError, "sets empty itself"),
+    (dict(state={}), TypeError, "sets state itself"), (dict(comm=5), TypeError, "comm must be")])
+def test_from_pretrained_checks_its_arguments_before_reading_anything(kwargs, error, match, tmp_path):
+    with pytest.raises(error, match=match):
+        Llama.from_pretrained(tmp_path / "no such checkpoint", **kwargs)

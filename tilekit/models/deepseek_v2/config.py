@@ -16,6 +16,9 @@ import numpy as np
 
 from tilekit.models import hf
 
+MAX_EXPERT_MLPS = 1 << 16     # routed experts times layers (DeepSeek-V3: 256 x 61); a loader keeps a few
+                              # objects per expert and layer
+
 LORA_NORM_EPS = 1e-6    # q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps, whatever rms_norm_eps says
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "attention_factor", "truncate")
@@ -239,11 +242,16 @@ class DeepseekV2Config(hf.HFConfig):
             where = rope if rope is not None and "rope_theta" in rope else f
             raise where.error("rope_theta", f"is {theta}: it {problem}")
         vocab = f.integer("vocab_size", low=1, high=hf.MAX_SIZE)
-        return f.build(cls, n_layer=f.integer("num_hidden_layers", low=1, high=hf.MAX_LAYERS), n_head=n_head,
+        n_layer = f.integer("num_hidden_layers", low=1, high=hf.MAX_LAYERS)
+        experts = f.integer("n_routed_experts", low=1, high=hf.MAX_SIZE)
+        if experts * n_layer > MAX_EXPERT_MLPS:
+            raise f.error("n_routed_experts", f"is {experts}: over {n_layer} layers more than {MAX_EXPERT_MLPS} "
+                                              "expert MLPs, which no model comes near")
+        return f.build(cls, n_layer=n_layer, n_head=n_head,
                        n_embd=f.integer("hidden_size", low=1, high=hf.MAX_SIZE), vocab_size=vocab,
                        intermediate_size=f.integer("intermediate_size", low=1, high=hf.MAX_SIZE),
                        moe_intermediate_size=f.integer("moe_intermediate_size", low=1, high=hf.MAX_SIZE),
-                       n_routed_experts=f.integer("n_routed_experts", low=1, high=hf.MAX_SIZE),
+                       n_routed_experts=experts,
                        n_shared_experts=f.integer("n_shared_experts", 2, low=1, high=hf.MAX_SIZE),
                        num_experts_per_tok=f.integer("num_experts_per_tok", low=1, high=hf.MAX_SIZE),
                        first_k_dense_replace=f.integer("first_k_dense_replace", 0, low=0, high=hf.MAX_LAYERS),

@@ -69,9 +69,8 @@ from tilekit.models import quantization
 from tilekit.models.deepseek_v2 import weights
 from tilekit.models.deepseek_v2.config import LORA_NORM_EPS, DeepseekV2Config, rope_inv_freq
 from tilekit.models.deepseek_v2.weights import EMBEDDING
-from tilekit.models.runtime import Arrays, CausalLM
+from tilekit.models.runtime import DTYPES, Arrays, CausalLM
 
-DTYPES = ("bfloat16", "float16", "float32")
 ROPE_TABLE_LIMIT = 1 << 18      # rotary tables cover min(context, this) positions (DeepSeek-V2: 160K)
 
 

@@ -29,9 +29,8 @@ from tilekit.kernels.tiles import FIXED_DTYPE
 from tilekit.models import hf
 from tilekit.models.gpt2 import weights
 from tilekit.models.gpt2.config import GPTConfig
-from tilekit.models.runtime import Arrays, CausalLM
+from tilekit.models.runtime import DTYPES, Arrays, CausalLM
 
-DTYPES = ("bfloat16", "float16", "float32")
 
 # A block's tensors under their Hugging Face names, in Block's field order.
 BLOCK_PARAMS = ("ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",

@@ -36,9 +36,8 @@ from tilekit.models import quantization
 from tilekit.models.llama import weights
 from tilekit.models.llama.config import LlamaConfig, rope_inv_freq
 from tilekit.models.llama.weights import EMBEDDING
-from tilekit.models.runtime import Arrays, CausalLM
+from tilekit.models.runtime import DTYPES, Arrays, CausalLM
 
-DTYPES = ("bfloat16", "float16", "float32")
 ROPE_TABLE_LIMIT = 1 << 17      # rotary tables cover min(context, this) positions (128K, Llama 3.1's context)
 
 

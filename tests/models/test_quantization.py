@@ -100,6 +100,12 @@ def compressed(kind, strategy, **weights_extra):
             "ignore": ["lm_head"]}
 
 
+def reweighted(qconfig: dict, **changes) -> dict:
+    """A compressed-tensors config with fields of its group's weights replaced."""
+    group = qconfig["config_groups"]["group_0"]
+    return {**qconfig, "config_groups": {"group_0": {**group, "weights": {**group["weights"], **changes}}}}
+
+
 LAYOUTS = {
     "compressed-tensors fp8 channel": ("fp8", "channel", compressed("fp8", "channel"), lambda s: (s[0], 1)),
     "compressed-tensors fp8 tensor": ("fp8", "tensor", compressed("fp8", "tensor"), lambda s: (1,)),
@@ -183,6 +189,11 @@ def test_quantize_weight_is_per_channel_absmax(kind):
         "type": ["float"], "num_bits": 8}}}}, "weights"),
     ({"quant_method": ["fp8"]}, "quant_method"),
     ([], "quantization_config"),
+    ({**compressed("fp8", "channel"), "format": "int-quantized"}, "type"),        # int format, float weights
+    ({**compressed("int8", "channel"), "format": "float-quantized"}, "type"),
+    (reweighted(compressed("fp8", "channel"), num_bits=8.0), "weights"),         # JSON integers are integers
+    (compressed("fp8", "block", block_structure=[128.0, 128]), "block_structure"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128.0]}, "weight_block_size"),
 ])
 def test_unsupported_schemes_are_named(qconfig, field, tmp_path):
     hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=qconfig), {})

@@ -145,11 +145,13 @@ def _compressed_tensors(q: hf.Fields, mixed: bool) -> Scheme:
     w = group.object("weights")
     kind = {"float": "fp8", "int": "int8"}.get(w.d.get("type")) if isinstance(w.d.get("type"), str) else None
     strategy = w.d.get("strategy")
-    if kind is None or w.d.get("num_bits") != 8 or w.d.get("symmetric") is not True \
+    if kind is None or not _is_exactly(w.d.get("num_bits"), 8) or w.d.get("symmetric") is not True \
             or strategy not in ("channel", "tensor", "block"):
         raise _unsupported(group, "weights", "8-bit symmetric int or float weights with channel, tensor or block "
                                              "strategy are read")
-    if strategy == "block" and w.d.get("block_structure") != [QBLOCK, QBLOCK]:
+    if fmt != "naive-quantized" and fmt != {"fp8": "float-quantized", "int8": "int-quantized"}[kind]:
+        raise w.error("type", f"is {quoted(w.d['type'])}, but the checkpoint's format is {quoted(fmt)}")
+    if strategy == "block" and not _is_exactly(w.d.get("block_structure"), [QBLOCK, QBLOCK]):
         raise w.error("block_structure", f"must be [{QBLOCK}, {QBLOCK}]")
     _only_lm_head(q, "ignore", mixed)
     return Scheme(kind, "block" if strategy == "block" else "channel", "compressed-tensors",
@@ -174,8 +176,15 @@ def _modelopt(q: hf.Fields, mixed: bool) -> Scheme:
                   ignored=(".input_scale", ".k_scale", ".v_scale"))
 
 
+def _is_exactly(value, want) -> bool:
+    """JSON `value` equals `want` with integers as integers (8.0 and true are not 8 or 1, as hf.Fields reads)."""
+    if isinstance(want, list):
+        return isinstance(value, list) and len(value) == len(want) and all(map(_is_exactly, value, want))
+    return type(value) is type(want) and value == want
+
+
 def _block_fp8(q: hf.Fields, mixed: bool) -> Scheme:
-    if q.d.get("weight_block_size") != [QBLOCK, QBLOCK]:
+    if not _is_exactly(q.d.get("weight_block_size"), [QBLOCK, QBLOCK]):
         raise _unsupported(q, "weight_block_size", f"not [{QBLOCK}, {QBLOCK}]")
     if q.d.get("fmt", "e4m3") != "e4m3" or q.d.get("activation_scheme", "dynamic") != "dynamic":
         key = "fmt" if q.d.get("fmt", "e4m3") != "e4m3" else "activation_scheme"

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
@@ -63,7 +63,8 @@ class Scheme:
     ("out1": [out, 1], "one": [1], "scalar": [], "blocks"), the scale tensor's suffix, and suffixes of
     per-linear tensors read past. `source` names the format (messages). `head`: an untied LM head is quantized too,
     in a family whose weights.QUANTIZED_HEAD says it can be (head_quantized): at load where asked (quantize_head;
-    gpt-fast's int8 quantizes every linear, vLLM's FP8 keeps the head), or where a checkpoint stores it as codes."""
+    gpt-fast's int8 quantizes every linear, vLLM's FP8 keeps the head), or where a checkpoint stores it as codes.
+    `float_head`: the config field listing the LM head unquantized, as a ModelFileError's (path, field), or None."""
 
     weight: str
     scale: str = "channel"
@@ -72,6 +73,7 @@ class Scheme:
     scale_name: str = "weight_scale"
     ignored: tuple[str, ...] = ()
     head: bool = False
+    float_head: tuple | None = field(default=None, compare=False)
 
     def scale_file_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
         out, k = shape
@@ -96,20 +98,24 @@ def _unsupported(fields: hf.Fields, key: str, what: str = "a scheme tilekit does
     return fields.error(key, f"is {hf.json_shown(fields.d.get(key))}: {what}; {READ}")
 
 
-def _only_lm_head(fields: hf.Fields, key: str, mixed: bool) -> None:
+def _only_lm_head(fields: hf.Fields, key: str, mixed: bool) -> tuple | None:
     """A list of modules left unquantized may name the LM head only (tilekit quantizes every block linear), or,
-    for a family that keeps some linears in its float dtype (`mixed`), anything: the headers decide there."""
+    for a family that keeps some linears in its float dtype (`mixed`), anything: the headers decide there.
+    Returns (path, field) where the list names the LM head (Scheme.float_head), else None."""
     names = fields.d.get(key)
     if names is None:
-        return
+        return None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise fields.error(key, "must be a list of module names")
+    heads = [n for n in names if n in LM_HEAD_NAMES or n.endswith(".lm_head")]
+    listed = (fields.path, fields.prefix + key) if heads else None
     if mixed:
-        return
-    others = [n for n in names if n not in LM_HEAD_NAMES and not n.endswith(".lm_head")]
+        return listed
+    others = [n for n in names if n not in heads]
     if others:
         raise fields.error(key, f"leaves modules other than the LM head unquantized ({', '.join(map(quoted, others[:3]))}"
                                 f"{', ...' if len(others) > 3 else ''}), which tilekit does not support")
+    return listed
 
 
 def scheme_of(checkpoint: hf.Checkpoint, mixed: bool = False) -> Scheme | None:
@@ -153,15 +159,15 @@ def _compressed_tensors(q: hf.Fields, mixed: bool) -> Scheme:
         raise w.error("type", f"is {quoted(w.d['type'])}, but the checkpoint's format is {quoted(fmt)}")
     if strategy == "block" and not _is_exactly(w.d.get("block_structure"), [QBLOCK, QBLOCK]):
         raise w.error("block_structure", f"must be [{QBLOCK}, {QBLOCK}]")
-    _only_lm_head(q, "ignore", mixed)
     return Scheme(kind, "block" if strategy == "block" else "channel", "compressed-tensors",
                   {"channel": "out1", "tensor": "one", "block": "blocks"}[strategy],
-                  ignored=(".input_scale", ".weight_zero_point", ".input_zero_point"))
+                  ignored=(".input_scale", ".weight_zero_point", ".input_zero_point"),
+                  float_head=_only_lm_head(q, "ignore", mixed))
 
 
 def _fbgemm(q: hf.Fields, mixed: bool) -> Scheme:
-    _only_lm_head(q, "modules_to_not_convert", mixed)
-    return Scheme("fp8", "channel", "fbgemm_fp8", "out1", ignored=(".input_scale_ub",))
+    return Scheme("fp8", "channel", "fbgemm_fp8", "out1", ignored=(".input_scale_ub",),
+                  float_head=_only_lm_head(q, "modules_to_not_convert", mixed))
 
 
 def _modelopt(q: hf.Fields, mixed: bool) -> Scheme:
@@ -170,10 +176,9 @@ def _modelopt(q: hf.Fields, mixed: bool) -> Scheme:
               "FP8_PB_WO": ("block", "blocks")}
     if not isinstance(algo, str) or algo.upper() not in shapes:
         raise _unsupported(q, "quant_algo")
-    _only_lm_head(q, "exclude_modules", mixed)
     scale, shape = shapes[algo.upper()]
-    return Scheme("fp8", scale, "ModelOpt " + algo.upper(), shape,
-                  ignored=(".input_scale", ".k_scale", ".v_scale"))
+    return Scheme("fp8", scale, "ModelOpt " + algo.upper(), shape, ignored=(".input_scale", ".k_scale", ".v_scale"),
+                  float_head=_only_lm_head(q, "exclude_modules", mixed))
 
 
 def _is_exactly(value, want) -> bool:
@@ -189,8 +194,8 @@ def _block_fp8(q: hf.Fields, mixed: bool) -> Scheme:
     if q.d.get("fmt", "e4m3") != "e4m3" or q.d.get("activation_scheme", "dynamic") != "dynamic":
         key = "fmt" if q.d.get("fmt", "e4m3") != "e4m3" else "activation_scheme"
         raise _unsupported(q, key, "block FP8 with fmt 'e4m3' and dynamic activations is read")
-    _only_lm_head(q, "modules_to_not_convert", mixed)
-    return Scheme("fp8", "block", "block FP8", "blocks", "weight_scale_inv")
+    return Scheme("fp8", "block", "block FP8", "blocks", "weight_scale_inv",
+                  float_head=_only_lm_head(q, "modules_to_not_convert", mixed))
 
 
 # -- load plans ----------------------------------------------------------------------------------------------

@@ -28,7 +28,9 @@ from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candid
 from tilekit.kernels.quant_linear import QBLOCK, WEIGHT_DTYPES, dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
 from tilekit.models import quantization
-from tilekit.models.hf import LM_HEAD, Checkpoint, convert, part_shape, take_part, write_checkpoint
+from tilekit.models.hf import (LM_HEAD, Checkpoint, ModelFileError, convert, part_shape, take_part,
+                               write_checkpoint)
+from tilekit.untrusted import quoted
 
 PAD = 64          # prompts pad to, and KV caches grow in, multiples of this many positions
 LOGIT_ROW_ALIGN = 64   # forward()'s logits rows are padded to multiples of this many entries
@@ -679,7 +681,12 @@ class CausalLM(TextGeneration):
             """The plan with the linears quantized, the LM head too where the scheme and the family quantize it
             (a checkpoint's head: where its file stores codes; decided on the first call, before allocate)."""
             if not head:
-                stored = dtypes.get(cls.weights.PREFIX + LM_HEAD) == quantization.FILE_DTYPES[scheme.weight]
+                name = cls.weights.PREFIX + LM_HEAD
+                stored = dtypes.get(name) == quantization.FILE_DTYPES[scheme.weight]
+                if stored and scheme.float_head:
+                    path, key = scheme.float_head
+                    raise ModelFileError(path, f"field {quoted(key)} lists the LM head unquantized, but the weights "
+                                               f"store {quoted(name)} as {dtypes[name]} codes")
                 head.append(quantization.head_quantized(cls.weights, config, scheme if scheme.source ==
                                                         quantization.LOAD_TIME else replace(scheme, head=stored)))
             return quantization.rewrite_plan(plan, linears + ((LM_HEAD,) if head[0] else ()), scheme, outs, dtypes,

@@ -176,3 +176,18 @@ def test_load_time_quantization_refuses_a_weight_that_is_not_finite(numpy_cupy, 
 def test_from_pretrained_checks_its_arguments_before_reading_anything(kwargs, error, match, tmp_path):
     with pytest.raises(error, match=match):
         Llama.from_pretrained(tmp_path / "no such checkpoint", **kwargs)
+
+
+def test_a_head_stored_as_codes_that_the_config_lists_unquantized_is_refused(numpy_cupy, tmp_path):
+    """The file contradicting its config (`ignore` names lm_head, the weights store it as codes): the config's
+    field named, not a quantized head loaded silently."""
+    from tilekit.models import hf
+    state = random_state_dict(CONFIG, 9)
+    save_state_dict(tmp_path / "in", CONFIG, state)
+    model = Llama.from_pretrained(tmp_path / "in", quantize="fp8", quantize_head=True)
+    tensors = {name: np.asarray(a) for name, a in model.params.items()}
+    files, raw = quantization.file_tensors(tensors, tuple(model.quantized), model.quant)
+    qconfig = quantization.compressed_tensors_config(model.quant, head=False)      # ignore: ["lm_head"]
+    hf.write_checkpoint(tmp_path / "bad", dict(CONFIG.to_hf_dict(), quantization_config=qconfig), files, raw=raw)
+    with pytest.raises(hf.ModelFileError, match=r"config\.json: field .*ignore.* lists the LM head unquantized"):
+        Llama.from_pretrained(tmp_path / "bad")

@@ -47,8 +47,8 @@ def parse_key(key: str) -> tuple[str, dict]:
 
 EXACT, NEAREST_BUCKET, NEAREST_SHAPE = "exact", "nearest bucket", "nearest shape"
 RULES = (EXACT, NEAREST_BUCKET, NEAREST_SHAPE)     # the lookup's rules, best first
-BUCKET_REACH = 3.0     # log2: a bucket more than 8x away is far (an M=128 config ran a TP=2 rank's M=8192 prefill
-                       # 1.8x slower than another H100-class GPU's exact entry, H100, session 25)
+BUCKET_REACH = 3.0     # log2: a bucket more than 8x away is far (an H100 M=128 config ran a TP=2 rank's M=8192 prefill
+                       # 1.8x slower than the H200's exact entry for M=8192, session 25)
 
 
 def search_tier(distance: tuple) -> int:

@@ -440,7 +440,7 @@ def bench_array(spec: ArraySpec, device: int, rng):
 POISON_BYTE = 0x4D     # every byte of an output before a run whose outputs are compared (bf16 2.1e8, fp16 21.2)
 
 
-def _module(a):
+def array_module(a):
     """numpy for a NumPy array, else cupy."""
     if isinstance(a, np.ndarray):
         return np
@@ -456,7 +456,7 @@ def poison(a) -> None:
 
 def as_float64(a):
     """An array's values as float64 (bfloat16 through its bits; integers and FP8 codes as numbers)."""
-    xp = _module(a)
+    xp = array_module(a)
     if a.dtype == numpy_dtype("bfloat16"):
         a = (xp.ascontiguousarray(a).view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
     return a.astype(xp.float64)
@@ -464,7 +464,7 @@ def as_float64(a):
 
 def relative_difference(a, b) -> float:
     """||a - b|| / ||b|| over positions finite in both; inf where a non-finite value differs (NaN matches NaN)."""
-    xp = _module(a)
+    xp = array_module(a)
     x, y = as_float64(a), as_float64(b)
     finite = xp.isfinite(x) & xp.isfinite(y)
     same = (x == y) | (xp.isnan(x) & xp.isnan(y))

@@ -43,6 +43,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from tilekit.autotune.arrays import array_module
 from tilekit.kernels.quant_linear import QBLOCK
 from tilekit.kernels.quantize_fp8 import MIN_AMAX, quantize_fp8_reference
 from tilekit.models import hf
@@ -200,17 +201,9 @@ def _block_fp8(q: hf.Fields, mixed: bool) -> Scheme:
 
 # -- load plans ----------------------------------------------------------------------------------------------
 
-def _array_module(a):
-    """numpy or cupy, as `a` is."""
-    if isinstance(a, np.ndarray):
-        return np
-    import cupy
-    return cupy
-
-
 def check_scales(src) -> None:
     """TensorValueError unless every scale of a file's tensor is finite and not negative (as fp32)."""
-    xp = _array_module(src)
+    xp = array_module(src)
     s = src.astype(np.float32)
     if not bool(xp.all(xp.isfinite(s) & (s >= 0))):
         raise hf.TensorValueError("holds a scale that is negative or not finite")
@@ -298,7 +291,7 @@ class Dequantizing:
         factor = ours.copy()
         self.transform(full, factor)
         weights = ours * factor
-        xp = _array_module(weights)
+        xp = array_module(weights)
         import ml_dtypes
         if not bool(xp.all(xp.abs(weights) <= float(ml_dtypes.finfo(self.out.dtype).max))):    # NaN fails too
             raise hf.TensorValueError(f"dequantizes to values that {self.out.dtype} cannot hold (codes times scales: "
@@ -425,7 +418,7 @@ def scale_key(weight_name: str) -> str:
 def quantize_into(src, codes, scale, kind: str) -> None:
     """Per-output-channel absmax quantization of a float [out, in] array (NumPy or CuPy) into `codes` (int8, or
     FP8 e4m3 bits as uint8) and fp32 `scale` [out], computed in fp32 (on a GPU, FP8 by kernels.quantize_fp8)."""
-    xp = _array_module(src)
+    xp = array_module(src)
     if kind == "fp8" and xp is np:
         with np.errstate(invalid="ignore", divide="ignore"):     # a non-finite row: refused below
             codes[...], s = quantize_fp8_reference(src)
@@ -436,10 +429,10 @@ def quantize_into(src, codes, scale, kind: str) -> None:
     else:
         w = src.astype(xp.float32)
         scale[...] = xp.maximum(xp.abs(w).max(axis=1), xp.float32(MIN_AMAX)) / xp.float32(INT8_MAX)
-        if bool(xp.all(xp.isfinite(scale))):
-            codes[...] = xp.clip(xp.rint(w / scale[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
     if not bool(xp.all(xp.isfinite(scale))):      # a NaN or infinite weight's row has no absmax scale
         raise hf.TensorValueError("holds a value that is not finite: no per-channel scale quantizes its row")
+    if kind == "int8":
+        codes[...] = xp.clip(xp.rint(w / scale[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
 
 
 def quantize_weight(w, kind: str) -> tuple[np.ndarray, np.ndarray]:

@@ -282,9 +282,10 @@ def linear(x, weight, bias=None, *, activation: str | None = None, residual=None
     weight is [in, out] (weight_layout='in_out', GPT-2's Conv1D) or [out, in] ('out_in', e.g. the
     tied LM head x @ wte^T). activation: None or 'gelu' (tanh form). fp32 inputs keep fp32 accuracy
     (three tf32 products each, tiles.tensor_mma) unless allow_tf32=True (one). Returns an array of x's
-    kind, or writes into `out`, whose rows may be padded (a [..., :N] slice of a buffer of wider rows: an odd N's rows then start 16-byte
-    aligned and store faster; configs are tuned on contiguous outputs). The padding is scratch: the
-    vector store of a row's last elements may write zeros up to the row's next 16-byte boundary.
+    kind, or writes into `out`, whose rows may be padded (a [..., :N] slice of a buffer of wider rows:
+    an odd N's rows then start 16-byte aligned and store faster; configs are tuned on contiguous
+    outputs). The padding is scratch: the vector store of a row's last elements may write zeros up to
+    the row's next 16-byte boundary.
     """
     return LINEAR((x, weight, bias, residual, out), (activation, weight_layout, allow_tf32))
 

@@ -265,9 +265,9 @@ def _fits(c: dict, p: dict) -> bool:
     is 1 except with FP8 activations and channel scales: fast accumulation promoted every PROMOTE K tiles (at most
     512 products), or never (0). Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8
     tile with its partial spilled with one warpgroup, 546 local stores in its sm_90 cubin; some longer promotions
-    spill anyway, which the tuner sees). K tiles inside a scale block. SWAP and FMA split K only over 16-byte weight rows
-    (_aligned_rows). Split-K tiles at least 32 columns wide: 16-wide ones with
-    occupancy 2 summed wrongly on an H200 (SwiGLU, block scales; cause not found)."""
+    spill anyway, which the tuner sees). K tiles inside a scale block. SWAP and FMA split K only over 16-byte
+    weight rows (_aligned_rows). Split-K tiles at least 32 columns wide: 16-wide ones with occupancy 2 summed
+    wrongly on an H200 (SwiGLU, block scales; cause not found)."""
     m = pow2_ceil(p["M"])
     few_rows = m <= 64
     halves = _halves(p)

@@ -9,7 +9,7 @@ import pytest
 from tilekit import env
 from tilekit.autotune import store
 
-VARIABLES = ("TILEKIT_AUTOTUNE", "TILEKIT_DEPENDENT_LAUNCH", "TILEKIT_CACHE_DIR", "TILEKIT_SHIPPED_DB",
+VARIABLES = ("TILEKIT_AUTOTUNE", "TILEKIT_DEPENDENT_LAUNCH", "TILEKIT_PEER_ALL_REDUCE_BYTES", "TILEKIT_CACHE_DIR", "TILEKIT_SHIPPED_DB",
              "HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
 
 
@@ -23,7 +23,14 @@ def clean(monkeypatch, tmp_path):
 def test_defaults():
     assert (env.autotune_mode(), env.dependent_launch(), env.cache_dir(), env.shipped_dir()) == ("cached", True,
                                                                                                 None, None)
+    assert env.peer_all_reduce_bytes() == 1 << 20
     env.check()
+
+
+def test_the_peer_all_reduce_limit(monkeypatch):
+    for value, parsed in (("0", 0), (" 65536 ", 65536), ("", 1 << 20)):
+        monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", value)
+        assert env.peer_all_reduce_bytes() == parsed
 
 
 @pytest.mark.parametrize("name, value, parsed", [
@@ -40,6 +47,9 @@ def test_good_values(monkeypatch, name, value, parsed):
     ("TILEKIT_AUTOTUNE", "\x1b[2Jon", "TILEKIT_AUTOTUNE='\\x1b[2Jon' is not one of off, cached, auto"),
     ("TILEKIT_DEPENDENT_LAUNCH", "false", "TILEKIT_DEPENDENT_LAUNCH='false' is not one of 0, 1"),
     ("TILEKIT_DEPENDENT_LAUNCH", "2", "TILEKIT_DEPENDENT_LAUNCH='2' is not one of 0, 1"),
+    ("TILEKIT_PEER_ALL_REDUCE_BYTES", "1MB", "TILEKIT_PEER_ALL_REDUCE_BYTES='1MB' is not an integer in [0, 16777216]"),
+    ("TILEKIT_PEER_ALL_REDUCE_BYTES", "16777217",
+     "TILEKIT_PEER_ALL_REDUCE_BYTES='16777217' is not an integer in [0, 16777216]"),
 ])
 def test_bad_choices_name_the_variable(monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)

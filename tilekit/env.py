@@ -50,6 +50,17 @@ def dependent_launch() -> bool:
     return choice("TILEKIT_DEPENDENT_LAUNCH", ("0", "1"), "1") == "1"
 
 
+PEER_ALL_REDUCE_BYTES = 1 << 20
+
+
+def peer_all_reduce_bytes() -> int:
+    """TILEKIT_PEER_ALL_REDUCE_BYTES: tensor-parallel all-reduces of up to this many bytes go through peer memory
+    (tilekit.kernels.peer_all_reduce) where the ranks share a host and their GPUs reach each other, larger ones
+    through NCCL; 0: NCCL for all. Default 1 MiB, at most 16 MiB (the inboxes take 2 x world size x this)."""
+    value = integer("TILEKIT_PEER_ALL_REDUCE_BYTES", 0, 1 << 24)
+    return PEER_ALL_REDUCE_BYTES if value is None else value
+
+
 def cache_dir() -> Path | None:
     """TILEKIT_CACHE_DIR: the user tuning database's directory, or None for the platform's default."""
     return directory("TILEKIT_CACHE_DIR")
@@ -134,6 +145,7 @@ def check() -> None:
     """Read every variable above; the first bad one raises (ValueError or FileNotFoundError, naming it)."""
     autotune_mode()
     dependent_launch()
+    peer_all_reduce_bytes()
     cache_dir()
     shipped_dir()
     hub_cache_dir()

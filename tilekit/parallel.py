@@ -4,15 +4,17 @@
 A Communicator sums arrays over the ranks: all_reduce(x, out) on the current CUDA stream, so that a captured
 decode step holds its all-reduces and stays one graph replay per rank. NcclCommunicator uses CuPy's NCCL binding
 (cupy.cuda.nccl): it takes raw pointers and a stream, needs no torch in the process, and CuPy is what the models
-already run on (torch.distributed would bring a second allocator and stream model into every rank). ThreadGroup
-is the same interface for ranks that are threads of one process, on NumPy arrays: CPU tests of the sharded models.
+already run on (torch.distributed would bring a second allocator and stream model into every rank). Small messages
+(decode's) skip NCCL where the ranks share a host: PeerMemory's one-shot all-reduce kernel reads and writes the
+peers' memory directly, and can fuse the RMSNorm that follows (all_reduce_norm). ThreadGroup is the same interface for ranks that are threads of one process, on NumPy arrays: CPU tests of the sharded models.
 
 Ranks find each other through torchrun's variables (tilekit.env.distributed: RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT), so torchrun, Slurm and mpirun wrappers start them; launch() starts them itself
 (`tilekit generate --tp N`). Link is the rendezvous: rank 0 listens at MASTER_ADDR:MASTER_PORT, every rank connects
 within a timeout, the world sizes are compared (a mismatch is an error on every rank) and rank 0 hands out NCCL's
 unique id. The connections stay open as a watchdog: a rank whose process dies closes them, and every other rank
-then exits with an error naming it, even one blocked inside an NCCL kernel that would otherwise wait forever.
+then exits with an error naming it, even one blocked inside an NCCL or peer all-reduce kernel that would otherwise
+wait forever.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ import sys
 import threading
 import time
 import weakref
+import zlib
 from typing import Callable, Sequence
 
 import numpy as np
 
-from tilekit.env import Distributed, distributed
+from tilekit.env import Distributed, distributed, peer_all_reduce_bytes
 
 RENDEZVOUS_TIMEOUT = 120.0    # seconds for every rank to arrive (model loading happens after)
 EXIT_PEER_LOST = 75           # a rank's exit status when another rank died
@@ -99,6 +102,11 @@ class Communicator:
 
     def barrier(self) -> None:
         raise NotImplementedError
+
+    def all_reduce_norm(self, x, weight, eps: float, y) -> bool:
+        """all_reduce(x) in place and y = RMSNorm(x) * weight in one kernel, where this communicator fuses them;
+        False (nothing done) where it does not."""
+        return False
 
     def close(self, failed: bool = False) -> None:
         """Leave the group (failed: tell the other ranks this one failed)."""
@@ -378,6 +386,105 @@ def _exit_lost(message: str) -> None:
     os._exit(EXIT_PEER_LOST)
 
 
+# -- peer memory ------------------------------------------------------------------------------------------
+
+IPC_HANDLE_BYTES = 64
+
+
+class PeerMemory:
+    """The one-shot all-reduce's memory (tilekit.kernels.peer_all_reduce): this rank's inboxes and flags, allocated
+    here and opened by every peer through CUDA IPC, and the peers' opened in turn. Built by every rank of a group
+    together, through `sum_ints` (an int32 all-reduce, NCCL's): they agree on whether it is used (all ranks on one
+    host, every GPU reaching every other, every peer's memory opened, TILEKIT_PEER_ALL_REDUCE_BYTES > 0 on all) and
+    on the largest message it takes (the smallest setting among them), since a rank taking it while another takes
+    NCCL would wait forever. `usable` says whether it was."""
+
+    def __init__(self, rank: int, world: int, device: int, sum_ints: Callable):
+        import cupy
+        from tilekit.kernels.peer_all_reduce import MAX_PROGRAMS
+        rt = cupy.cuda.runtime
+        self.rank, self.world, self.device = rank, world, device
+        self.flag_bytes = -(-world * MAX_PROGRAMS * 4 // 512) * 512
+        self.ptr, self.opened, self.views = 0, {}, {}
+        limit = peer_all_reduce_bytes()
+
+        def gather(row: list[int]):
+            table = np.zeros((world, len(row)), np.int32)
+            table[rank] = row
+            return sum_ints(table)
+
+        if limit:
+            self.size = self.flag_bytes + 2 * world * limit
+            self.ptr = rt.malloc(self.size)
+            rt.memset(self.ptr, 0, self.size)
+            rt.deviceSynchronize()
+            handle = list(rt.ipcGetMemHandle(self.ptr))
+        else:
+            handle = [0] * IPC_HANDLE_BYTES
+        host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+        table = gather([*handle, host, device, limit])
+        hosts, devices, limits = table[:, IPC_HANDLE_BYTES], table[:, IPC_HANDLE_BYTES + 1], table[:, -1]
+        self.limit = int(limits.min())
+        peers = [(rank + 1 + i) % world for i in range(world - 1)]
+        reach = self.limit > 0 and len(set(hosts.tolist())) == 1 and len(set(devices.tolist())) == world and all(
+            rt.deviceCanAccessPeer(device, int(devices[p])) for p in peers)
+        opened = False
+        if gather([int(reach)]).sum() == world:
+            try:
+                for p in peers:
+                    self.opened[p] = rt.ipcOpenMemHandle(bytes(int(v) for v in table[p, :IPC_HANDLE_BYTES]))
+                opened = True
+            except cupy.cuda.runtime.CUDARuntimeError:
+                pass
+        self.usable = bool(gather([int(opened)]).sum() == world)
+        if not self.usable:
+            self.close()
+            return
+        self.epochs = cupy.zeros((MAX_PROGRAMS,), np.int32)
+        self.flags = self._array(self.ptr, (world * MAX_PROGRAMS,), np.int32)
+        self.peer_flags = tuple(self._array(self.opened[p], (world * MAX_PROGRAMS,), np.int32) for p in peers)
+        self.peers = peers
+
+    def _array(self, ptr: int, shape: tuple, dtype, offset: int = 0):
+        import cupy
+        memory = cupy.cuda.UnownedMemory(ptr, self.size, self, device_id=self.device)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, offset))
+
+    def takes(self, x) -> bool:
+        return self.usable and x.nbytes <= self.limit
+
+    def all_reduce(self, x, out, norm=None) -> None:
+        """out = the sum over ranks of x (M, N); with norm = (weight, eps, y), y = RMSNorm(out) * weight too."""
+        import cuda.tile as ct
+        import cupy
+        from tilekit.autotune.op import DEPENDENT_LAUNCH
+        from tilekit.kernels.peer_all_reduce import launch_args, peer_all_reduce_kernel
+        key = (x.shape, x.dtype)
+        if key not in self.views:
+            box = (2, self.world, *x.shape)
+            self.views[key] = (self._array(self.ptr, box, x.dtype, self.flag_bytes),
+                               tuple(self._array(self.opened[p], box, x.dtype, self.flag_bytes) for p in self.peers))
+        inbox, boxes = self.views[key]
+        weight, eps, y = norm if norm else (x, 0.0, out)
+        grid, args = launch_args(x, out, inbox, boxes, self.flags, self.peer_flags, self.epochs, weight.reshape(-1), y,
+                                 self.rank, eps, norm is not None)
+        ct.launch(cupy.cuda.get_current_stream().ptr, grid, peer_all_reduce_kernel, args,
+                  programmatic_dependent_launch=DEPENDENT_LAUNCH)
+
+    def close(self) -> None:
+        """Unmap the peers' memory and free this rank's; every rank's kernels must have finished (a barrier)."""
+        import cupy
+        rt = cupy.cuda.runtime
+        self.views.clear()
+        for ptr in self.opened.values():
+            rt.ipcCloseMemHandle(ptr)
+        self.opened = {}
+        if self.ptr:
+            rt.free(self.ptr)
+            self.ptr = 0
+        self.usable = False
+
+
 # -- NCCL ------------------------------------------------------------------------------------------------
 
 NCCL_DTYPES = {"int32": 2, "int64": 4, "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9}   # nccl.h
@@ -452,6 +559,7 @@ class NcclCommunicator(Communicator):
         payload = None if unique is None else {"id": list(unique), "bytes": isinstance(unique, bytes)}
         self.link = Link.connect(dist, payload, timeout=timeout)
         self.comm = self.nccl.NcclCommunicator(dist.world_size, nccl_unique_id(self.link.payload), dist.rank)
+        self.peers = PeerMemory(dist.rank, dist.world_size, dist.local_rank, self._sum_ints)
 
     def all_reduce(self, x, out=None):
         import cupy
@@ -461,15 +569,34 @@ class NcclCommunicator(Communicator):
                              f"{x.shape} and {out.dtype} {out.shape}")
         if x.dtype.name not in NCCL_DTYPES:
             raise ValueError(f"all_reduce: NCCL has no {x.dtype.name}")
-        self.comm.allReduce(x.data.ptr, out.data.ptr, x.size, NCCL_DTYPES[x.dtype.name], NCCL_SUM,
-                            cupy.cuda.get_current_stream().ptr)
+        if x.size and self.peers.takes(x):
+            rows = (-1, x.shape[-1] if x.ndim else 1)
+            self.peers.all_reduce(x.reshape(rows), out.reshape(rows))
+        else:
+            self.comm.allReduce(x.data.ptr, out.data.ptr, x.size, NCCL_DTYPES[x.dtype.name], NCCL_SUM,
+                                cupy.cuda.get_current_stream().ptr)
         return out
 
-    def barrier(self) -> None:
+    def all_reduce_norm(self, x, weight, eps: float, y) -> bool:
+        from tilekit.kernels.peer_all_reduce import MAX_NORM_WIDTH
+        fits = (x.ndim == 2 and x.flags.c_contiguous and x.dtype.name in ("bfloat16", "float16", "float32")
+                and 0 < x.shape[1] <= MAX_NORM_WIDTH and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
+                and y.shape == x.shape and y.dtype == x.dtype and y.flags.c_contiguous)
+        if not (fits and self.peers.takes(x)):
+            return False
+        self.peers.all_reduce(x, x, (weight, float(eps), y))
+        return True
+
+    def _sum_ints(self, table: np.ndarray) -> np.ndarray:
+        """An int32 host table summed over the ranks through NCCL (the peer memory's setup)."""
         import cupy
-        one = cupy.ones((1,), cupy.float32)
-        self.all_reduce(one)
-        cupy.cuda.get_current_stream().synchronize()
+        dev = cupy.asarray(table, dtype=cupy.int32)
+        self.comm.allReduce(dev.data.ptr, dev.data.ptr, dev.size, NCCL_DTYPES["int32"], NCCL_SUM,
+                            cupy.cuda.get_current_stream().ptr)
+        return cupy.asnumpy(dev)
+
+    def barrier(self) -> None:
+        self._sum_ints(np.ones((1,), np.int32))
 
     def close(self, failed: bool = False, timeout: float = 30.0) -> None:
         """Leave the group. The graphs of the models holding this communicator are dropped and this GPU's work
@@ -483,6 +610,8 @@ class NcclCommunicator(Communicator):
         self.release_holders()
         gc.collect()
         cupy.cuda.runtime.deviceSynchronize()
+        self.barrier()          # no peer still writes into this rank's inboxes
+        self.peers.close()
         self.link.close()
         device = cupy.cuda.Device().id
 

@@ -13,11 +13,13 @@ anchor.
 Rows: decode B1 and B8 (the replayed decode graph, all-reduces included, after a 128-token prompt: ms/token),
 prefill B8 T1024 (generate()'s replayed prompt-prefill graph: every block over 8 x 1024 tokens and the last
 tokens' logits), each with its ratio to the anchor and its strong-scaling efficiency (anchor ms x anchor size /
-(ms x size)); at each size above 1, one all-reduce of the decode step's residual stream (B x n_embd as the model
+(ms x size)); each size above 1 runs twice, small all-reduces through peer memory ("tp=N", tilekit.kernels.peer_all_reduce, the
+RMSNorm after it fused) and through NCCL alone ("tp=N nccl", TILEKIT_PEER_ALL_REDUCE_BYTES=0); at each, one
+all-reduce of the decode step's residual stream (B x n_embd as the model
 keeps it: bf16 for Llama, int64 fixed point for DeepSeek-V2; two per layer) timed as 64 of them captured in a
 graph, plus the bus bandwidth of a 256 MiB all-reduce against the NVLink's (H100 / H200 SXM: 450 GB/s per
 direction). The profile: rank 0's kernels of five replays of the decode B1 graph (CUPTI through torch.profiler)
-split into NCCL all-reduce time (which includes waiting for the slowest rank), the other kernels' time and the idle
+split into all-reduce time (NCCL's or the peer kernel's, waiting for the slowest rank included), the other kernels' time and the idle
 gaps between kernels, beside the rank's floor (its weight and KV bytes at the measured copy bandwidth). The greedy
 tokens of each size are compared with the anchor's (bf16: the all-reduced sums round differently, so a near tie
 may flip late tokens). Prints a table (rows labelled "tp=N ...") and writes tp-PRESET[-QUANTIZE].json and .md to
@@ -127,7 +129,7 @@ def cache_bytes(cache) -> float:
 
 def decode_profile(gen, comm, reps: int = 5) -> dict:
     """Where one replay of gen's decode graph spends its time on this rank: the span from its first kernel's start
-    to its last kernel's end, the time NCCL kernels run (waiting for the slowest rank included), the time only
+    to its last kernel's end, the time all-reduce kernels run (waiting for the slowest rank included), the time only
     other kernels run, and the gaps where none does (the median replay of `reps` by span, in us). The ranks line
     up on an all-reduce inside the profiled window and again before each replay, so that a rank's all-reduces do
     not count the others' profiler start-up as waiting."""
@@ -149,7 +151,8 @@ def decode_profile(gen, comm, reps: int = 5) -> dict:
             line_up()
             gen.decode_graph.launch(stream)
         stream.synchronize()
-    kernels = [(e.time_range.start, e.time_range.end, e.name.startswith("nccl")) for e in kernel_events(prof)]
+    kernels = [(e.time_range.start, e.time_range.end, e.name.startswith("nccl") or "peer_all_reduce" in e.name)
+               for e in kernel_events(prof)]
     per = len(kernels) // reps           # each replay's kernels after its line-up all-reduce (none at TP=1)
     replays = [kernels[i * per + (comm is not None):(i + 1) * per] for i in range(reps)]
     if not replays[0]:
@@ -231,17 +234,29 @@ def run(sizes: list[int], layers: int | None, out: Path | None, log=print, prese
     write_checkpoint(checkpoint, config, log, quantize)
     name = device_info().name
     results = {}
+    runs = [(world, peer) for world in sizes for peer in ((True, False) if world > 1 else (True,))]
     with tempfile.TemporaryDirectory() as tmp:
-        for world in sizes:
-            result = Path(tmp) / f"tp{world}.json"
+        for world, peer in runs:
+            label = f"tp={world}" + ("" if peer or world == 1 else " nccl")
+            result = Path(tmp) / f"tp{world}{peer}.json"
             start = time.perf_counter()
-            status = parallel.launch(world, ["-m", "benchmarks.studies.tp", "--rank", "--checkpoint", str(checkpoint),
-                                             "--result", str(result)], program=[sys.executable], quiet_ranks=False)
+            before = os.environ.get("TILEKIT_PEER_ALL_REDUCE_BYTES")
+            if not peer:
+                os.environ["TILEKIT_PEER_ALL_REDUCE_BYTES"] = "0"
+            try:
+                status = parallel.launch(world, ["-m", "benchmarks.studies.tp", "--rank", "--checkpoint",
+                                                 str(checkpoint), "--result", str(result)],
+                                         program=[sys.executable], quiet_ranks=False)
+            finally:
+                if before is None:
+                    os.environ.pop("TILEKIT_PEER_ALL_REDUCE_BYTES", None)
+                else:
+                    os.environ["TILEKIT_PEER_ALL_REDUCE_BYTES"] = before
             if status:          # e.g. a model that fits only sharded: the other sizes' rows are kept
-                log(f"tp.py: the TP={world} ranks failed (status {status})")
+                log(f"tp.py: the {label} ranks failed (status {status})")
                 continue
-            results[world] = json.loads(result.read_text())
-            log(f"TP={world}: {time.perf_counter() - start:.0f} s")
+            results[label] = json.loads(result.read_text())
+            log(f"{label}: {time.perf_counter() - start:.0f} s")
     if not results:
         raise SystemExit("tp.py: no TP size ran")
     nvlink = next((v for k, v in NVLINK_GBS.items() if k in name), None)
@@ -259,45 +274,47 @@ def run(sizes: list[int], layers: int | None, out: Path | None, log=print, prese
 
 
 def format_table(results: dict, config, nvlink) -> str:
-    """The rows of every TP size that ran (results: size -> rank 0's result), against the smallest as anchor."""
-    def row(world, kind, batch):
-        return next((r for r in results[world]["rows"] if r["kind"] == kind and r.get("batch") == batch), None)
-    anchor = min(results)
-    lines = [f"| run | ms | vs tp={anchor} | scaling efficiency | % of the rank's floor |", "|---|---:|---:|---:|---:|"]
-    for kind, batch, label in (("decode", 1, "decode B1 ms/token"), ("decode", 8, "decode B8 ms/token"),
-                               ("prefill", 8, "prefill B8 T1024 ms")):
+    """The rows of every run (results: label -> rank 0's result; "tp=N" all-reduces small messages through peer
+    memory, "tp=N nccl" through NCCL alone), against the smallest TP size's as anchor."""
+    def row(label, kind, batch):
+        return next((r for r in results[label]["rows"] if r["kind"] == kind and r.get("batch") == batch), None)
+    anchor = min(results, key=lambda label: (results[label]["tp"], label))
+    size = results[anchor]["tp"]
+    lines = [f"| run | ms | vs {anchor} | scaling efficiency | % of the rank's floor |", "|---|---:|---:|---:|---:|"]
+    for kind, batch, what in (("decode", 1, "decode B1 ms/token"), ("decode", 8, "decode B8 ms/token"),
+                              ("prefill", 8, "prefill B8 T1024 ms")):
         base = row(anchor, kind, batch)["ms"]
-        for world in sorted(results):
-            r = row(world, kind, batch)
+        for label in results:
+            r, world = row(label, kind, batch), results[label]["tp"]
             floor = f"{100 * r['floor_ms'] / r['ms']:.0f}% of {r['floor_ms']:.3f}" if "floor_ms" in r else ""
-            lines.append(f"| tp={world} {label} | {r['ms']:.3f} | {r['ms'] / base:.2f}x | "
-                         f"{100 * base * anchor / (r['ms'] * world):.0f}% | {floor} |")
+            lines.append(f"| {label} {what} | {r['ms']:.3f} | {r['ms'] / base:.2f}x | "
+                         f"{100 * base * size / (r['ms'] * world):.0f}% | {floor} |")
     L = config.n_layer
-    for world in sorted(results):
-        prof = row(world, "profile", 1)
+    for label in results:
+        prof = row(label, "profile", 1)
         if prof:
-            lines.append(f"| tp={world} decode B1 profile (rank 0, us per step): kernels span {prof['span_us']:.0f}, "
+            lines.append(f"| {label} decode B1 profile (rank 0, us per step): kernels span {prof['span_us']:.0f}, "
                          f"all-reduce {prof['all_reduce_us']:.0f}, other kernels {prof['compute_us']:.0f}, idle "
                          f"{prof['idle_us']:.0f} ({prof['kernels']} kernels) | | | | |")
-        if world == 1:
+        if results[label]["tp"] == 1:
             continue
         for B in (1, 8):
-            r = row(world, "all_reduce", B)
-            step = row(world, "decode", B)["ms"]
-            lines.append(f"| tp={world} all-reduce B{B} ({r['bytes']} B): {r['us']:.1f} us, "
+            r = row(label, "all_reduce", B)
+            step = row(label, "decode", B)["ms"]
+            lines.append(f"| {label} all-reduce B{B} ({r['bytes']} B): {r['us']:.1f} us, "
                          f"{2 * r['us']:.1f} us/layer, "
                          f"{2 * L * r['us'] / 1e3:.3f} ms/step ({100 * 2 * L * r['us'] / 1e3 / step:.0f}% of the step) "
                          "| | | | |")
-        big = row(world, "all_reduce", None)
-        lines.append(f"| tp={world} all-reduce 256 MiB: bus bandwidth {big['busbw_gbs']:.0f} GB/s"
+        big = row(label, "all_reduce", None)
+        lines.append(f"| {label} all-reduce 256 MiB: bus bandwidth {big['busbw_gbs']:.0f} GB/s"
                      + (f" ({100 * big['busbw_gbs'] / nvlink:.0f}% of NVLink's {nvlink:.0f} GB/s)" if nvlink else "")
                      + " | | | | |")
     one = results[anchor]["tokens"]
-    for world in sorted(results):
-        if world != anchor:
-            many = results[world]["tokens"]
+    for label in results:
+        if label != anchor:
+            many = results[label]["tokens"]
             agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(one, many)]
-            lines.append(f"| tp={world} greedy B1 tokens agreeing with tp={anchor}: {min(agree)} of {len(one[0])} "
+            lines.append(f"| {label} greedy B1 tokens agreeing with {anchor}: {min(agree)} of {len(one[0])} "
                          "| | | | |")
     return "\n".join(lines)
 

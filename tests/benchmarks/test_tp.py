@@ -1,5 +1,5 @@
 """benchmarks.studies.tp without a GPU: its table from rank results (rows labelled "tp=N ...", ratios to the smallest
-size, scaling efficiency, % of the rank's floor, the profile, the all-reduce per layer and its share of the step, bus
+size, the NCCL-only run of a size beside its peer-memory one, scaling efficiency, % of the rank's floor, the profile, the all-reduce per layer and its share of the step, bus
 bandwidth against NVLink, greedy agreement; the larger sizes' rows alone when TP=1 did not fit), --tp's sizes, the
 busy time of overlapping kernel spans."""
 
@@ -13,9 +13,9 @@ from tilekit.models.families import preset_config
 
 def test_table_rows():
     config = preset_config("llama-3.1-8b")
-    results = {1: dict(rows=[dict(kind="decode", batch=1, ms=6.0, floor_ms=4.5), dict(kind="decode", batch=8, ms=7.0),
+    results = {"tp=1": dict(tp=1, rows=[dict(kind="decode", batch=1, ms=6.0, floor_ms=4.5), dict(kind="decode", batch=8, ms=7.0),
                              dict(kind="prefill", batch=8, ms=300.0)], tokens=[[5, 6, 7, 8]]),
-               2: dict(rows=[dict(kind="decode", batch=1, ms=3.6), dict(kind="decode", batch=8, ms=4.2),
+               "tp=2": dict(tp=2, rows=[dict(kind="decode", batch=1, ms=3.6), dict(kind="decode", batch=8, ms=4.2),
                              dict(kind="profile", batch=1, span_us=3500.0, all_reduce_us=600.0, compute_us=2700.0,
                                   idle_us=200.0, kernels=400),
                              dict(kind="prefill", batch=8, ms=160.0),
@@ -23,17 +23,20 @@ def test_table_rows():
                              dict(kind="all_reduce", batch=8, bytes=65536, us=10.0),
                              dict(kind="all_reduce", batch=None, bytes=1 << 28, us=900.0, busbw_gbs=300.0)],
                         tokens=[[5, 6, 9, 8]])}
+    results["tp=2 nccl"] = dict(results["tp=2"], rows=[dict(r, ms=r["ms"] * 1.1) if "ms" in r else r
+                                                      for r in results["tp=2"]["rows"]])
     table = tp.format_table(results, config, 450.0).splitlines()
     assert "| tp=1 decode B1 ms/token | 6.000 | 1.00x | 100% | 75% of 4.500 |" in table
     assert "| tp=2 decode B1 ms/token | 3.600 | 0.60x | 83% |  |" in table
     assert "| tp=1 prefill B8 T1024 ms | 300.000 | 1.00x | 100% |  |" in table
+    assert "| tp=2 nccl decode B1 ms/token | 3.960 | 0.66x | 76% |  |" in table
     assert any(line.startswith("| tp=2 decode B1 profile (rank 0, us per step): kernels span 3500, all-reduce 600, "
                                "other kernels 2700, idle 200 (400 kernels)") for line in table)
     assert any(line.startswith("| tp=2 all-reduce B1 (8192 B): 9.0 us, 18.0 us/layer, 0.576 ms/step (16% of the step)")
                for line in table)
     assert any("bus bandwidth 300 GB/s (67% of NVLink's 450 GB/s)" in line for line in table)
     assert any("greedy B1 tokens agreeing with tp=1: 2 of 4" in line for line in table)
-    alone = tp.format_table({2: results[2]}, config, 450.0).splitlines()     # a TP=1 run that did not fit
+    alone = tp.format_table({"tp=2": results["tp=2"]}, config, 450.0).splitlines()     # a TP=1 run that did not fit
     assert "| tp=2 decode B1 ms/token | 3.600 | 1.00x | 100% |  |" in alone and not any("greedy" in l for l in alone)
 
 

@@ -135,6 +135,30 @@ def test_defaults_and_space_samples_compile(arch, tmp_path, monkeypatch):
     assert len(ok) == len(tasks)
 
 
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_the_peer_all_reduce_compiles(arch, tmp_path, monkeypatch):
+    """The tensor-parallel all-reduce kernel (launched by tilekit.parallel, not an Op): each dtype class, fused
+    norm or not, world sizes 2 and 8, rows past one program each and columns past one tile."""
+    import io
+
+    from cuda.tile.compilation import export_kernel
+
+    from tilekit.autotune.arrays import ArraySpec
+    from tilekit.autotune.compile import signature
+    from tilekit.kernels import peer_all_reduce as par
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path / "cutile"))
+    for M, N, dtype, world, norm in [(1, 4096, "bfloat16", 2, True), (8, 2048, "int64", 2, False),
+                                     (200, 96, "float32", 8, False), (2, 16384, "float16", 4, False)]:
+        x, box = ArraySpec(dtype, (M, N)), ArraySpec(dtype, (2, world, M, N))
+        flags = ArraySpec("int32", (world * par.MAX_PROGRAMS,))
+        _, args = par.launch_args(x, x, box, [box] * (world - 1), flags, [flags] * (world - 1),
+                                  ArraySpec("int32", (par.MAX_PROGRAMS,)), ArraySpec(dtype, (N,)), x, 0, 1e-5, norm)
+        cubin = io.BytesIO()
+        export_kernel(par.peer_all_reduce_kernel, [signature(par.peer_all_reduce_kernel, args)], cubin,
+                      gpu_code=arch, output_format="cubin")
+        assert cubin.getvalue(), (M, N, dtype, world, norm)
+
+
 def test_workers_do_not_rerun_an_unguarded_script(tmp_path):
     """A user's script without a __main__ guard that compiles in worker processes (as auto mode
     does): the workers import tilekit, not the script."""

@@ -23,7 +23,8 @@ import numpy as np
 from tilekit import parallel
 from tilekit.autotune.arrays import MetaArray, numpy_dtype, release_scratch
 from tilekit.autotune.op import recording
-from tilekit.kernels import attention, decode_attention, linear, next_token, quant_linear, quantize_fp8, write_kv
+from tilekit.kernels import (attention, decode_attention, linear, next_token, quant_linear, quantize_fp8, rms_norm,
+                             write_kv)
 from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candidate_slots, pack_params
 from tilekit.kernels.quant_linear import QBLOCK, WEIGHT_DTYPES, dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
@@ -485,6 +486,12 @@ class CausalLM(TextGeneration):
         """A row-parallel projection's partial products summed over the ranks, in place (one rank: nothing)."""
         if self.comm:
             self.comm.all_reduce(x)
+
+    def sum_ranks_then_norm(self, x, weight, eps: float, out) -> None:
+        """sum_ranks(x), then out = RMSNorm(x) * weight: one kernel where the communicator fuses them."""
+        if not (self.comm and self.comm.all_reduce_norm(x, weight, eps, out)):
+            self.sum_ranks(x)
+            rms_norm(x, weight, eps, out=out)
 
     # -- the KV cache and attention ----------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int, arrays: Arrays, dtype: str = "auto"):

@@ -174,22 +174,24 @@ class Llama(CausalLM):
         x, other = acts.x, acts.other
         lead = self.comm is None or self.comm.rank == 0     # the rank that adds the residual
         embedding(ids, self.embed, out=x)
+        rms_norm(x, self.blocks[0].attn_norm, eps, out=acts.h)
         for i, blk in enumerate(self.blocks):
-            rms_norm(x, blk.attn_norm, eps, out=acts.h)
             self.project(acts.fp8, acts.h, blk.qkv, blk.qkv_scale, out=acts.qkv)
             apply_rope(acts.qk, positions, self.cos, self.sin)
             attend(i, acts.q, acts.k, acts.v, acts.heads)
             self.project(acts.fp8, acts.y, blk.o_proj, blk.o_scale, residual=x if lead else None, out=other)
-            self.sum_ranks(other)
             x, other = other, x
-            rms_norm(x, blk.mlp_norm, eps, out=acts.h)
+            self.sum_ranks_then_norm(x, blk.mlp_norm, eps, acts.h)
             if self.quant:
                 self.project(acts.fp8, acts.h, blk.gate_up, blk.gate_up_scale, out=acts.f, activation="swiglu")
             else:
                 swiglu_linear(acts.h, blk.gate, blk.up, out=acts.f)
             self.project(acts.fp8, acts.f, blk.down, blk.down_scale, residual=x if lead else None, out=other)
-            self.sum_ranks(other)
             x, other = other, x
+            if i + 1 < len(self.blocks):      # the next block's norm (the final norm may take a few rows only)
+                self.sum_ranks_then_norm(x, self.blocks[i + 1].attn_norm, eps, acts.h)
+            else:
+                self.sum_ranks(x)
         return x                  # an even number of swaps: acts.x
 
     def final_norm(self, x, out, rows=None) -> None:

@@ -428,22 +428,52 @@ class PeerMemory:
         peers = [(rank + 1 + i) % world for i in range(world - 1)]
         reach = self.limit > 0 and len(set(hosts.tolist())) == 1 and len(set(devices.tolist())) == world and all(
             rt.deviceCanAccessPeer(device, int(devices[p])) for p in peers)
-        opened = False
-        if gather([int(reach)]).sum() == world:
+        agreed = gather([int(reach)]).sum() == world
+        if agreed:
+            failure = ""
             try:
                 for p in peers:
                     self.opened[p] = rt.ipcOpenMemHandle(bytes(int(v) for v in table[p, :IPC_HANDLE_BYTES]))
-                opened = True
-            except cupy.cuda.runtime.CUDARuntimeError:
-                pass
-        self.usable = bool(gather([int(opened)]).sum() == world)
+                self.epochs = cupy.zeros((MAX_PROGRAMS,), np.int32)
+                self.flags = self._array(self.ptr, (world * MAX_PROGRAMS,), np.int32)
+                self.peer_flags = tuple(self._array(self.opened[p], (world * MAX_PROGRAMS,), np.int32) for p in peers)
+                self.peers = peers
+            except Exception as e:      # noqa: BLE001  (any failure: every rank falls back to NCCL together)
+                failure = self._failed(e)
+            if gather([int(not failure)]).sum() == world:
+                try:
+                    self._self_test()
+                except RankError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    failure = self._failed(e)
+            agreed = gather([int(not failure)]).sum() == world
+        self.usable = bool(agreed)
         if not self.usable:
             self.close()
-            return
-        self.epochs = cupy.zeros((MAX_PROGRAMS,), np.int32)
-        self.flags = self._array(self.ptr, (world * MAX_PROGRAMS,), np.int32)
-        self.peer_flags = tuple(self._array(self.opened[p], (world * MAX_PROGRAMS,), np.int32) for p in peers)
-        self.peers = peers
+
+    def _failed(self, e: Exception) -> str:
+        print(f"tilekit: rank {self.rank}: all-reduces go through NCCL only: the peer path failed here "
+              f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return str(e) or type(e).__name__
+
+    def _self_test(self, timeout: float = 30.0) -> None:
+        """One all-reduce through the peer kernel whose sum is known (1 + 2 + ... + world everywhere); raises if it
+        is wrong, and RankError naming TILEKIT_PEER_ALL_REDUCE_BYTES if it does not finish within `timeout` s (a
+        kernel waiting on a peer that never answers cannot be stopped: the process must exit)."""
+        import cupy
+        x = cupy.full((3, 1000), self.rank + 1, np.float32)
+        self.all_reduce(x, x)
+        done = cupy.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + timeout
+        while not done.done:
+            if time.monotonic() > deadline:
+                raise RankError(f"rank {self.rank}: the peer all-reduce's first call did not finish within {timeout:g} "
+                                "s; set TILEKIT_PEER_ALL_REDUCE_BYTES=0 to use NCCL alone")
+            time.sleep(0.001)
+        if not bool((x == self.world * (self.world + 1) // 2).all()):
+            raise RuntimeError("the peer all-reduce's first sum was wrong")
 
     def _array(self, ptr: int, shape: tuple, dtype, offset: int = 0):
         import cupy

@@ -3,10 +3,15 @@
 Tensor-parallel decode sums a few rows (one row of 4096 bf16 values at batch 1: 8 KB) twice per layer. NCCL takes
 about 7 us for that on two NVLinked H100s, its latency, not its bandwidth. Here every rank's program pushes its rows
 straight into each peer's inbox (stores over NVLink into memory the peers opened with CUDA IPC), raises its flag in
-each peer's flag array (a release store at system scope: the rows are visible before the flag), waits until every
-peer's flag for this call has risen in its own flag array (acquire loads), and sums the W partials from its inbox in
+each peer's flag array (an acq_rel exchange at system scope: the rows are visible before the flag, and the waits
+cannot start before it, as they could after a release store, which tileiras moved below them: both ranks then waited
+forever), waits until every peer's flag for this call has risen in its own flag array (acquire loads), and sums the W
+partials from its inbox in
 rank order: every rank computes the same bits, as the ranks' residual streams must stay equal. With a norm weight it
 then writes RMSNorm(sum) too, the kernel the all-reduce's output would go to next, so that launch goes.
+
+No load or store goes through the tensor-memory engine (allow_tma=False): with TMA loads tileiras splits the kernel
+into producer and consumer warps, and a producer could fetch an inbox before the consumers' acquire.
 
 Calls are told apart by a per-program counter (epochs) that each program bumps, so a captured CUDA graph replays
 with no host state; inboxes alternate by the counter's parity. A rank can run at most one call ahead of a peer
@@ -32,7 +37,7 @@ MAX_PEERS = 7            # world sizes up to 8
 MAX_PROGRAMS = 128       # flag slots per sender; at most one program per SM of any Hopper GPU
 MAX_NORM_WIDTH = 8192    # a fused norm keeps a whole row in one tile
 ZERO = ct.PaddingMode.ZERO
-RELEASE, ACQUIRE, SYS = ct.MemoryOrder.RELEASE, ct.MemoryOrder.ACQUIRE, ct.MemoryScope.SYS
+ACQ_REL, ACQUIRE, SYS = ct.MemoryOrder.ACQ_REL, ct.MemoryOrder.ACQUIRE, ct.MemoryScope.SYS
 
 
 @ct.kernel
@@ -53,11 +58,12 @@ def peer_all_reduce_kernel(X, Out, Inbox, Box0, Box1, Box2, Box3, Box4, Box5, Bo
     epoch = ct.load(Epochs, (pid,), shape=()) + 1
     parity = epoch % 2
     for j in range(ct.cdiv(N, TN)):
-        part = ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO).reshape((1, 1, TM, TN))
+        part = ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO, allow_tma=False).reshape((1, 1, TM, TN))
         for i in ct.static_iter(range(WORLD - 1)):
             ct.store(boxes[i], (parity, rank, pid, j), part, allow_tma=False)
-    for i in ct.static_iter(range(WORLD - 1)):
-        ct.store(flags[i], (rank * MAX_PROGRAMS + pid,), epoch, memory_order=RELEASE, memory_scope=SYS)
+    for i in ct.static_iter(range(WORLD - 1)):       # an acq_rel exchange, not a release store: the compiler may
+        ct.atomic_xchg(flags[i], rank * MAX_PROGRAMS + pid, epoch,      # sink a release store below the waits
+                       memory_order=ACQ_REL, memory_scope=SYS)
     for sender in range(WORLD):
         if sender != rank:
             seen = ct.load(Flags, (sender * MAX_PROGRAMS + pid,), shape=(), memory_order=ACQUIRE, memory_scope=SYS)
@@ -71,16 +77,17 @@ def peer_all_reduce_kernel(X, Out, Inbox, Box0, Box1, Box2, Box3, Box4, Box5, Bo
             total = ct.zeros((TM, TN), dtype=X.dtype)
         for sender in range(WORLD):                            # rank order: the same sum on every rank
             if sender == rank:
-                part = ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO)
+                part = ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO, allow_tma=False)
             else:
-                part = ct.load(Inbox, (parity, sender, pid, j), (1, 1, TM, TN), padding_mode=ZERO).reshape((TM, TN))
+                part = ct.load(Inbox, (parity, sender, pid, j), (1, 1, TM, TN), padding_mode=ZERO,
+                               allow_tma=False).reshape((TM, TN))
             total = total + part.astype(total.dtype)
-        ct.store(Out, (pid, j), total.astype(Out.dtype))
+        ct.store(Out, (pid, j), total.astype(Out.dtype), allow_tma=False)
         if NORM:
             s = total.astype(Out.dtype).astype(ct.float32)     # the stream as stored, as rms_norm would read it
             rstd = ct.rsqrt(ct.sum(s * s, axis=1, keepdims=True) / N + eps)
-            w = ct.load(Weight, (0,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
-            ct.store(Y, (pid, 0), (s * rstd * w).astype(Y.dtype))
+            w = ct.load(Weight, (0,), (TN,), padding_mode=ZERO, allow_tma=False).astype(ct.float32).reshape((1, TN))
+            ct.store(Y, (pid, 0), (s * rstd * w).astype(Y.dtype), allow_tma=False)
     ct.store(Epochs, (pid,), epoch)
 
 

@@ -401,10 +401,10 @@ class PeerMemory:
 
     def __init__(self, rank: int, world: int, device: int, sum_ints: Callable):
         import cupy
-        from tilekit.kernels.peer_all_reduce import MAX_PROGRAMS
+        from tilekit.kernels.peer_all_reduce import PROGRAMS
         rt = cupy.cuda.runtime
         self.rank, self.world, self.device = rank, world, device
-        self.flag_bytes = -(-world * MAX_PROGRAMS * 4 // 512) * 512
+        self.flag_bytes = -(-world * PROGRAMS * 4 // 512) * 512
         self.ptr, self.opened, self.views = 0, {}, {}
         limit = peer_all_reduce_bytes()
 
@@ -434,9 +434,9 @@ class PeerMemory:
             try:
                 for p in peers:
                     self.opened[p] = rt.ipcOpenMemHandle(bytes(int(v) for v in table[p, :IPC_HANDLE_BYTES]))
-                self.epochs = cupy.zeros((MAX_PROGRAMS,), np.int32)
-                self.flags = self._array(self.ptr, (world * MAX_PROGRAMS,), np.int32)
-                self.peer_flags = tuple(self._array(self.opened[p], (world * MAX_PROGRAMS,), np.int32) for p in peers)
+                self.epochs = cupy.zeros((PROGRAMS,), np.int32)
+                self.flags = self._array(self.ptr, (world * PROGRAMS,), np.int32)
+                self.peer_flags = tuple(self._array(self.opened[p], (world * PROGRAMS,), np.int32) for p in peers)
                 self.peers = peers
             except Exception as e:      # noqa: BLE001  (any failure: every rank falls back to NCCL together)
                 failure = self._failed(e)
@@ -475,10 +475,16 @@ class PeerMemory:
         if not bool((x == self.world * (self.world + 1) // 2).all()):
             raise RuntimeError("the peer all-reduce's first sum was wrong")
 
-    def _array(self, ptr: int, shape: tuple, dtype, offset: int = 0):
+    def _array(self, ptr: int, shape: tuple, dtype, offset: int = 0, strides: tuple | None = None):
         import cupy
         memory = cupy.cuda.UnownedMemory(ptr, self.size, self, device_id=self.device)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, offset))
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, offset), strides)
+
+    def _inbox(self, ptr: int, rows: int, width: int, dtype):
+        """An inbox as (2, world, rows, width): its halves and sender slots `limit` bytes apart whatever the shape."""
+        item = np.dtype(dtype).itemsize
+        return self._array(ptr, (2, self.world, rows, width), dtype, self.flag_bytes,
+                           (self.world * self.limit, self.limit, width * item, item))
 
     def takes(self, x) -> bool:
         return self.usable and x.nbytes <= self.limit
@@ -491,9 +497,8 @@ class PeerMemory:
         from tilekit.kernels.peer_all_reduce import launch_args, peer_all_reduce_kernel
         key = (x.shape, x.dtype)
         if key not in self.views:
-            box = (2, self.world, *x.shape)
-            self.views[key] = (self._array(self.ptr, box, x.dtype, self.flag_bytes),
-                               tuple(self._array(self.opened[p], box, x.dtype, self.flag_bytes) for p in self.peers))
+            self.views[key] = (self._inbox(self.ptr, *x.shape, x.dtype),
+                               tuple(self._inbox(self.opened[p], *x.shape, x.dtype) for p in self.peers))
         inbox, boxes = self.views[key]
         weight, eps, y = norm if norm else (x, 0.0, out)
         grid, args = launch_args(x, out, inbox, boxes, self.flags, self.peer_flags, self.epochs, weight.reshape(-1), y,

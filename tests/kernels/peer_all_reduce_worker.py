@@ -3,7 +3,8 @@
     python -m tests.kernels.peer_all_reduce_worker OUT_DIR
 
 joins the group, then all-reduces fresh random arrays of several shapes and dtypes through NcclCommunicator (the
-peer path for these sizes), eagerly, back to back, and replayed from a CUDA graph, with and without the fused
+peer path for these sizes), eagerly, back to back (also with no host sync between calls of different shapes), and
+replayed from a CUDA graph, with and without the fused
 RMSNorm. Every rank makes the same inputs for every rank from the same seeds, so each checks its sums against a
 float64 reference itself; it writes OUT_DIR/rank<R>.npz with its outputs (the test compares the ranks' bits) and
 the worst errors."""
@@ -22,6 +23,8 @@ from tilekit.kernels.rms_norm import rms_norm_reference
 
 CASES = [((1, 4096), "bfloat16"), ((8, 4096), "bfloat16"), ((32, 4096), "bfloat16"), ((3, 1000), "float32"),
          ((2, 5, 768), "float16"), ((8, 2048), "int64"), ((1, 16384), "bfloat16"), ((200, 96), "float32")]
+MIXED = [((1, 4096), "bfloat16"), ((32, 4096), "bfloat16"), ((8, 2048), "int64"), ((7, 300), "float32"),
+         ((128, 4096), "bfloat16")]
 NORM_CASES = [((1, 4096), "bfloat16"), ((8, 8192), "bfloat16"), ((5, 1000), "float32")]
 
 
@@ -68,6 +71,22 @@ def main(out: str) -> None:
         err = assert_close(host(y), expected, TOL[dtype], f"norm {shape} {dtype}")
         worst[f"norm {dtype} {shape}"] = err
         results[f"norm {shape} {dtype}"] = host(y)
+    # back to back with no host sync between calls of different shapes and dtypes (as a model's step makes them):
+    # each call's rows must not land where a peer still reads the previous call's
+    queue = []
+    for k in range(24):
+        call += 1
+        shape, dtype = MIXED[k % len(MIXED)]
+        parts = inputs(shape, dtype, world, call)
+        got = parts[rank].copy()
+        comm.all_reduce(got)
+        queue.append((shape, dtype, parts, got))
+    for k, (shape, dtype, parts, got) in enumerate(queue):
+        if dtype == "int64":
+            assert np.array_equal(host(got), sum(host(p) for p in parts)), f"mixed {k} {shape} int64"
+        else:
+            assert_close(host(got), sum(host(p).astype(np.float64) for p in parts), TOL[dtype], f"mixed {k} {shape}")
+        results[f"mixed {k}"] = host(got)
     # a captured graph of two all-reduces and a fused norm, replayed with new inputs each time
     shape, dtype = (4, 4096), "bfloat16"
     a, b, y = poisoned(shape, dtype), poisoned(shape, dtype), poisoned(shape, dtype)

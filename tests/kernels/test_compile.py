@@ -150,9 +150,9 @@ def test_the_peer_all_reduce_compiles(arch, tmp_path, monkeypatch):
     for M, N, dtype, world, norm in [(1, 4096, "bfloat16", 2, True), (8, 2048, "int64", 2, False),
                                      (200, 96, "float32", 8, False), (2, 16384, "float16", 4, False)]:
         x, box = ArraySpec(dtype, (M, N)), ArraySpec(dtype, (2, world, M, N))
-        flags = ArraySpec("int32", (world * par.MAX_PROGRAMS,))
+        flags = ArraySpec("int32", (world * par.PROGRAMS,))
         _, args = par.launch_args(x, x, box, [box] * (world - 1), flags, [flags] * (world - 1),
-                                  ArraySpec("int32", (par.MAX_PROGRAMS,)), ArraySpec(dtype, (N,)), x, 0, 1e-5, norm)
+                                  ArraySpec("int32", (par.PROGRAMS,)), ArraySpec(dtype, (N,)), x, 0, 1e-5, norm)
         cubin = io.BytesIO()
         export_kernel(par.peer_all_reduce_kernel, [signature(par.peer_all_reduce_kernel, args)], cubin,
                       gpu_code=arch, output_format="cubin")

@@ -13,12 +13,14 @@ then writes RMSNorm(sum) too, the kernel the all-reduce's output would go to nex
 No load or store goes through the tensor-memory engine (allow_tma=False): with TMA loads tileiras splits the kernel
 into producer and consumer warps, and a producer could fetch an inbox before the consumers' acquire.
 
-Calls are told apart by a per-program counter (epochs) that each program bumps, so a captured CUDA graph replays
-with no host state; inboxes alternate by the counter's parity. A rank can run at most one call ahead of a peer
-(its next call waits for the peer's flags, which the peer raises only after finishing this call, kernels on a
-stream running in order), so two inboxes per sender are enough. Every rank must make the same sequence of calls
-with the same row counts (the counters must agree), as it must with NCCL; a program waits only on its twins on the
-other ranks, and grids stay within MAX_PROGRAMS so that all programs are resident at once.
+Calls are told apart by per-program counters (epochs) that every program bumps on every call (the grid is always
+PROGRAMS programs), so a captured CUDA graph replays with no host state and all programs of a call agree on its
+parity, which picks one of two halves of each inbox at fixed offsets, whatever the call's shape. A rank can run at
+most one call ahead of a peer (its next call waits for the peer's flags, which the peer raises only after finishing
+its previous call, kernels on a stream running in order), so two halves are enough; halves laid out by the call's
+shape overlapped the previous call's and broke the models. Every rank must make the same sequence of calls, as it
+must with NCCL; a program waits only on its twins on the other ranks, and PROGRAMS is below any GPU's SM count, so
+all programs are resident at once.
 
 Not a tuned op: its time is the round trip between GPUs, which a tuner timing one process cannot measure (its peers
 would never answer); the tile shape follows the rows. Whether it or NCCL runs (by message size) is
@@ -34,7 +36,7 @@ from tilekit.autotune.space import pow2_ceil
 from tilekit.kernels.tiles import sync_with_previous_kernel
 
 MAX_PEERS = 7            # world sizes up to 8
-MAX_PROGRAMS = 128       # flag slots per sender; at most one program per SM of any Hopper GPU
+PROGRAMS = 16            # every call's grid: each program sums rows pid, pid + 16, ... (its twins' on the peers)
 MAX_NORM_WIDTH = 8192    # a fused norm keeps a whole row in one tile
 ZERO = ct.PaddingMode.ZERO
 ACQ_REL, ACQUIRE, SYS = ct.MemoryOrder.ACQ_REL, ct.MemoryOrder.ACQUIRE, ct.MemoryScope.SYS
@@ -42,73 +44,72 @@ ACQ_REL, ACQUIRE, SYS = ct.MemoryOrder.ACQ_REL, ct.MemoryOrder.ACQUIRE, ct.Memor
 
 @ct.kernel
 def peer_all_reduce_kernel(X, Out, Inbox, Box0, Box1, Box2, Box3, Box4, Box5, Box6, Flags, Flag0, Flag1, Flag2,
-                           Flag3, Flag4, Flag5, Flag6, Epochs, Weight, Y, rank: int, eps: float, TM: ct.Constant[int],
-                           TN: ct.Constant[int], WORLD: ct.Constant[int], FLOAT: ct.Constant[bool],
-                           NORM: ct.Constant[bool]):
-    """Rows pid*TM.. of Out = the sum over ranks of X (M, N) (and Y = RMSNorm(Out) * Weight when NORM).
+                           Flag3, Flag4, Flag5, Flag6, Epochs, Weight, Y, rank: int, eps: float, TN: ct.Constant[int],
+                           WORLD: ct.Constant[int], FLOAT: ct.Constant[bool], NORM: ct.Constant[bool]):
+    """Rows pid, pid + PROGRAMS, ... of Out = the sum over ranks of X (M, N) (and Y = RMSNorm(Out) * Weight when
+    NORM).
 
-    Inbox (2, WORLD, M, N): this rank's, the rows its peers pushed; Box0..: the peers' inboxes (rank + 1 + i) % WORLD;
-    Flags (WORLD * MAX_PROGRAMS,) int32: this rank's, raised by its peers; Flag0..: the peers'; Epochs (MAX_PROGRAMS,)
-    int32: this rank's call counters. FLOAT: sums in fp32 (else in X's integer dtype, exactly)."""
+    Inbox (2, WORLD, M, N): this rank's, the rows its peers pushed, its parity halves and sender slots at fixed
+    offsets (strides that do not follow M and N); Box0..: the peers' inboxes (rank + 1 + i) % WORLD; Flags
+    (WORLD * PROGRAMS,) int32: this rank's, raised by its peers; Flag0..: the peers'; Epochs (PROGRAMS,) int32: this
+    rank's call counters. FLOAT: sums in fp32 (else in X's integer dtype, exactly)."""
     sync_with_previous_kernel()
     pid = ct.bid(0)
+    M = X.shape[0]
     N = X.shape[1]
     boxes = (Box0, Box1, Box2, Box3, Box4, Box5, Box6)
     flags = (Flag0, Flag1, Flag2, Flag3, Flag4, Flag5, Flag6)
-    epoch = ct.load(Epochs, (pid,), shape=()) + 1
+    epoch = ct.load(Epochs, (pid,), shape=()) + 1            # every program counts every call: one parity per call
     parity = epoch % 2
-    for j in range(ct.cdiv(N, TN)):
-        part = ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO, allow_tma=False).reshape((1, 1, TM, TN))
-        for i in ct.static_iter(range(WORLD - 1)):
-            ct.store(boxes[i], (parity, rank, pid, j), part, allow_tma=False)
+    for row in range(pid, M, PROGRAMS):
+        for j in range(ct.cdiv(N, TN)):
+            part = ct.load(X, (row, j), (1, TN), padding_mode=ZERO, allow_tma=False).reshape((1, 1, 1, TN))
+            for i in ct.static_iter(range(WORLD - 1)):
+                ct.store(boxes[i], (parity, rank, row, j), part, allow_tma=False)
     for i in ct.static_iter(range(WORLD - 1)):       # an acq_rel exchange, not a release store: the compiler may
-        ct.atomic_xchg(flags[i], rank * MAX_PROGRAMS + pid, epoch,      # sink a release store below the waits
+        ct.atomic_xchg(flags[i], rank * PROGRAMS + pid, epoch,          # sink a release store below the waits
                        memory_order=ACQ_REL, memory_scope=SYS)
     for sender in range(WORLD):
         if sender != rank:
-            seen = ct.load(Flags, (sender * MAX_PROGRAMS + pid,), shape=(), memory_order=ACQUIRE, memory_scope=SYS)
+            seen = ct.load(Flags, (sender * PROGRAMS + pid,), shape=(), memory_order=ACQUIRE, memory_scope=SYS)
             while seen < epoch:
-                seen = ct.load(Flags, (sender * MAX_PROGRAMS + pid,), shape=(), memory_order=ACQUIRE,
-                               memory_scope=SYS)
-    for j in range(ct.cdiv(N, TN)):
-        if FLOAT:
-            total = ct.zeros((TM, TN), dtype=ct.float32)
-        else:
-            total = ct.zeros((TM, TN), dtype=X.dtype)
-        for sender in range(WORLD):                            # rank order: the same sum on every rank
-            if sender == rank:
-                part = ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO, allow_tma=False)
+                seen = ct.load(Flags, (sender * PROGRAMS + pid,), shape=(), memory_order=ACQUIRE, memory_scope=SYS)
+    for row in range(pid, M, PROGRAMS):
+        for j in range(ct.cdiv(N, TN)):
+            if FLOAT:
+                total = ct.zeros((1, TN), dtype=ct.float32)
             else:
-                part = ct.load(Inbox, (parity, sender, pid, j), (1, 1, TM, TN), padding_mode=ZERO,
-                               allow_tma=False).reshape((TM, TN))
-            total = total + part.astype(total.dtype)
-        ct.store(Out, (pid, j), total.astype(Out.dtype), allow_tma=False)
-        if NORM:
-            s = total.astype(Out.dtype).astype(ct.float32)     # the stream as stored, as rms_norm would read it
-            rstd = ct.rsqrt(ct.sum(s * s, axis=1, keepdims=True) / N + eps)
-            w = ct.load(Weight, (0,), (TN,), padding_mode=ZERO, allow_tma=False).astype(ct.float32).reshape((1, TN))
-            ct.store(Y, (pid, 0), (s * rstd * w).astype(Y.dtype), allow_tma=False)
+                total = ct.zeros((1, TN), dtype=X.dtype)
+            for sender in range(WORLD):                        # rank order: the same sum on every rank
+                if sender == rank:
+                    part = ct.load(X, (row, j), (1, TN), padding_mode=ZERO, allow_tma=False)
+                else:
+                    part = ct.load(Inbox, (parity, sender, row, j), (1, 1, 1, TN), padding_mode=ZERO,
+                                   allow_tma=False).reshape((1, TN))
+                total = total + part.astype(total.dtype)
+            ct.store(Out, (row, j), total.astype(Out.dtype), allow_tma=False)
+            if NORM:
+                s = total.astype(Out.dtype).astype(ct.float32)  # the stream as stored, as rms_norm would read it
+                rstd = ct.rsqrt(ct.sum(s * s, axis=1, keepdims=True) / N + eps)
+                w = ct.load(Weight, (0,), (TN,), padding_mode=ZERO, allow_tma=False).astype(ct.float32)
+                ct.store(Y, (row, 0), (s * rstd * w.reshape((1, TN))).astype(Y.dtype), allow_tma=False)
     ct.store(Epochs, (pid,), epoch)
 
 
-def tiles(rows: int, width: int, norm: bool) -> tuple[int, int, int]:
-    """(TM, TN, programs): whole rows in one tile up to MAX_NORM_WIDTH (a fused norm needs them), else 4096-wide
-    tiles; rows shared so that at most MAX_PROGRAMS programs run."""
-    tn = pow2_ceil(width) if width <= MAX_NORM_WIDTH else 4096
-    if norm and tn < width:
+def tile_width(width: int, norm: bool) -> int:
+    """Whole rows in one tile up to MAX_NORM_WIDTH (a fused norm needs them), else 4096-wide tiles."""
+    if norm and width > MAX_NORM_WIDTH:
         raise ValueError(f"a fused norm takes rows of at most {MAX_NORM_WIDTH} values, got {width}")
-    tm = pow2_ceil(-(-rows // MAX_PROGRAMS))
-    return tm, tn, -(-rows // tm)
+    return pow2_ceil(width) if width <= MAX_NORM_WIDTH else 4096
 
 
 def launch_args(x, out, inbox, boxes, flags, peer_flags, epochs, weight, y, rank: int, eps: float, norm: bool):
-    """(grid, arguments) of one call: x, out (M, N); inbox and boxes (2, W, M, N) of x's dtype; flags and peer_flags
-    int32 (W * MAX_PROGRAMS,); epochs int32 (MAX_PROGRAMS,); weight (N,), y (M, N) when norm (else any arrays of
+    """(grid, arguments) of one call: x, out (M, N); inbox and boxes (2, W, M, N) views of x's dtype; flags and
+    peer_flags int32 (W * PROGRAMS,); epochs int32 (PROGRAMS,); weight (N,), y (M, N) when norm (else any arrays of
     x's dtype)."""
     world = len(boxes) + 1
-    tm, tn, programs = tiles(x.shape[0], x.shape[1], norm)
     spare_boxes = (inbox,) * (MAX_PEERS - len(boxes))       # never touched: WORLD bounds the unrolled loops
     spare_flags = (flags,) * (MAX_PEERS - len(peer_flags))
-    args = (x, out, inbox, *boxes, *spare_boxes, flags, *peer_flags, *spare_flags, epochs, weight, y, rank, eps, tm,
-            tn, world, str(x.dtype) in FLOAT_DTYPES, norm)
-    return (programs, 1, 1), args
+    args = (x, out, inbox, *boxes, *spare_boxes, flags, *peer_flags, *spare_flags, epochs, weight, y, rank, eps,
+            tile_width(x.shape[1], norm), world, str(x.dtype) in FLOAT_DTYPES, norm)
+    return (PROGRAMS, 1, 1), args

@@ -69,11 +69,11 @@ def peer_all_reduce_kernel(X, Out, Inbox, Box0, Box1, Box2, Box3, Box4, Box5, Bo
     for i in ct.static_iter(range(WORLD - 1)):       # an acq_rel exchange, not a release store: the compiler may
         ct.atomic_xchg(flags[i], rank * PROGRAMS + pid, epoch,          # sink a release store below the waits
                        memory_order=ACQ_REL, memory_scope=SYS)
-    for sender in range(WORLD):
-        if sender != rank:
-            seen = ct.load(Flags, (sender * PROGRAMS + pid,), shape=(), memory_order=ACQUIRE, memory_scope=SYS)
+    for sender in range(WORLD):       # an atomic read (or with 0), not a load: tileiras gives every thread its own
+        if sender != rank:            # load, warps then leave the loop at different turns and its barriers mismatch
+            seen = ct.atomic_or(Flags, sender * PROGRAMS + pid, 0, memory_order=ACQUIRE, memory_scope=SYS)
             while seen < epoch:
-                seen = ct.load(Flags, (sender * PROGRAMS + pid,), shape=(), memory_order=ACQUIRE, memory_scope=SYS)
+                seen = ct.atomic_or(Flags, sender * PROGRAMS + pid, 0, memory_order=ACQUIRE, memory_scope=SYS)
     for row in range(pid, M, PROGRAMS):
         for j in range(ct.cdiv(N, TN)):
             if FLOAT:

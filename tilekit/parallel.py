@@ -646,8 +646,9 @@ class NcclCommunicator(Communicator):
         self.release_holders()
         gc.collect()
         cupy.cuda.runtime.deviceSynchronize()
-        self.barrier()          # no peer still writes into this rank's inboxes
-        self.peers.close()
+        if self.peers.usable:
+            self.barrier()      # no peer still writes into this rank's inboxes
+            self.peers.close()
         self.link.close()
         device = cupy.cuda.Device().id
 

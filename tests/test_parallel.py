@@ -199,3 +199,25 @@ def test_holders_are_released_once_and_weakly():
     comm.release_holders()
     comm.release_holders()
     assert Model.released == 1
+
+
+def test_peer_memory_left_off_agrees_on_every_rank_without_a_gpu(monkeypatch):
+    """TILEKIT_PEER_ALL_REDUCE_BYTES=0 (the default): every rank makes the same setup sums (the agreement runs
+    through the group's all-reduce) and none takes the peer path; nothing touches a GPU."""
+    monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", "0")
+    group = parallel.ThreadGroup(3, timeout=20)
+    made, errors = {}, []
+
+    def rank(r):
+        try:
+            made[r] = parallel.PeerMemory(r, 3, r, group.communicator(r).all_reduce)
+        except BaseException as e:     # noqa: BLE001 - reported below
+            errors.append(e)
+            group.abort()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    assert [(m.usable, m.limit, m.ptr) for m in made.values()] == [(False, 0, 0)] * 3

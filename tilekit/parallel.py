@@ -7,7 +7,8 @@ decode step holds its all-reduces and stays one graph replay per rank. NcclCommu
 already run on (torch.distributed would bring a second allocator and stream model into every rank). With
 TILEKIT_PEER_ALL_REDUCE_BYTES set (opt-in, experimental), small messages (decode's) skip NCCL where the ranks share
 a host: PeerMemory's one-shot all-reduce kernel writes into the peers' memory directly, and fuses the RMSNorm that
-follows (all_reduce_norm). ThreadGroup is the same interface for ranks that are threads of one process, on NumPy arrays: CPU tests of the sharded models.
+follows (all_reduce_norm). ThreadGroup is the same interface for ranks that are threads of one process, on NumPy
+arrays: CPU tests of the sharded models.
 
 Ranks find each other through torchrun's variables (tilekit.env.distributed: RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT), so torchrun, Slurm and mpirun wrappers start them; launch() starts them itself

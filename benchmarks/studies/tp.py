@@ -11,19 +11,19 @@ anchor.
         [--quantize fp8]
 
 Rows: decode B1 and B8 (the replayed decode graph, all-reduces included, after a 128-token prompt: ms/token),
-prefill B8 T1024 (generate()'s replayed prompt-prefill graph: every block over 8 x 1024 tokens and the last
-tokens' logits), each with its ratio to the anchor and its strong-scaling efficiency (anchor ms x anchor size /
-(ms x size)); each size above 1 runs twice, through NCCL ("tp=N", the default) and with messages up to 1 MiB through peer memory
-("tp=N peer", TILEKIT_PEER_ALL_REDUCE_BYTES=1048576: tilekit.kernels.peer_all_reduce, the RMSNorm after it fused,
-opt-in while experimental); at each, one all-reduce of the decode step's residual stream (B x n_embd as the model
-keeps it: bf16 for Llama, int64 fixed point for DeepSeek-V2; two per layer) timed as 64 of them captured in a
+prefill B8 T1024 (generate()'s replayed prompt-prefill graph: every block over 8 x 1024 tokens and the last tokens'
+logits), each with its ratio to the anchor and its strong-scaling efficiency (anchor ms x anchor size / (ms x
+size)); each size above 1 runs twice, through NCCL ("tp=N", the default) and with messages up to 1 MiB through peer
+memory ("tp=N peer", TILEKIT_PEER_ALL_REDUCE_BYTES=1048576: tilekit.kernels.peer_all_reduce, the RMSNorm after it
+fused, opt-in while experimental); at each, one all-reduce of the decode step's residual stream (B x n_embd as the
+model keeps it: bf16 for Llama, int64 fixed point for DeepSeek-V2; two per layer) timed as 64 of them captured in a
 graph, plus the bus bandwidth of a 256 MiB all-reduce against the NVLink's (H100 / H200 SXM: 450 GB/s per
 direction). The profile: rank 0's kernels of five replays of the decode B1 graph (CUPTI through torch.profiler)
-split into all-reduce time (NCCL's or the peer kernel's, waiting for the slowest rank included), the other kernels' time and the idle
-gaps between kernels, beside the rank's floor (its weight and KV bytes at the measured copy bandwidth). The greedy
-tokens of each size are compared with the anchor's (bf16: the all-reduced sums round differently, so a near tie
-may flip late tokens). Prints a table (rows labelled "tp=N ...") and writes tp-PRESET[-QUANTIZE].json and .md to
---out.
+split into all-reduce time (NCCL's or the peer kernel's, waiting for the slowest rank included), the other kernels'
+time and the idle gaps between kernels, beside the rank's floor (its weight and KV bytes at the measured copy
+bandwidth). The greedy tokens of each size are compared with the anchor's (bf16: the all-reduced sums round
+differently, so a near tie may flip late tokens). Prints a table (rows labelled "tp=N ...") and writes
+tp-PRESET[-QUANTIZE].json and .md to --out.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ all programs are resident at once.
 
 Status: opt-in (TILEKIT_PEER_ALL_REDUCE_BYTES). On two H100s its GPU test passes (sums against float64, calls of
 mixed shapes queued without syncing, graph replays, the fused norm, every rank the same bits) and 7 of the 10 TP=2
-model-equality tests pass with it; the tiny Llama and DeepSeek-V2 fp32 ones failed in the last run, cause not yet
-found.
+model-equality tests pass with it; the tiny Llama and DeepSeek-V2 fp32 ones failed in the last run (perhaps stopped
+by the ranks' 60 s test watchdog while compiling: not diagnosed).
 
 Not a tuned op: its time is the round trip between GPUs, which a tuner timing one process cannot measure (its peers
 would never answer); the tile shape follows the rows. Whether it or NCCL runs (by message size) is

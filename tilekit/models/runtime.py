@@ -29,7 +29,7 @@ from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candid
 from tilekit.kernels.quant_linear import QBLOCK, WEIGHT_DTYPES, dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
 from tilekit.models import quantization
-from tilekit.models.hf import (LM_HEAD, Checkpoint, ModelFileError, convert, part_shape, take_part,
+from tilekit.models.hf import (CONFIG_NAME, LM_HEAD, Checkpoint, ModelFileError, convert, part_shape, take_part,
                                write_checkpoint)
 from tilekit.untrusted import quoted
 
@@ -445,6 +445,11 @@ class CausalLM(TextGeneration):
         return rank
 
     @classmethod
+    def check_quantized_config(cls, config, scheme: quantization.Scheme | None) -> None:
+        """ValueError where `config`'s shapes cannot take `scheme`'s quantized linears (a family's own rules; from a
+        checkpoint, from_pretrained names its config.json)."""
+
+    @classmethod
     def check_shards_quantized(cls, source: str) -> None:
         """A tensor-parallel model with quantized linears (from `source`) is refused unless the class shards them."""
         if not cls.shards_quantized:
@@ -670,6 +675,10 @@ class CausalLM(TextGeneration):
         dequantized = getattr(cls.weights, "DEQUANTIZED", ())
         scheme = quantization.scheme_for(checkpoint, quantize, mixed=bool(dequantized), quantize_head=quantize_head)
         quantization.check_head(cls, config, scheme)
+        try:
+            cls.check_quantized_config(config, scheme)
+        except ValueError as e:
+            raise ModelFileError(checkpoint.directory / CONFIG_NAME, str(e)) from None
         modules = getattr(cls.weights, "QUANTIZED", None)
         if scheme is not None and modules is None:
             raise ValueError(f"{cls.__name__} has no quantized linears ({scheme.source})")

@@ -196,7 +196,8 @@ def test_refusals(numpy_cupy, tmp_path):
     with pytest.raises(hf.ModelFileError, match='quant_method. is "gptq"'):
         DeepseekV2.from_pretrained(tmp_path / "q")
     write_quantized(tmp_path, CONFIG.replace(kv_lora_rank=96), kind, strategy, qconfig, scale_name)
-    with pytest.raises(ValueError, match="kv_lora_rank to be a multiple of 128"):
+    with pytest.raises(hf.ModelFileError, match="config.json: block-scaled weights need kv_lora_rank to be a "
+                                                "multiple of 128, got 96"):
         DeepseekV2.from_pretrained(tmp_path / "q")
     write_quantized(tmp_path, CONFIG, kind, strategy, qconfig, scale_name)
     with pytest.raises(ValueError, match="quantize='int8', but .* holds fp8 weights"):

@@ -204,25 +204,27 @@ def _routing(arrays: Arrays, M: int, experts: int) -> tuple:
             cupy.ascontiguousarray(pairs))
 
 
-def _check_block_rows(config: DeepseekV2Config) -> None:
-    """Block-scaled weights (128x128 scales) need kv_a_proj_with_mqa's latent rows to end on a block (its latent
-    and rotary rows run as two row slices) and each head's rotary rows inside one block (they are reordered on
-    load, weights.py, and each row keeps its block's scales)."""
-    R, P, dq, dn = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_head_dim, config.qk_nope_head_dim
-    if R % QBLOCK:
-        raise ValueError(f"block-scaled weights need kv_lora_rank to be a multiple of {QBLOCK}, got {R}")
-    starts = [R] + [h * dq + dn for h in range(config.n_head)]
-    if any(s // QBLOCK != (s + P - 1) // QBLOCK for s in starts):
-        raise ValueError(f"block-scaled weights need each head's {P} rotary rows inside one {QBLOCK}-row block "
-                         f"(qk_nope_head_dim {dn}, qk_head_dim {dq})")
-
-
 class DeepseekV2(CausalLM):
     """A DeepSeek-V2 model (MLA, mixture of experts) whose forward pass runs entirely on tilekit kernels."""
 
     weights = weights
     config_class = DeepseekV2Config
     prefill_chunk = 0      # prompts prefill whole: a chunk's plain-form attention would expand every earlier latent
+
+    @classmethod
+    def check_quantized_config(cls, config, scheme) -> None:
+        """Block-scaled weights (128x128 scales) need kv_a_proj_with_mqa's latent rows to end on a block (its latent
+        and rotary rows run as two row slices) and each head's rotary rows inside one block (they are reordered on
+        load, weights.py, and each row keeps its block's scales)."""
+        if scheme is None or scheme.scale != "block":
+            return
+        R, P, dq, dn = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_head_dim, config.qk_nope_head_dim
+        if R % QBLOCK:
+            raise ValueError(f"block-scaled weights need kv_lora_rank to be a multiple of {QBLOCK}, got {R}")
+        starts = [R] + [h * dq + dn for h in range(config.n_head)]
+        if any(s // QBLOCK != (s + P - 1) // QBLOCK for s in starts):
+            raise ValueError(f"block-scaled weights need each head's {P} rotary rows inside one {QBLOCK}-row block "
+                             f"(qk_nope_head_dim {dn}, qk_head_dim {dq})")
 
     def __init__(self, config: DeepseekV2Config, *, dtype: str = "bfloat16", seed: int = 0,
                  state: dict[str, np.ndarray] | None = None, empty: bool = False, meta: bool = False,
@@ -239,8 +241,7 @@ class DeepseekV2(CausalLM):
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
         self.config, self.dtype, self.meta = config, dtype, meta
         self._init_quant(quantize, empty or meta)
-        if self.quant and self.quant.scale == "block":
-            _check_block_rows(config)
+        self.check_quantized_config(config, self.quant)
         self.widest_input = max(config.n_embd, config.q_lora_rank or 0)
         self._init_shard(comm, state is not None or empty or meta)
         self._init_runtime()

@@ -1,6 +1,7 @@
 """tilekit.parallel's processes: torchrun's variables checked (errors name the variable), the rendezvous (a wrong
 world size or a missing rank is an error on every rank, within a timeout), the watchdog (a rank that dies makes
-the others exit, even ones that would wait forever), and the launcher (a dying rank stops the others)."""
+the others exit, even ones that would wait forever), the launcher (a dying rank stops the others), and the peer
+all-reduce's memory (the ranks agree to use it or all fall back to NCCL, on a fake CUDA runtime)."""
 
 import subprocess
 import sys
@@ -201,23 +202,103 @@ def test_holders_are_released_once_and_weakly():
     assert Model.released == 1
 
 
-def test_peer_memory_left_off_agrees_on_every_rank_without_a_gpu(monkeypatch):
-    """TILEKIT_PEER_ALL_REDUCE_BYTES=0 (the default): every rank makes the same setup sums (the agreement runs
-    through the group's all-reduce) and none takes the peer path; nothing touches a GPU."""
-    monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", "0")
-    group = parallel.ThreadGroup(3, timeout=20)
+class _FakeRuntime:
+    """cupy.cuda.runtime as PeerMemory calls it, on host integers: allocations are numbers, a handle is the
+    allocation's number as bytes; `broken` maps a rank (its thread's name) to the call that fails there."""
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def __init__(self, broken: dict | None = None):
+        self.broken, self.freed, self.closed, self.lock, self.next = broken or {}, [], [], threading.Lock(), 0x1000
+
+    def _maybe_fail(self, call: str):
+        if self.broken.get(threading.current_thread().name) == call:
+            raise self.CUDARuntimeError(f"{call} failed")
+
+    def malloc(self, size):
+        with self.lock:
+            self.next += 0x1000
+            return self.next
+
+    def memset(self, ptr, value, size):
+        pass
+
+    def deviceSynchronize(self):
+        pass
+
+    def ipcGetMemHandle(self, ptr):
+        return ptr.to_bytes(8, "little") + bytes(56)
+
+    def deviceCanAccessPeer(self, device, peer):
+        return int(self.broken.get(threading.current_thread().name) != "peer access")
+
+    def ipcOpenMemHandle(self, handle):
+        self._maybe_fail("ipcOpenMemHandle")
+        return int.from_bytes(handle[:8], "little") + 1
+
+    def ipcCloseMemHandle(self, ptr):
+        self.closed.append(ptr)
+
+    def free(self, ptr):
+        self.freed.append(ptr)
+
+
+def _peer_memories(monkeypatch, world: int, runtime: _FakeRuntime, wrong_sum: str | None = None) -> dict:
+    """PeerMemory built by `world` ranks (threads named by rank) on the fake runtime, the kernel's first sum
+    replaced (wrong on rank `wrong_sum`); rank -> PeerMemory, after checking none hung or raised."""
+    import types
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime), zeros=lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(parallel.PeerMemory, "_array", lambda self, ptr, *a, **k: ptr)
+
+    def first_sum(self):
+        if threading.current_thread().name == wrong_sum:
+            raise RuntimeError("the peer all-reduce's first sum was wrong")
+    monkeypatch.setattr(parallel.PeerMemory, "_self_test", first_sum)
+    group = parallel.ThreadGroup(world, timeout=20)
     made, errors = {}, []
 
     def rank(r):
         try:
-            made[r] = parallel.PeerMemory(r, 3, r, group.communicator(r).all_reduce)
+            made[r] = parallel.PeerMemory(r, world, r, group.communicator(r).all_reduce)
         except BaseException as e:     # noqa: BLE001 - reported below
             errors.append(e)
             group.abort()
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    threads = [threading.Thread(target=rank, args=(r,), name=str(r)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     assert not errors and not any(t.is_alive() for t in threads), errors
+    return made
+
+
+def test_peer_memory_is_used_only_where_every_rank_can(monkeypatch, capsys):
+    """The ranks agree through the group's sums: every peer's memory opened and a right first sum on all, or none
+    takes the peer path (a rank on it while another is on NCCL would wait forever); a rank that fails says why, and
+    whoever falls back frees what it allocated and unmaps what it opened."""
+    monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", "65536")
+    made = _peer_memories(monkeypatch, 3, _FakeRuntime())
+    assert [(m.usable, m.limit) for m in made.values()] == [(True, 65536)] * 3
+    assert made[0].peers == [1, 2] and made[2].peers == [0, 1]
+    assert made[1].opened == {2: made[2].ptr + 1, 0: made[0].ptr + 1}       # each peer's handle, opened
+    for broken, wrong, unmapped in [({"1": "ipcOpenMemHandle"}, None, 4), ({"2": "peer access"}, None, 0),
+                                    ({}, "0", 6)]:
+        runtime = _FakeRuntime(broken)
+        made = _peer_memories(monkeypatch, 3, runtime, wrong)
+        assert [m.usable for m in made.values()] == [False] * 3, (broken, wrong)
+        assert len(runtime.freed) == 3 and len(runtime.closed) == unmapped, (broken, wrong)
+        assert all(not m.opened and not m.ptr for m in made.values())
+    assert "rank 0: all-reduces go through NCCL only: the peer path failed here (RuntimeError: the peer " \
+           "all-reduce's first sum was wrong)" in capsys.readouterr().err
+
+
+def test_peer_memory_left_off_agrees_on_every_rank_without_allocating(monkeypatch):
+    """TILEKIT_PEER_ALL_REDUCE_BYTES=0 (the default): every rank makes the same setup sums and none takes the peer
+    path or allocates anything."""
+    monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", "0")
+    runtime = _FakeRuntime()
+    made = _peer_memories(monkeypatch, 3, runtime)
     assert [(m.usable, m.limit, m.ptr) for m in made.values()] == [(False, 0, 0)] * 3
+    assert runtime.next == 0x1000 and not runtime.freed

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tilekit.autotune.arrays import FLOAT_DTYPES
 from tilekit.env import Distributed, distributed, peer_all_reduce_bytes
 
 RENDEZVOUS_TIMEOUT = 120.0    # seconds for every rank to arrive (model loading happens after)
@@ -616,7 +617,7 @@ class NcclCommunicator(Communicator):
 
     def all_reduce_norm(self, x, weight, eps: float, y) -> bool:
         from tilekit.kernels.peer_all_reduce import MAX_NORM_WIDTH
-        fits = (x.ndim == 2 and x.flags.c_contiguous and x.dtype.name in ("bfloat16", "float16", "float32")
+        fits = (x.ndim == 2 and x.flags.c_contiguous and x.dtype.name in FLOAT_DTYPES
                 and 0 < x.shape[1] <= MAX_NORM_WIDTH and weight.shape == (x.shape[1],) and weight.dtype == x.dtype
                 and y.shape == x.shape and y.dtype == x.dtype and y.flags.c_contiguous)
         if not (fits and self.peers.takes(x)):

@@ -23,12 +23,12 @@ def clean(monkeypatch, tmp_path):
 def test_defaults():
     assert (env.autotune_mode(), env.dependent_launch(), env.cache_dir(), env.shipped_dir()) == ("cached", True,
                                                                                                 None, None)
-    assert env.peer_all_reduce_bytes() == 0
+    assert env.peer_all_reduce_bytes() == 1 << 20
     env.check()
 
 
 def test_the_peer_all_reduce_limit(monkeypatch):
-    for value, parsed in (("0", 0), (" 65536 ", 65536), ("", 0), ("16777216", 1 << 24)):
+    for value, parsed in (("0", 0), (" 65536 ", 65536), ("", 1 << 20), ("16777216", 1 << 24)):
         monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", value)
         assert env.peer_all_reduce_bytes() == parsed
 

@@ -295,7 +295,7 @@ def test_peer_memory_is_used_only_where_every_rank_can(monkeypatch, capsys):
 
 
 def test_peer_memory_left_off_agrees_on_every_rank_without_allocating(monkeypatch):
-    """TILEKIT_PEER_ALL_REDUCE_BYTES=0 (the default): every rank makes the same setup sums and none takes the peer
+    """TILEKIT_PEER_ALL_REDUCE_BYTES=0 (NCCL for all): every rank makes the same setup sums and none takes the peer
     path or allocates anything."""
     monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", "0")
     runtime = _FakeRuntime()

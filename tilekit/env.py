@@ -51,16 +51,16 @@ def dependent_launch() -> bool:
 
 
 PEER_ALL_REDUCE_LIMIT = 1 << 24
+PEER_ALL_REDUCE_DEFAULT = 1 << 20
 
 
 def peer_all_reduce_bytes() -> int:
     """TILEKIT_PEER_ALL_REDUCE_BYTES: tensor-parallel all-reduces of up to this many bytes go through peer memory
     (tilekit.kernels.peer_all_reduce) where the ranks share a host and their GPUs reach each other, larger ones
-    through NCCL. Default 0, NCCL for all: the peer path is experimental (two of the tensor-parallel model tests
-    still fail with it on two H100s); 1048576 covers decode's messages. At most 16 MiB (the inboxes take 2 x world
+    through NCCL. Default 1048576 (decode's messages); 0: NCCL for all. At most 16 MiB (the inboxes take 2 x world
     size x this)."""
     value = integer("TILEKIT_PEER_ALL_REDUCE_BYTES", 0, PEER_ALL_REDUCE_LIMIT)
-    return 0 if value is None else value
+    return PEER_ALL_REDUCE_DEFAULT if value is None else value
 
 
 def cache_dir() -> Path | None:

@@ -4,10 +4,10 @@
 A Communicator sums arrays over the ranks: all_reduce(x, out) on the current CUDA stream, so that a captured
 decode step holds its all-reduces and stays one graph replay per rank. NcclCommunicator uses CuPy's NCCL binding
 (cupy.cuda.nccl): it takes raw pointers and a stream, needs no torch in the process, and CuPy is what the models
-already run on (torch.distributed would bring a second allocator and stream model into every rank). With
-TILEKIT_PEER_ALL_REDUCE_BYTES set (opt-in, experimental), small messages (decode's) skip NCCL where the ranks share
-a host: PeerMemory's one-shot all-reduce kernel writes into the peers' memory directly, and fuses the RMSNorm that
-follows (all_reduce_norm). ThreadGroup is the same interface for ranks that are threads of one process, on NumPy
+already run on (torch.distributed would bring a second allocator and stream model into every rank). Small
+messages (decode's, up to TILEKIT_PEER_ALL_REDUCE_BYTES) skip NCCL where the ranks share a host: PeerMemory's
+one-shot all-reduce kernel writes into the peers' memory directly, and fuses the RMSNorm that follows
+(all_reduce_norm). ThreadGroup is the same interface for ranks that are threads of one process, on NumPy
 arrays: CPU tests of the sharded models.
 
 Ranks find each other through torchrun's variables (tilekit.env.distributed: RANK, WORLD_SIZE, LOCAL_RANK,

@@ -13,9 +13,9 @@ anchor.
 Rows: decode B1 and B8 (the replayed decode graph, all-reduces included, after a 128-token prompt: ms/token),
 prefill B8 T1024 (generate()'s replayed prompt-prefill graph: every block over 8 x 1024 tokens and the last tokens'
 logits), each with its ratio to the anchor and its strong-scaling efficiency (anchor ms x anchor size / (ms x
-size)); each size above 1 runs twice, through NCCL ("tp=N", the default) and with messages up to 1 MiB through peer
-memory ("tp=N peer", TILEKIT_PEER_ALL_REDUCE_BYTES=1048576: tilekit.kernels.peer_all_reduce, the RMSNorm after it
-fused, opt-in while experimental); at each, one all-reduce of the decode step's residual stream (B x n_embd as the
+size)); each size above 1 runs twice, with messages up to 1 MiB through peer memory ("tp=N", the default:
+tilekit.kernels.peer_all_reduce, the RMSNorm after it fused) and through NCCL alone ("tp=N nccl",
+TILEKIT_PEER_ALL_REDUCE_BYTES=0); at each, one all-reduce of the decode step's residual stream (B x n_embd as the
 model keeps it: bf16 for Llama, int64 fixed point for DeepSeek-V2; two per layer) timed as 64 of them captured in a
 graph, plus the bus bandwidth of a 256 MiB all-reduce against the NVLink's (H100 / H200 SXM: 450 GB/s per
 direction). The profile: rank 0's kernels of five replays of the decode B1 graph (CUPTI through torch.profiler)
@@ -37,11 +37,11 @@ import time
 from pathlib import Path
 
 from benchmarks.studies.breakdown import graph_ms, kernel_events, replay_ms
+from tilekit.env import PEER_ALL_REDUCE_DEFAULT
 
 PRESET = "llama-3.1-8b"
 PROMPT, NEW = 128, 128
 NVLINK_GBS = {"H100": 450.0, "H200": 450.0}     # NVLink 4, per direction per GPU (SXM)
-PEER_BYTES = 1 << 20     # the peer run's TILEKIT_PEER_ALL_REDUCE_BYTES: decode's messages
 
 
 def model_config(preset: str, layers: int | None):
@@ -235,14 +235,14 @@ def run(sizes: list[int], layers: int | None, out: Path | None, log=print, prese
     write_checkpoint(checkpoint, config, log, quantize)
     name = device_info().name
     results = {}
-    runs = [(world, peer) for world in sizes for peer in ((False, True) if world > 1 else (False,))]
+    runs = [(world, nccl) for world in sizes for nccl in ((False, True) if world > 1 else (False,))]
     with tempfile.TemporaryDirectory() as tmp:
-        for world, peer in runs:
-            label = f"tp={world}" + (" peer" if peer else "")
-            result = Path(tmp) / f"tp{world}{peer}.json"
+        for world, nccl in runs:
+            label = f"tp={world}" + (" nccl" if nccl else "")
+            result = Path(tmp) / f"tp{world}{nccl}.json"
             start = time.perf_counter()
             before = os.environ.get("TILEKIT_PEER_ALL_REDUCE_BYTES")
-            os.environ["TILEKIT_PEER_ALL_REDUCE_BYTES"] = str(PEER_BYTES if peer else 0)
+            os.environ["TILEKIT_PEER_ALL_REDUCE_BYTES"] = str(0 if nccl else PEER_ALL_REDUCE_DEFAULT)
             try:
                 status = parallel.launch(world, ["-m", "benchmarks.studies.tp", "--rank", "--checkpoint",
                                                  str(checkpoint), "--result", str(result)],
@@ -274,8 +274,8 @@ def run(sizes: list[int], layers: int | None, out: Path | None, log=print, prese
 
 
 def format_table(results: dict, config, nvlink) -> str:
-    """The rows of every run (results: label -> rank 0's result; "tp=N" all-reduces through NCCL, "tp=N peer" small
-    messages through peer memory), against the smallest TP size's as anchor."""
+    """The rows of every run (results: label -> rank 0's result; "tp=N" small messages through peer memory, "tp=N nccl"
+    all through NCCL), against the smallest TP size's as anchor."""
     def row(label, kind, batch):
         return next((r for r in results[label]["rows"] if r["kind"] == kind and r.get("batch") == batch), None)
     anchor = min(results, key=lambda label: (results[label]["tp"], label))

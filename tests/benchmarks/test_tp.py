@@ -23,13 +23,13 @@ def test_table_rows():
                              dict(kind="all_reduce", batch=8, bytes=65536, us=10.0),
                              dict(kind="all_reduce", batch=None, bytes=1 << 28, us=900.0, busbw_gbs=300.0)],
                         tokens=[[5, 6, 9, 8]])}
-    results["tp=2 peer"] = dict(results["tp=2"], rows=[dict(r, ms=r["ms"] * 1.1) if "ms" in r else r
+    results["tp=2 nccl"] = dict(results["tp=2"], rows=[dict(r, ms=r["ms"] * 1.1) if "ms" in r else r
                                                       for r in results["tp=2"]["rows"]])
     table = tp.format_table(results, config, 450.0).splitlines()
     assert "| tp=1 decode B1 ms/token | 6.000 | 1.00x | 100% | 75% of 4.500 |" in table
     assert "| tp=2 decode B1 ms/token | 3.600 | 0.60x | 83% |  |" in table
     assert "| tp=1 prefill B8 T1024 ms | 300.000 | 1.00x | 100% |  |" in table
-    assert "| tp=2 peer decode B1 ms/token | 3.960 | 0.66x | 76% |  |" in table
+    assert "| tp=2 nccl decode B1 ms/token | 3.960 | 0.66x | 76% |  |" in table
     assert any(line.startswith("| tp=2 decode B1 profile (rank 0, us per step): kernels span 3500, all-reduce 600, "
                                "other kernels 2700, idle 200 (400 kernels)") for line in table)
     assert any(line.startswith("| tp=2 all-reduce B1 (8192 B): 9.0 us, 18.0 us/layer, 0.576 ms/step (16% of the step)")

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 def test_peer_sums_equal_float64_on_every_rank(tmp_path, monkeypatch, world):
     need_gpus(world)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", str(1 << 20))      # the path is opt-in
+    monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", str(1 << 20))      # the default, whatever the caller set
     status = parallel.launch(world, ["-m", "tests.kernels.peer_all_reduce_worker", str(tmp_path)],
                              program=[sys.executable], quiet_ranks=False)
     assert status == 0, status

@@ -1,8 +1,9 @@
 """Tensor-parallel Llama, GPT-2 and DeepSeek-V2 on two GPUs of one host (and four, where the host has them): the
 ranks are processes started by parallel.launch (tp_worker.py), joined through NCCL. TP=N logits equal TP=1's within
 the dtype's tolerance (and transformers'), greedy tokens agree over 32 steps, graph and eager agree, every rank holds
-the same logits and tokens (an unseeded sampled run included: the ranks agree on its seed), and a rank that dies
-makes the other exit instead of hanging inside NCCL."""
+the same logits and tokens (an unseeded sampled run included: the ranks agree on its seed), with decode's small
+all-reduces through peer memory (the default) and through NCCL alone, and a rank that dies makes the other exit
+instead of hanging inside NCCL."""
 
 import sys
 from pathlib import Path
@@ -87,6 +88,18 @@ def wide_deepseek(tmp_path_factory):
     ("tiny-gpt2", "float32", 4), ("tiny-deepseek-v2", "float32", 4)])
 def test_ranks_equal_one(request, tmp_path, name, dtype, world):
     need_gpus(world)
+    check_ranks_equal_one(request, tmp_path, name, dtype, world, peer=True)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek-v2"])
+def test_ranks_through_nccl_alone_equal_one(request, tmp_path, monkeypatch, name):
+    """TILEKIT_PEER_ALL_REDUCE_BYTES=0: every all-reduce through NCCL (the path of hosts without peer access)."""
+    monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", "0")
+    check_ranks_equal_one(request, tmp_path, name, "float32", 2, peer=False)
+
+
+def check_ranks_equal_one(request, tmp_path, name: str, dtype: str, world: int, peer: bool) -> None:
+    """Every rank holds the same results, equal to one GPU's, having taken the peer path or not as `peer` says."""
     shaped = name.startswith("wide")         # a random checkpoint of a preset's layer shapes
     checkpoint = request.getfixturevalue(name) if shaped else DATA / name
     per_rank = ranks(checkpoint, dtype, tmp_path, world)
@@ -94,6 +107,7 @@ def test_ranks_equal_one(request, tmp_path, name, dtype, world):
         for key in per_rank[0]:
             np.testing.assert_array_equal(per_rank[rank][key], per_rank[0][key], err_msg=f"rank {rank} {key}")
     got = per_rank[0]
+    assert bool(got["peer"]) == peer, f"peer memory used: {bool(got['peer'])} (peer access between the GPUs?)"
     one = families.load_model(checkpoint, dtype=dtype)
     ids = np.load(checkpoint / "input_ids.npy") if not shaped else \
         np.random.default_rng(0).integers(0, one.config.vocab_size, (2, 19))
@@ -143,8 +157,9 @@ def test_two_quantized_ranks_equal_one(request, tmp_path, name, quantize):
 
 
 def test_a_dead_rank_stops_the_other(tmp_path):
-    """Rank 1 dies after joining; rank 0, blocked in an NCCL all-reduce that would wait forever, is stopped by its
-    watchdog with a line naming rank 1 (no launcher here to kill it)."""
+    """Rank 1 dies after joining; rank 0, blocked in an all-reduce that would wait forever (the peer kernel's, its
+    4 KB message under the default limit), is stopped by its watchdog with a line naming rank 1 (no launcher here
+    to kill it)."""
     import os
     import subprocess
     port = parallel.free_port()

@@ -4,7 +4,7 @@
 
 loads its shard of CHECKPOINT (of any family with tensor parallelism), and writes OUT_DIR/rank<R>.npz: forward()
 logits with and without graphs, greedy tokens of generate() (32 new) with and without graphs, and sampled tokens,
-seeded and not. `int8` / `fp8`: the model quantized at load (quantize=). `die`: rank 1 exits right after joining
+seeded and not, and whether the small all-reduces went through peer memory. `int8` / `fp8`: the model quantized at load (quantize=). `die`: rank 1 exits right after joining
 while rank 0 all-reduces until the watchdog stops it (the test of a dead rank)."""
 
 import faulthandler
@@ -29,7 +29,7 @@ def main(checkpoint: str, dtype: str, out: str, mode: str = "") -> None:
             os._exit(3)
         x = cupy.ones((1024,), cupy.float32)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:         # blocks in NCCL once rank 1 is gone; the watchdog exits
+        while time.monotonic() < deadline:         # blocks once rank 1 is gone; the watchdog exits
             comm.all_reduce(x)
             cupy.cuda.get_current_stream().synchronize()
         return
@@ -42,7 +42,8 @@ def main(checkpoint: str, dtype: str, out: str, mode: str = "") -> None:
         greedy=np.stack(model.generate(ids, 32, temperature=0, eos_token_id=[])),
         greedy_eager=np.stack(model.generate(ids, 32, temperature=0, eos_token_id=[], use_graph=False)),
         sampled=np.stack(model.generate(ids, 16, temperature=1.0, top_k=20, seed=5, eos_token_id=[])),
-        unseeded=np.stack(model.generate(ids, 16, temperature=1.0, eos_token_id=[])))
+        unseeded=np.stack(model.generate(ids, 16, temperature=1.0, eos_token_id=[])),
+        peer=np.array(comm is not None and comm.peers.usable))
     np.savez(Path(out) / f"rank{0 if comm is None else comm.rank}.npz", **result)
     if comm is not None:
         comm.close()

@@ -49,9 +49,10 @@ def test_length_offset_counts_the_new_token():
     check_mla(2, 16, 1, 256, 512, 64, "bfloat16", offset=1)
 
 
-@pytest.mark.parametrize("hp", [1, 4, 16])
+# groups of hp heads: one of all heads (padded to 16 query rows), and many (tiles of the heads axis), with nq tokens
+# padded to a power of two (nq = 3)
+@pytest.mark.parametrize("H, nq, hp", [(16, 1, 16), (16, 4, 4), (16, 3, 8), (128, 1, 32), (4, 1, 4)])
 @pytest.mark.parametrize("chunk", [64, 2048])
-def test_every_head_group_and_split(hp, chunk):
+def test_every_head_group_and_split(H, nq, hp, chunk):
     with MLA_DECODE_ATTENTION.pinned(dict(HP=hp, BN=64, CHUNK=chunk, occupancy=1)):
-        check_mla(2, 16, 1, 1500, 512, 64, "bfloat16")
-
+        check_mla(2, H, nq, 1500, 512, 64, "bfloat16")

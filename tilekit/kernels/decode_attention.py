@@ -136,26 +136,33 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
         ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)))
 
 
+def merge_splits(Opart, Mpart, Lpart, b, g, QP, D):
+    """The (QP, D) fp32 merge of the partial softmax states of every split of (batch b, group g): each split's
+    output weighted by its exp2(max - the overall max), over the splits' weighted sums."""
+    S = Mpart.shape[2]
+    m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
+    for s in range(S):
+        m_max = ct.maximum(m_max, ct.load(Mpart, (b, g, s, 0), (1, 1, 1, QP)).reshape((QP, 1)))
+    m_max = ct.where(m_max == -math.inf, 0.0, m_max)
+    total = ct.zeros((QP, 1), dtype=ct.float32)
+    out = ct.zeros((QP, D), dtype=ct.float32)
+    for s in range(S):
+        w = ct.exp2(ct.load(Mpart, (b, g, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) - m_max)
+        total = total + ct.load(Lpart, (b, g, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) * w
+        out = out + ct.load(Opart, (b, g, s, 0, 0), (1, 1, 1, QP, D)).reshape((QP, D)) * w
+    return out / total
+
+
 @ct.kernel
 def decode_merge_kernel(Opart, Mpart, Lpart, O, QP: ct.Constant[int], D: ct.Constant[int]):
     """O[b, heads of kv head hk] = the merge of the partial softmax states of all splits of (batch,
     key/value head) ct.bid(0)."""
     sync_with_previous_kernel()
     b, hk = batch_head(ct.bid(0), Mpart.shape[1])
-    S = Mpart.shape[2]
-    m_max = ct.full((QP, 1), -math.inf, dtype=ct.float32)
-    for s in range(S):
-        m_max = ct.maximum(m_max, ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)))
-    m_max = ct.where(m_max == -math.inf, 0.0, m_max)
-    total = ct.zeros((QP, 1), dtype=ct.float32)
-    out = ct.zeros((QP, D), dtype=ct.float32)
-    for s in range(S):
-        w = ct.exp2(ct.load(Mpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) - m_max)
-        total = total + ct.load(Lpart, (b, hk, s, 0), (1, 1, 1, QP)).reshape((QP, 1)) * w
-        out = out + ct.load(Opart, (b, hk, s, 0, 0), (1, 1, 1, QP, D)).reshape((QP, D)) * w
+    out = merge_splits(Opart, Mpart, Lpart, b, hk, QP, D)
     H = O.shape[1]
     head, token = query_rows(QP, O.shape[2], hk, H // Mpart.shape[1], H)
-    ct.scatter(O, (b, head, token, ct.arange(D, dtype=ct.int32).reshape((1, D))), (out / total).astype(O.dtype))
+    ct.scatter(O, (b, head, token, ct.arange(D, dtype=ct.int32).reshape((1, D))), out.astype(O.dtype))
 
 
 MIN_CHUNK = 128       # positions of the shortest split

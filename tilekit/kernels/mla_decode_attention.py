@@ -25,9 +25,9 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.attention import LOG2E, batch_head, check_heads_out, heads_out, online_softmax_step
-from tilekit.kernels.decode_attention import MAX_QUERIES, decode_merge_kernel, query_rows
-from tilekit.kernels.tiles import sync_with_previous_kernel
+from tilekit.kernels.attention import LOG2E, batch_head, check_heads_out, heads_out
+from tilekit.kernels.decode_attention import MAX_QUERIES, merge_splits
+from tilekit.kernels.tiles import online_softmax_step_by_column, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 MAX_LATENT = 1024
@@ -36,23 +36,27 @@ MAX_ROPE = 256
 
 @ct.kernel
 def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpart, qk_scale: float,
-                      length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int], BN: ct.Constant[int],
-                      R: ct.Constant[int], P: ct.Constant[int], GROUPS: ct.Constant[int], CHUNK: ct.Constant[int],
-                      SPLITS: ct.Constant[int], NEW_KV: ct.Constant[bool]):
+                      length_offset: int, HT: ct.Constant[int], NQ: ct.Constant[int],
+                      BN: ct.Constant[int], R: ct.Constant[int], P: ct.Constant[int], GROUPS: ct.Constant[int],
+                      CHUNK: ct.Constant[int], SPLITS: ct.Constant[int], NEW_KV: ct.Constant[bool]):
     """Attention of split bid(1) of (batch, head group) bid(0).
 
     Q: (B, H, nq, R) absorbed queries, Qpe: (B, H, nq, P) rotary queries; C: (B, capacity, R) latents, Kpe:
     (B, capacity, P) rotary keys; Lengths[b] + length_offset = valid positions, the last nq of which are the
-    queries' own (causal among them). With NEW_KV those nq entries come from Cnew (B, nq, R), Pnew (B, nq, P)
-    and the split holding the last position folds them in first (folded after a loop of more than one cached
-    tile, the results were wrong at R = 512 with tileiras 13.4, on an H200) and writes them into C, Kpe. Row r
-    of the query tile is head g * H / GROUPS + r // nq, token r % nq. With SPLITS == 1 the program writes O (B, H, nq, R); otherwise its
-    partial state goes to Opart (B, GROUPS, S, QP, R), Mpart, Lpart (B, GROUPS, S, QP) for the merge.
+    queries' own (causal among them). With NEW_KV those nq entries come from Cnew (B, nq, R), Pnew (B, nq, P):
+    the split holding the last position folds them in first, one rank-1 update each, and writes them into C, Kpe.
+    The query tile is group g's HT heads x NQ tokens (nq padded to a power of two), head-major, a column per
+    query: the scores are (positions, queries) and the output (R, queries), so that the products' M axis is the
+    positions and the latent (Hopper's asynchronous MMA, operands in shared memory). With the queries as rows (M =
+    16, operands in registers) the kernel spilled 4.9 KB of registers a thread, and with the new tokens folded as
+    an MMA tile 2 KB; none now (benchmarks/studies/local_memory.py). With SPLITS == 1 the program writes O (B, H,
+    nq, R); otherwise its partial state goes to Opart (B, GROUPS, S, HT NQ, R), Mpart, Lpart (B, GROUPS, S, HT NQ)
+    for mla_merge_kernel.
     """
     sync_with_previous_kernel()
+    QP = HT * NQ
     b, g = batch_head(ct.bid(0), GROUPS)
     split = ct.bid(1)
-    H = Q.shape[1]
     nq = Q.shape[2]
     length = ct.load(Lengths, (b,), shape=()) + length_offset
     first_new = length - nq
@@ -61,57 +65,77 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
     if NEW_KV:
         cached = first_new
     end = ct.minimum(cached, start + CHUNK)
-    head, token = query_rows(QP, nq, g, H // GROUPS, H)
-    latent = ct.arange(R, dtype=ct.int32).reshape((1, R))
-    rope = ct.arange(P, dtype=ct.int32).reshape((1, P))
-    q = ct.gather(Q, (b, head, token, latent))
-    q_pe = ct.gather(Qpe, (b, head, token, rope))
-    q_pos = token + first_new
-    m_i = ct.full((QP, 1), -math.inf, dtype=ct.float32)
-    l_i = ct.zeros((QP, 1), dtype=ct.float32)
-    acc = ct.zeros((QP, R), dtype=ct.float32)
+    q_t = ct.transpose(ct.load(Q, (b, g, 0, 0), (1, HT, NQ, R), padding_mode=ZERO).reshape((QP, R)))
+    q_pe_t = ct.transpose(ct.load(Qpe, (b, g, 0, 0), (1, HT, NQ, P), padding_mode=ZERO).reshape((QP, P)))
+    q_pos = (ct.arange(QP, dtype=ct.int32) % NQ).reshape((1, QP)) + first_new
+    m_i = ct.full((1, QP), -math.inf, dtype=ct.float32)
+    l_i = ct.zeros((1, QP), dtype=ct.float32)
+    acc = ct.zeros((R, QP), dtype=ct.float32)
     if NEW_KV:
         if split == (length - 1) // CHUNK:
-            t = ct.arange(NP, dtype=ct.int32).reshape((NP, 1))
-            c_new = ct.gather(Cnew, (b, t, latent))                            # (NP, R); rows past nq read zeros
-            pe_new = ct.gather(Pnew, (b, t, rope))
-            s = ct.mma(q, ct.transpose(c_new), ct.zeros((QP, NP), dtype=ct.float32))
-            s = ct.mma(q_pe, ct.transpose(pe_new), s) * qk_scale
-            s = ct.where(t.reshape((1, NP)) <= token, s, -math.inf)            # causal among the new tokens
-            m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, c_new)
-            ct.scatter(C, (b, t + first_new, latent), c_new, mask=t < nq)
-            ct.scatter(Kpe, (b, t + first_new, rope), pe_new, mask=t < nq)
+            for t in range(nq):          # each new token a rank-1 update: as an MMA tile, the fold spilled 2 KB
+                c_t = ct.load(Cnew, (b, t, 0), (1, 1, R), padding_mode=ZERO)
+                pe_t = ct.load(Pnew, (b, t, 0), (1, 1, P), padding_mode=ZERO)
+                c_col = ct.transpose(c_t.reshape((1, R))).astype(ct.float32)                   # (R, 1)
+                s_t = ct.sum(q_t.astype(ct.float32) * c_col, axis=0, keepdims=True)
+                s_t = s_t + ct.sum(q_pe_t.astype(ct.float32) * ct.transpose(pe_t.reshape((1, P))).astype(ct.float32),
+                                   axis=0, keepdims=True)
+                s_t = ct.where(first_new + t <= q_pos, s_t * qk_scale, -math.inf)     # causal among the new
+                m_new = ct.maximum(m_i, s_t)
+                m_safe = ct.where(m_new == -math.inf, 0.0, m_new)
+                p_t = ct.exp2(s_t - m_safe)
+                alpha = ct.exp2(m_i - m_safe)
+                l_i = l_i * alpha + p_t
+                acc = acc * alpha + c_col * p_t
+                m_i = m_new
+                ct.store(C, (b, first_new + t, 0), c_t)
+                ct.store(Kpe, (b, first_new + t, 0), pe_t)
     for j in range(start // BN, ct.cdiv(end, BN)):
         c = ct.load(C, (b, j, 0), (1, BN, R), padding_mode=ZERO).reshape((BN, R))
         k_pe = ct.load(Kpe, (b, j, 0), (1, BN, P), padding_mode=ZERO).reshape((BN, P))
-        s = ct.mma(q, ct.transpose(c), ct.zeros((QP, BN), dtype=ct.float32))
-        s = ct.mma(q_pe, ct.transpose(k_pe), s) * qk_scale
-        k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
+        s = ct.mma(c, q_t, ct.zeros((BN, QP), dtype=ct.float32))
+        s = ct.mma(k_pe, q_pe_t, s) * qk_scale
+        k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((BN, 1))
         s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, c)
+        m_i, l_i, acc = online_softmax_step_by_column(s, m_i, l_i, acc, ct.transpose(c))
     if SPLITS == 1:
-        ct.scatter(O, (b, head, token, latent), (acc / l_i).astype(O.dtype))
+        ct.store(O, (b, g, 0, 0), ct.transpose(acc / l_i).astype(O.dtype).reshape((1, HT, NQ, R)))
     else:
-        ct.store(Opart, (b, g, split, 0, 0), acc.reshape((1, 1, 1, QP, R)))
+        ct.store(Opart, (b, g, split, 0, 0), ct.transpose(acc).reshape((1, 1, 1, QP, R)))
         ct.store(Mpart, (b, g, split, 0), m_i.reshape((1, 1, 1, QP)))
         ct.store(Lpart, (b, g, split, 0), l_i.reshape((1, 1, 1, QP)))
 
 
+@ct.kernel
+def mla_merge_kernel(Opart, Mpart, Lpart, O, HT: ct.Constant[int], NQ: ct.Constant[int], R: ct.Constant[int]):
+    """O[b, heads of group g] = the merge of the partial softmax states of every split of (batch, group) bid(0)."""
+    sync_with_previous_kernel()
+    b, g = batch_head(ct.bid(0), Mpart.shape[1])
+    out = merge_splits(Opart, Mpart, Lpart, b, g, HT * NQ, R)
+    ct.store(O, (b, g, 0, 0), out.astype(O.dtype).reshape((1, HT, NQ, R)))
+
+
 def _groups(p: dict, c: dict) -> int:
-    """Head groups: one program (per split) serves H / groups heads."""
+    """Head groups: one program (per split) serves HP heads, or all of them in one group."""
     return ct.cdiv(p["H"], c["HP"])
 
 
+def _head_tile(p: dict, c: dict) -> int:
+    """Heads in the query tile: HP, or more where a single group's rows would be under 16 (past H: zeros)."""
+    return max(c["HP"], 16 // pow2_ceil(p["nq"]))
+
+
 def _qp(p: dict, c: dict) -> int:
-    """Rows of the query tile: a group's heads x the new tokens."""
-    return max(16, pow2_ceil(p["H"] // _groups(p, c) * p["nq"]))
+    """Rows of the query tile: its heads x the new tokens (padded to a power of two)."""
+    return _head_tile(p, c) * pow2_ceil(p["nq"])
 
 
 def _heads_fit(p: dict, hp: int) -> bool:
-    """Whole groups of at most hp heads, the fp32 output tile within 64 KB of registers."""
-    c = dict(HP=hp)
-    return hp <= pow2_ceil(p["H"]) and p["H"] % _groups(p, c) == 0 and _qp(p, c) <= 64 \
-        and _qp(p, c) * pow2_ceil(p["R"]) <= 16 * 1024
+    """Groups of exactly hp heads (tiles of the heads axis), at least 16 rows, or one group of every head; the fp32
+    output tile within 64 KB of registers."""
+    c, H = dict(HP=hp), p["H"]
+    return hp <= pow2_ceil(H) and (hp >= H or (H % hp == 0 and hp * pow2_ceil(p["nq"]) >= 16)) \
+        and _qp(p, c) <= 64 and _qp(p, c) * pow2_ceil(p["R"]) <= 16 * 1024
 
 
 def _latent_tile_fits(p: dict, bn: int) -> bool:
@@ -134,7 +158,7 @@ def default_config(p: dict) -> dict:
     """Every head in one group where the tile allows (the cache read once), the widest latent tile up to 64
     that fits, and splits for about two programs per SM of a 132-SM GPU, but at most 32 per (batch, group):
     one program merges a group's splits, reading R fp32 values per head and split."""
-    hp = max(h for h in SPACE.params["HP"] if h == 1 or _heads_fit(p, h))
+    hp = max(h for h in SPACE.params["HP"] if _heads_fit(p, h))
     bn = max(b for b in (16, 32, 64) if b == 16 or _latent_tile_fits(p, b))
     per_seq = min(32, max(1, 264 // max(1, p["B"] * ct.cdiv(p["H"], hp))))
     chunk = max(64, bn, pow2_ceil(math.ceil(p["capacity"] / per_seq)))
@@ -177,12 +201,13 @@ def _merge_grid(p: dict, c: dict) -> tuple:
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (_qp(p, c), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["R"]), pow2_ceil(p["P"]), _groups(p, c),
+    nqp = pow2_ceil(p["nq"])
+    return (_head_tile(p, c), nqp, c["BN"], pow2_ceil(p["R"]), pow2_ceil(p["P"]), _groups(p, c),
             c["CHUNK"], _splits(p, c), bool(p["new_kv"]))
 
 
 def _merge_constants(p: dict, c: dict) -> tuple:
-    return (_qp(p, c), pow2_ceil(p["R"]))
+    return (_head_tile(p, c), pow2_ceil(p["nq"]), pow2_ceil(p["R"]))
 
 
 def _check_4d(a, name: str, like, shape: tuple) -> None:
@@ -240,7 +265,7 @@ MLA_DECODE_ATTENTION = Op(
                      ("q", "q_pe", "c_new", "pe_new", "c", "k_pe", "lengths", "o", "opart", "mpart", "lpart",
                       "qk_scale", "length_offset"), _constants,
                      dependent=False),       # one ordinary launch per layer, as decode_attention (see there)
-              Launch(decode_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
+              Launch(mla_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
                      hinted=False)),
     bind=_bind, cli_defaults=dict(nq=1, new_kv=1))
 

@@ -107,7 +107,10 @@ def _bind(a: list, flags: tuple) -> Binding:
     if w.shape != (N,):
         raise ValueError(f"weight must have shape ({N},), got {w.shape}")
     arrays.check_contiguous(w, "weight")
-    arrays.check_contiguous(x, "x")
+    if len(x.shape) == 2 and res is None and rows is None:
+        arrays.check_last_contiguous(x, "x")      # rows of a wider buffer (DeepSeek-V2's latent) load as tiles
+    else:
+        arrays.check_contiguous(x, "x")
     M = math.prod(x.shape[:-1])
     out_shape = x.shape
     flat = None if len(x.shape) == 2 else (M, N)
@@ -143,7 +146,8 @@ RMS_NORM = Op(
 
 
 def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, rows=None, out=None):
-    """RMSNorm of x over its last dimension: x / sqrt(mean(x^2) + eps) * weight (fp32 statistics).
+    """RMSNorm of x over its last dimension: x / sqrt(mean(x^2) + eps) * weight (fp32 statistics). A 2-D x may
+    be rows of a wider array (any row stride) unless residual or rows is given.
 
     residual: an array of x's shape; then s = x + residual is formed, written into residual (in
     place: the residual stream after the add) and s is normalised. rows: optional int32 device

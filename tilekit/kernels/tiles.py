@@ -88,6 +88,20 @@ def online_softmax_step(s, m_i, l_i, acc, v):
     return m_new, l_i, acc
 
 
+@ct.function
+def online_softmax_step_by_column(s, m_i, l_i, acc, v_t):
+    """online_softmax_step with a column per query: scores s[BN, QP], values v_t[D, BN], acc[D, QP], m_i and
+    l_i [1, QP]. A few queries against many keys put the keys on the products' M axis, the one the Hopper tensor
+    cores' asynchronous MMA tiles by 64, with its operands in shared memory instead of registers."""
+    m_new = ct.maximum(m_i, ct.max(s, axis=0, keepdims=True))
+    m_safe = ct.where(m_new == -math.inf, 0.0, m_new)
+    p = ct.exp2(s - m_safe)
+    alpha = ct.exp2(m_i - m_safe)
+    l_i = l_i * alpha + ct.sum(p, axis=0, keepdims=True)
+    acc = ct.mma(v_t, p.astype(v_t.dtype), acc * alpha)
+    return m_new, l_i, acc
+
+
 def lends_split_k(config) -> bool:
     """Whether a tuned config of a split-K op (linear, quant_linear, moe_router) may serve the problems it was not
     tuned for (Op borrowable): not split-K with two programs a SM. Such configs summed wrongly now and then on

@@ -114,8 +114,8 @@ def test_from_pretrained_and_save_pretrained(cpu, tmp_path):
     for name, array in model.params.items():
         np.testing.assert_array_equal(array.astype(np.float32), host[name], err_msg=name)
     a = "model.layers.1.self_attn."
-    assert np.shares_memory(model.params[a + "q_proj.weight"], model.blocks[1].pe_q)
-    assert np.shares_memory(model.params[a + "kv_a_proj_with_mqa.weight"], model.blocks[1].pe_q)
+    assert np.shares_memory(model.params[a + "q_proj.weight"], model.blocks[1].kv_a_q)
+    assert np.shares_memory(model.params[a + "kv_a_proj_with_mqa.weight"], model.blocks[1].kv_a_q)
     model.save_pretrained(tmp_path)
     with safe_open(tmp_path / "model.safetensors", "np") as saved, \
             safe_open(DATA / "tiny-deepseek-v2" / "model.safetensors", "np") as original:

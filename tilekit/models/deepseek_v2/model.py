@@ -15,9 +15,10 @@ rows). Prompts (forward, prefill) run the plain form: kv_b_proj expands the late
 mla_kv appends the shared rotary key to every head's key and zero-pads the values to the query head dim, and
 tilekit's causal attention runs over them; write_kv copies the outputs' value columns into o_proj's rows. RoPE is
 tilekit's half-split kernel on rotary rows stored half-split (weights.py), its tables times YaRN's cos/sin factor.
-Without query compression, one GEMM makes the rotary key and the queries ([kv_a_proj_with_mqa's rotary rows;
-q_proj], rows of one fused matrix) and one the latent; with it, q_a_proj, its norm and q_b_proj. Names follow
-transformers' DeepseekV2ForCausalLM.
+Without query compression, one GEMM makes the latent, the rotary key and the queries ([kv_a_proj_with_mqa;
+q_proj], rows of one fused matrix, into one row of Activations.q) and one RoPE launch turns the rotary key and
+every query head; with it, kv_a_proj_with_mqa, q_a_proj, its norm and q_b_proj. Names follow transformers'
+DeepseekV2ForCausalLM.
 
 Quantized (`quantize=`, or an FP8 / INT8 checkpoint; tilekit.models.quantization), weights.QUANTIZED run on
 kernels.quant_linear: kv_a_proj_with_mqa (its latent and rotary rows as two row slices), q_proj or q_a_proj and
@@ -81,7 +82,7 @@ class Block:
     attn_norm: object       # input_layernorm.weight
     kv_c: object            # kv_a_proj_with_mqa's latent rows [R, C]
     kv_pe: object           # its rotary rows [P, C]
-    pe_q: object            # [rotary key rows; q_proj] [P + H dq, C] (no query compression) or None
+    kv_a_q: object          # [kv_a_proj_with_mqa; q_proj] [R + P + H dq, C] (no query compression) or None
     q_a: object             # q_a_proj [Q, C] (query compression) or None
     q_a_norm: object
     q_b: object
@@ -137,8 +138,8 @@ class Activations:
     """The blocks' working buffers for B sequences of T tokens (M = B*T rows), allocated once; the routing
     constants of the one-expert (dense down projection) and one-expert-per-head (attention output) combines.
 
-    q holds per token [pad | rotary key k_pe] then the H query heads, dq = qk_head_dim wide each, so that the heads
-    are a view and one GEMM writes k_pe and the queries."""
+    q holds per token [pad | latent c | rotary key k_pe] (padded to whole dq = qk_head_dim wide slots) then the H
+    query heads, dq wide each, so that the heads are a view and one GEMM writes the latent, k_pe and the queries."""
 
     def __init__(self, config: DeepseekV2Config, batch: int, tokens: int, dtype: str, arrays: Arrays, fp8=None,
                  shard: tuple[int, int, int] | None = None):
@@ -152,20 +153,27 @@ class Activations:
         slots = c.num_experts_per_tok + c.n_shared_experts
         self.x = arrays.empty((M, C), FIXED_DTYPE)
         self.xf, self.h = arrays.empty((M, C), dtype), arrays.empty((M, C), dtype)
-        self.c, self.cn = arrays.empty((M, R), dtype), arrays.empty((M, R), dtype)
+        self.cn = arrays.empty((M, R), dtype)
         self.qa = None if c.q_lora_rank is None else arrays.empty((M, c.q_lora_rank), dtype)
         self.qan = None if c.q_lora_rank is None else arrays.empty((M, c.q_lora_rank), dtype)
-        self.q = arrays.empty((M, (H + 1) * dq), dtype)
-        heads = self.q.reshape(batch, tokens, H + 1, dq)[:, :, 1:].transpose(0, 2, 1, 3)    # (B, H, T, dq)
+        L = -(-(R + P) // dq)                   # leading dq-wide slots: [pad | latent c | rotary key k_pe]
+        lead, g = L * dq, chunk(config)
+        self.q = arrays.empty((M, lead + H * dq), dtype)
+        q_slots = self.q.reshape(batch, tokens, L + H, dq)
+        heads = q_slots[:, :, L:].transpose(0, 2, 1, 3)                                      # (B, H, T, dq)
         self.heads, self.q_pe = heads, heads[:, :, :, dn:]
-        self.q_nope = self.q.reshape(M, H + 1, dq)[:, 1:, :dn]                              # (M, H, dn)
-        self.k_pe = self.q[:, dq - P:dq]                                                    # (M, P)
-        self.k_pe_heads = self.q.reshape(batch, tokens, 1, (H + 1) * dq)[:, :, :, dq - P:dq].transpose(0, 2, 1, 3)
-        self.pe_q = self.q[:, dq - P:]          # the GEMM's output: k_pe, then the query heads
-        self.q_out = self.q[:, dq:]             # the query heads alone (q_b_proj's output)
-        g = chunk(config)                       # the new latent entries as write_kv's heads (prefill)
+        self.q_nope = self.q.reshape(M, L + H, dq)[:, L:, :dn]                              # (M, H, dn)
+        self.c = self.q[:, lead - R - P:lead - P]                                           # (M, R)
+        self.k_pe = self.q[:, lead - P:lead]                                                # (M, P)
+        self.k_pe_heads = q_slots[:, :, L - 1:L, dn:].transpose(0, 2, 1, 3)                  # (B, 1, T, P)
+        # the rotary key ends slot L - 1 (dn + P = dq), so it and every query head's rotary part are H + 1 heads of
+        # one stride: one RoPE launch
+        self.rope_heads = q_slots[:, :, L - 1:, dn:].transpose(0, 2, 1, 3)
+        self.entry_q = self.q[:, lead - R - P:]     # one GEMM's output: the latent, k_pe, then the query heads
+        self.q_out = self.q[:, lead:]               # the query heads alone (q_proj's or q_b_proj's output)
+        # the new latent entries as write_kv's heads (prefill)
         self.c_chunks = self.cn.reshape(batch, tokens, R // g, g).transpose(0, 2, 1, 3)
-        self.pe_chunks = self.q.reshape(batch, tokens, (H + 1) * dq // g, g)[:, :, (dq - P) // g:dq // g]
+        self.pe_chunks = self.q.reshape(batch, tokens, (lead + H * dq) // g, g)[:, :, (lead - P) // g:lead // g]
         self.pe_chunks = self.pe_chunks.transpose(0, 2, 1, 3)
         # the output projection's rows (M, H dv), token-major: W_UV's outputs (decode) or the attention outputs'
         # value columns (prompts, whose values are padded to dq: write_kv copies them, as one sequence of M tokens)
@@ -264,7 +272,7 @@ class DeepseekV2(CausalLM):
                 down = w[p + "mlp.down_proj.weight"]
                 mlp = (w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], down.reshape(1, *down.shape))
             self.blocks.append(Block(
-                w[p + "input_layernorm.weight"], kv_a[:R], kv_a[R:], None if lora or self.quant else fused[i][0][R:],
+                w[p + "input_layernorm.weight"], kv_a[:R], kv_a[R:], None if lora or self.quant else fused[i][0],
                 w.get(a + "q_a_proj.weight"), w.get(a + "q_a_layernorm.weight"), w.get(a + "q_b_proj.weight"),
                 w[a + "kv_a_layernorm.weight"], kv_b, heads[:, :dn], heads[:, dn:],
                 w[a + "o_proj.weight"].reshape(1, C, H * c.v_head_dim),
@@ -290,7 +298,7 @@ class DeepseekV2(CausalLM):
     def _allocate(self) -> list:
         """self.params (runtime's _allocate_params); without query compression and unquantized, a layer's
         kv_a_proj_with_mqa and q_proj are row views of one matrix (latent rows, rotary rows, query rows), so that
-        one GEMM makes the rotary key and the queries; quantized, the dense layer's gate and up are row views of one
+        one GEMM makes the latent, the rotary key and the queries; quantized, the dense layer's gate and up are row views of one
         [gate; up]. Returns each layer's fused (matrix, scales), or None."""
         groups, halves, layers = [], [], []
         for i in range(self.config.n_layer):
@@ -389,11 +397,10 @@ class DeepseekV2(CausalLM):
         embedding(ids, self.embed, out=x)
         for i, blk in enumerate(self.blocks):
             self._norm(acts, blk.attn_norm)
-            self.project(acts.fp8, acts.h, blk.kv_c, blk.kv_c_scale, out=acts.c)
-            rms_norm(acts.c, blk.kv_norm, LORA_NORM_EPS, out=acts.cn)
-            if blk.pe_q is not None:
-                self.project(acts.fp8, acts.h, blk.pe_q, None, out=acts.pe_q)
+            if blk.kv_a_q is not None:
+                self.project(acts.fp8, acts.h, blk.kv_a_q, None, out=acts.entry_q)
             else:
+                self.project(acts.fp8, acts.h, blk.kv_c, blk.kv_c_scale, out=acts.c)
                 if blk.q_a is None:
                     self.project(acts.fp8, acts.h, blk.q, blk.q_scale, out=acts.q_out)
                 else:
@@ -401,8 +408,8 @@ class DeepseekV2(CausalLM):
                     rms_norm(acts.qa, blk.q_a_norm, LORA_NORM_EPS, out=acts.qan)
                     self.project(acts.fp8, acts.qan, blk.q_b, blk.q_b_scale, out=acts.q_out)
                 self.project(acts.fp8, acts.h, blk.kv_pe, blk.kv_pe_scale, out=acts.k_pe)
-            apply_rope(acts.q_pe, positions, self.cos, self.sin)
-            apply_rope(acts.k_pe_heads, positions, self.cos, self.sin)
+            rms_norm(acts.c, blk.kv_norm, LORA_NORM_EPS, out=acts.cn)
+            apply_rope(acts.rope_heads, positions, self.cos, self.sin)
             attend(i, blk, acts)
             rows = acts.y.reshape(acts.y.shape[0], -1)
             self.add_partial(x, lambda: moe_down_combine(rows, blk.o_proj, *acts.dense_routing, x))

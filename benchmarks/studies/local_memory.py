@@ -34,6 +34,8 @@ CASES = {   # op -> (problem, fixed configs besides the default)
                          (dict(B=8, H=32, Hkv=8, nq=1, capacity=32768, D=128, new_kv=1, fp8=1),
                           [dict(BN=128, PROGRAMS=256, occupancy=4), dict(BN=128, PROGRAMS=256, occupancy=1),
                            dict(BN=64, PROGRAMS=256, occupancy=1)])],
+    "mla_decode_attention": [(dict(B=1, H=16, nq=1, capacity=256, R=512, P=64, new_kv=1),
+                              [dict(HP=16, BN=32, CHUNK=64, occupancy=1)])],
     "residual_linear": [(dict(M=1, N=768, K=768, bias=1), [dict(TM=16, TN=64, TK=128, SPLIT_K=4, occupancy=1)])],
     "swiglu_linear": [(dict(M=1, N=8192, K=2048), [dict(TM=16, TN=32, TK=128, GROUP_M=8, occupancy=1,
                                                          num_worker_warps=0)])],

@@ -55,6 +55,24 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
         scales = N if p["scale"] == "channel" else math.ceil(N / 128) * math.ceil(K / 128)
         return ((1 if p["xq"] == "fp8" else item) * M * K + halves * (N * K + 4 * scales)
                 + item * (p["bias"] * N + (1 + p["res"]) * M * N))
+    if op_name in ("moe_gate_up", "moe_down_combine"):
+        # the weights of the fewest experts a call can touch: each token's `slots` (all of them at one token;
+        # tokens sharing experts at more), the token rows in and out; the combine adds into the int64 residual
+        experts, M, I, C = min(p["E"], p["slots"]), p["M"], p["I"], p["C"]
+        if op_name == "moe_gate_up":
+            return item * (experts * 2 * I * C + M * C + M * p["slots"] * I)
+        return item * (experts * C * I + M * p["slots"] * I) + 4 * M * p["slots"] + 16 * M * C
+    if op_name == "moe_router":                 # the gate and the rows read, ids and weights written
+        return item * (p["E"] + p["M"]) * p["C"] + 8 * p["M"] * (p["K"] + p["shared"])
+    if op_name == "moe_permute":                # the ids read, offsets and the sorted pairs written
+        return 8 * p["P"] + 4 * (p["E"] + 1)
+    if op_name == "mla_decode_attention":      # the latent cache once, the queries, the latent outputs, new entries
+        B, H, nq, R, P = p["B"], p["H"], p["nq"], p["R"], p["P"]
+        return item * (B * (context + p["new_kv"] * nq) * (R + P) + B * H * nq * (2 * R + P))
+    if op_name == "head_linear":                # every head's weights, its rows in and out
+        return item * p["H"] * (p["K"] * p["N"] + p["M"] * (p["K"] + p["N"]))
+    if op_name == "fixed_cast":                 # int64 in, the dtype out
+        return (8 + item) * p["M"] * p["N"]
     if op_name == "quantize_fp8":               # x read, its FP8 bits and fp32 scales written
         return (item + 1) * p["M"] * p["K"] + 4 * p["M"] * (math.ceil(p["K"] / 128) if p["group"] else 1)
     return float("nan")

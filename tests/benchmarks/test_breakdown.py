@@ -89,3 +89,21 @@ def test_quantized_ops_bytes_and_flops():
                                                     + 2 * 8192 * 14336)
     assert min_flops("quant_linear", swiglu) == 4.0 * 8192 * 14336 * 4096
     assert min_bytes("quantize_fp8", dict(dtype="bfloat16", M=8, K=4096, group=1), 0) == 3 * 8 * 4096 + 4 * 8 * 32
+
+
+def test_moe_and_mla_bytes_at_v2_lite_batch_1():
+    """One token reads exactly its 6 routed + 2 shared experts' weights (92.3 MB up, 46.1 MB down for V2-Lite); the
+    one-expert combine (o_proj) its one matrix and the int64 residual twice; MLA decode the latent cache once."""
+    moe = dict(dtype="bfloat16", M=1, slots=8, E=66, I=1408, C=2048)
+    assert min_bytes("moe_gate_up", moe, 0) == 2 * (8 * 2 * 1408 * 2048 + 2048 + 8 * 1408)
+    assert min_bytes("moe_down_combine", moe, 0) == 2 * (8 * 2048 * 1408 + 8 * 1408) + 4 * 8 + 16 * 2048
+    assert min_bytes("moe_down_combine", dict(moe, E=1, slots=1, I=2048), 0) == \
+        2 * (2048 * 2048 + 2048) + 4 + 16 * 2048
+    assert min_bytes("moe_gate_up", dict(moe, M=8), 0) == 2 * (8 * 2 * 1408 * 2048 + 8 * 2048 + 64 * 1408)
+    mla = dict(dtype="bfloat16", B=1, H=16, nq=1, capacity=256, R=512, P=64, new_kv=1)
+    assert min_bytes("mla_decode_attention", mla, 200) == 2 * ((200 + 1) * 576 + 16 * (1024 + 64))
+    assert min_bytes("moe_router", dict(dtype="bfloat16", M=1, E=64, C=2048, K=6, shared=2, renorm=0), 0) == \
+        2 * 65 * 2048 + 8 * 8
+    assert min_bytes("head_linear", dict(dtype="bfloat16", M=1, H=16, N=512, K=128, wt="kn"), 0) == \
+        2 * 16 * (128 * 512 + 640)
+    assert min_bytes("fixed_cast", dict(dtype="bfloat16", M=1, N=2048), 0) == 10 * 2048

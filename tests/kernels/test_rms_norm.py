@@ -46,8 +46,8 @@ def test_rms_norm_refuses_rows_with_a_residual():
         rms_norm(x, rand((64,), "bfloat16"), residual=rand((4, 64), "bfloat16"), rows=cupy.zeros(2, cupy.int32))
 
 
-@pytest.mark.parametrize("rows, width, start, n, dtype", [(1, 3648, 0, 512, "bfloat16"), (37, 3648, 64, 512, "bfloat16"),
-                                                          (5, 300, 7, 96, "float32")])
+@pytest.mark.parametrize("rows, width, start, n, dtype", [
+    (1, 3648, 0, 512, "bfloat16"), (37, 3648, 64, 512, "bfloat16"), (5, 300, 7, 96, "float32")])
 def test_rms_norm_of_rows_of_a_wider_array(rows, width, start, n, dtype):
     """x a column slice of a wider buffer (DeepSeek-V2's latent in its fused projection's output): any row stride."""
     buf, w = rand((rows, width), dtype, 2.0, mean=0.5), rand((n,), dtype, 0.1, mean=1.0)

@@ -4,8 +4,9 @@
 
 loads its shard of CHECKPOINT (of any family with tensor parallelism), and writes OUT_DIR/rank<R>.npz: forward()
 logits with and without graphs, greedy tokens of generate() (32 new) with and without graphs, and sampled tokens,
-seeded and not, and whether the small all-reduces went through peer memory. `int8` / `fp8`: the model quantized at load (quantize=). `die`: rank 1 exits right after joining
-while rank 0 all-reduces until the watchdog stops it (the test of a dead rank)."""
+seeded and not, and whether the small all-reduces went through peer memory. `int8` / `fp8`: the model quantized
+at load (quantize=). `die`: rank 1 exits right after joining while rank 0 all-reduces until the watchdog stops it
+(the test of a dead rank)."""
 
 import faulthandler
 import os

@@ -298,8 +298,8 @@ class DeepseekV2(CausalLM):
     def _allocate(self) -> list:
         """self.params (runtime's _allocate_params); without query compression and unquantized, a layer's
         kv_a_proj_with_mqa and q_proj are row views of one matrix (latent rows, rotary rows, query rows), so that
-        one GEMM makes the latent, the rotary key and the queries; quantized, the dense layer's gate and up are row views of one
-        [gate; up]. Returns each layer's fused (matrix, scales), or None."""
+        one GEMM makes the latent, the rotary key and the queries; quantized, the dense layer's gate and up are row
+        views of one [gate; up]. Returns each layer's fused (matrix, scales), or None."""
         groups, halves, layers = [], [], []
         for i in range(self.config.n_layer):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."

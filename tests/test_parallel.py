@@ -156,6 +156,15 @@ def test_the_launcher_stops_the_others_when_a_rank_fails():
     assert time.monotonic() - start < 30
 
 
+def test_the_launcher_sets_the_ranks_environment(monkeypatch):
+    """`env` reaches every rank over this process's environment; torchrun's variables are the launcher's own."""
+    monkeypatch.setenv("TILEKIT_TEST_KEPT", "kept")
+    code = ("import os, sys\nsys.exit(0 if (os.environ['TILEKIT_TEST_KEPT'], os.environ['TILEKIT_TEST_SET'], "
+            "os.environ['WORLD_SIZE']) == ('kept', 'set', '2') else 7)")
+    assert parallel.launch(2, ["-c", code], program=[sys.executable], env={"TILEKIT_TEST_SET": "set",
+                                                                           "WORLD_SIZE": "9"}) == 0
+
+
 def test_no_nccl_is_one_clear_error(tmp_path, monkeypatch):
     """CuPy's binding unusable here (no libnccl): the wheel's library is looked for under site-packages/nvidia, and a
     broken one is named."""

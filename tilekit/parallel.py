@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 import zlib
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -681,9 +681,10 @@ def free_port() -> int:
 
 
 def launch(world_size: int, argv: Sequence[str], *, quiet_ranks: bool = True, grace: float = 10.0,
-           program: Sequence[str] = (sys.executable, "-m", "tilekit")) -> int:
+           program: Sequence[str] = (sys.executable, "-m", "tilekit"), env: Mapping[str, str] | None = None) -> int:
     """Run `program argv` (`python -m tilekit argv`) as world_size ranks on this host (torchrun's variables set,
-    MASTER_ADDR 127.0.0.1 and a free port); rank 0's output is shown, the others' stdout dropped when quiet_ranks.
+    MASTER_ADDR 127.0.0.1 and a free port; `env` over this process's environment); rank 0's output is shown, the
+    others' stdout dropped when quiet_ranks.
     When a rank exits with an error the others are stopped (SIGTERM, then SIGKILL after `grace` s) and its status
     returned, after a line naming it; 0 when all succeed."""
     if world_size < 1:
@@ -691,10 +692,11 @@ def launch(world_size: int, argv: Sequence[str], *, quiet_ranks: bool = True, gr
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+        variables = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                     "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                     "NCCL_NVLS_ENABLE": "0"}
         stdout = subprocess.DEVNULL if rank and quiet_ranks else None
-        procs.append(subprocess.Popen([*program, *argv], env=env, stdout=stdout))
+        procs.append(subprocess.Popen([*program, *argv], env=variables, stdout=stdout))
     status = 0
     try:
         while [p.poll() for p in procs].count(None):

@@ -241,17 +241,9 @@ def run(sizes: list[int], layers: int | None, out: Path | None, log=print, prese
             label = f"tp={world}" + (" nccl" if nccl else "")
             result = Path(tmp) / f"tp{world}{nccl}.json"
             start = time.perf_counter()
-            before = os.environ.get("TILEKIT_PEER_ALL_REDUCE_BYTES")
-            os.environ["TILEKIT_PEER_ALL_REDUCE_BYTES"] = str(0 if nccl else PEER_ALL_REDUCE_DEFAULT)
-            try:
-                status = parallel.launch(world, ["-m", "benchmarks.studies.tp", "--rank", "--checkpoint",
-                                                 str(checkpoint), "--result", str(result)],
-                                         program=[sys.executable], quiet_ranks=False)
-            finally:
-                if before is None:
-                    os.environ.pop("TILEKIT_PEER_ALL_REDUCE_BYTES", None)
-                else:
-                    os.environ["TILEKIT_PEER_ALL_REDUCE_BYTES"] = before
+            status = parallel.launch(world, ["-m", "benchmarks.studies.tp", "--rank", "--checkpoint", str(checkpoint),
+                                             "--result", str(result)], program=[sys.executable], quiet_ranks=False,
+                                     env={"TILEKIT_PEER_ALL_REDUCE_BYTES": str(0 if nccl else PEER_ALL_REDUCE_DEFAULT)})
             if status:          # e.g. a model that fits only sharded: the other sizes' rows are kept
                 log(f"tp.py: the {label} ranks failed (status {status})")
                 continue

@@ -4,10 +4,9 @@
 
 joins the group, then all-reduces fresh random arrays of several shapes and dtypes through NcclCommunicator (the
 peer path for these sizes), eagerly, back to back (also with no host sync between calls of different shapes), and
-replayed from a CUDA graph, with and without the fused
-RMSNorm. Every rank makes the same inputs for every rank from the same seeds, so each checks its sums against a
-float64 reference itself; it writes OUT_DIR/rank<R>.npz with its outputs (the test compares the ranks' bits) and
-the worst errors."""
+replayed from a CUDA graph, with and without the fused RMSNorm. Every rank makes the same inputs for every rank
+from the same seeds, so each checks its sums against a float64 reference itself; it writes OUT_DIR/rank<R>.npz
+with its outputs (the test compares the ranks' bits) and the worst errors."""
 
 import faulthandler
 import os

@@ -232,7 +232,8 @@ def _tune_here(args, items, shard: str | None) -> int:
         elif event == "tuned":
             r = info["result"]
             results.append(r)
-            progress.line(f"tuned {r.key}: {r.time_us:.1f} us", force=True)
+            cut = "" if r.complete else f" (budget spent: the best of {r.measured} of {r.candidates} configs)"
+            progress.line(f"tuned {r.key}: {r.time_us:.1f} us{cut}", force=True)
             for config, reason, why in r.failures:
                 if reason == "WrongOutput":
                     progress.line(f"  rejected {config}: {why}", force=True)
@@ -864,7 +865,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(tune)
     tune.add_argument("--kernel", help="tune one kernel instead of a model (with --shape)")
     tune.add_argument("--shape", help="problem fields, e.g. M=8192,N=2304,K=768")
-    tune.add_argument("--budget", type=_minutes, help="time budget in minutes")
+    tune.add_argument("--budget", type=_minutes,
+                      help="time budget in minutes (compiling stops at 60%% of it; a shape being timed when it runs "
+                           "out keeps the best of the configs timed so far)")
     tune.add_argument("--stale", choices=("user", "shipped"), nargs="?", const="user",
                       help="re-tune the entries of this GPU's file in that layer (default user) that the "
                            "current kernels made stale; the results go to the user database")

@@ -33,6 +33,7 @@ class TuneResult:
     measured: int
     failures: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)      # every measured config (sorted item tuple) -> us
+    complete: bool = True          # False: the budget ran out before every compiled config was checked and timed
 
     @property
     def speedup(self) -> float | None:
@@ -51,7 +52,6 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
               save: bool = True, progress: Callable[..., None] | None = None) -> list[TuneResult]:
     """Tune each (op, problem); compile everything in parallel first, then measure one by one."""
     import cupy
-    import cuda.tile as ct
 
     start = time.monotonic()
     notify = progress or (lambda *a, **k: None)
@@ -88,8 +88,9 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
     # Phase 2: measure, store as we go.
     results = []
     stream = cupy.cuda.get_current_stream()
+    end = None if budget_s is None else start + budget_s
     for i, (op, bucketed, key, candidates, default) in enumerate(plans):
-        if budget_s is not None and time.monotonic() > start + budget_s:
+        if end is not None and time.monotonic() > end:
             notify("budget-exhausted", key=key)
             break
         configs = compiled[i]
@@ -98,16 +99,11 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
             continue
         notify("measure", op=op.name, key=key, n=len(configs), index=i, count=len(plans))
         case = op.bench_case(bucketed)
-        configs, wrong = agreeing(case, configs, default)
-        if not configs:
+        checked, wrong = agreeing(case, configs, default, deadline=end)
+        if not checked:
             notify("skipped", key=key, reason=f"every candidate's output differs from the default's: {wrong[0][2]}")
             continue
-        if case.launches is not None:
-            found = measure_launches(configs, stream, case.launches)
-        else:
-            found = ct.tune.exhaustive_search(
-                configs, stream, case.grid, op.kernel, case.args,
-                lambda c: split_hints(c)[1], quiet=True)
+        found = measure(op, case, checked, stream, deadline=end)
         stream.synchronize()
         timings = {_freeze(m.config): m.mean_us for m in found.successes}
         best = dict(found.best.config)
@@ -115,7 +111,8 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
                             default_config=default, default_time_us=timings.get(_freeze(default)),
                             candidates=len(candidates), measured=len(found.successes),
                             failures=wrong + [(c, e.__name__, m.splitlines()[0] if m else "")
-                                              for c, e, m in found.failures], timings=timings)
+                                              for c, e, m in found.failures], timings=timings,
+                            complete=len(found.successes) + len(found.failures) + len(wrong) == len(configs))
         if save:
             store.user_db().store(dev, {key: _entry(op, result, dev)})
             op.forget()
@@ -124,7 +121,8 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
     return results
 
 
-def agreeing(case, configs: Sequence[Config], reference: Config, runs: int = 3) -> tuple[list, list]:
+def agreeing(case, configs: Sequence[Config], reference: Config, runs: int = 3,
+             deadline: float | None = None) -> tuple[list, list]:
     """(configs whose outputs agree with the reference config's, [(config, reason, why)] of the rest).
 
     Each config runs `runs` times on the case's arrays, from the same contents each time; every array it leaves
@@ -133,7 +131,8 @@ def agreeing(case, configs: Sequence[Config], reference: Config, runs: int = 3) 
     (decode attention: wrong in some runs only; docs/results/wrong-configs.txt), so a timing alone cannot pick a
     winner. The reference is the op's default config (each op's tests check it against a float64 reference);
     when it does not agree with itself nothing is kept, and without it among the compiled configs every config
-    is kept."""
+    is kept. Past `deadline` (time.monotonic()) the configs not yet checked are left out, the reference first
+    checked."""
     from tilekit.autotune.arrays import agreement_tolerance, relative_difference
     if reference not in configs:
         return list(configs), []
@@ -146,7 +145,9 @@ def agreeing(case, configs: Sequence[Config], reference: Config, runs: int = 3) 
             return None
         return f"{name} differs from the default config's by {ratio * agreement_tolerance(want[name].dtype):.3g} (relative)"
 
-    for config in configs:
+    for config in [reference] + [c for c in configs if c != reference]:
+        if config != reference and deadline is not None and time.monotonic() > deadline:
+            break
         why = None
         try:
             for _ in range(runs - 1 if config == reference else runs):
@@ -184,6 +185,39 @@ def disagreeing_entries(items: Sequence[tuple], *, workers: int | None = None,
         if progress:
             progress(i + 1, len(items))
     return wrong
+
+
+MEASURE_CHUNK = 32       # configs timed by one search; a budget is checked between searches
+
+
+def measure(op, case, configs: Sequence[Config], stream, deadline: float | None = None):
+    """The configs timed as exhaustive_search times them (measure_launches for ops tuned whole), MEASURE_CHUNK at a
+    time: past `deadline` (time.monotonic()) no further chunk starts, so a shape of hundreds of configs (each paying
+    cuTile's front end on first launch) stops within a chunk of a --budget, having timed the first chunk (the
+    default config leads it). Returns exhaustive_search's TuningResult over every chunk timed."""
+    import cuda.tile as ct
+    from cuda.tile.tune import TuningResult
+    successes, failures = [], []
+    for first in range(0, len(configs), MEASURE_CHUNK):
+        if first and deadline is not None and time.monotonic() > deadline:
+            break
+        chunk = configs[first:first + MEASURE_CHUNK]
+        try:
+            if case.launches is not None:
+                found = measure_launches(chunk, stream, case.launches)
+            else:
+                found = ct.tune.exhaustive_search(chunk, stream, case.grid, op.kernel, case.args,
+                                                  lambda c: split_hints(c)[1], quiet=True)
+        except ValueError as e:         # no config of the chunk ran: each is a failure
+            failures += [(c, ValueError, str(e)) for c in chunk]
+            continue
+        successes += found.successes
+        failures += found.failures
+    if not successes:
+        config, kind, message = failures[0]
+        raise ValueError(f"no config ran: {config}: {kind.__name__}: {message}")
+    return TuningResult(best=min(successes, key=lambda m: m.mean_us), successes=tuple(successes),
+                        failures=tuple(failures))
 
 
 def measure_launches(configs: Sequence[Config], stream, launches: Callable, samples: int = 30, warmup: int = 3):

@@ -19,7 +19,7 @@ from tilekit.autotune.arrays import ArraySpec
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
-from tilekit.kernels.tiles import batch_head, online_softmax_step, sync_with_previous_kernel, tensor_mma
+from tilekit.kernels.tiles import batch_head, sync_with_previous_kernel, tensor_mma
 
 ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634
@@ -28,7 +28,7 @@ MAX_HEAD_DIM = 256
 
 @ct.function
 def prefill_softmax_step(s, m_i, l_i, acc, v, qk_scale):
-    """online_softmax_step for raw scores s: the row max is taken before scaling, and the scale and the
+    """Fold one tile of raw scores s[BM, BN] and values v[BN, D] into (m, l, acc): the row max is taken before scaling, and the scale and the
     max's subtraction fuse into the exp2's argument. No -inf guard: every query sees key 0, so every
     row's max is finite from the first key tile on."""
     m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True) * qk_scale)

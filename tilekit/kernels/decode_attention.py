@@ -11,7 +11,7 @@ cache (no separate KV write) and attends to them from registers. Lengths live on
 CUDA graph can replay a decode step as the cache grows; the grid depends only on the cache
 capacity, and splits past a sequence's length store an empty state at once. With grouped-query
 attention (Hkv < H key/value heads) a program serves one key/value head and every query head of its
-group, stacked as rows of one query tile, so each key and value tile is read once per group.
+group, a column each of one query tile, so each key and value tile is read once per group.
 
 An FP8 cache (fp8) holds e4m3 codes as uint8 with one fp32 scale per key/value head for keys and one
 for values (value = code x scale): tiles are widened to the query's dtype as they are loaded, the key
@@ -34,7 +34,7 @@ from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.attention import (LOG2E, attention_reference, check_heads_out, check_kv_scales, check_qkv,
                                       heads_out, qkv_views)
 from tilekit.kernels.quantize_fp8 import fp8_bits, fp8_codes, fp8_values
-from tilekit.kernels.tiles import batch_head, online_softmax_step, sync_with_previous_kernel
+from tilekit.kernels.tiles import batch_head, online_softmax_step_by_column, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 MAX_QUERIES = 16
@@ -51,16 +51,20 @@ def query_rows(QP, nq, hk, group, H):
 
 @ct.kernel
 def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opart, Mpart, Lpart,
-                            qk_scale: float, length_offset: int, QP: ct.Constant[int], NP: ct.Constant[int],
-                            BN: ct.Constant[int], D: ct.Constant[int], CHUNK: ct.Constant[int],
-                            MERGE: ct.Constant[bool], NEW_KV: ct.Constant[bool], FP8: ct.Constant[bool]):
+                            qk_scale: float, length_offset: int, QP: ct.Constant[int], BN: ct.Constant[int],
+                            D: ct.Constant[int], CHUNK: ct.Constant[int], MERGE: ct.Constant[bool],
+                            NEW_KV: ct.Constant[bool], FP8: ct.Constant[bool]):
     """Attention of split ct.bid(1) of (batch, key/value head) ct.bid(0).
 
     Q: (B, H, nq, D); K, V: (B, Hkv, capacity, D) caches; Lengths[b] + length_offset = valid keys,
     the last nq of which are the queries' own positions (causal among them). With NEW_KV those nq
-    keys and values come from Knew, Vnew (B, Hkv, nq, D) and the split holding the last position
-    writes them into K, V; the splits read only the older positions from the cache. Row r of the
-    query tile is query head hk * G + r // nq, token r % nq (G = H / Hkv). Without MERGE (one split) the
+    keys and values come from Knew, Vnew (B, Hkv, nq, D): the split holding the last position folds them
+    in first, one rank-1 update each, and writes them into K, V; the splits read only the older positions
+    from the cache. Query r of the tile is query head hk * G + r // nq, token r % nq (G = H / Hkv), a
+    column each: the scores are (keys, queries) and the output (D, queries), so that the products' M axis
+    is the keys and the head dimension (Hopper's asynchronous MMA, operands in shared memory); with the
+    queries as rows (M = 16, operands in registers) a 128-wide bf16 head spilled registers
+    (docs/results/decode-attention-cubins-sm90.txt), as MLA's kernel did. Without MERGE (one split) the
     program writes O; otherwise its partial state goes to Opart (B, Hkv, S, QP, D), Mpart, Lpart
     (B, Hkv, S, QP), fp32, for decode_merge_kernel. With FP8, K and V hold e4m3 codes (uint8) and KScale,
     VScale (Hkv,) fp32 their per-head scales (the value scale multiplies the output, or the partial output,
@@ -80,58 +84,64 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
         cached = first_new
     end = ct.minimum(cached, start + CHUNK)
     head, token = query_rows(QP, nq, hk, H // K.shape[1], H)
-    dims = ct.arange(D, dtype=ct.int32)
-    q = ct.gather(Q, (b, head, token, dims.reshape((1, D))))
-    q_pos = token + first_new
+    dims = ct.arange(D, dtype=ct.int32).reshape((1, D))
+    q_t = ct.transpose(ct.gather(Q, (b, head, token, dims)))                         # (D, QP)
+    q_token = ct.transpose(token)                                                    # (1, QP)
+    q_pos = q_token + first_new
     score_scale = qk_scale
     if FP8:
         k_scale = ct.load(KScale, (hk,), shape=())
         v_scale = ct.load(VScale, (hk,), shape=())
         score_scale = qk_scale * k_scale
-    m_i = ct.full((QP, 1), -math.inf, dtype=ct.float32)
-    l_i = ct.zeros((QP, 1), dtype=ct.float32)
-    acc = ct.zeros((QP, D), dtype=ct.float32)
+    m_i = ct.full((1, QP), -math.inf, dtype=ct.float32)
+    l_i = ct.zeros((1, QP), dtype=ct.float32)
+    acc = ct.zeros((D, QP), dtype=ct.float32)
+    if NEW_KV:
+        if split == (length - 1) // CHUNK:
+            for t in range(nq):          # each new token a rank-1 update (MLA's kernel spilled with them as a tile)
+                k_new = ct.load(Knew, (b, hk, t, 0), (1, 1, 1, D), padding_mode=ZERO).reshape((1, D))
+                v_new = ct.load(Vnew, (b, hk, t, 0), (1, 1, 1, D), padding_mode=ZERO).reshape((1, D))
+                k_write = k_new
+                v_write = v_new
+                if FP8:                                  # attend to what the cache will hold
+                    k_write = fp8_bits(k_new.astype(ct.float32), k_scale)
+                    v_write = fp8_bits(v_new.astype(ct.float32), v_scale)
+                    k_new = ct.bitcast(k_write, ct.float8_e4m3fn).astype(Q.dtype)
+                    v_new = ct.bitcast(v_write, ct.float8_e4m3fn).astype(Q.dtype)
+                k_col = ct.transpose(k_new).astype(ct.float32)                       # (D, 1)
+                s_t = ct.sum(q_t.astype(ct.float32) * k_col, axis=0, keepdims=True) * score_scale
+                s_t = ct.where(t <= q_token, s_t, -math.inf)                         # causal among the new
+                m_new = ct.maximum(m_i, s_t)
+                m_safe = ct.where(m_new == -math.inf, 0.0, m_new)
+                p_t = ct.exp2(s_t - m_safe)
+                alpha = ct.exp2(m_i - m_safe)
+                l_i = l_i * alpha + p_t
+                acc = acc * alpha + ct.transpose(v_new).astype(ct.float32) * p_t
+                m_i = m_new
+                ct.scatter(K, (b, hk, first_new + t, dims), k_write)
+                ct.scatter(V, (b, hk, first_new + t, dims), v_write)
     for j in range(start // BN, ct.cdiv(end, BN)):
-        k = ct.load(K, (b, hk, 0, j), (1, 1, D, BN), order=(0, 1, 3, 2), padding_mode=ZERO).reshape((D, BN))
+        k = ct.load(K, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
         if FP8:
             k = ct.bitcast(k, ct.float8_e4m3fn).astype(Q.dtype)
-        s = ct.mma(q, k, ct.zeros((QP, BN), dtype=ct.float32)) * score_scale
-        k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((1, BN))
+        s = ct.mma(k, q_t, ct.zeros((BN, QP), dtype=ct.float32)) * score_scale
+        k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((BN, 1))
         s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
         # V's tile loaded after the scores: loaded beside K's, a 128-wide bf16 head took 225 KB of shared memory
-        # (one program an SM) whatever the occupancy; here 33 KB at occupancy 4
-        # (docs/results/decode-attention-cubins-sm90.txt)
+        # (one program an SM) whatever the occupancy (docs/results/decode-attention-cubins-sm90.txt)
         v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
         if FP8:
             v = ct.bitcast(v, ct.float8_e4m3fn).astype(Q.dtype)
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v)
-    if NEW_KV:
-        if split == (length - 1) // CHUNK:
-            t = ct.arange(NP, dtype=ct.int32).reshape((NP, 1))
-            k_new = ct.gather(Knew, (b, hk, t, dims.reshape((1, D))))        # (NP, D); rows past nq read zeros
-            v_new = ct.gather(Vnew, (b, hk, t, dims.reshape((1, D))))
-            k_write = k_new
-            v_write = v_new
-            if FP8:                                  # attend to what the cache will hold
-                k_write = fp8_bits(k_new.astype(ct.float32), k_scale)
-                v_write = fp8_bits(v_new.astype(ct.float32), v_scale)
-                k_new = ct.bitcast(k_write, ct.float8_e4m3fn).astype(Q.dtype)
-                v_new = ct.bitcast(v_write, ct.float8_e4m3fn).astype(Q.dtype)
-            s = ct.mma(q, ct.transpose(k_new), ct.zeros((QP, NP), dtype=ct.float32)) * score_scale
-            s = ct.where(t.reshape((1, NP)) <= token, s, -math.inf)          # causal among the new tokens
-            m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v_new)
-            new_rows = (b, hk, t + first_new, dims.reshape((1, D)))
-            ct.scatter(K, new_rows, k_write, mask=t < nq)
-            ct.scatter(V, new_rows, v_write, mask=t < nq)
+        m_i, l_i, acc = online_softmax_step_by_column(s, m_i, l_i, acc, ct.transpose(v))
     if not MERGE:
         out = acc / l_i
         if FP8:
             out = out * v_scale
-        ct.scatter(O, (b, head, token, dims.reshape((1, D))), out.astype(O.dtype))
+        ct.scatter(O, (b, head, token, dims), ct.transpose(out).astype(O.dtype))
     else:
         if FP8:
             acc = acc * v_scale
-        ct.store(Opart, (b, hk, split, 0, 0), acc.reshape((1, 1, 1, QP, D)))
+        ct.store(Opart, (b, hk, split, 0, 0), ct.transpose(acc).reshape((1, 1, 1, QP, D)))
         ct.store(Mpart, (b, hk, split, 0), m_i.reshape((1, 1, 1, QP)))
         ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)))
 
@@ -260,8 +270,8 @@ def _merge_grid(p: dict, c: dict) -> tuple:
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (_qp(p), max(16, pow2_ceil(p["nq"])), c["BN"], pow2_ceil(p["D"]), split_chunk(p, c), _splits(p, c) > 1,
-            bool(p["new_kv"]), bool(p["fp8"]))
+    return (_qp(p), c["BN"], pow2_ceil(p["D"]), split_chunk(p, c), _splits(p, c) > 1, bool(p["new_kv"]),
+            bool(p["fp8"]))
 
 
 def _merge_constants(p: dict, c: dict) -> tuple:

@@ -77,21 +77,9 @@ def batch_head(bh, H):
 
 
 @ct.function
-def online_softmax_step(s, m_i, l_i, acc, v):
-    """Fold one tile of log2-scaled scores s[BM, BN] and values v[BN, D] into (m, l, acc)."""
-    m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True))
-    m_safe = ct.where(m_new == -math.inf, 0.0, m_new)   # rows with nothing visible yet stay at 0
-    p = ct.exp2(s - m_safe)
-    alpha = ct.exp2(m_i - m_safe)
-    l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
-    acc = ct.mma(p.astype(v.dtype), v, acc * alpha)
-    return m_new, l_i, acc
-
-
-@ct.function
 def online_softmax_step_by_column(s, m_i, l_i, acc, v_t):
-    """online_softmax_step with a column per query: scores s[BN, QP], values v_t[D, BN], acc[D, QP], m_i and
-    l_i [1, QP]. A few queries against many keys put the keys on the products' M axis, the one the Hopper tensor
+    """Fold one tile of log2-scaled scores s[BN, QP] (a column per query) and values v_t[D, BN] into (m, l, acc):
+    m_i and l_i [1, QP], acc[D, QP]. A few queries against many keys put the keys on the products' M axis, the one the Hopper tensor
     cores' asynchronous MMA tiles by 64, with its operands in shared memory instead of registers."""
     m_new = ct.maximum(m_i, ct.max(s, axis=0, keepdims=True))
     m_safe = ct.where(m_new == -math.inf, 0.0, m_new)

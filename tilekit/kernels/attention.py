@@ -28,9 +28,9 @@ MAX_HEAD_DIM = 256
 
 @ct.function
 def prefill_softmax_step(s, m_i, l_i, acc, v, qk_scale):
-    """Fold one tile of raw scores s[BM, BN] and values v[BN, D] into (m, l, acc): the row max is taken before scaling, and the scale and the
-    max's subtraction fuse into the exp2's argument. No -inf guard: every query sees key 0, so every
-    row's max is finite from the first key tile on."""
+    """Fold one tile of raw scores s[BM, BN] and values v[BN, D] into (m, l, acc): the row max is taken before
+    scaling, and the scale and the max's subtraction fuse into the exp2's argument. No -inf guard: every query sees
+    key 0, so every row's max is finite from the first key tile on."""
     m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True) * qk_scale)
     p = ct.exp2(s * qk_scale - m_new, flush_to_zero=True)
     alpha = ct.exp2(m_i - m_new, flush_to_zero=True)

@@ -34,7 +34,8 @@ from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.attention import (LOG2E, attention_reference, check_heads_out, check_kv_scales, check_qkv,
                                       heads_out, qkv_views)
 from tilekit.kernels.quantize_fp8 import fp8_bits, fp8_codes, fp8_values
-from tilekit.kernels.tiles import batch_head, online_softmax_step_by_column, sync_with_previous_kernel
+from tilekit.kernels.tiles import (batch_head, online_softmax_fold_key, online_softmax_step_by_column,
+                                  sync_with_previous_kernel)
 
 ZERO = ct.PaddingMode.ZERO
 MAX_QUERIES = 16
@@ -98,7 +99,7 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
     acc = ct.zeros((D, QP), dtype=ct.float32)
     if NEW_KV:
         if split == (length - 1) // CHUNK:
-            for t in range(nq):          # each new token a rank-1 update (MLA's kernel spilled with them as a tile)
+            for t in range(nq):          # each new token a rank-1 update
                 k_new = ct.load(Knew, (b, hk, t, 0), (1, 1, 1, D), padding_mode=ZERO).reshape((1, D))
                 v_new = ct.load(Vnew, (b, hk, t, 0), (1, 1, 1, D), padding_mode=ZERO).reshape((1, D))
                 k_write = k_new
@@ -111,13 +112,7 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
                 k_col = ct.transpose(k_new).astype(ct.float32)                       # (D, 1)
                 s_t = ct.sum(q_t.astype(ct.float32) * k_col, axis=0, keepdims=True) * score_scale
                 s_t = ct.where(t <= q_token, s_t, -math.inf)                         # causal among the new
-                m_new = ct.maximum(m_i, s_t)
-                m_safe = ct.where(m_new == -math.inf, 0.0, m_new)
-                p_t = ct.exp2(s_t - m_safe)
-                alpha = ct.exp2(m_i - m_safe)
-                l_i = l_i * alpha + p_t
-                acc = acc * alpha + ct.transpose(v_new).astype(ct.float32) * p_t
-                m_i = m_new
+                m_i, l_i, acc = online_softmax_fold_key(s_t, m_i, l_i, acc, ct.transpose(v_new).astype(ct.float32))
                 ct.scatter(K, (b, hk, first_new + t, dims), k_write)
                 ct.scatter(V, (b, hk, first_new + t, dims), v_write)
     for j in range(start // BN, ct.cdiv(end, BN)):

@@ -27,7 +27,7 @@ from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.attention import LOG2E, batch_head, check_heads_out, heads_out
 from tilekit.kernels.decode_attention import MAX_QUERIES, merge_splits
-from tilekit.kernels.tiles import online_softmax_step_by_column, sync_with_previous_kernel
+from tilekit.kernels.tiles import online_softmax_fold_key, online_softmax_step_by_column, sync_with_previous_kernel
 
 ZERO = ct.PaddingMode.ZERO
 MAX_LATENT = 1024
@@ -81,13 +81,7 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
                 s_t = s_t + ct.sum(q_pe_t.astype(ct.float32) * ct.transpose(pe_t.reshape((1, P))).astype(ct.float32),
                                    axis=0, keepdims=True)
                 s_t = ct.where(first_new + t <= q_pos, s_t * qk_scale, -math.inf)     # causal among the new
-                m_new = ct.maximum(m_i, s_t)
-                m_safe = ct.where(m_new == -math.inf, 0.0, m_new)
-                p_t = ct.exp2(s_t - m_safe)
-                alpha = ct.exp2(m_i - m_safe)
-                l_i = l_i * alpha + p_t
-                acc = acc * alpha + c_col * p_t
-                m_i = m_new
+                m_i, l_i, acc = online_softmax_fold_key(s_t, m_i, l_i, acc, c_col)
                 ct.store(C, (b, first_new + t, 0), c_t)
                 ct.store(Kpe, (b, first_new + t, 0), pe_t)
     for j in range(start // BN, ct.cdiv(end, BN)):

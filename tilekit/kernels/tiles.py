@@ -79,8 +79,8 @@ def batch_head(bh, H):
 @ct.function
 def online_softmax_step_by_column(s, m_i, l_i, acc, v_t):
     """Fold one tile of log2-scaled scores s[BN, QP] (a column per query) and values v_t[D, BN] into (m, l, acc):
-    m_i and l_i [1, QP], acc[D, QP]. A few queries against many keys put the keys on the products' M axis, the one the Hopper tensor
-    cores' asynchronous MMA tiles by 64, with its operands in shared memory instead of registers."""
+    m_i and l_i [1, QP], acc[D, QP]. A few queries against many keys put the keys on the products' M axis, the one
+    the Hopper tensor cores' asynchronous MMA tiles by 64, with its operands in shared memory instead of registers."""
     m_new = ct.maximum(m_i, ct.max(s, axis=0, keepdims=True))
     m_safe = ct.where(m_new == -math.inf, 0.0, m_new)
     p = ct.exp2(s - m_safe)
@@ -89,6 +89,17 @@ def online_softmax_step_by_column(s, m_i, l_i, acc, v_t):
     acc = ct.mma(v_t, p.astype(v_t.dtype), acc * alpha)
     return m_new, l_i, acc
 
+
+
+@ct.function
+def online_softmax_fold_key(s_t, m_i, l_i, acc, v_col):
+    """online_softmax_step_by_column for one key as a rank-1 update: its log2-scaled scores s_t[1, QP] and its
+    fp32 value v_col[D, 1] (as an MMA tile, a few new tokens' keys spilled registers)."""
+    m_new = ct.maximum(m_i, s_t)
+    m_safe = ct.where(m_new == -math.inf, 0.0, m_new)
+    p_t = ct.exp2(s_t - m_safe)
+    alpha = ct.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + p_t, acc * alpha + v_col * p_t
 
 def lends_split_k(config) -> bool:
     """Whether a tuned config of a split-K op (linear, quant_linear, moe_router) may serve the problems it was not

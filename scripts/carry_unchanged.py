@@ -28,9 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Run under one tree's tilekit: JSON tasks [op, problem, config, arch] on stdin -> JSON on stdout:
-# each op's kernel and space hashes; per task the sha256 of every launch's cubin without its debug sections
-# (ELF64 section headers; the string tables name the debug sections too) or the compile error, and the
-# configs the op's space admits for the problem.
+# each op's kernel and space hashes; per task the sha256 of every launch's device code or the compile error, and
+# the configs the op's space admits for the problem. Device code: the cubin's sections (ELF64 section headers)
+# without its debug sections, string tables, symbol table and host stub (.nv.host), the kernel's mangled name
+# taken out of the section names: that name spells out every constant, so a constant added to a kernel changes
+# it even where the problem leaves the code as it was.
 COMPILE = r"""
 import hashlib, io, json, struct, sys
 import tilekit.kernels
@@ -44,10 +46,13 @@ def code_digest(elf):
     size, count, names = struct.unpack_from("<HHH", elf, 0x3A)
     headers = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * size) for i in range(count)]
     table = headers[names][4]
+    named = [(elf[table + h[0]:elf.index(b"\0", table + h[0])], h) for h in headers]
+    kernels = [name[len(b".text."):] for name, _ in named if name.startswith(b".text.")]
     digest = hashlib.sha256()
-    for name_at, kind, _, _, offset, length, *_ in headers:
-        name = elf[table + name_at:elf.index(b"\0", table + name_at)]
-        if b"debug" not in name and name not in (b".strtab", b".shstrtab"):
+    for name, (_, kind, _, _, offset, length, *_) in named:
+        if b"debug" not in name and name not in (b".strtab", b".shstrtab", b".symtab", b".nv.host"):
+            for kernel in kernels:
+                name = name.replace(kernel, b"<kernel>")
             digest.update(name + b"\0" + (str(length).encode() if kind == 8 else elf[offset:offset + length]))
     return digest.hexdigest()
 

@@ -38,8 +38,8 @@ def min_bytes(op_name: str, p: dict, context: int) -> float:
         return item * (p["M"] * p["K"] + 2 * p["K"] * p["N"] + p["M"] * p["N"])
     if op_name == "layer_norm":                 # a fixed-point input row is 8 bytes per element
         return (8 if p.get("fixed") else item) * p["M"] * p["N"] + item * (p["M"] * p["N"] + 2 * p["N"])
-    if op_name == "rms_norm":
-        return item * ((2 + 2 * p["res"]) * p["M"] * p["N"] + p["N"])
+    if op_name == "rms_norm":                   # a fixed-point input row is 8 bytes per element
+        return ((8 if p.get("fixed") else item) + item * (1 + 2 * p["res"])) * p["M"] * p["N"] + item * p["N"]
     if op_name == "apply_rope":                       # the rotated heads read and written, a table row per token
         return item * 2 * p["B"] * p["H"] * p["T"] * p["D"] + 4 * p["B"] * p["T"] * p["D"]
     if op_name == "embedding":

@@ -1,10 +1,12 @@
-"""rms_norm on the GPU against its float64 reference: fused residual add, selected rows."""
+"""rms_norm on the GPU against its float64 reference: fused residual add, selected rows, a fixed-point residual
+stream as input."""
 
 import cupy
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from tests.kernels.test_residual_linear import fixed_residual
 from tilekit.kernels import rms_norm
 from tilekit.kernels.checks import TOL, assert_close, host, poisoned, rand, rounded
 from tilekit.kernels.rms_norm import rms_norm_reference
@@ -54,3 +56,22 @@ def test_rms_norm_of_rows_of_a_wider_array(rows, width, start, n, dtype):
     x = buf[:, start:start + n]
     out = rms_norm(x, w, 1e-6, out=poisoned((rows, n), dtype))
     assert_close(host(out), rms_norm_reference(host(x), host(w), 1e-6), TOL[dtype], f"rms_norm of rows {rows}x{n}")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("M, N, gather", [(1, 2048, False), (9, 2048, False), (9, 2048, True), (2, 20000, False)])
+def test_rms_norm_of_a_fixed_point_residual(M, N, gather, dtype):
+    """DeepSeek-V2's residual stream (int64 fixed point) read as it lies; rows longer than a tile read twice."""
+    x, values = fixed_residual((M, N), 3.0)
+    w = rand((N,), dtype, 0.1, mean=1.0)
+    rows = np.arange(M, dtype=np.int32)[::-2] if gather else np.arange(M, dtype=np.int32)
+    out = poisoned((len(rows), N), dtype)
+    assert rms_norm(x, w, 1e-6, rows=cupy.asarray(rows) if gather else None, out=out) is out
+    assert_close(host(out), rms_norm_reference(values[rows], host(w), 1e-6), TOL[dtype],
+                 f"rms_norm of fixed point {(M, N, dtype, gather)}")
+
+
+def test_rms_norm_refuses_a_residual_with_a_fixed_point_x():
+    x, _ = fixed_residual((4, 64))
+    with pytest.raises(ValueError, match="residual needs a float x"):
+        rms_norm(x, rand((64,), "bfloat16"), residual=rand((4, 64), "bfloat16"))

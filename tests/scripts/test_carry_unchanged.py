@@ -2,7 +2,7 @@
 to the exact GELU's code (with lines added above the kernels, which moves their line numbers in the cubins'
 debug sections) leaves the approximate GELU's code sections identical, so only that entry is carried to the new
 kernel hash; a space rule that drops configs of the exact GELU only carries the approximate GELU's entry to the
-new space hash."""
+new space hash; a constant added to the kernel (which renames it) carries the entry whose code it leaves alone."""
 
 import json
 import os
@@ -97,3 +97,20 @@ def test_a_space_change_carries_only_the_problems_whose_candidates_it_leaves_alo
     assert entries[exact] == before[exact]                                  # left stale: candidates changed
     assert {k: v for k, v in entries[approximate].items() if k != "space_hash"} == \
         {k: v for k, v in before[approximate].items() if k != "space_hash"}
+
+
+def test_a_constant_added_carries_the_problems_whose_code_it_leaves_alone(tmp_path):
+    gelu = registered_ops()["gelu"]
+
+    def edit(text):          # NEGATE, on for the exact form only: every kernel's mangled name spells it out
+        sig, body, constants = ("EXACT: ct.Constant[bool]):", "    ct.store(Y, (pid,), y.astype(Y.dtype))",
+                                'return (c["BLOCK"], bool(p["exact"]))')
+        assert text.count(sig) == text.count(body) == text.count(constants) == 1
+        return (text.replace(sig, "EXACT: ct.Constant[bool], NEGATE: ct.Constant[bool]):")
+                .replace(body, "    if NEGATE:\n        y = -y\n" + body)
+                .replace(constants, 'return (c["BLOCK"], bool(p["exact"]), bool(p["exact"]))'))
+    entries, before, hashes = _carry_after(tmp_path, edit)
+    (approximate, _), (exact, _) = _entry(gelu, 0), _entry(gelu, 1)
+    assert hashes["kernel"] != gelu.kernel_hash()
+    assert entries[approximate]["kernel_hash"] == hashes["kernel"]          # carried: NEGATE off, same code
+    assert entries[exact] == before[exact]                                  # left stale: its code negates

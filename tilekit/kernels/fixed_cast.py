@@ -1,8 +1,8 @@
-"""A fixed-point residual stream (int64, tiles.py) as floats of the model's dtype: what a norm reads.
+"""A fixed-point residual stream (int64, tiles.py) as floats of the model's dtype.
 
-rms_norm reads floats only; DeepSeek-V2 keeps its residual stream in fixed point (the MoE down projection adds
-into it), so each norm reads this op's copy of the stream. (Better: rms_norm reading fixed point itself, as
-layer_norm does: one launch less per norm, a kernel change that re-tunes rms_norm.)
+DeepSeek-V2 keeps its residual stream in fixed point (the MoE down projection adds into it); its norms read the
+stream as it lies (rms_norm and layer_norm take fixed point), and this op hands the last layer's stream on as
+floats (the model's hidden states).
 """
 
 from __future__ import annotations

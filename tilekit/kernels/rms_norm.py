@@ -1,6 +1,7 @@
 """RMSNorm over the last dimension (Llama's norm), optionally fused with the residual add before it.
 
-y = x / sqrt(mean(x^2) + eps) * w with fp32 statistics. With a residual, the kernel first forms
+y = x / sqrt(mean(x^2) + eps) * w with fp32 statistics. x may be a fixed-point residual stream (int64,
+tiles.py: DeepSeek-V2's), read as it lies; the output then takes the weights' dtype. With a residual, the kernel first forms
 s = x + residual in the residual's dtype, writes s back into the residual (the stream the next
 block adds to) and normalises s: one pass where HF runs an add and a norm. Rows that fit one tile
 (hidden sizes up to 8192) are read once; longer rows are read twice. The search space and default
@@ -21,8 +22,8 @@ from tilekit.autotune.arrays import ArraySpec, absent
 from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace
-from tilekit.kernels.layer_norm import check_rows, default_config
-from tilekit.kernels.tiles import sync_with_previous_kernel
+from tilekit.kernels.layer_norm import as_float, check_rows, default_config
+from tilekit.kernels.tiles import FIXED_DTYPE, sync_with_previous_kernel
 
 # The layer_norm op's module (tilekit.kernels.layer_norm is the function), by the name _fits reads: renaming
 # it would change the search space's digest and stale the tuned entries.
@@ -31,9 +32,10 @@ ZERO = ct.PaddingMode.ZERO
 
 
 @ct.function
-def _summed(X, Res, pid, j, TM, TN, HAS_RES):
-    """Tile (pid, j) of X, plus Res's rounded to Res's dtype (the sum the residual stream keeps), in fp32."""
-    x = ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO).astype(ct.float32)
+def _summed(X, Res, pid, j, TM, TN, HAS_RES, FIXED):
+    """Tile (pid, j) of X (decoded from fixed point when FIXED), plus Res's rounded to Res's dtype (the sum the
+    residual stream keeps), in fp32."""
+    x = as_float(ct.load(X, (pid, j), (TM, TN), padding_mode=ZERO), FIXED)
     if HAS_RES:
         x = (x + ct.load(Res, (pid, j), (TM, TN), padding_mode=ZERO).astype(ct.float32)).astype(Res.dtype)
         x = x.astype(ct.float32)
@@ -42,18 +44,19 @@ def _summed(X, Res, pid, j, TM, TN, HAS_RES):
 
 @ct.kernel
 def rms_norm_kernel(X, Res, W, Y, Rows, eps: float, TM: ct.Constant[int], TN: ct.Constant[int],
-                    ONE_TILE: ct.Constant[bool], GATHER: ct.Constant[bool], HAS_RES: ct.Constant[bool]):
+                    ONE_TILE: ct.Constant[bool], GATHER: ct.Constant[bool], HAS_RES: ct.Constant[bool],
+                    FIXED: ct.Constant[bool]):
     """Y = S / sqrt(mean(S^2) + eps) * W over rows of S = X (+ Res, stored back to Res when HAS_RES);
-    rows X[Rows[i]] when GATHER."""
+    rows X[Rows[i]] when GATHER; X in fixed point when FIXED."""
     sync_with_previous_kernel()
     pid = ct.bid(0)
     N = X.shape[1]
     if ONE_TILE:
         if GATHER:
             rows = ct.load(Rows, (pid,), (TM,), padding_mode=ZERO).reshape((TM, 1))
-            x = ct.gather(X, (rows, ct.arange(TN, dtype=ct.int32).reshape((1, TN)))).astype(ct.float32)
+            x = as_float(ct.gather(X, (rows, ct.arange(TN, dtype=ct.int32).reshape((1, TN)))), FIXED)
         else:
-            x = _summed(X, Res, pid, 0, TM, TN, HAS_RES)
+            x = _summed(X, Res, pid, 0, TM, TN, HAS_RES, FIXED)
             if HAS_RES:
                 ct.store(Res, (pid, 0), x.astype(Res.dtype))
         rstd = ct.rsqrt(ct.sum(x * x, axis=1, keepdims=True) / N + eps)
@@ -62,11 +65,11 @@ def rms_norm_kernel(X, Res, W, Y, Rows, eps: float, TM: ct.Constant[int], TN: ct
     else:
         squares = ct.zeros((TM, 1), dtype=ct.float32)
         for j in range(ct.cdiv(N, TN)):
-            x = _summed(X, Res, pid, j, TM, TN, HAS_RES)
+            x = _summed(X, Res, pid, j, TM, TN, HAS_RES, FIXED)
             squares = squares + ct.sum(x * x, axis=1, keepdims=True)
         rstd = ct.rsqrt(squares / N + eps)
         for j in range(ct.cdiv(N, TN)):
-            x = _summed(X, Res, pid, j, TM, TN, HAS_RES)      # read again: Res is only written here
+            x = _summed(X, Res, pid, j, TM, TN, HAS_RES, FIXED)      # read again: Res is only written here
             if HAS_RES:
                 ct.store(Res, (pid, j), x.astype(Res.dtype))
             w = ct.load(W, (j,), (TN,), padding_mode=ZERO).astype(ct.float32).reshape((1, TN))
@@ -83,7 +86,8 @@ SPACE = SearchSpace(_fits, **layernorm.SPACE.params)
 def _arrays(p: dict) -> dict:
     """x holds rows_in rows; M rows are normalised (all of them, or those named by `rows`)."""
     M, N, dt = p["M"], p["N"], p["dtype"]
-    return {"x": ArraySpec(dt, (p["rows_in"], N)), "w": ArraySpec(dt, (N,)),
+    x = ArraySpec(FIXED_DTYPE, (p["rows_in"], N), high=1 << 33) if p["fixed"] else ArraySpec(dt, (p["rows_in"], N))
+    return {"x": x, "w": ArraySpec(dt, (N,)),
             "res": ArraySpec(dt, (M, N), role="out") if p["res"] else absent(dt, 2),
             "y": ArraySpec(dt, (M, N), role="out"),
             "rows": ArraySpec("int32", (M,), high=p["rows_in"]) if p["gather"] else absent("int32", 1)}
@@ -94,13 +98,15 @@ def _grid(p: dict, c: dict) -> tuple:
 
 
 def _constants(p: dict, c: dict) -> tuple:
-    return (c["TM"], c["TN"], c["TN"] >= p["N"], bool(p["gather"]), bool(p["res"]))
+    return (c["TM"], c["TN"], c["TN"] >= p["N"], bool(p["gather"]), bool(p["res"]), bool(p["fixed"]))
 
 
 def _bind(a: list, flags: tuple) -> Binding:
     x, w, res, rows, out = a
-    arrays.check_dtype(x, "x", arrays.FLOAT_DTYPES)
-    arrays.check_same("x", x, "weight", w)
+    arrays.check_dtype(x, "x", arrays.FLOAT_DTYPES + (FIXED_DTYPE,))
+    arrays.check_dtype(w, "weight", arrays.FLOAT_DTYPES)
+    fixed = x.dtype == FIXED_DTYPE
+    arrays.check_same("x", x, "weight", w, dtype=not fixed)
     if not x.shape or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dimension, got shape {x.shape}")
     N = x.shape[-1]
@@ -116,6 +122,8 @@ def _bind(a: list, flags: tuple) -> Binding:
     flat = None if len(x.shape) == 2 else (M, N)
     views = {"x": (0, flat), "w": (1, None)}
     if res is not None:
+        if fixed:
+            raise ValueError("residual needs a float x (a fixed-point x is the residual stream itself)")
         if rows is not None:
             raise ValueError("residual and rows cannot be combined (the residual stream keeps every row)")
         arrays.check_same("x", x, "residual", res)
@@ -128,26 +136,28 @@ def _bind(a: list, flags: tuple) -> Binding:
         out_shape = (rows.shape[0], N)
         views["rows"] = (3, None)
     if out is not None:
-        arrays.check_out(out, "out", x, out_shape)
+        arrays.check_out(out, "out", x, out_shape, w.dtype)
     R = out_shape[0] if rows is not None else M
     views["y"] = (4, None if len(out_shape) == 2 else (R, N))
-    return Binding(problem=dict(dtype=x.dtype, M=R, N=N, gather=int(rows is not None), res=int(res is not None),
-                                rows_in=M),
-                   arrays=views, output=(4, arrays.allocator(x.kind, x.device, out_shape, x.dtype)),
+    return Binding(problem=dict(dtype=w.dtype, M=R, N=N, gather=int(rows is not None), res=int(res is not None),
+                                fixed=int(fixed), rows_in=M),
+                   arrays=views, output=(4, arrays.allocator(x.kind, x.device, out_shape, w.dtype)),
                    returns=4, scalars={"eps": (0, None)})
 
 
 RMS_NORM = Op(
     "rms_norm", args=("x", "weight", "residual", "rows", "out"), optional=("residual", "rows", "out"),
-    key=dict(dtype=None, M=pow2_bucket, N=None, gather=None, res=None), extras=dict(rows_in=lambda p: p["M"]),
+    key=dict(dtype=None, M=pow2_bucket, N=None, gather=None, res=None, fixed=None),
+    extras=dict(rows_in=lambda p: p["M"]),
     space=SPACE, default=default_config, arrays=_arrays, scalars=lambda p: {"eps": 1e-5},
     launches=(Launch(rms_norm_kernel, _grid, ("x", "res", "w", "y", "rows", "eps"), _constants),),
-    bind=_bind, choices=dict(gather=(0, 1), res=(0, 1)), cli_defaults=dict(gather=0, res=0))
+    bind=_bind, choices=dict(gather=(0, 1), res=(0, 1), fixed=(0, 1)), cli_defaults=dict(gather=0, res=0, fixed=0))
 
 
 def rms_norm(x, weight, eps: float = 1e-6, *, residual=None, rows=None, out=None):
-    """RMSNorm of x over its last dimension: x / sqrt(mean(x^2) + eps) * weight (fp32 statistics). A 2-D x may
-    be rows of a wider array (any row stride) unless residual or rows is given.
+    """RMSNorm of x over its last dimension: x / sqrt(mean(x^2) + eps) * weight (fp32 statistics). x is a float
+    array of the weight's dtype, or a fixed-point residual stream (int64, tiles.py; the output then has the
+    weight's dtype). A 2-D x may be rows of a wider array (any row stride) unless residual or rows is given.
 
     residual: an array of x's shape; then s = x + residual is formed, written into residual (in
     place: the residual stream after the add) and s is normalised. rows: optional int32 device

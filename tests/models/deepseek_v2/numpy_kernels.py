@@ -29,6 +29,7 @@ def fixed_cast(x, out):
 
 
 def rms_norm(x, weight, eps, *, rows=None, out):
+    x = fixed_to_float(x) if x.dtype == np.int64 else x          # the fixed-point residual stream, read as it lies
     out[...] = rms_norm_reference(x if rows is None else x[rows], weight, eps)
 
 

@@ -4,7 +4,7 @@ The residual stream is fixed point (int64, kernels/tiles.py) at every length: th
 router-weighted expert outputs into it with integer atomics (same bits every run), and so do the dense layers'
 down projection and the attention output projection (moe_down_combine with one expert, over token-major rows:
 one expert per head made every output element 16 atomic adds, 221 us for V2-Lite's at 1024 tokens on an H200).
-Each norm reads the stream through fixed_cast.
+Each norm reads the stream as it lies (rms_norm takes fixed point); fixed_cast gives the last layer's as floats.
 
 Attention is multi-head latent attention (MLA). A token's latent entry (kv_lora_rank normed latent c, then the
 qk_rope_head_dim rotary key k_pe) is what the cache keeps: (layers, B, capacity, R + P), 576 values per token
@@ -431,9 +431,8 @@ class DeepseekV2(CausalLM):
         return fixed_cast(x, acts.xf)
 
     def _norm(self, acts: Activations, weight) -> None:
-        """acts.h = RMSNorm of the residual stream (read through fixed_cast)."""
-        fixed_cast(acts.x, acts.xf)
-        rms_norm(acts.xf, weight, self.config.rms_norm_eps, out=acts.h)
+        """acts.h = RMSNorm of the fixed-point residual stream."""
+        rms_norm(acts.x, weight, self.config.rms_norm_eps, out=acts.h)
 
     def final_norm(self, x, out, rows=None) -> None:
         """The final RMSNorm of x (of the rows `rows` only, when given) into out."""

@@ -25,15 +25,39 @@ pytestmark = pytest.mark.gpu
 # and the odd token routed to another expert.
 
 
+ROUTING_MARGIN = 1e-2      # router probability gap, about 10x what bf16 activations move it by here
+
+
+class MarginReference(ReferenceDeepseekV2):
+    """The float64 reference, recording each token's smallest gap between its k-th and (k+1)-th router probability
+    over the MoE layers: below about ROUTING_MARGIN, bf16 rounding upstream may route the token to another expert, a
+    discontinuity no logits tolerance covers (seen once: 2.1% against the 2% bound, 4 experts top-2)."""
+
+    margins = None
+
+    def _moe(self, h, prefix):
+        logits = h.reshape(-1, self.config.n_embd) @ self.state[prefix + "gate.weight"].astype(np.float64).T
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p = np.sort(p / p.sum(-1, keepdims=True), -1)[:, ::-1]
+        k = self.config.num_experts_per_tok
+        gap = p[:, k - 1] - p[:, k]
+        self.margins = gap if self.margins is None else np.minimum(self.margins, gap)
+        return super()._moe(h, prefix)
+
+
 @pytest.mark.parametrize("config", [CONFIG, LORA], ids=["q_proj", "q_lora"])
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("tokens", [5, W8A8_MIN_ROWS + 3])
 def test_logits_match_reference_of_dequantized_weights(config, kind, tokens):
+    """Compared on the tokens routed clear of a tie (the last MoE layer's choice reaches no other token here)."""
     model = DeepseekV2(config, state=weights.random_state_dict(config, seed=3), quantize=kind)
     ids = np.random.default_rng().integers(0, config.vocab_size, (2, tokens))
-    expected = ReferenceDeepseekV2(config, model.state_dict()).forward(ids)
+    reference = MarginReference(config, model.state_dict())
+    expected = reference.forward(ids)
+    clear = (reference.margins >= ROUTING_MARGIN).reshape(ids.shape)
+    assert config.n_layer == 2 and clear.mean() >= 0.5, clear.mean()
     tol = W8A8_TOL if kind == "fp8" and 2 * tokens >= W8A8_MIN_ROWS else WEIGHT_ONLY_TOL
-    err = rel_err(logits(model, ids), expected)
+    err = rel_err(logits(model, ids)[clear], expected[clear])
     assert err <= tol, err
 
 

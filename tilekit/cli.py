@@ -137,20 +137,25 @@ def _model_problems(args) -> list:
 def cmd_tune(args) -> int:
     from tilekit.autotune.registry import registered_ops
     from tilekit.device import gpu_unavailable_reason
-    if sum(x is not None and x is not False for x in (args.model, args.kernel, args.stale)) != 1:
-        raise UsageError("tune needs exactly one of --model, --kernel or --stale")
+    kernel_alone = args.kernel if args.like is None else None          # with --like, --kernel only filters
+    if sum(x is not None and x is not False for x in (args.model, kernel_alone, args.stale, args.like)) != 1:
+        raise UsageError("tune needs exactly one of --model, --kernel, --stale or --like")
     if args.quantize is not None and args.model is None:
         raise UsageError("--quantize goes with --model")
     _check_quantize_head(args)
     if args.tp != 1 and args.model is None:
         raise UsageError("--tp goes with --model")
-    if args.kernel is not None:
-        ops = registered_ops()
-        if args.kernel not in ops:
-            raise UsageError(f"--kernel must be one of {', '.join(sorted(ops))}")
+    if args.kernel is not None and args.kernel not in registered_ops():
+        raise UsageError(f"--kernel must be one of {', '.join(sorted(registered_ops()))}")
+    if args.like is not None:
+        if args.shape is not None:
+            raise UsageError("--shape goes with --kernel alone, not with --like")
+        items = _like_items(args.like, args.kernel)
+    elif args.kernel is not None:
         if not args.shape:
             raise UsageError("--kernel needs --shape, e.g. --shape M=8192,N=2304,K=768")
-        items = [(ops[args.kernel], _parse_shape(ops[args.kernel], args.shape, args.dtype))]
+        op = registered_ops()[args.kernel]
+        items = [(op, _parse_shape(op, args.shape, args.dtype))]
     elif args.model is not None:
         items = _model_problems(args)
     reason = gpu_unavailable_reason()
@@ -162,6 +167,25 @@ def cmd_tune(args) -> int:
     if args.devices is not None and args.shard is None:     # a worker never spawns workers
         return _tune_on_devices(args, items)
     return _tune_here(args, items, shard=args.shard)
+
+
+def _like_items(gpu: str, kernel: str | None) -> list:
+    """(op, problem) of every well-formed entry (of `kernel` only, when given) of the shipped file of the GPU named
+    `gpu`: the shapes tuned there, to tune here (those this GPU holds exactly are skipped later)."""
+    from tilekit.autotune import store
+    from tilekit.autotune.entries import entry_defect
+    from tilekit.autotune.keys import parse_key
+    from tilekit.autotune.registry import registered_ops
+    files = {f.device().name: f for f in store.shipped_db().device_files() if f.device() is not None}
+    if gpu not in files:
+        raise UsageError(f"--like must name a GPU of the shipped database ({', '.join(sorted(files)) or 'none'}), "
+                         f"got {gpu!r}")
+    items = []
+    for key, entry in sorted(files[gpu].read().items()):
+        name, problem = parse_key(key) if entry_defect(key, entry) is None else (None, None)
+        if name in registered_ops() and kernel in (None, name):
+            items.append((registered_ops()[name], problem))
+    return items
 
 
 def _stale_items(layer: str) -> list:
@@ -871,6 +895,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--stale", choices=("user", "shipped"), nargs="?", const="user",
                       help="re-tune the entries of this GPU's file in that layer (default user) that the "
                            "current kernels made stale; the results go to the user database")
+    tune.add_argument("--like", metavar="GPU",
+                      help="tune the shapes the shipped database holds for that GPU (its name, as `tilekit db list` "
+                           "shows it) that this GPU lacks: a new GPU's bring-up, or re-tuning entries dropped after "
+                           "a kernel change; --kernel narrows it to one kernel")
     tune.add_argument("--force", action="store_true", help="re-tune shapes that are already tuned")
     tune.add_argument("--devices", help="'all' or GPU indices '0,1': one worker process per GPU")
     tune.add_argument("--workers", type=_positive, help="compile processes (default: CPU cores - 1)")

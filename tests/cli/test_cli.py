@@ -12,6 +12,7 @@ import pytest
 from tests._autotune_fakes import H100, H200, entry, run_together
 from tilekit import cli
 from tilekit.autotune import store
+from tilekit.autotune.db import TuningDB
 from tilekit.device import DeviceInfo, gpu_unavailable_reason
 from tilekit.kernels.layer_norm import LAYER_NORM
 from tilekit.kernels.linear import LINEAR
@@ -95,8 +96,11 @@ def test_help_exits_0(argv, capsys):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["tune"], "exactly one of --model, --kernel or --stale"),
-    (["tune", "--model", "gpt2", "--kernel", "linear"], "exactly one of --model, --kernel or --stale"),
+    (["tune"], "exactly one of --model, --kernel, --stale or --like"),
+    (["tune", "--model", "gpt2", "--kernel", "linear"], "exactly one of --model, --kernel, --stale or --like"),
+    (["tune", "--model", "gpt2", "--like", "NVIDIA H200"], "exactly one of --model, --kernel, --stale or --like"),
+    (["tune", "--like", "NVIDIA H200", "--kernel", "linear", "--shape", "M=1"], "--shape goes with --kernel alone"),
+    (["tune", "--like", "NVIDIA H200", "--kernel", "nosuch"], "--kernel must be one of"),
     (["tune", "--kernel", "nosuch"], "--kernel must be one of"),
     (["tune", "--kernel", "linear"], "needs --shape"),
     (["tune", "--kernel", "linear", "--shape", "M=8,N=8"], "missing: K"),
@@ -623,3 +627,21 @@ def test_tune_stale_selects_exactly_the_stale_entries(monkeypatch):
     items = cli._stale_items("user")
     assert [(op.name, op.problem_key(p)[1]) for op, p in items] == [("linear", stale)]
     assert cli._stale_items("shipped") == []
+
+
+def test_tune_like_takes_the_shapes_another_gpus_shipped_file_holds(monkeypatch, tmp_path):
+    """`tilekit tune --like GPU [--kernel K]`: the well-formed entries of that GPU's shipped file, one kernel's only with
+    --kernel; a name the shipped database lacks is refused, naming the GPUs it holds."""
+    shipped = TuningDB(tmp_path / "shipped", "maintainer", writable=True)
+    linear = LINEAR.problem_key(linear_problem(M=8))[1]
+    norm = LAYER_NORM.problem_key(dict(dtype="bfloat16", M=8, N=768, gather=0, fixed=0))[1]
+    shipped.store(H200, {linear: entry(LINEAR, LINEAR_CONFIG, H200),
+                         norm: entry(LAYER_NORM, next(iter(LAYER_NORM.space)), H200, kernel_hash="0" * 16)})
+    shipped.store(H100, {LINEAR.problem_key(linear_problem(M=1))[1]: entry(LINEAR, LINEAR_CONFIG, H100)})
+    monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "shipped"))
+    store.reset()
+    keys = lambda items: sorted(op.problem_key(p)[1] for op, p in items)      # noqa: E731
+    assert keys(cli._like_items(H200.name, None)) == sorted([linear, norm])   # stale there: still a shape to tune
+    assert keys(cli._like_items(H200.name, "layer_norm")) == [norm]
+    with pytest.raises(cli.UsageError, match="NVIDIA H100 80GB HBM3, NVIDIA H200.*'NVIDIA H20'"):
+        cli._like_items("NVIDIA H20", None)

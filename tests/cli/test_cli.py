@@ -630,8 +630,8 @@ def test_tune_stale_selects_exactly_the_stale_entries(monkeypatch):
 
 
 def test_tune_like_takes_the_shapes_another_gpus_shipped_file_holds(monkeypatch, tmp_path):
-    """`tilekit tune --like GPU [--kernel K]`: the well-formed entries of that GPU's shipped file, one kernel's only with
-    --kernel; a name the shipped database lacks is refused, naming the GPUs it holds."""
+    """`tilekit tune --like GPU [--kernel K]`: the well-formed entries of that GPU's shipped file, one kernel's only
+    with --kernel; a name the shipped database lacks is refused, naming the GPUs it holds."""
     shipped = TuningDB(tmp_path / "shipped", "maintainer", writable=True)
     linear = LINEAR.problem_key(linear_problem(M=8))[1]
     norm = LAYER_NORM.problem_key(dict(dtype="bfloat16", M=8, N=768, gather=0, fixed=0))[1]

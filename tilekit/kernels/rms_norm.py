@@ -1,8 +1,8 @@
 """RMSNorm over the last dimension (Llama's norm), optionally fused with the residual add before it.
 
 y = x / sqrt(mean(x^2) + eps) * w with fp32 statistics. x may be a fixed-point residual stream (int64,
-tiles.py: DeepSeek-V2's), read as it lies; the output then takes the weights' dtype. With a residual, the kernel first forms
-s = x + residual in the residual's dtype, writes s back into the residual (the stream the next
+tiles.py: DeepSeek-V2's), read as it lies; the output then takes the weights' dtype. With a residual, the
+kernel first forms s = x + residual in the residual's dtype, writes s back into the residual (the stream the next
 block adds to) and normalises s: one pass where HF runs an add and a norm. Rows that fit one tile
 (hidden sizes up to 8192) are read once; longer rows are read twice. The search space and default
 are LayerNorm's (the same row-tiled shape of work), except that gathered rows take tiles of at most

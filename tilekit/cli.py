@@ -36,14 +36,34 @@ class _Parser(argparse.ArgumentParser):
 
 # -- small helpers ---------------------------------------------------------------------------
 
-def _int_list(text: str) -> list[int]:
+MAX_BATCH, MAX_TOKENS = 4096, 1 << 20      # a workload's batch size and its prompt or generated tokens
+
+
+def _int_list(text: str, most: int) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [int(v) for v in text.split(",") if v.strip()] if len(text) <= 1000 else None
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+        values = None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text[:100]!r}") from None
+    if min(values) < 1 or max(values) > most:
+        raise argparse.ArgumentTypeError(f"expected integers in [1, {most}], got {text!r}")
     return values
+
+
+def _batch_sizes(text: str) -> list[int]:
+    return _int_list(text, MAX_BATCH)
+
+
+def _token_counts(text: str) -> list[int]:
+    return _int_list(text, MAX_TOKENS)
+
+
+def _token_count(text: str) -> int:
+    (value,) = _int_list(text, MAX_TOKENS) if "," not in text else (0,)
+    if not value:
+        raise argparse.ArgumentTypeError(f"expected one integer in [1, {MAX_TOKENS}], got {text!r}")
+    return value
 
 
 def _dtype(text: str) -> str:
@@ -417,6 +437,7 @@ def _all_entries(layers=("user", "shipped")):
 
 def _db_list(args) -> int:
     from tilekit.autotune.db import sanitise
+    from tilekit.autotune.entries import bad_time
     rows = []
     for db, dfile, key, entry in _all_entries():
         op = key.partition("/")[0]
@@ -425,7 +446,7 @@ def _db_list(args) -> int:
         if args.device and sanitise(args.device).lower() not in dfile.path.stem.lower():
             continue
         time_us = entry.get("time_us") if isinstance(entry, dict) else None
-        shown_time = f"{time_us:.1f}" if isinstance(time_us, (int, float)) else "?"
+        shown_time = f"{time_us:.1f}" if bad_time(time_us) is None else "?"
         rows.append((db.layer, dfile.path.stem, _shown(key), shown_time))
     if not rows:
         print("no tuning entries" + (" match" if args.kernel or args.device else ""))
@@ -483,6 +504,9 @@ def _db_export(args) -> int:
     out = Path(args.file)
     if out.is_dir():
         raise UsageError(f"cannot export to {out}: it is a directory")
+    if out.is_symlink() or (out.exists() and not out.is_file()):      # the export replaces the file it writes
+        raise UsageError(f"cannot export to {out}: it is a link or a special file, not a regular file")
+
     if not out.parent.is_dir():
         raise UsageError(f"cannot export to {out}: directory {out.parent} does not exist")
     for db in store.layers():
@@ -803,11 +827,13 @@ def _model_args(p, default_model=None):
     p.add_argument("--model", default=default_model,
                    help="a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-3.2-1b, ...), or a checkpoint "
                         "directory / config.json / HF cache name")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 8], help="comma-separated (default 1,8)")
-    p.add_argument("--seq-lens", type=_int_list, default=[128, 1024], help="comma-separated (default 128,1024)")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=[1, 8],
+                   help=f"comma-separated, each at most {MAX_BATCH} (default 1,8)")
+    p.add_argument("--seq-lens", type=_token_counts, default=[128, 1024],
+                   help=f"comma-separated, each at most {MAX_TOKENS} (default 128,1024)")
     p.add_argument("--dtype", type=_dtype, default="bfloat16", help="bf16 (default), fp16 or fp32")
-    p.add_argument("--new-tokens", type=_positive, default=128,
-                   help="tokens generate() adds after each prompt in the workload (default 128)")
+    p.add_argument("--new-tokens", type=_token_count, default=128,
+                   help=f"tokens generate() adds after each prompt in the workload (default 128, at most {MAX_TOKENS})")
     p.add_argument("--quantize", choices=("int8", "fp8"),
                    help="the workload of the model with its linears quantized (Llama and DeepSeek-V2 families)")
     p.add_argument("--quantize-head", action="store_true",

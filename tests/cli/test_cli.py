@@ -107,7 +107,12 @@ def test_help_exits_0(argv, capsys):
     (["tune", "--kernel", "linear", "--shape", "M=8,N=8,K=8,Q=1"], "unknown: Q"),
     (["tune", "--kernel", "linear", "--shape", "M8"], "NAME=VALUE"),
     (["tune", "--model", "gpt2", "--dtype", "int8"], "dtype must be one of"),
-    (["tune", "--model", "gpt2", "--batch-sizes", "0"], "positive integers"),
+    (["tune", "--model", "gpt2", "--batch-sizes", "0"], "argument --batch-sizes: expected integers in [1, 4096]"),
+    (["tune", "--model", "gpt2", "--batch-sizes", "1000000000"], "argument --batch-sizes: expected integers in"),
+    (["tune", "--model", "gpt2", "--batch-sizes", "9" * 30], "argument --batch-sizes: expected integers in"),
+    (["tune", "--model", "gpt2", "--seq-lens", "1000000000000"], "argument --seq-lens: expected integers in"),
+    (["tune", "--model", "gpt2", "--new-tokens", "1,2"], "argument --new-tokens: expected one integer"),
+    (["db", "explain", "--gpu", "NVIDIA H200", "--batch-sizes", "100000000"], "argument --batch-sizes"),
     (["tune", "--model", "gpt2", "--seq-lens", "x"], "comma-separated integers"),
     (["tune", "--model", "no-such-model"], "neither a preset"),
     (["db", "show", "nosuchkey"], "no entry with key 'nosuchkey'"),
@@ -645,3 +650,38 @@ def test_tune_like_takes_the_shapes_another_gpus_shipped_file_holds(monkeypatch,
     assert keys(cli._like_items(H200.name, "layer_norm")) == [norm]
     with pytest.raises(cli.UsageError, match="NVIDIA H100 80GB HBM3, NVIDIA H200.*'NVIDIA H20'"):
         cli._like_items("NVIDIA H20", None)
+
+
+def test_db_export_refuses_links_and_special_files(tmp_path, capsys):
+    """The export replaces the file it writes: a link or a FIFO given as the target is refused, left as it was."""
+    fifo, link, target = tmp_path / "fifo", tmp_path / "link", tmp_path / "target.json"
+    os.mkfifo(fifo)
+    target.write_text("{}")
+    link.symlink_to(target)
+    for path in (fifo, link):
+        rc, _, err = run(["db", "export", str(path)], capsys)
+        assert rc == 2 and "a link or a special file" in err, err
+    assert not fifo.is_file() and link.is_symlink() and target.read_text() == "{}"
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("time_us", 10 ** 400, "time_us is out of range"), ("default_time_us", -(10 ** 13), "out of range")])
+def test_db_verify_names_an_integer_time_no_float_holds(capsys, field, value, reason):
+    rc, out, key, invalid = verify_with_one_more(capsys, LINEAR_CONFIG, "INVALID", **{field: value})
+    assert key in invalid and reason in invalid
+    rc, out, err = run(["db", "list"], capsys)
+    assert rc == 0 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("problem, reason", [
+    (dict(dtype="evil"), "dtype must be one of"), (dict(M=-7), "is not a linear problem key"),
+    (dict(K=0), "key field K must be a positive integer")])
+def test_db_verify_refuses_keys_no_problem_has(capsys, problem, reason):
+    """Key fields are checked as a problem named on the command line is (choices, positive sizes)."""
+    from tilekit.autotune.entries import entry_defect
+    key = LINEAR.problem_key(linear_problem(M=8))[1]
+    name, fields = key.split("/", 1)
+    fields = dict(f.split("=") for f in fields.split(","))
+    fields.update({k: str(v) for k, v in problem.items()})
+    bad = name + "/" + ",".join(f"{k}={fields[k]}" for k in sorted(fields))
+    assert reason in (entry_defect(bad, entry(LINEAR, LINEAR_CONFIG)) or "")

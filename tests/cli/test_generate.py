@@ -49,12 +49,15 @@ def test_a_prompts_file_is_one_batch_printed_as_json_lines(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,says", [
     (["--temperature", "nan"], "temperature must be finite"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be 0 (greedy) or >= 1e-06"),
+    (["--temperature", "1e-320"], "temperature must be 0 (greedy) or >= 1e-06"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--top-k", "-1"], "argument --top-k"),
     (["--min-p", "2"], "min_p must be in [0, 1]"),
-    (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["--repetition-penalty", "0"], "repetition_penalty must be in [1e-06, 1e+06]"),
+    (["--repetition-penalty", "1e-310"], "repetition_penalty must be in [1e-06, 1e+06]"),
+    (["--repetition-penalty", "1e300"], "repetition_penalty must be in [1e-06, 1e+06]"),
     (["--presence-penalty", "inf"], "presence_penalty must be finite"),
     (["--max-new-tokens", "-1"], "argument --max-new-tokens"),
     (["--max-new-tokens", "abc"], "argument --max-new-tokens"),

@@ -8,11 +8,15 @@ from tilekit.autotune.db import entry_problem
 from tilekit.autotune.keys import parse_key
 from tilekit.autotune.registry import registered_ops
 
+MAX_TIME_US = 10 ** 12     # an integer time beyond this is no measurement (and a 400-digit one overflows float())
 
-def _bad_time(value) -> str | None:
+
+def bad_time(value) -> str | None:
     """Why a measured time is unusable (not a number, not finite, negative), or None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "is not a number"
+    if isinstance(value, int) and abs(value) > MAX_TIME_US:
+        return "is out of range"
     if isinstance(value, float) and not math.isfinite(value):
         return "is not finite"
     return "is negative" if value < 0 else None
@@ -34,10 +38,13 @@ def entry_defect(key: str, entry) -> str | None:
         canonical = False
     if not canonical:
         return f"key is not a {name} problem key"
+    errors = op.problem_errors(fields)          # as a problem named on the command line is checked
+    if errors:
+        return f"key field {errors[0]}"
     if not op.space.contains(entry["config"]) and entry["space_hash"] == op.space_hash():
         return f"config outside the {name} search space"    # (tuned over another space: stale, not broken)
     for field in ("time_us", "default_time_us"):
-        why = None if field != "time_us" and entry.get(field) is None else _bad_time(entry.get(field))
+        why = None if field != "time_us" and entry.get(field) is None else bad_time(entry.get(field))
         if why:
             return f"{field} {why}"
     return None

@@ -261,7 +261,7 @@ MLA_DECODE_ATTENTION = Op(
                      dependent=False),       # one ordinary launch per layer, as decode_attention (see there)
               Launch(mla_merge_kernel, _merge_grid, ("opart", "mpart", "lpart", "o"), _merge_constants,
                      hinted=False)),
-    bind=_bind, cli_defaults=dict(nq=1, new_kv=1))
+    bind=_bind, choices=dict(new_kv=(0, 1)), cli_defaults=dict(nq=1, new_kv=1))
 
 
 def mla_decode_attention(q, q_pe, c_cache, pe_cache, lengths, *, scale: float, new_c=None, new_pe=None,

@@ -180,7 +180,8 @@ MOE_ROUTER = Op(
     space=SPACE, default=default_config, arrays=_arrays, scratch=_scratch, scalars=lambda p: {"scale": 1.0},
     launches=(Launch(moe_router_kernel, _grid, ("x", "w", "ids", "weights", "partial", "counter", "scale"),
                      _constants),),
-    bind=_bind, cli_defaults=dict(shared=0, renorm=0), borrowable=lends_split_k)
+    bind=_bind, choices=dict(renorm=(0, 1), shared=range(0, MAX_SLOTS + 1)), cli_defaults=dict(shared=0, renorm=0),
+    borrowable=lends_split_k)
 
 
 def moe_router(x, gate_weight, top_k: int, *, renormalize: bool = False, scale: float = 1.0, shared: int = 0,

@@ -40,6 +40,7 @@ MAX_EOS_IDS = 1024
 MAX_STOP_STRINGS = 64            # a hostile generation_config.json must not make each step's stop check slow
 MAX_STOP_STRING_CHARS = 1024
 MAX_COUNT = 1 << 30              # a top_k or min_new_tokens beyond any vocabulary or context: the GPU packs them in int32
+MIN_SCALE = 1e-6                 # the smallest temperature / repetition penalty: logits divided by it stay finite
 HF_DEFAULTS = dict(temperature=1.0, top_k=50, top_p=1.0)   # GenerationConfig's global defaults when sampling
 FILE_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")   # HF has no other
 
@@ -88,8 +89,8 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
         put("temperature", _number("temperature", self.temperature))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.temperature < 0 or 0 < self.temperature < MIN_SCALE:      # 1 / T must stay finite in fp32
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_SCALE}, got {self.temperature}")
         put("top_k", _count("top_k", 0 if self.top_k is None else self.top_k, most=MAX_COUNT))
         put("top_p", _number("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
@@ -98,8 +99,9 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         put("repetition_penalty", _number("repetition_penalty", self.repetition_penalty))
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 is off), got {self.repetition_penalty}")
+        if not MIN_SCALE <= self.repetition_penalty <= 1 / MIN_SCALE:
+            raise ValueError(f"repetition_penalty must be in [{MIN_SCALE}, {1 / MIN_SCALE:g}] (1 is off), "
+                             f"got {self.repetition_penalty}")
         put("presence_penalty", _number("presence_penalty", self.presence_penalty))
         put("frequency_penalty", _number("frequency_penalty", self.frequency_penalty))
 

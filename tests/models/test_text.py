@@ -354,6 +354,21 @@ BIG = "{% set a = 'x' * 16777216 %}"
     ("".join(f"{{% set v{i} = 'x' * 16000000 %}}" for i in range(10)), "the template makes more than 134217728 items"),
     ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
      "the template's output would make 16778000 items, more than 16777216"),
+    # values that hold the same big string many times: rendered whole, they would take gigabytes
+    ("{% set s = 'x' * 16000000 %}{{ ([[s] * 16] * 16)|tojson|length }}",
+     "the filter tojson would render a value of more than 16777216 items"),
+    ("{% set s = 'x' * 16000000 %}{{ ([s] * 4)|string|length }}",
+     "the filter string would render a value of more than 16777216 items"),
+    ("{% set s = 'x' * 16000000 %}{{ [[s] * 16] * 4 }}",
+     "the template's output would render a value of more than 16777216 items"),
+    ("{% set s = 'x' * 16000000 %}{{ ([s] * 4) ~ '' }}",
+     "the template's output would render a value of more than 16777216 items"),
+    ("{% set t = [[[[[[1] * 16] * 16] * 16] * 16] * 16] %}{{ t|tojson|length }}",
+     "the filter tojson would render a value of more than 262144 nested items"),
+    ("{{ ('a\\n' * 1000)|indent(16000000) }}", "indent would make 16016002000 items, more than 16777216"),
+    ("{{ ('a\\n' * 100000)|indent('x' * 1000) }}", "indent would make 100201000 items, more than 16777216"),
+    ("{{ ('\\t' * 1000).expandtabs(16000000) }}", "expandtabs would make 16016001000 items, more than 16777216"),
+    ("{{ 'x'|center(1000000)|wordwrap(1) }}", "the filter wordwrap takes at most 32768 characters"),
 ])
 def test_templates_that_would_build_huge_values_are_refused_before_they_do(template, problem):
     error = run_briefly(lambda: render_chat(template, CONVERSATION, source="chat_template.jinja"), seconds=20)
@@ -367,7 +382,11 @@ def test_the_size_bounds_keep_jinjas_results():
              "{{ 'ab'|center(6) }}|{{ '%s'|format('q') }}|{{ 'xy'.center(4, '*') }}": "  ab  |q|*xy*",
              "{% set s %}{{ 'a' ~ 'b' }}{% endset %}{{ s ~ s|upper }}": "abAB",
              "{{ ['a', 'b']|map('upper')|join('-') }}|{{ messages|map(attribute='role')|join }}": "A-B|systemuserassistantuser",
-             "{{ '+'.join(['a', 'b']|map('upper')) }}{{ [{'n': 'x'}, {'n': 'y'}]|join(',', attribute='n') }}": "A+Bx,y"}
+             "{{ '+'.join(['a', 'b']|map('upper')) }}{{ [{'n': 'x'}, {'n': 'y'}]|join(',', attribute='n') }}": "A+Bx,y",
+             "{{ 'a\\nb'|indent(2, first=true) }}|{{ 'a\\nb'|indent('> ') }}|{{ 'a\\tb'.expandtabs(4) }}":
+                 "  a\n  b|a\n> b|a   b",
+             "{{ {'k': [1, none, 'v']}|tojson }}|{{ [1, 'a']|string }}|{{ 'aa bb'|wordwrap(3) }}":
+                 '{"k": [1, null, "v"]}|[1, \'a\']|aa\nbb'}
     for template, want in cases.items():
         assert render_chat(template, CONVERSATION) == want, template
 

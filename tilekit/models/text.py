@@ -21,6 +21,9 @@ MAX_TEMPLATE_CHARS = 1 << 20     # real chat templates are a few kB to a few ten
 MAX_TEMPLATE_STEPS = 1 << 18     # loop iterations and calls in one render; real templates make tens to thousands
 MAX_TEMPLATE_VALUE = 1 << 24     # items of any value a render makes (string, list), bits of an integer; its output
 MAX_TEMPLATE_ITEMS = 1 << 27     # items of all the values one render makes (many values kept in variables)
+MAX_WRAPPED_CHARS = 1 << 15      # wordwrap's input: Python's textwrap takes ~40 us a character at width 1
+RENDERING_FILTERS = frozenset({"tojson", "string", "pprint", "urlencode", "xmlattr", "e", "escape", "forceescape",
+                               "safe", "list", "format"})     # filters whose result spells out the whole value
 ROLES = ("system", "user", "assistant", "tool")
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")    # a byte-fallback token (SentencePiece, Llama-2)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -293,21 +296,69 @@ def _check_result_size(what: str, obj, args: tuple) -> tuple:
     return args
 
 
+def _check_deep_size(what: str, value) -> None:
+    """SecurityError when `value`, walked through its nested strings and collections, holds more than
+    MAX_TEMPLATE_VALUE items: what a filter rendering it whole (tojson, string, pprint, ...) would make. The walk
+    visits at most MAX_TEMPLATE_STEPS nodes (a list of the same list sixteen times, nested, is walked as a tree)."""
+    from jinja2.sandbox import SecurityError
+    size, stack, visits = 0, [value], 0
+    while stack:
+        item = stack.pop()
+        visits += 1
+        if visits > MAX_TEMPLATE_STEPS:
+            raise SecurityError(f"{what} would render a value of more than {MAX_TEMPLATE_STEPS} nested items")
+        if isinstance(item, (str, bytes)):
+            size += len(item)
+        elif isinstance(item, Mapping):
+            size += 2 + len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            size += 2 + len(item)
+            stack.extend(item)
+        else:
+            size += 24                  # a number, None, a bool: at most a few dozen characters
+        if size > MAX_TEMPLATE_VALUE:
+            raise SecurityError(f"{what} would render a value of more than {MAX_TEMPLATE_VALUE} items")
+
+
+def _check_spread(what: str, text, width) -> None:
+    """Before indent / expandtabs: a width applied per line (or per tab) of `text` must keep the result bounded."""
+    width = len(width) if isinstance(width, str) else width         # indent also takes a string to prefix
+    if isinstance(text, str) and isinstance(width, int) and not isinstance(width, bool):
+        _check_size(what, len(text) + abs(width) * (text.count("\t" if what == "expandtabs" else "\n") + 1))
+
+
+def _printed(value):
+    """What '{{ ... }}' prints, unchanged: its whole text checked before it is made (the environment's finalize)."""
+    if not isinstance(value, str):
+        _check_deep_size("the template's output", value)
+    return value
+
+
 def _concat(pieces) -> str:
     """The '~' operator's join, bounded (the template's Concat nodes are rewritten to this filter)."""
-    pieces = [str(p) for p in pieces]
+    pieces = [str(_printed(p)) for p in pieces]
     _check_size("'~'", sum(map(len, pieces)))
     return _bounded("".join(pieces))
 
 
 def _bounded_filter(name: str, f):
-    """Filter `f` whose arguments are checked before it runs and whose result is bounded."""
+    """Filter `f` whose arguments (and the whole of the value it renders) are checked before it runs and whose
+    result is bounded."""
+    from jinja2.sandbox import SecurityError
     passed = hasattr(f, "jinja_pass_arg")         # a context, eval context or environment comes first
 
     @functools.wraps(f)
     def run(*args, **kwargs):
         lead, plain = (args[:1], args[1:]) if passed else ((), args)
         _check_arguments(f"the filter {name}", plain[0] if name == "format" and plain else None, plain[1:], kwargs)
+        if name in RENDERING_FILTERS and plain:
+            _check_deep_size(f"the filter {name}", plain[0])
+        if name == "indent" and plain:
+            _check_spread("indent", plain[0], plain[1] if len(plain) > 1 else kwargs.get("width", 4))
+        if name == "wordwrap" and plain and isinstance(plain[0], str) and len(plain[0]) > MAX_WRAPPED_CHARS:
+            raise SecurityError(f"the filter wordwrap takes at most {MAX_WRAPPED_CHARS} characters")
         if name == "replace" and plain:
             _check_result_size("replace", plain[0], plain[1:])
         if name == "join" and plain:     # value|join(d): d.join(value), the iterable made a list on the way
@@ -351,6 +402,8 @@ def _compiled(template: str):
             _step()
             name = getattr(__obj, "__name__", "")
             _check_arguments(f"the call {name}()", None, args, kwargs)    # format strings: wrap_str_format
+            if name == "expandtabs":
+                _check_spread("expandtabs", getattr(__obj, "__self__", None), args[0] if args else 8)
             args = _check_result_size(name, getattr(__obj, "__self__", None), args)
             return _bounded(super().call(__context, __obj, *args, **kwargs))
 
@@ -395,7 +448,8 @@ def _compiled(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"])
+    env = Bounded(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, "jinja2.ext.loopcontrols"],
+                  finalize=_printed)
     env.filters["tojson"] = tojson
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.filters["tilekit_counted"] = _counted    # filters: a template cannot rebind them

@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1 TILEKIT_CACHE_DIR="${TILEKIT_CACHE_DIR:-/tmp/tilekit-t
 if [ -n "${RESUME:-}" ]; then
     python3 -m tilekit db import "$RESUME" || exit 1
 fi
-[ "${FRESH:-0}" = 1 ] && export TILEKIT_SHIPPED_DB=/nonexistent
+[ "${FRESH:-0}" = 1 ] && export TILEKIT_SHIPPED_DB="$(mktemp -d)"     # an empty database: every shape tuned
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_.-')
 log="$out/tune-$gpu.txt"
 status=0

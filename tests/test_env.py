@@ -74,6 +74,11 @@ def test_a_shipped_database_that_is_not_there_is_an_error_not_an_empty_layer(mon
         store.layers()
     (tmp_path / "ship").mkdir()
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "ship"))
+    assert store.shipped_dir() == tmp_path / "ship"                 # empty: an empty database
+    (tmp_path / "ship" / "README.md").write_text("")                # a directory of something else
+    with pytest.raises(ValueError, match="^TILEKIT_SHIPPED_DB='.*/ship': not a tuning database "):
+        store.shipped_dir()
+    (tmp_path / "ship" / "sm_90").mkdir()
     assert store.shipped_dir() == tmp_path / "ship"
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", "")
     assert store.shipped_dir().name == "tuning_db"                  # empty: unset, the packaged database

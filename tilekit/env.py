@@ -6,6 +6,7 @@ them all, for a command line to refuse a bad environment before doing anything."
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,11 +71,16 @@ def cache_dir() -> Path | None:
 
 def shipped_dir() -> Path | None:
     """TILEKIT_SHIPPED_DB: a shipped tuning database to read instead of the packaged one (None: unset). It must
-    be an existing directory: a typo must not silently leave every kernel untuned."""
+    be an existing directory, empty or holding architecture folders (sm_90, ...): a typo must not silently leave
+    every kernel untuned."""
     path = directory("TILEKIT_SHIPPED_DB")
     try:
         problem = None if path is None or path.is_dir() else "not a directory" if path.exists() else \
             "no such directory"
+        if problem is None and path is not None:
+            names = [p.name for p in itertools.islice(path.iterdir(), 4096)]
+            if names and not any(n.startswith("sm_") for n in names):
+                problem = "not a tuning database (no sm_* architecture folder in it)"
     except OSError as e:    # a name too long, a permission denied on the way
         problem = f"cannot be read ({e.strerror})"
     if problem:

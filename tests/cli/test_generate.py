@@ -153,3 +153,37 @@ def test_generate_with_an_fp8_kv_cache_prints_the_models_fp8_continuation(capsys
     model = families.load_model(TINY, dtype="float32")
     expected = model.generate_text("the quick", 12, temperature=0, kv_cache_dtype="fp8")
     assert out == "the quick" + expected + "\n"
+
+
+def _copy(tmp_path: Path) -> Path:
+    d = tmp_path / "ck"
+    shutil.copytree(TINY, d)
+    return d
+
+
+def test_a_tokenizer_that_cannot_encode_or_names_ids_past_the_vocabulary_is_refused(tmp_path, capsys):
+    """tokenizer.json is untrusted: an encode error (a Unigram model without unk_id) or an id past config.json's
+    vocab_size is one line naming the file, no traceback."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    d = _copy(tmp_path)
+    (d / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+        "pre_tokenizer": None, "post_processor": None, "decoder": None,
+        "model": {"type": "Unigram", "unk_id": None, "vocab": [["a", 0.0]]}}))
+    rc, _, err = run(["generate", "--model", str(d), "--prompt", "hi zz", "--device", "cpu", "--max-new-tokens", "2"],
+                     capsys)
+    assert rc == 2 and f"{d / 'tokenizer.json'}: cannot encode the prompt" in err and "Traceback" not in err, err
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5000, "world": 7}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    rc, _, err = run(["generate", "--model", str(d), "--prompt", "hello world", "--device", "cpu",
+                      "--max-new-tokens", "2"], capsys)
+    assert rc == 2 and "tokenizer.json: makes token id 5000, past the model's vocabulary" in err, err
+
+
+def test_an_eos_id_past_the_vocabulary_names_its_file(tmp_path, capsys):
+    d = _copy(tmp_path)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 999999999}))
+    rc, _, err = run(["generate", "--model", str(d), "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2"],
+                     capsys)
+    assert rc == 2 and f"{d / 'generation_config.json'}: eos_token_id must lie in [0, " in err, err

@@ -176,7 +176,7 @@ class GenerationSettings:
             raise ValueError(f"sampling must be a SamplingParams, got {quoted(self.sampling, 100)}")
 
     @classmethod
-    def from_generation_config(cls, checkpoint, config_eos=None) -> "GenerationSettings":
+    def from_generation_config(cls, checkpoint, config_eos=None, vocab_size: int | None = None) -> "GenerationSettings":
         """The defaults a checkpoint's generation_config.json sets, as Hugging Face reads them.
 
         Precedence, highest first: the caller's explicit arguments (override()); the file's fields; for eos
@@ -187,7 +187,8 @@ class GenerationSettings:
         do_sample, temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens, min_new_tokens,
         eos_token_id and stop_strings; lengths that count the prompt (max_length, min_length) and every other
         field are ignored, and a null field counts as absent. The file is untrusted: a field of the wrong type
-        or range is a ValueError naming the file and the field.
+        or range is a ValueError naming the file and the field; with `vocab_size`, so is an eos id outside the
+        vocabulary (config.json's naming config.json).
         """
         ck = Checkpoint.at(checkpoint)
         path = ck.directory / GENERATION_CONFIG
@@ -201,6 +202,11 @@ class GenerationSettings:
         if not isinstance(do_sample, bool):
             raise ModelFileError(path, f"do_sample must be true or false, got {quoted(do_sample, 100)}")
         file_eos = Fields(d, path).token_ids("eos_token_id", None)      # [] refused
+        for where, ids in ((ck.directory / CONFIG_NAME, config_eos), (path, () if file_eos is None else file_eos)):
+            ids = ids if isinstance(ids, (list, tuple)) else (ids,)
+            if vocab_size is not None and any(i >= vocab_size for i in ids):
+                raise ModelFileError(where, f"eos_token_id must lie in [0, {vocab_size}) (config.json's vocab_size), "
+                                            f"got {quoted(list(ids), 100)}")
         sampling = {**HF_DEFAULTS, **{k: d[k] for k in FILE_SAMPLING_FIELDS if k in d}}
         if not do_sample:
             sampling["temperature"] = 0.0
@@ -352,7 +358,8 @@ class TextGeneration:
         without a checkpoint directory."""
         eos = getattr(self.config, "eos_token_id", None)
         if self.checkpoint is not None:
-            return GenerationSettings.from_generation_config(self.checkpoint, config_eos=eos)
+            return GenerationSettings.from_generation_config(self.checkpoint, config_eos=eos,
+                                                             vocab_size=self.config.vocab_size)
         return GenerationSettings(eos_token_ids=() if eos is None else eos, sampling=SamplingParams(temperature=0.0))
 
     def generation_plan(self, prompts: Sequence[np.ndarray], max_new_tokens: int | None,
@@ -404,8 +411,7 @@ class TextGeneration:
         if chat:
             ids = [self._chat_ids([{"role": "user", "content": t}]) for t in texts]
         else:
-            tokenizer = self.tokenizer()
-            ids = [tokenizer.encode(t).ids for t in texts]
+            ids = [self._encoded(t) for t in texts]
         out = self._continue_text(ids, max_new_tokens, stream_to, kwargs)
         return out[0] if single else out
 
@@ -428,7 +434,23 @@ class TextGeneration:
 
     def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of `messages` rendered with the chat template (which writes its own special tokens)."""
-        return self.tokenizer().encode(self.chat_template().render(messages), add_special_tokens=False).ids
+        return self._encoded(self.chat_template().render(messages), add_special_tokens=False)
+
+    def _encoded(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` by the checkpoint's tokenizer; a tokenizer that fails on it, or makes an id past the
+        model's vocabulary, is a ModelFileError naming the checkpoint's tokenizer (its file is untrusted)."""
+        tokenizer = self.tokenizer()
+        where = self.checkpoint.directory / ("tokenizer.json" if self.checkpoint.has("tokenizer.json") else
+                                             "vocab.json")
+        try:
+            ids = tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as e:          # the tokenizers library raises plain Exceptions (no unk_id, ...)
+            raise ModelFileError(where, f"cannot encode the prompt: {quoted(str(e), 200)}") from None
+        V = self.config.vocab_size
+        if any(i >= V for i in ids):
+            raise ModelFileError(where, f"makes token id {max(ids)}, past the model's vocabulary of {V} "
+                                        f"(config.json's vocab_size)")
+        return ids
 
     def _continue_text(self, ids: list[list[int]], max_new_tokens: int | None, stream_to, kwargs) -> list[str]:
         """The decoded continuations of prompts `ids`, row 0's streamed to stream_to as it is made."""

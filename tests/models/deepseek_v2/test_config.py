@@ -113,6 +113,10 @@ def test_hostile_config_json_is_one_clear_error(tmp_path):
     path.write_text('{"hidden_size": 1, "hidden_size": 2}')
     with pytest.raises(ValueError, match="repeated key 'hidden_size'"):
         DeepseekV2Config.from_json(path)
+    path.write_text(json.dumps({**HUB_LITE, "rope_scaling": {**HUB_LITE["rope_scaling"], "beta_fast": 1,
+                                                             "beta_slow": 32}}))
+    with pytest.raises(ValueError, match=f"{path}: field 'rope_scaling.beta_fast' is 1.0: it must be >= beta_slow"):
+        DeepseekV2Config.from_json(path)
 
 
 def test_a_config_claiming_millions_of_expert_mlps_is_refused_at_once():

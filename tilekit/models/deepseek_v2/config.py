@@ -231,9 +231,12 @@ class DeepseekV2Config(hf.HFConfig):
             # as transformers: a top-level original_max_position_embeddings wins, then the rope dict's
             original = f.integer("original_max_position_embeddings", None, low=1, high=hf.MAX_SIZE) or \
                 rope.integer("original_max_position_embeddings", positions, low=1, high=hf.MAX_SIZE)
+            beta_fast, beta_slow = rope.number("beta_fast", 32.0, positive=True), rope.number("beta_slow", 1.0,
+                                                                                                positive=True)
+            if beta_fast < beta_slow:
+                raise rope.error("beta_fast", f"is {beta_fast}: it must be >= beta_slow ({beta_slow})")
             scaling = YarnScaling(
-                rope.number("factor", low=1.0), original, rope.number("beta_fast", 32.0, positive=True),
-                rope.number("beta_slow", 1.0, positive=True), rope.number("mscale", None, low=0.0),
+                rope.number("factor", low=1.0), original, beta_fast, beta_slow, rope.number("mscale", None, low=0.0),
                 rope.number("mscale_all_dim", None, low=0.0), rope.number("attention_factor", None, low=0.0),
                 rope.boolean("truncate", True))
         rope_dim = f.integer("qk_rope_head_dim", low=1, high=hf.MAX_SIZE)

@@ -37,6 +37,7 @@ class _Parser(argparse.ArgumentParser):
 # -- small helpers ---------------------------------------------------------------------------
 
 MAX_BATCH, MAX_TOKENS = 4096, 1 << 20      # a workload's batch size and its prompt or generated tokens
+MAX_SHAPE_FIELD = 1 << 31                  # a size in a problem named on the command line (kernels index in int32)
 
 
 def _int_list(text: str, most: int) -> list[int]:
@@ -86,12 +87,21 @@ def _config_for(model: str):
 
 
 def _parse_shape(op, text: str, dtype: str) -> dict:
-    problem = dict(op.field_defaults, dtype=dtype)
+    problem, given = dict(op.field_defaults, dtype=dtype), set()
+    if len(text) > 1000:
+        raise UsageError(f"--shape is {len(text)} characters long; a problem takes a few dozen")
     for item in filter(None, text.split(",")):
         name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
         if not sep:
-            raise UsageError(f"--shape items look like NAME=VALUE, got {item!r}")
-        problem[name.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+            raise UsageError(f"--shape items look like NAME=VALUE, got {_shown(item, 100)}")
+        if name in given:
+            raise UsageError(f"--shape names {_shown(name, 100)} twice")
+        given.add(name)
+        number = value.lstrip("-").isdigit() and len(value) <= 19
+        problem[name] = int(value) if number else value
+        if number and abs(problem[name]) > MAX_SHAPE_FIELD:
+            raise UsageError(f"--shape field {name} is {value}, past {MAX_SHAPE_FIELD}")
     unknown = set(problem) - set(op.fields)
     missing = [f for f in op.fields if f not in problem]
     if unknown or missing:
@@ -780,10 +790,15 @@ def cmd_generate(args) -> int:
 
 def _generate(args, model, prompts: list[str], options: dict, show) -> int:
     if len(prompts) == 1:
-        if not args.chat:
-            show(prompts[0], end="", flush=True)
-        model.generate_text(prompts[0], args.max_new_tokens, chat=args.chat,
-                            stream_to=lambda s: show(s, end="", flush=True), **options)
+        echoed = [args.chat]            # the prompt is echoed with the first piece: after every check has passed
+
+        def stream(piece: str) -> None:
+            if not echoed[0]:
+                show(prompts[0], end="", flush=True)
+                echoed[0] = True
+            show(piece, end="", flush=True)
+        model.generate_text(prompts[0], args.max_new_tokens, chat=args.chat, stream_to=stream, **options)
+        stream("")
         show()
         return 0
     for text in model.generate_text(prompts, args.max_new_tokens, chat=args.chat, **options):

@@ -184,6 +184,7 @@ def test_a_tokenizer_that_cannot_encode_or_names_ids_past_the_vocabulary_is_refu
 def test_an_eos_id_past_the_vocabulary_names_its_file(tmp_path, capsys):
     d = _copy(tmp_path)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 999999999}))
-    rc, _, err = run(["generate", "--model", str(d), "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2"],
-                     capsys)
+    rc, out, err = run(["generate", "--model", str(d), "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2"],
+                       capsys)
     assert rc == 2 and f"{d / 'generation_config.json'}: eos_token_id must lie in [0, " in err, err
+    assert out == "", "the prompt was echoed before the checks failed"

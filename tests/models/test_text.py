@@ -369,6 +369,8 @@ BIG = "{% set a = 'x' * 16777216 %}"
     ("{{ ('a\\n' * 100000)|indent('x' * 1000) }}", "indent would make 100201000 items, more than 16777216"),
     ("{{ ('\\t' * 1000).expandtabs(16000000) }}", "expandtabs would make 16016001000 items, more than 16777216"),
     ("{{ 'x'|center(1000000)|wordwrap(1) }}", "the filter wordwrap takes at most 32768 characters"),
+    ("{{ ([[[1] * 40] * 40] * 40)|tojson(indent=1000000) }}",
+     "the filter tojson would render a value of more than 16777216 items"),
 ])
 def test_templates_that_would_build_huge_values_are_refused_before_they_do(template, problem):
     error = run_briefly(lambda: render_chat(template, CONVERSATION, source="chat_template.jinja"), seconds=20)
@@ -386,7 +388,8 @@ def test_the_size_bounds_keep_jinjas_results():
              "{{ 'a\\nb'|indent(2, first=true) }}|{{ 'a\\nb'|indent('> ') }}|{{ 'a\\tb'.expandtabs(4) }}":
                  "  a\n  b|a\n> b|a   b",
              "{{ {'k': [1, none, 'v']}|tojson }}|{{ [1, 'a']|string }}|{{ 'aa bb'|wordwrap(3) }}":
-                 '{"k": [1, null, "v"]}|[1, \'a\']|aa\nbb'}
+                 '{"k": [1, null, "v"]}|[1, \'a\']|aa\nbb',
+             "{{ [1]|tojson(indent=2) }}": "[\n  1\n]"}
     for template, want in cases.items():
         assert render_chat(template, CONVERSATION) == want, template
 

@@ -296,26 +296,27 @@ def _check_result_size(what: str, obj, args: tuple) -> tuple:
     return args
 
 
-def _check_deep_size(what: str, value) -> None:
+def _check_deep_size(what: str, value, indent: int = 0) -> None:
     """SecurityError when `value`, walked through its nested strings and collections, holds more than
-    MAX_TEMPLATE_VALUE items: what a filter rendering it whole (tojson, string, pprint, ...) would make. The walk
-    visits at most MAX_TEMPLATE_STEPS nodes (a list of the same list sixteen times, nested, is walked as a tree)."""
+    MAX_TEMPLATE_VALUE items: what a filter rendering it whole (tojson, string, pprint, ...) would make; with
+    `indent` (tojson's), each item's line indented by its depth counts too. The walk visits at most
+    MAX_TEMPLATE_STEPS nodes (a list of the same list sixteen times, nested, is walked as a tree)."""
     from jinja2.sandbox import SecurityError
-    size, stack, visits = 0, [value], 0
+    size, stack, visits = 0, [(value, 0)], 0
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         visits += 1
         if visits > MAX_TEMPLATE_STEPS:
             raise SecurityError(f"{what} would render a value of more than {MAX_TEMPLATE_STEPS} nested items")
+        size += 1 + depth * indent
         if isinstance(item, (str, bytes)):
             size += len(item)
         elif isinstance(item, Mapping):
             size += 2 + len(item)
-            stack.extend(item.keys())
-            stack.extend(item.values())
+            stack.extend((x, depth + 1) for pair in item.items() for x in pair)
         elif isinstance(item, (list, tuple, set, frozenset)):
             size += 2 + len(item)
-            stack.extend(item)
+            stack.extend((x, depth + 1) for x in item)
         else:
             size += 24                  # a number, None, a bool: at most a few dozen characters
         if size > MAX_TEMPLATE_VALUE:
@@ -354,7 +355,9 @@ def _bounded_filter(name: str, f):
         lead, plain = (args[:1], args[1:]) if passed else ((), args)
         _check_arguments(f"the filter {name}", plain[0] if name == "format" and plain else None, plain[1:], kwargs)
         if name in RENDERING_FILTERS and plain:
-            _check_deep_size(f"the filter {name}", plain[0])
+            indent = kwargs.get("indent") if name == "tojson" else None
+            indent = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
+            _check_deep_size(f"the filter {name}", plain[0], abs(indent))
         if name == "indent" and plain:
             _check_spread("indent", plain[0], plain[1] if len(plain) > 1 else kwargs.get("width", 4))
         if name == "wordwrap" and plain and isinstance(plain[0], str) and len(plain[0]) > MAX_WRAPPED_CHARS:

@@ -736,8 +736,9 @@ def _load(args, comm=None):
         _check_quantize_head(args)
         return families.load_model(args.model, dtype=args.dtype, quantize=args.quantize, comm=comm,
                                    quantize_head=args.quantize_head)
-    if args.quantize:
-        raise UsageError("--quantize needs --device cuda (the NumPy reference computes in float)")
+    if args.quantize or args.quantize_head:
+        raise UsageError(f"--quantize{'-head' if args.quantize_head and not args.quantize else ''} needs --device "
+                         "cuda (the NumPy reference computes in float)")
     return families.load_reference(args.model)
 
 

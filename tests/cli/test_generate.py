@@ -63,6 +63,7 @@ def test_a_prompts_file_is_one_batch_printed_as_json_lines(tmp_path, capsys):
     (["--max-new-tokens", "abc"], "argument --max-new-tokens"),
     (["--stop", ""], "stop_strings"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 needs --device cuda"),
+    (["--quantize-head"], "--quantize-head needs --device cuda"),
     (["--kv-cache-dtype", "int4"], "argument --kv-cache-dtype: invalid choice"),
 ])
 def test_bad_generation_options_are_refused_before_loading(args, says, capsys, monkeypatch):

@@ -46,7 +46,7 @@ def _int_list(text: str, most: int) -> list[int]:
     except ValueError:
         values = None
     if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text[:100]!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text[:100]!r}")
     if min(values) < 1 or max(values) > most:
         raise argparse.ArgumentTypeError(f"expected integers in [1, {most}], got {text!r}")
     return values
@@ -61,10 +61,10 @@ def _token_counts(text: str) -> list[int]:
 
 
 def _token_count(text: str) -> int:
-    (value,) = _int_list(text, MAX_TOKENS) if "," not in text else (0,)
-    if not value:
+    values = _int_list(text, MAX_TOKENS)
+    if len(values) != 1:
         raise argparse.ArgumentTypeError(f"expected one integer in [1, {MAX_TOKENS}], got {text!r}")
-    return value
+    return values[0]
 
 
 def _dtype(text: str) -> str:
@@ -203,19 +203,11 @@ def _like_items(gpu: str, kernel: str | None) -> list:
     """(op, problem) of every well-formed entry (of `kernel` only, when given) of the shipped file of the GPU named
     `gpu`: the shapes tuned there, to tune here (those this GPU holds exactly are skipped later)."""
     from tilekit.autotune import store
-    from tilekit.autotune.entries import entry_defect
-    from tilekit.autotune.keys import parse_key
-    from tilekit.autotune.registry import registered_ops
     files = {f.device().name: f for f in store.shipped_db().device_files() if f.device() is not None}
     if gpu not in files:
         raise UsageError(f"--like must name a GPU of the shipped database ({', '.join(sorted(files)) or 'none'}), "
                          f"got {gpu!r}")
-    items = []
-    for key, entry in sorted(files[gpu].read().items()):
-        name, problem = parse_key(key) if entry_defect(key, entry) is None else (None, None)
-        if name in registered_ops() and kernel in (None, name):
-            items.append((registered_ops()[name], problem))
-    return items
+    return [(op, problem) for op, problem, _, _ in _entries_of(files[gpu], "shipped") if kernel in (None, op.name)]
 
 
 def _stale_items(layer: str) -> list:
@@ -227,13 +219,18 @@ def _stale_items(layer: str) -> list:
 def _entries_here(layer: str) -> list:
     """(op, problem, entry, stale) of every well-formed entry of this GPU's file in `layer`."""
     from tilekit.autotune import store
+    from tilekit.device import device_info
+    db = store.user_db() if layer == "user" else store.shipped_db()
+    return _entries_of(db.file_for(device_info()), layer)
+
+
+def _entries_of(dfile, layer: str) -> list:
+    """(op, problem, entry, stale) of every well-formed entry of a device file of `layer`."""
     from tilekit.autotune.entries import entry_defect
     from tilekit.autotune.keys import parse_key
     from tilekit.autotune.registry import registered_ops
-    from tilekit.device import device_info
-    db = store.user_db() if layer == "user" else store.shipped_db()
     items = []
-    for key, entry in sorted(db.file_for(device_info()).read().items()):
+    for key, entry in sorted(dfile.read().items()):
         if entry_defect(key, entry) is None:
             name, problem = parse_key(key)
             op = registered_ops()[name]
@@ -516,7 +513,6 @@ def _db_export(args) -> int:
         raise UsageError(f"cannot export to {out}: it is a directory")
     if out.is_symlink() or (out.exists() and not out.is_file()):      # the export replaces the file it writes
         raise UsageError(f"cannot export to {out}: it is a link or a special file, not a regular file")
-
     if not out.parent.is_dir():
         raise UsageError(f"cannot export to {out}: directory {out.parent} does not exist")
     for db in store.layers():
@@ -791,12 +787,13 @@ def cmd_generate(args) -> int:
 
 def _generate(args, model, prompts: list[str], options: dict, show) -> int:
     if len(prompts) == 1:
-        echoed = [args.chat]            # the prompt is echoed with the first piece: after every check has passed
+        echoed = args.chat              # the prompt is echoed with the first piece: after every check has passed
 
         def stream(piece: str) -> None:
-            if not echoed[0]:
+            nonlocal echoed
+            if not echoed:
                 show(prompts[0], end="", flush=True)
-                echoed[0] = True
+                echoed = True
             show(piece, end="", flush=True)
         model.generate_text(prompts[0], args.max_new_tokens, chat=args.chat, stream_to=stream, **options)
         stream("")

@@ -90,7 +90,6 @@ def online_softmax_step_by_column(s, m_i, l_i, acc, v_t):
     return m_new, l_i, acc
 
 
-
 @ct.function
 def online_softmax_fold_key(s_t, m_i, l_i, acc, v_col):
     """online_softmax_step_by_column for one key as a rank-1 update: its log2-scaled scores s_t[1, QP] and its
@@ -100,6 +99,7 @@ def online_softmax_fold_key(s_t, m_i, l_i, acc, v_col):
     p_t = ct.exp2(s_t - m_safe)
     alpha = ct.exp2(m_i - m_safe)
     return m_new, l_i * alpha + p_t, acc * alpha + v_col * p_t
+
 
 def lends_split_k(config) -> bool:
     """Whether a tuned config of a split-K op (linear, quant_linear, moe_router) may serve the problems it was not

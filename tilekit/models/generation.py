@@ -440,17 +440,20 @@ class TextGeneration:
         """Token ids of `text` by the checkpoint's tokenizer; a tokenizer that fails on it, or makes an id past the
         model's vocabulary, is a ModelFileError naming the checkpoint's tokenizer (its file is untrusted)."""
         tokenizer = self.tokenizer()
-        where = self.checkpoint.directory / ("tokenizer.json" if self.checkpoint.has("tokenizer.json") else
-                                             "vocab.json")
         try:
             ids = tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as e:          # the tokenizers library raises plain Exceptions (no unk_id, ...)
-            raise ModelFileError(where, f"cannot encode the prompt: {quoted(str(e), 200)}") from None
+            raise ModelFileError(self._tokenizer_file(), f"cannot encode the prompt: {quoted(str(e), 200)}") from None
         V = self.config.vocab_size
         if any(i >= V for i in ids):
-            raise ModelFileError(where, f"makes token id {max(ids)}, past the model's vocabulary of {V} "
-                                        f"(config.json's vocab_size)")
+            raise ModelFileError(self._tokenizer_file(), f"makes token id {max(ids)}, past the model's vocabulary "
+                                                         f"of {V} (config.json's vocab_size)")
         return ids
+
+    def _tokenizer_file(self):
+        """The file the checkpoint's tokenizer was read from (tokenizer.json, else vocab.json): what errors name."""
+        return self.checkpoint.directory / ("tokenizer.json" if self.checkpoint.has("tokenizer.json") else
+                                            "vocab.json")
 
     def _continue_text(self, ids: list[list[int]], max_new_tokens: int | None, stream_to, kwargs) -> list[str]:
         """The decoded continuations of prompts `ids`, row 0's streamed to stream_to as it is made."""

@@ -323,11 +323,12 @@ def _check_deep_size(what: str, value, indent: int = 0) -> None:
             raise SecurityError(f"{what} would render a value of more than {MAX_TEMPLATE_VALUE} items")
 
 
-def _check_spread(what: str, text, width) -> None:
-    """Before indent / expandtabs: a width applied per line (or per tab) of `text` must keep the result bounded."""
+def _check_spread(what: str, text, width, per: str) -> None:
+    """Before indent / expandtabs: a width applied at each `per` of `text` (a line, a tab) must keep the result
+    bounded."""
     width = len(width) if isinstance(width, str) else width         # indent also takes a string to prefix
     if isinstance(text, str) and isinstance(width, int) and not isinstance(width, bool):
-        _check_size(what, len(text) + abs(width) * (text.count("\t" if what == "expandtabs" else "\n") + 1))
+        _check_size(what, len(text) + abs(width) * (text.count(per) + 1))
 
 
 def _printed(value):
@@ -359,7 +360,7 @@ def _bounded_filter(name: str, f):
             indent = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
             _check_deep_size(f"the filter {name}", plain[0], abs(indent))
         if name == "indent" and plain:
-            _check_spread("indent", plain[0], plain[1] if len(plain) > 1 else kwargs.get("width", 4))
+            _check_spread("indent", plain[0], plain[1] if len(plain) > 1 else kwargs.get("width", 4), "\n")
         if name == "wordwrap" and plain and isinstance(plain[0], str) and len(plain[0]) > MAX_WRAPPED_CHARS:
             raise SecurityError(f"the filter wordwrap takes at most {MAX_WRAPPED_CHARS} characters")
         if name == "replace" and plain:
@@ -406,7 +407,7 @@ def _compiled(template: str):
             name = getattr(__obj, "__name__", "")
             _check_arguments(f"the call {name}()", None, args, kwargs)    # format strings: wrap_str_format
             if name == "expandtabs":
-                _check_spread("expandtabs", getattr(__obj, "__self__", None), args[0] if args else 8)
+                _check_spread("expandtabs", getattr(__obj, "__self__", None), args[0] if args else 8, "\t")
             args = _check_result_size(name, getattr(__obj, "__self__", None), args)
             return _bounded(super().call(__context, __obj, *args, **kwargs))
 

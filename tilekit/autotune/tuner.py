@@ -5,12 +5,17 @@ every requested problem is compiled first in a pool of worker processes; their c
 cuTile's disk cache and the measuring process then only pays the Python front end. Measurement
 is `cuda.tile.tune.exhaustive_search` (L2 flushed before each run, sampled until its 95%
 confidence interval is within 1%). Each winner is stored as soon as it is measured, so an
-interrupted run keeps what it finished.
+interrupted run keeps what it finished. A candidate whose kernel never finishes ends the process with a line
+naming it (hang_watch) instead of leaving the tuner waiting forever.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -19,6 +24,34 @@ from tilekit.autotune import store
 from tilekit.autotune.compile import precompile
 from tilekit.autotune.space import Config, split_hints
 from tilekit.device import device_info, toolchain
+
+
+HANG_S = 120.0          # seconds one candidate's agreement runs may take before the GPU is taken for hung
+HANG_PER_TIMED_S = 10.0  # ... and a chunk of timed candidates, this much more per config
+HUNG_EXIT = 3
+
+
+@contextlib.contextmanager
+def hang_watch(what: str, seconds: float):
+    """Within the block, GPU work still running after `seconds` ends the process (exit status HUNG_EXIT) with a line
+    on stderr naming `what`: a kernel that never finishes cannot be stopped from its own process (its context has
+    to go), and a tuner waiting on it waits forever (a 1 x 128 quantize_fp8 tile at occupancy 2 did, H100). Shapes
+    tuned before it are already stored."""
+    timer = threading.Timer(seconds, _hung, (what, seconds))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _hung(what: str, seconds: float) -> None:
+    sys.stderr.write(f"tilekit tune: {what} has not finished in {seconds:.0f} s, so the GPU looks hung; the shapes "
+                     f"tuned before it are stored. Leave that config out of the op's search space (and report it), "
+                     f"then run the command again.\n")
+    sys.stderr.flush()
+    os._exit(HUNG_EXIT)
 
 
 @dataclass
@@ -99,11 +132,11 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
             continue
         notify("measure", op=op.name, key=key, n=len(configs), index=i, count=len(plans))
         case = op.bench_case(bucketed)
-        checked, wrong = agreeing(case, configs, default, deadline=end)
+        checked, wrong = agreeing(case, configs, default, deadline=end, name=key)
         if not checked:
             notify("skipped", key=key, reason=f"every candidate's output differs from the default's: {wrong[0][2]}")
             continue
-        found = measure(op, case, checked, stream, deadline=end)
+        found = measure(op, case, checked, stream, deadline=end, name=key)
         stream.synchronize()
         timings = {_freeze(m.config): m.mean_us for m in found.successes}
         best = dict(found.best.config)
@@ -122,7 +155,7 @@ def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers:
 
 
 def agreeing(case, configs: Sequence[Config], reference: Config, runs: int = 3,
-             deadline: float | None = None) -> tuple[list, list]:
+             deadline: float | None = None, name: str = "a shape") -> tuple[list, list]:
     """(configs whose outputs agree with the reference config's, [(config, reason, why)] of the rest).
 
     Each config runs `runs` times on the case's arrays, from the same contents each time; every array it leaves
@@ -132,11 +165,12 @@ def agreeing(case, configs: Sequence[Config], reference: Config, runs: int = 3,
     winner. The reference is the op's default config (each op's tests check it against a float64 reference);
     when it does not agree with itself nothing is kept, and without it among the compiled configs every config
     is kept. Past `deadline` (time.monotonic()) the configs not yet checked are left out, the reference first
-    checked."""
+    checked. Each config's runs are under hang_watch (`name`: the shape, for its message)."""
     from tilekit.autotune.arrays import agreement_tolerance, relative_difference
     if reference not in configs:
         return list(configs), []
-    want = case.outputs(reference)
+    with hang_watch(f"config {reference} (the default) of {name}", HANG_S):
+        want = case.outputs(reference)
     kept, wrong = [], []
 
     def disagreement(got: dict) -> str | None:
@@ -150,10 +184,11 @@ def agreeing(case, configs: Sequence[Config], reference: Config, runs: int = 3,
             break
         why = None
         try:
-            for _ in range(runs - 1 if config == reference else runs):
-                why = disagreement(case.outputs(config))
-                if why:
-                    break
+            with hang_watch(f"config {config} of {name}", HANG_S):
+                for _ in range(runs - 1 if config == reference else runs):
+                    why = disagreement(case.outputs(config))
+                    if why:
+                        break
         except Exception as e:  # noqa: BLE001  (a candidate that cannot run fails, as in measuring)
             wrong.append((config, type(e).__name__, str(e).splitlines()[0] if str(e) else ""))
             continue
@@ -190,11 +225,12 @@ def disagreeing_entries(items: Sequence[tuple], *, workers: int | None = None,
 MEASURE_CHUNK = 32       # configs timed by one search; a budget is checked between searches
 
 
-def measure(op, case, configs: Sequence[Config], stream, deadline: float | None = None):
+def measure(op, case, configs: Sequence[Config], stream, deadline: float | None = None, name: str = "a shape"):
     """The configs timed as exhaustive_search times them (measure_launches for ops tuned whole), MEASURE_CHUNK at a
     time: past `deadline` (time.monotonic()) no further chunk starts, so a shape of hundreds of configs (each paying
     cuTile's front end on first launch) stops within a chunk of a --budget, having timed the first chunk (the
-    default config leads it). Returns exhaustive_search's TuningResult over every chunk timed."""
+    default config leads it). Each chunk is under hang_watch. Returns exhaustive_search's TuningResult over every
+    chunk timed."""
     import cuda.tile as ct
     from cuda.tile.tune import TuningResult
     successes, failures = [], []
@@ -202,12 +238,14 @@ def measure(op, case, configs: Sequence[Config], stream, deadline: float | None 
         if first and deadline is not None and time.monotonic() > deadline:
             break
         chunk = configs[first:first + MEASURE_CHUNK]
+        what = f"timing {len(chunk)} configs of {name} (from {chunk[0]})"
         try:
-            if case.launches is not None:
-                found = measure_launches(chunk, stream, case.launches)
-            else:
-                found = ct.tune.exhaustive_search(chunk, stream, case.grid, op.kernel, case.args,
-                                                  lambda c: split_hints(c)[1], quiet=True)
+            with hang_watch(what, HANG_S + HANG_PER_TIMED_S * len(chunk)):
+                if case.launches is not None:
+                    found = measure_launches(chunk, stream, case.launches)
+                else:
+                    found = ct.tune.exhaustive_search(chunk, stream, case.grid, op.kernel, case.args,
+                                                      lambda c: split_hints(c)[1], quiet=True)
         except ValueError as e:         # no config of the chunk ran: each is a failure
             failures += [(c, ValueError, str(e)) for c in chunk]
             continue

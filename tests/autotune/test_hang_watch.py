@@ -23,7 +23,7 @@ def test_a_block_past_its_limit_ends_the_process_naming_what_hung():
         print("not reached")
     """)
     assert done.returncode == HUNG_EXIT and time.monotonic() - start < 25
-    assert "config {'TM': 1, 'TK': 128} of quantize_fp8/K=4096 has not finished in 0 s" in done.stderr
+    assert "config {'TM': 1, 'TK': 128} of quantize_fp8/K=4096 has not finished in 0.5 s" in done.stderr
     assert "not reached" not in done.stdout
 
 

@@ -47,7 +47,7 @@ def hang_watch(what: str, seconds: float):
 
 
 def _hung(what: str, seconds: float) -> None:
-    sys.stderr.write(f"tilekit tune: {what} has not finished in {seconds:.0f} s, so the GPU looks hung; the shapes "
+    sys.stderr.write(f"tilekit tune: {what} has not finished in {seconds:g} s, so the GPU looks hung; the shapes "
                      f"tuned before it are stored. Leave that config out of the op's search space (and report it), "
                      f"then run the command again.\n")
     sys.stderr.flush()

@@ -50,6 +50,7 @@ def fp8_bits_times(x, inv):
 
 @ct.function
 def reciprocal(s):
+    """1 / s, rounded as NumPy's fp32 division rounds (once a row or group, where the codes take a multiply)."""
     return ct.truediv(1.0, s, rounding_mode=RN)
 
 

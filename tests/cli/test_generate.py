@@ -189,3 +189,34 @@ def test_an_eos_id_past_the_vocabulary_names_its_file(tmp_path, capsys):
                        capsys)
     assert rc == 2 and f"{d / 'generation_config.json'}: eos_token_id must lie in [0, " in err, err
     assert out == "", "the prompt was echoed before the checks failed"
+
+
+def _with_tokenizer(d: Path, change) -> None:
+    tok = json.loads((d / "tokenizer.json").read_text())
+    change(tok)
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+
+
+@pytest.mark.parametrize("normalizer, says", [
+    ({"type": "Precompiled", "precompiled_charsmap": "/////wAAAAA="}, "is not a tokenizer"),     # panics loading
+    ({"type": "Precompiled", "precompiled_charsmap": "AAAAAAAA"}, "cannot encode the prompt"),     # ... encoding
+    ({"type": "Replace", "pattern": {"Regex": ""}, "content": "xx"}, "cannot encode the prompt")])
+def test_a_tokenizer_whose_library_panics_is_one_line_naming_the_file(tmp_path, capsys, normalizer, says):
+    """The tokenizers library's Rust panics (pyo3's PanicException, a BaseException) on a stranger's file end as
+    the file's error, exit 2, not a traceback."""
+    d = _copy(tmp_path)
+    _with_tokenizer(d, lambda t: t.update(normalizer=normalizer))
+    rc, _, err = run(["generate", "--model", str(d), "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2"],
+                     capsys)
+    assert rc == 2 and f"{d / 'tokenizer.json'}: {says}" in err and "Traceback" not in err, err
+
+
+def test_a_decoder_that_rewrites_printed_text_names_the_tokenizer(tmp_path, capsys):
+    """A decoder whose rules reach back across tokens (here: fuse the pieces, then replace 'ih') would make the
+    streamed pieces disagree with the whole decode: the file's error, not a RuntimeError traceback."""
+    d = _copy(tmp_path)
+    _with_tokenizer(d, lambda t: t.update(decoder={"type": "Sequence", "decoders": [
+        t["decoder"], {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "ih"}, "content": "X"}]}))
+    rc, _, err = run(["generate", "--model", str(d), "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "3"],
+                     capsys)
+    assert rc == 2 and f"{d / 'tokenizer.json'}: has a decoder that rewrites text already printed" in err, err

@@ -325,6 +325,11 @@ def test_failing_templates_are_value_errors_naming_the_source(template, match):
      "the template makes more than 262144 loop iterations and calls"),
     ("{{ 'ab' * 16777216 }}", "'*' would make 2 x 16777216 items, more than 16777216"),
     ("{{ (2 ** 33554432) > 1 }}", "'**' would make an integer of more than 16777216 bits"),
+    # list concatenation by sum: 4000 copies of a growing list, quadratic (minutes)
+    ("{% set a = [[1] * 4000] * 4000 %}{% set b = a|sum(start=[]) %}", "the filter sum adds numbers only (its start is not one)"),
+    # lazy filters nested: millions of one-item lists (gigabytes) behind one top-level length
+    ("{% set a = ('x' * 4000000)|batch(1)|batch(1)|batch(1)|batch(1)|batch(1)|batch(1)|list %}",
+     "the template makes more than 262144 loop iterations and calls"),
 ])
 def test_templates_that_would_run_for_hours_or_fill_memory_are_refused(template, problem):
     error = run_briefly(lambda: render_chat(template, CONVERSATION, source="chat_template.jinja"), seconds=20)
@@ -389,7 +394,9 @@ def test_the_size_bounds_keep_jinjas_results():
                  "  a\n  b|a\n> b|a   b",
              "{{ {'k': [1, none, 'v']}|tojson }}|{{ [1, 'a']|string }}|{{ 'aa bb'|wordwrap(3) }}":
                  '{"k": [1, null, "v"]}|[1, \'a\']|aa\nbb',
-             "{{ [1]|tojson(indent=2) }}": "[\n  1\n]"}
+             "{{ [1]|tojson(indent=2) }}": "[\n  1\n]",
+             "{{ [1, 2.5]|sum }}|{{ [1, 2, 3, 4]|batch(3)|list }}|{{ [3, 1, 2]|sort|reverse|join }}":
+                 "3.5|[[1, 2, 3], [4]]|321"}
     for template, want in cases.items():
         assert render_chat(template, CONVERSATION) == want, template
 

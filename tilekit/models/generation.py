@@ -33,7 +33,7 @@ import numpy as np
 
 from tilekit.kernels.next_token import next_token_reference
 from tilekit.models.hf import CONFIG_NAME, Checkpoint, Fields, ModelFileError, quoted
-from tilekit.models.text import TextStream
+from tilekit.models.text import TextStream, tokenizer_failures
 
 GENERATION_CONFIG = "generation_config.json"
 MAX_EOS_IDS = 1024
@@ -383,7 +383,8 @@ class TextGeneration:
         streams = None
         if settings.stop_strings:
             tokenizer = self.tokenizer()
-            streams = [TextStream(tokenizer, context=[int(t) for t in p]) for p in prompts]
+            streams = [TextStream(tokenizer, context=[int(t) for t in p], source=self._tokenizer_file())
+                       for p in prompts]
         return settings, rows, streams
 
     def tokenizer(self):
@@ -440,10 +441,8 @@ class TextGeneration:
         """Token ids of `text` by the checkpoint's tokenizer; a tokenizer that fails on it, or makes an id past the
         model's vocabulary, is a ModelFileError naming the checkpoint's tokenizer (its file is untrusted)."""
         tokenizer = self.tokenizer()
-        try:
+        with tokenizer_failures(self._tokenizer_file(), "cannot encode the prompt"):
             ids = tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        except Exception as e:          # the tokenizers library raises plain Exceptions (no unk_id, ...)
-            raise ModelFileError(self._tokenizer_file(), f"cannot encode the prompt: {quoted(str(e), 200)}") from None
         V = self.config.vocab_size
         if any(i >= V for i in ids):
             raise ModelFileError(self._tokenizer_file(), f"makes token id {max(ids)}, past the model's vocabulary "
@@ -460,7 +459,7 @@ class TextGeneration:
         if not all(ids):
             raise ValueError("prompt encodes to no tokens")
         tokenizer = self.tokenizer()
-        streams = [TextStream(tokenizer, context=i) for i in ids]
+        streams = [TextStream(tokenizer, context=i, source=self._tokenizer_file()) for i in ids]
         on_token = None
         if stream_to is not None:
             def on_token(tokens):

@@ -6,13 +6,14 @@ bounded size that stays inside the checkpoint directory; a bad one is a ValueErr
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import json
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from tilekit.models.hf import Checkpoint, ModelFileError, quoted, shown
 
@@ -31,6 +32,19 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 
 # -- tokenizer -------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def tokenizer_failures(path, doing: str):
+    """What the tokenizers library raises within the block for a file it cannot handle, as one ModelFileError naming
+    `path` ("<doing> (<its message>)"): plain Exceptions, and Rust panics (pyo3's PanicException is a BaseException,
+    past `except Exception`: a Precompiled normalizer with a bad charsmap, an empty Replace regex)."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - the panics above
+        raise ModelFileError(path, f"{doing} ({shown(str(e).strip(), 300)})") from None
+
+
 def load_tokenizer(checkpoint):
     """The `tokenizers.Tokenizer` of a checkpoint (an hf.Checkpoint or its directory): tokenizer.json, or else
     vocab.json + merges.txt (GPT-2's byte-level BPE, with the special tokens tokenizer_config.json names
@@ -43,11 +57,8 @@ def load_tokenizer(checkpoint):
     ck = Checkpoint.at(checkpoint)
     if ck.has("tokenizer.json"):
         text = ck.read_text("tokenizer.json", MAX_TOKENIZER_BYTES)
-        try:
+        with tokenizer_failures(ck.directory / "tokenizer.json", "is not a tokenizer"):
             tok = Tokenizer.from_str(text)
-        except Exception as e:   # tokenizers raises a bare Exception for a malformed file
-            raise ModelFileError(ck.directory / "tokenizer.json", f"is not a tokenizer ({shown(str(e), 300)})") \
-                from None
         tok.no_truncation()      # as transformers encodes by default: a file's truncation / padding unused
         tok.no_padding()
         return tok
@@ -55,11 +66,8 @@ def load_tokenizer(checkpoint):
         raise FileNotFoundError(f"{shown(ck.directory)}: no tokenizer.json or vocab.json + merges.txt")
     vocab = ck.read_json("vocab.json")
     merges = _merges(ck.read_text("merges.txt", MAX_TOKENIZER_BYTES), ck.directory / "merges.txt")
-    try:
+    with tokenizer_failures(ck.directory / "vocab.json", "and merges.txt are not a BPE tokenizer"):
         tok = Tokenizer(BPE(vocab, merges))
-    except Exception as e:
-        raise ModelFileError(ck.directory / "vocab.json", f"and merges.txt are not a BPE tokenizer "
-                                                          f"({shown(str(e), 300)})") from None
     tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
     tok.decoder = ByteLevelDecoder()
     specials = [t for t in special_tokens(ck).values() if tok.token_to_id(t) is not None]
@@ -115,11 +123,13 @@ class TextStream:
     is a <0xXX> byte token (a byte-fallback decoder turns a whole run of them into U+FFFDs if the run ends
     invalid). flush() returns what is held and ends the stream. `context` (the prompt's ids, ending on a
     character boundary as an encoded prompt does) makes the first new token decode as it would after the
-    prompt: with its leading space.
+    prompt: with its leading space. `source`: the tokenizer's file, which a decoder that fails, or that changes text
+    already returned, is a ModelFileError naming.
     """
 
-    def __init__(self, tokenizer, *, skip_special_tokens: bool = True, context: Sequence[int] = ()):
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+    def __init__(self, tokenizer, *, skip_special_tokens: bool = True, context: Sequence[int] = (),
+                 source="the tokenizer"):
+        self.tokenizer, self.skip, self.source = tokenizer, skip_special_tokens, source
         self.hidden = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special and skip_special_tokens}
         self.ids = [int(i) for i in context]
         self.prefix, self.read = 0, len(self.ids)
@@ -127,7 +137,8 @@ class TextStream:
         self.printed = ""
 
     def _decode(self, start: int, stop: int | None = None) -> str:
-        return self.tokenizer.decode(self.ids[start:stop], skip_special_tokens=self.skip)
+        with tokenizer_failures(self.source, "cannot decode the generated tokens"):
+            return self.tokenizer.decode(self.ids[start:stop], skip_special_tokens=self.skip)
 
     def push(self, token_id: int) -> str:
         """The text that token_id completes ('' while it is held back)."""
@@ -146,8 +157,9 @@ class TextStream:
     def flush(self) -> str:
         """The text not yet returned; after it the pieces add up to the whole decode (see the class doc)."""
         text = self._decode(0)[self.start:]
-        if not text.startswith(self.printed):    # only a decoder unlike every kind above could do this
-            raise RuntimeError("the streamed text is not a prefix of the decoded text")
+        if not text.startswith(self.printed):    # a decoder whose rules reach back across tokens
+            raise ModelFileError(self.source, "has a decoder that rewrites text already printed: the whole decode "
+                                              f"{quoted(text, 100)} does not start with it")
         rest, self.printed = text[len(self.printed):], text
         return rest
 
@@ -369,8 +381,23 @@ def _bounded_filter(name: str, f):
             separator = plain[1] if len(plain) > 1 else kwargs.get("d", "")
             (items,) = _check_result_size("join", separator if isinstance(separator, str) else "", plain[:1])
             args = (*lead, items, *plain[1:])
-        return _bounded(f(*args, **kwargs))
+        if name == "sum":                # sum(start=[]) concatenates lists in quadratic time
+            start = plain[2] if len(plain) > 2 else kwargs.get("start", 0)
+            if not isinstance(start, (int, float)):
+                raise SecurityError("the filter sum adds numbers only (its start is not one)")
+        result = f(*args, **kwargs)
+        if isinstance(result, Iterator):     # batch, map, select, slice, ...: each item counted as it is made
+            return _each_bounded(result)
+        return _bounded(result)
     return run
+
+
+def _each_bounded(items):
+    """A filter's lazy result, each item counted as a step (_step) and bounded as a value (_bounded): nested
+    lazy filters (batch of batch of ...) would otherwise build millions of small lists unseen."""
+    for item in items:
+        _step()
+        yield _bounded(item)
 
 
 def check_messages(messages) -> None:

@@ -84,6 +84,7 @@ def test_variants_it_does_not_compute_are_refused_naming_the_key(key, value):
     (dict(qk_rope_head_dim=63), "must be even"), (dict(num_experts_per_tok=65), "exceeds n_routed_experts"),
     (dict(first_k_dense_replace=28), "first_k_dense_replace"), (dict(first_k_dense_replace=-1), "first_k_dense"),
     (dict(routed_scaling_factor=math.inf), "routed_scaling_factor"), (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+    (dict(routed_scaling_factor=1e308), r"routed_scaling_factor must lie in \(0, 1000\]"),
     (dict(eos_token_id=102400), "token ids"), (dict(tie_word_embeddings=1), "tie_word_embeddings"),
     (dict(rope_scaling={"factor": 40}), "rope_scaling must be a YarnScaling"),
     (dict(rope_theta=1.0), "rope_theta 1.0 leaves YaRN's correction range undefined"),
@@ -99,6 +100,8 @@ def test_bad_values_are_refused(changes, match):
     (dict(original_max_position_embeddings=4096.0), "original_max_position_embeddings"),
     (dict(beta_fast=0.5), "beta_fast .* must be >= beta_slow"), (dict(mscale=-1.0), "mscale must be None"),
     (dict(attention_factor=math.inf), "attention_factor"), (dict(truncate="yes"), "truncate must be a bool"),
+    (dict(mscale_all_dim=1e300), r"mscale_all_dim must be None or a number in \[0, 1000\]"),
+    (dict(mscale=math.nan), "mscale must be None"),
 ])
 def test_bad_yarn_values_are_refused(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -116,6 +119,19 @@ def test_hostile_config_json_is_one_clear_error(tmp_path):
     path.write_text(json.dumps({**HUB_LITE, "rope_scaling": {**HUB_LITE["rope_scaling"], "beta_fast": 1,
                                                              "beta_slow": 32}}))
     with pytest.raises(ValueError, match=f"{path}: field 'rope_scaling.beta_fast' is 1.0: it must be >= beta_slow"):
+        DeepseekV2Config.from_json(path)
+
+
+@pytest.mark.parametrize("field, where", [("mscale_all_dim", "rope_scaling"), ("mscale", "rope_scaling"),
+                                          ("attention_factor", "rope_scaling"), ("routed_scaling_factor", None)])
+def test_scale_factors_past_any_model_name_their_field(tmp_path, field, where):
+    """1e300 overflowed MLA's softmax factor (an OverflowError traceback) or made every logit non-finite."""
+    config = json.loads(json.dumps(HUB_LITE))
+    (config[where] if where else config)[field] = 1e300
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    name = f"{where}.{field}" if where else field
+    with pytest.raises(ValueError, match=f"{path}: field '{name}' is 1e\\+300, expected a finite number"):
         DeepseekV2Config.from_json(path)
 
 

@@ -19,6 +19,8 @@ from tilekit.models import hf
 MAX_EXPERT_MLPS = 1 << 16     # routed experts times layers (DeepSeek-V3: 256 x 61); a loader keeps a few
                               # objects per expert and layer
 
+MAX_FACTOR = 1e3        # mscale, mscale_all_dim, attention_factor, routed_scaling_factor: real ones are 0.7-16; 1e300
+                        # overflowed the softmax factor (a traceback) or made every logit non-finite
 LORA_NORM_EPS = 1e-6    # q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps, whatever rms_norm_eps says
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "attention_factor", "truncate")
@@ -30,11 +32,12 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def _optional_number(owner, name: str) -> None:
-    """ValueError unless owner.name is None or a finite number >= 0."""
+    """ValueError unless owner.name is None or a number in [0, MAX_FACTOR]."""
     value = getattr(owner, name)
     if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                              or not math.isfinite(value) or value < 0):
-        raise ValueError(f"{type(owner).__name__}.{name} must be None or a finite number >= 0, got {value!r}")
+                              or not 0 <= value <= MAX_FACTOR):
+        raise ValueError(f"{type(owner).__name__}.{name} must be None or a number in [0, {MAX_FACTOR:g}], "
+                         f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,9 @@ class DeepseekV2Config(hf.HFConfig):
             raise ValueError(f"DeepseekV2Config.first_k_dense_replace must be an int in [0, {self.n_layer}], "
                              f"got {first!r}")
         hf.check_number(self, "routed_scaling_factor")
+        if not 0 < self.routed_scaling_factor <= MAX_FACTOR:
+            raise ValueError(f"DeepseekV2Config.routed_scaling_factor must lie in (0, {MAX_FACTOR:g}], got "
+                             f"{self.routed_scaling_factor!r}")
         hf.check_number(self, "rms_norm_eps")
         hf.check_number(self, "rope_theta")
         if not isinstance(self.rope_scaling, (YarnScaling, type(None))):
@@ -236,8 +242,10 @@ class DeepseekV2Config(hf.HFConfig):
             if beta_fast < beta_slow:
                 raise rope.error("beta_fast", f"is {beta_fast}: it must be >= beta_slow ({beta_slow})")
             scaling = YarnScaling(
-                rope.number("factor", low=1.0), original, beta_fast, beta_slow, rope.number("mscale", None, low=0.0),
-                rope.number("mscale_all_dim", None, low=0.0), rope.number("attention_factor", None, low=0.0),
+                rope.number("factor", low=1.0), original, beta_fast, beta_slow,
+                rope.number("mscale", None, low=0.0, high=MAX_FACTOR), rope.number("mscale_all_dim", None, low=0.0,
+                                                                                   high=MAX_FACTOR),
+                rope.number("attention_factor", None, low=0.0, high=MAX_FACTOR),
                 rope.boolean("truncate", True))
         rope_dim = f.integer("qk_rope_head_dim", low=1, high=hf.MAX_SIZE)
         problem = rope_problem(rope_dim, theta, scaling) if rope_dim % 2 == 0 else None   # odd: build says so
@@ -258,7 +266,7 @@ class DeepseekV2Config(hf.HFConfig):
                        n_shared_experts=f.integer("n_shared_experts", 2, low=1, high=hf.MAX_SIZE),
                        num_experts_per_tok=f.integer("num_experts_per_tok", low=1, high=hf.MAX_SIZE),
                        first_k_dense_replace=f.integer("first_k_dense_replace", 0, low=0, high=hf.MAX_LAYERS),
-                       routed_scaling_factor=f.number("routed_scaling_factor", 1.0, positive=True),
+                       routed_scaling_factor=f.number("routed_scaling_factor", 1.0, positive=True, high=MAX_FACTOR),
                        q_lora_rank=f.integer("q_lora_rank", None if "q_lora_rank" in f else 1536, low=1,
                                              high=hf.MAX_SIZE),
                        kv_lora_rank=f.integer("kv_lora_rank", low=1, high=hf.MAX_SIZE),

@@ -7,11 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tilekit.untrusted import shown
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                  "fp32": "float32", "float32": "float32"}
@@ -37,7 +40,6 @@ class _Parser(argparse.ArgumentParser):
 # -- small helpers ---------------------------------------------------------------------------
 
 MAX_BATCH, MAX_TOKENS = 4096, 1 << 20      # a workload's batch size and its prompt or generated tokens
-MAX_SHAPE_FIELD = 1 << 31                  # a size in a problem named on the command line (kernels index in int32)
 
 
 def _int_list(text: str, most: int) -> list[int]:
@@ -98,10 +100,7 @@ def _parse_shape(op, text: str, dtype: str) -> dict:
         if name in given:
             raise UsageError(f"--shape names {_shown(name, 100)} twice")
         given.add(name)
-        number = value.lstrip("-").isdigit() and len(value) <= 19
-        problem[name] = int(value) if number else value
-        if number and abs(problem[name]) > MAX_SHAPE_FIELD:
-            raise UsageError(f"--shape field {name} is {value}, past {MAX_SHAPE_FIELD}")
+        problem[name] = int(value) if re.fullmatch(r"-?[0-9]+", value) else value     # ASCII digits only (not '²')
     unknown = set(problem) - set(op.fields)
     missing = [f for f in op.fields if f not in problem]
     if unknown or missing:
@@ -1025,14 +1024,14 @@ def main(argv: list[str] | None = None) -> int:
             import tilekit.kernels  # noqa: F401  (declares the ops that tuning entries name)
         return args.func(args)
     except (UsageError, ValueError, FileNotFoundError, TuningDBError) as e:
-        print(f"tilekit: {e}", file=sys.stderr)
+        print(f"tilekit: {shown(str(e), 1 << 20)}", file=sys.stderr)     # one line: a file's newlines escaped
         return 2
-    except OSError as e:     # a permission or disk error on a file the command writes or reads
-        print(f"tilekit: {_shown(str(e.filename or ''), 400)}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:   # output piped into `head` and the like: stop quietly
+    except BrokenPipeError:   # output piped into `head` and the like: stop quietly (before OSError, its base)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:     # a permission or disk error on a file the command writes or reads
+        print(f"tilekit: {_shown(str(e.filename or ''), 400)}: {shown(str(e.strerror or e))}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def test_help_exits_0(argv, capsys):
     (["tune", "--model", "gpt2", "--batch-sizes", "0"], "argument --batch-sizes: expected integers in [1, 4096]"),
     (["tune", "--kernel", "linear", "--shape", "M=1,M=2,N=8,K=8"], "--shape names M twice"),
     (["tune", "--kernel", "linear", "--shape", "M=" + "9" * 5000 + ",N=8,K=8"], "--shape is 5010 characters long"),
-    (["tune", "--kernel", "linear", "--shape", "M=99999999999,N=8,K=8"], "--shape field M is 99999999999, past"),
+    (["tune", "--kernel", "linear", "--shape", "M=99999999999,N=8,K=8"], "M must be an integer in [1, 2147483648], got 99999999999"),
     (["tune", "--model", "gpt2", "--batch-sizes", "1000000000"], "argument --batch-sizes: expected integers in"),
     (["tune", "--model", "gpt2", "--batch-sizes", "9" * 30], "argument --batch-sizes: expected integers in"),
     (["tune", "--model", "gpt2", "--seq-lens", "1000000000000"], "argument --seq-lens: expected integers in"),
@@ -678,7 +678,8 @@ def test_db_verify_names_an_integer_time_no_float_holds(capsys, field, value, re
 
 @pytest.mark.parametrize("problem, reason", [
     (dict(dtype="evil"), "dtype must be one of"), (dict(M=-7), "is not a linear problem key"),
-    (dict(K=0), "key field K must be a positive integer")])
+    (dict(K=0), "key field K must be an integer in [1, 2147483648]"),
+    (dict(K=1 << 100), "key field K must be an integer in [1, 2147483648]")])
 def test_db_verify_refuses_keys_no_problem_has(capsys, problem, reason):
     """Key fields are checked as a problem named on the command line is (choices, positive sizes)."""
     from tilekit.autotune.entries import entry_defect
@@ -688,3 +689,33 @@ def test_db_verify_refuses_keys_no_problem_has(capsys, problem, reason):
     fields.update({k: str(v) for k, v in problem.items()})
     bad = name + "/" + ",".join(f"{k}={fields[k]}" for k in sorted(fields))
     assert reason in (entry_defect(bad, entry(LINEAR, LINEAR_CONFIG)) or "")
+
+
+def test_database_warnings_are_escaped_and_capped(monkeypatch):
+    """Keys and paths read from a file reach the warning escaped (no raw newline or terminal escape), and a file of
+    a million bad entries makes MAX_WARNINGS lines, not a million."""
+    import warnings
+
+    from tilekit.autotune import db
+    monkeypatch.setattr(db, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        db.warn_once("ignoring entry linear/\x1b[2J\nFAKE LINE")
+        for i in range(3 * db.MAX_WARNINGS):
+            db.warn_once(f"ignoring entry {i}")
+    messages = [str(w.message) for w in caught]
+    assert messages[0] == "ignoring entry linear/\\x1b[2J\\nFAKE LINE"
+    assert len(messages) == db.MAX_WARNINGS + 1 and "the rest are not shown" in messages[-1]
+
+
+def test_an_error_naming_a_path_with_a_newline_stays_one_line(tmp_path, capsys):
+    rc, _, err = run(["db", "import", str(tmp_path / "no\nsuch\x1b[31m" / "x.json")], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "\\n" in err and "\x1b" not in err, err
+
+
+def test_output_piped_into_head_ends_quietly(tmp_path):
+    """A closed pipe (`tilekit db list | head -1`) is no error: exit 0, nothing on stderr."""
+    env = dict(os.environ, TILEKIT_CACHE_DIR=str(tmp_path))
+    done = subprocess.run(["bash", "-c", f"{sys.executable} -m tilekit db list | head -1 > /dev/null; "
+                                         "echo ${PIPESTATUS[0]}"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.stdout.strip() == "0" and "Broken pipe" not in done.stderr, (done.stdout, done.stderr)

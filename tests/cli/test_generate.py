@@ -58,6 +58,8 @@ def test_a_prompts_file_is_one_batch_printed_as_json_lines(tmp_path, capsys):
     (["--repetition-penalty", "0"], "repetition_penalty must be in [1e-06, 1e+06]"),
     (["--repetition-penalty", "1e-310"], "repetition_penalty must be in [1e-06, 1e+06]"),
     (["--repetition-penalty", "1e300"], "repetition_penalty must be in [1e-06, 1e+06]"),
+    (["--frequency-penalty=-1e308"], "frequency_penalty must be in [-1e+06, 1e+06]"),
+    (["--presence-penalty", "1e308"], "presence_penalty must be in [-1e+06, 1e+06]"),
     (["--presence-penalty", "inf"], "presence_penalty must be finite"),
     (["--max-new-tokens", "-1"], "argument --max-new-tokens"),
     (["--max-new-tokens", "abc"], "argument --max-new-tokens"),
@@ -115,8 +117,12 @@ def test_chat_without_a_template_says_so(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("shape,says", [
-    ("M=-1,N=8,K=8", "M must be a positive integer, got -1"),
-    ("M=abc,N=8,K=8", "M must be a positive integer, got 'abc'"),
+    ("M=-1,N=8,K=8", "M must be an integer in [1, 2147483648], got -1"),
+    ("M=abc,N=8,K=8", "M must be an integer in [1, 2147483648], got 'abc'"),
+    ("M=\u00b2,N=8,K=8", "M must be an integer in [1, 2147483648], got '\u00b2'"),       # not an ASCII digit
+    ("M=\uff11\uff12,N=8,K=8", "M must be an integer in [1, 2147483648], got '\uff11\uff12'"),
+    ("M=--5,N=8,K=8", "M must be an integer in [1, 2147483648], got '--5'"),
+    ("M=8,N=8,K=" + "1" * 31, "K must be an integer in [1, 2147483648], got " + "1" * 31),
     ("M=8,N=8,K=8,act=relu", "act must be one of none, gelu, got 'relu'"),
     ("M=8,N=8,K=8,dtype=int8", "dtype must be one of bfloat16, float16, float32, got 'int8'"),
 ])

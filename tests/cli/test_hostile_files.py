@@ -375,3 +375,22 @@ def test_killed_writers_leave_nothing_behind_the_next_writer(tmp_path, capsys):
     assert rc == 0 and capsys.readouterr().out.startswith("removed 1 entries")
     assert sorted(p.name for p in directory.iterdir()) == ["NVIDIA_H100_80GB_HBM3.json.lock",
                                                            "NVIDIA_H200.json.lock"]
+
+
+def test_a_directory_named_like_a_writers_temporary_file_blocks_nothing(tmp_path, monkeypatch):
+    """A killed writer's temporary files are removed before each write; a directory planted under such a name is
+    not one of them: it stays, and writes go on (it made every import fail with 'Is a directory')."""
+    from tests._autotune_fakes import H100, entry
+    from tilekit.autotune import store
+    from tilekit.autotune.db import device_file_name
+    from tilekit.kernels.linear import LINEAR
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path))
+    store.reset()
+    folder = tmp_path / "tuning" / H100.arch
+    planted = folder / f".{device_file_name(H100.name)}.0123456789abcdef.tmp"
+    planted.mkdir(parents=True)
+    key = LINEAR.problem_key(dict(dtype="bfloat16", M=8, N=64, K=64, act="none", bias=0, res=0, tf32=0,
+                                  wt="nk"))[1]
+    store.user_db().store(H100, {key: entry(LINEAR, next(iter(LINEAR.space)), H100)})
+    assert planted.is_dir() and key in store.user_db().file_for(H100).read()
+    store.reset()

@@ -30,7 +30,7 @@ from filelock import FileLock
 
 from tilekit.autotune.keys import EXACT, RULES, Buckets, key_distance, parse_key, search_tier
 from tilekit.device import DeviceInfo
-from tilekit.untrusted import parse_json
+from tilekit.untrusted import parse_json, shown
 
 SCHEMA_VERSION = 1
 ENTRY_FIELDS = {"config": dict, "time_us": (int, float), "kernel_hash": str, "space_hash": str,
@@ -50,12 +50,18 @@ class TuningDBError(Exception):
 
 
 _warned: set[str] = set()
+MAX_WARNINGS = 100       # distinct warnings a process shows (a file of a million bad entries made a million lines)
 
 
 def warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, TuningDBWarning, stacklevel=3)
+    """A TuningDBWarning, once per message and at most MAX_WARNINGS in all; the message's control characters (a
+    key or path read from a file) escaped."""
+    if message in _warned or len(_warned) > MAX_WARNINGS:
+        return
+    _warned.add(message)
+    if len(_warned) > MAX_WARNINGS:
+        message = f"more than {MAX_WARNINGS} tuning database warnings: the rest are not shown"
+    warnings.warn(shown(message, 2000), TuningDBWarning, stacklevel=3)
 
 
 def sanitise(text: str) -> str:
@@ -293,8 +299,8 @@ class DeviceFile:
             with FileLock(str(self.path) + ".lock"):
                 # we hold the lock of this file, so every temporary file of it belongs to a dead writer
                 pattern = re.compile(re.escape("." + self.path.name) + _TMP)
-                for p in self.path.parent.iterdir():
-                    if pattern.fullmatch(p.name):
+                for p in self.path.parent.iterdir():   # (a directory so named is someone else's: left, not fatal)
+                    if pattern.fullmatch(p.name) and not _is_directory(p):
                         p.unlink(missing_ok=True)
                 yield
         except OSError as e:
@@ -327,6 +333,14 @@ class DeviceFile:
             if len(kept) < len(entries):
                 atomic_write_text(self.path, dumps({**data, "entries": kept}))
             return len(entries) - len(kept)
+
+
+def _is_directory(path: Path) -> bool:
+    """Whether `path` itself (not a link's target) is a directory."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -38,6 +38,7 @@ from tilekit.env import autotune_mode, dependent_launch
 # tilekit.kernels.tiles) unless TILEKIT_DEPENDENT_LAUNCH=0.
 DEPENDENT_LAUNCH = dependent_launch()
 
+MAX_SIZE_FIELD = 1 << 31    # a problem's size field (kernels index in int32), from the command line or a database key
 STALE_KERNEL = "stale: tuned for another version of the kernel source or its launch"    # why_unusable's reasons
 STALE_SPACE = "stale: tuned over another search space"
 
@@ -262,8 +263,8 @@ class Op:
         return bucketed, key_string(self.name, bucketed)
 
     def problem_errors(self, problem: Problem) -> list[str]:
-        """What is wrong with a problem named by hand (the command line): each key field must be one of its
-        choices, or a positive int."""
+        """What is wrong with a problem named by hand (the command line) or read from a database key: each key
+        field must be one of its choices, or an int in [1, MAX_SIZE_FIELD]."""
         errors = []
         for f in self.fields:
             value, allowed = problem.get(f), self.choices.get(f)
@@ -271,8 +272,8 @@ class Op:
                 errors.append(f"{f} must be an integer from {allowed.start}, got {value!r}")
             elif allowed is not None and not isinstance(allowed, range) and (value not in allowed or type(value) is bool):
                 errors.append(f"{f} must be one of {', '.join(map(str, allowed))}, got {value!r}")
-            elif allowed is None and (type(value) is not int or value < 1):
-                errors.append(f"{f} must be a positive integer, got {value!r}")
+            elif allowed is None and (type(value) is not int or not 1 <= value <= MAX_SIZE_FIELD):
+                errors.append(f"{f} must be an integer in [1, {MAX_SIZE_FIELD}], got {value!r}")
         return errors
 
     def tuning_problem(self, problem: Problem) -> dict:

@@ -41,6 +41,7 @@ MAX_STOP_STRINGS = 64            # a hostile generation_config.json must not mak
 MAX_STOP_STRING_CHARS = 1024
 MAX_COUNT = 1 << 30              # a top_k or min_new_tokens beyond any vocabulary or context: the GPU packs them in int32
 MIN_SCALE = 1e-6                 # the smallest temperature / repetition penalty: logits divided by it stay finite
+MAX_PENALTY = 1e6                # |presence / frequency penalty|: times a count (< 2^30), then / MIN_SCALE, finite in fp32
 HF_DEFAULTS = dict(temperature=1.0, top_k=50, top_p=1.0)   # GenerationConfig's global defaults when sampling
 FILE_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")   # HF has no other
 
@@ -102,8 +103,11 @@ class SamplingParams:
         if not MIN_SCALE <= self.repetition_penalty <= 1 / MIN_SCALE:
             raise ValueError(f"repetition_penalty must be in [{MIN_SCALE}, {1 / MIN_SCALE:g}] (1 is off), "
                              f"got {self.repetition_penalty}")
-        put("presence_penalty", _number("presence_penalty", self.presence_penalty))
-        put("frequency_penalty", _number("frequency_penalty", self.frequency_penalty))
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(name, _number(name, getattr(self, name)))
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:       # -1e308 overflowed every score
+                raise ValueError(f"{name} must be in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 is off), got "
+                                 f"{getattr(self, name)}")
 
     @property
     def greedy(self) -> bool:

@@ -326,7 +326,8 @@ def test_failing_templates_are_value_errors_naming_the_source(template, match):
     ("{{ 'ab' * 16777216 }}", "'*' would make 2 x 16777216 items, more than 16777216"),
     ("{{ (2 ** 33554432) > 1 }}", "'**' would make an integer of more than 16777216 bits"),
     # list concatenation by sum: 4000 copies of a growing list, quadratic (minutes)
-    ("{% set a = [[1] * 4000] * 4000 %}{% set b = a|sum(start=[]) %}", "the filter sum adds numbers only (its start is not one)"),
+    ("{% set a = [[1] * 4000] * 4000 %}{% set b = a|sum(start=[]) %}",
+     "the filter sum adds numbers only (its start is not one)"),
     # lazy filters nested: millions of one-item lists (gigabytes) behind one top-level length
     ("{% set a = ('x' * 4000000)|batch(1)|batch(1)|batch(1)|batch(1)|batch(1)|batch(1)|list %}",
      "the template makes more than 262144 loop iterations and calls"),

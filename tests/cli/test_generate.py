@@ -226,3 +226,10 @@ def test_a_decoder_that_rewrites_printed_text_names_the_tokenizer(tmp_path, caps
     rc, _, err = run(["generate", "--model", str(d), "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "3"],
                      capsys)
     assert rc == 2 and f"{d / 'tokenizer.json'}: has a decoder that rewrites text already printed" in err, err
+
+
+def test_a_length_from_generation_config_past_the_context_says_where_it_came_from(tmp_path, capsys):
+    d = _copy(tmp_path)
+    (d / "generation_config.json").write_text(json.dumps({"max_new_tokens": 100000}))
+    rc, _, err = run(["generate", "--model", str(d), "--prompt", "hi", "--device", "cpu"], capsys)
+    assert rc == 2 and "max_new_tokens 100000 (generation_config.json's) exceeds" in err, err

@@ -382,7 +382,8 @@ class TextGeneration:
         if any(e >= V for e in settings.eos_token_ids):
             raise ValueError(f"eos_token_id must lie in [0, {V}), got {list(settings.eos_token_ids)}")
         if longest + settings.max_new_tokens > self.context_length:
-            raise ValueError(f"prompt length {longest} + max_new_tokens {settings.max_new_tokens} "
+            given = "" if max_new_tokens is not None else " (generation_config.json's)"
+            raise ValueError(f"prompt length {longest} + max_new_tokens {settings.max_new_tokens}{given} "
                              f"exceeds {self.context_limit_message()}")
         streams = None
         if settings.stop_strings:

@@ -387,9 +387,8 @@ class TextGeneration:
                              f"exceeds {self.context_limit_message()}")
         streams = None
         if settings.stop_strings:
-            tokenizer = self.tokenizer()
-            streams = [TextStream(tokenizer, context=[int(t) for t in p], source=self._tokenizer_file())
-                       for p in prompts]
+            tokenizer, source = self.tokenizer(), self._tokenizer_file()
+            streams = [TextStream(tokenizer, context=[int(t) for t in p], source=source) for p in prompts]
         return settings, rows, streams
 
     def tokenizer(self):
@@ -463,8 +462,8 @@ class TextGeneration:
         """The decoded continuations of prompts `ids`, row 0's streamed to stream_to as it is made."""
         if not all(ids):
             raise ValueError("prompt encodes to no tokens")
-        tokenizer = self.tokenizer()
-        streams = [TextStream(tokenizer, context=i, source=self._tokenizer_file()) for i in ids]
+        tokenizer, source = self.tokenizer(), self._tokenizer_file()
+        streams = [TextStream(tokenizer, context=i, source=source) for i in ids]
         on_token = None
         if stream_to is not None:
             def on_token(tokens):

@@ -395,8 +395,7 @@ def _bounded_filter(name: str, f):
 def _each_bounded(items):
     """A filter's lazy result, each item counted as a step (_step) and bounded as a value (_bounded): nested
     lazy filters (batch of batch of ...) would otherwise build millions of small lists unseen."""
-    for item in items:
-        _step()
+    for item in _counted(items):
         yield _bounded(item)
 
 

@@ -426,6 +426,25 @@ class TestFP8:
                                           "F32", loads(d))
 
 
+class TestNonFiniteValues:
+    @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+    def test_a_weight_holding_an_inf_or_nan_is_named(self, tmp_path, value):
+        w = np.ones((2, 3), np.float32)
+        w[1, 2] = value
+        hf.write_checkpoint(tmp_path / "ck", {"model_type": "llama"}, {"w": w, "n": np.ones(3, np.float32)})
+        refused(tmp_path, ModelFileError, f"{tmp_path}/ck/model.safetensors: tensor 'w' holds a value that is not "
+                                          "finite", loads(tmp_path / "ck", {"w": Target((2, 3), "float32"),
+                                                                             "n": Target((3,), "float32")}))
+
+    def test_a_value_that_overflows_the_models_dtype(self, tmp_path):
+        """1e5 is a float32 but no float16: the conversion would make it an infinity."""
+        hf.write_checkpoint(tmp_path / "ck", {"model_type": "llama"},
+                            {"w": np.full((2, 3), 1e5, np.float32), "n": np.ones(3, np.float32)})
+        refused(tmp_path, ModelFileError, f"{tmp_path}/ck/model.safetensors: tensor 'w' holds a value too large for "
+                                          "float16", loads(tmp_path / "ck", {"w": Target((2, 3), "float16"),
+                                                                              "n": Target((3,), "float16")}))
+
+
 # -- shard indexes ------------------------------------------------------------------------------------------
 
 class TestShardIndexes:
@@ -691,6 +710,20 @@ class TestThroughTheModels:
         with pytest.raises(ModelFileError) as info:
             load(d, GPT)()
         assert "\n  tensor 'wte.weight' has dtype F8_E4M3, expected BF16 or F16 or F32\n" in str(info.value)
+
+    def test_a_nan_weight(self, tmp_path):
+        """Named at load, not as non-finite logits at the first step."""
+        d = tiny(tmp_path, "tiny-llama-tied")
+        w = d / "model.safetensors"
+        raw = bytearray(w.read_bytes())
+        length = int.from_bytes(raw[:8], "little")
+        norm = json.loads(raw[8:8 + length])["model.norm.weight"]
+        assert norm["dtype"] == "BF16"
+        at = 8 + length + norm["data_offsets"][0] + 2 * 5
+        raw[at:at + 2] = (0x7FC0).to_bytes(2, "little")      # a bf16 NaN in its sixth value
+        w.write_bytes(raw)
+        refused(tmp_path, ModelFileError, f"{w}: tensor 'model.norm.weight' holds a value that is not finite", load(d),
+                peak=64 << 20)
 
     def test_an_index_naming_a_path(self, tmp_path):
         d = tiny(tmp_path, "tiny-llama")

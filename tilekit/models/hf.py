@@ -51,6 +51,9 @@ DTYPES = {"BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "F8_E4M3":
           "I64": (8, "int64"), "U64": (8, "uint64"), "F64": (8, "float64")}
 FLOATS = ("BF16", "F16", "F32")                                  # what a Target accepts by default
 TARGET_DTYPES = ("bfloat16", "float16", "float32", "float64")
+# float dtype -> (the unsigned integer of its width, its exponent bits): all of them set is an infinity or a NaN
+EXPONENT_BITS = {"bfloat16": ("uint16", 0x7F80), "float16": ("uint16", 0x7C00), "float32": ("uint32", 0x7F800000),
+                 "float64": ("uint64", 0x7FF0000000000000)}
 _WRITE_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
@@ -731,8 +734,10 @@ def _narrowed(info: TensorInfo, target: Target) -> tuple[TensorInfo, Target]:
 
 
 def convert(src, out) -> None:
-    """out[...] = src in out's dtype (NumPy or CuPy; CuPy 14 casts bfloat16), out possibly strided."""
-    out[...] = src
+    """out[...] = src in out's dtype (NumPy or CuPy; CuPy 14 casts bfloat16), out possibly strided. (What overflows
+    is refused after the load: _Stream.check_finite.)"""
+    with np.errstate(over="ignore"):
+        out[...] = src
 
 
 def tensor_problems(found: Mapping[str, tuple[str, tuple[int, ...]]], plan: Mapping[str, Target],
@@ -988,6 +993,7 @@ class _Stream:
         self.ring = [device.staging(self.size) for _ in range(min(buffers, len(self.pieces)))]
         self.scratch = None
         self.out = {}
+        self.finite_checks = []          # (tensor, problem, device flag: whether it has that problem)
 
     def read(self, k: int, copied) -> None:
         """Piece k into its staging buffer, once `copied()` says the device is done with that buffer."""
@@ -1042,8 +1048,11 @@ class _Stream:
                 if k + len(ring) < len(self.pieces):
                     reads.append(pool.submit(self.read, k + len(ring), copied[slot]))
                 if hi == info.nbytes:
+                    self.check_finite(info, target, raw, "holds a value that is not finite", DTYPES[info.dtype][1])
                     if not direct:
                         self.finish(info, target, out, raw)
+                        if target.transform is None:       # (transforms check their own outputs)
+                            self.check_finite(info, target, out, f"holds a value too large for {out.dtype}")
                     self.out[info.name] = out
                 done += hi - lo
                 self.progress.update(done, total)
@@ -1051,7 +1060,17 @@ class _Stream:
             pool.shutdown(wait=True, cancel_futures=True)
             device.synchronize()
             self.progress.close()
+        for info, problem, flag in self.finite_checks:      # the file's values before what conversion made
+            if bool(flag):
+                raise ModelFileError(info.file.path, f"tensor {quoted(info.name)} {problem}")
         return self.out
+
+    def check_finite(self, info: TensorInfo, target: Target, array, problem: str, dtype: str | None = None) -> None:
+        """Queue a check that `array` (bytes of float `dtype`, default its own) holds no infinity or NaN."""
+        dtype = dtype or str(array.dtype)
+        if dtype in EXPONENT_BITS:
+            with self.device.context():
+                self.finite_checks.append((info, problem, self.device.any_nonfinite(array, dtype)))
 
 
 class HostDevice:
@@ -1079,6 +1098,14 @@ class HostDevice:
         """What conversions run under (the copy stream on a GPU)."""
         return contextlib.nullcontext()
 
+    def any_nonfinite(self, array, dtype: str) -> bool:
+        """Whether `array`, the bytes of values of float `dtype`, holds an infinity or a NaN (CupyDevice: a device
+        flag, read after the load)."""
+        uint, bits = EXPONENT_BITS[dtype]
+        v = array.view(uint).reshape(-1) if array.ndim < 2 else array.view(uint)
+        rows = max(1, (1 << 14) // max(1, v[0].size)) if v.size else 1     # blocks of about 16K values: little memory
+        return any(((v[i:i + rows] & np.array(bits, uint)) == bits).any() for i in range(0, len(v), rows))
+
     def synchronize(self) -> None:
         pass
 
@@ -1094,6 +1121,8 @@ class CupyDevice:
         import cupy
         self.cupy = cupy
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.exponent_all_set = cupy.ReductionKernel("T x, T bits", "bool y", "(x & bits) == bits", "a || b",
+                                                     "y = a", "false", "tilekit_exponent_all_set")
 
     def staging(self, nbytes: int) -> np.ndarray:
         cuda = self.cupy.cuda
@@ -1115,6 +1144,10 @@ class CupyDevice:
 
     def context(self):
         return self.stream
+
+    def any_nonfinite(self, array, dtype: str):
+        uint, bits = EXPONENT_BITS[dtype]
+        return self.exponent_all_set(array.view(uint), self.cupy.dtype(uint).type(bits))
 
     def synchronize(self) -> None:
         self.stream.synchronize()

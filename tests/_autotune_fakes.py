@@ -83,6 +83,14 @@ def entry(op: Op, config: dict, device: DeviceInfo = H100, time_us: float = 10.0
     return e
 
 
+def admitted_config(op: Op, problem: dict) -> dict:
+    """A config an entry for `problem` may hold: the op's default for it, checked to be one its space admits there."""
+    tuning = op.tuning_problem(problem)
+    config = op.default(tuning)
+    assert op.space.admits(config, tuning), f"{op.name}: the default {config} is no candidate for {problem}"
+    return config
+
+
 def problem(M: int = 1024, N: int = 768, dtype: str = "bfloat16") -> dict:
     return {"dtype": dtype, "M": M, "N": N}
 

@@ -10,6 +10,7 @@ import pytest
 from tests._autotune_fakes import B200, DEFAULT, H100, H100_PCIE, H200, entry, make_op, problem
 from tilekit.autotune import store
 from tilekit.autotune.keys import pow2_bucket
+from tilekit.autotune.op import STALE_SPACE
 from tilekit.autotune.space import SearchSpace
 from tilekit.autotune.db import SCHEMA_VERSION, TuningDB, TuningDBError, TuningDBWarning, device_file_name, dumps
 from tilekit.device import DeviceInfo
@@ -92,6 +93,23 @@ def test_rewrites_of_the_same_size_are_seen():
             os.utime(user_file(), ns=(before.st_atime_ns, before.st_mtime_ns))
             assert user_file().stat().st_size == before.st_size
         assert op.resolve(problem(), H100).config["A"] == a
+
+
+def test_a_lookup_reads_the_keys_of_its_own_op_once_per_read_of_a_file(monkeypatch):
+    """A file's entries are indexed by op once per read: a lookup ranks only its op's keys, checked and parsed the
+    first time; a changed file is read and indexed again."""
+    from tilekit.autotune import db
+    op, other = make_op(), make_op()
+    store.user_db().store(H100, {**{key_of(op, M=m): entry(op, DEFAULT) for m in (64, 128)},
+                                 **{key_of(other, M=m): entry(other, DEFAULT) for m in (64, 128, 256)}})
+    indexed, check = [], db.entry_problem
+    monkeypatch.setattr(db, "entry_problem", lambda key, e: indexed.append(key) or check(key, e))
+    assert op.resolve(problem(M=100), H100).match.key == key_of(op, M=128)
+    assert sorted(indexed) == [key_of(op, M=128), key_of(op, M=64)]
+    assert op.resolve(problem(M=60), H100).match.key == key_of(op, M=64) and len(indexed) == 2
+    store.user_db().store(H100, {key_of(op, M=32): entry(op, DEFAULT)})
+    assert op.resolve(problem(M=30), H100).match.key == key_of(op, M=32)
+    assert sorted(indexed[2:]) == [key_of(op, M=128), key_of(op, M=32), key_of(op, M=64)]
 
 
 def test_nearest_bucket_in_log_space():
@@ -425,12 +443,32 @@ def test_a_borrowed_config_that_does_not_fit_is_skipped():
     r = op.resolve(shaped(N=512), H100)    # A=4 needs N >= 1024: the next nearest shape instead
     assert r.config == {"A": 1, "occupancy": 1} and r.match.key == op.problem_key(shaped(N=256))[1]
     assert op.resolve(shaped(N=2048), H100).config["A"] == 4
-    store_shaped(op, **{"1024_256_4096_none": 2})    # nothing that fits N=300: the default
+    store.user_db().file_for(H100).remove({op.problem_key(shaped(N=256))[1]})
+    store_shaped(op, **{"1024_512_4096_none": 2})    # nothing that fits N=300: the default
     assert op.resolve(shaped(N=300), H100).source == "default"
-    # the nearest bucket is checked too, an exact entry is the tuner's own choice for its key
-    store_shaped(op, **{"64_300_4096_none": 4})
-    assert op.resolve(shaped(N=300, M=128), H100).source == "default"
-    assert op.resolve(shaped(N=300, M=64), H100).config["A"] == 4
+    # the nearest bucket is checked too: the op's default, used for its own key where the rule refuses it (the tuner
+    # times it too), fits no other problem the rule refuses it for
+    store_shaped(op, **{"64_200_4096_none": 1})
+    assert op.resolve(shaped(N=200, M=128), H100).source == "default"
+    assert op.resolve(shaped(N=200, M=64), H100).match.key == op.problem_key(shaped(N=200, M=64))[1]
+
+
+def test_a_config_the_rule_refuses_for_its_own_key_is_invalid_unless_it_is_the_default():
+    """An exact entry is checked against the space's rule for its key too: a config of the space's values that the
+    rule refuses there is a broken entry (tuned over another space: stale), except the op's default for the key,
+    which the tuner times too."""
+    from tilekit.autotune.entries import entry_reason
+    op = make_op(**SHAPED)
+    key, refused = op.problem_key(shaped(N=512))[1], {"A": 4, "occupancy": 1}     # A=4 needs N >= 1024
+    why = f"config the {op.name} search space's rule refuses for its key"
+    assert entry_reason(key, entry(op, refused), "user") == why
+    assert entry_reason(key, entry(op, refused, space_hash="0" * 16), "user") == STALE_SPACE
+    assert entry_reason(op.problem_key(shaped(N=200))[1], entry(op, DEFAULT), "user") is None    # A=1 needs N >= 256
+    store_shaped(op, **{"1024_512_4096_none": 4, "1024_1024_4096_none": 2})
+    with tuning_warnings() as got:
+        r = op.resolve(shaped(N=512), H100)
+    assert (r.config["A"], r.match.rule) == (2, "nearest shape")
+    assert len(got) == 1 and "rule refuses for its key" in got[0], got
 
 
 def test_a_config_the_op_does_not_lend_serves_only_its_own_key():
@@ -450,7 +488,7 @@ def test_validity_is_judged_on_the_bucketed_problem():
                  space=SearchSpace(lambda c, p: seen.append(dict(p)) or True, A=(1, 2, 4), occupancy=(1, 2)))
     store_shaped(op, **{"1024_1024_4096_none": 4})
     assert op.resolve(shaped(M=1000, N=2000), H100).config["A"] == 4
-    assert seen == [shaped(M=1024, N=2000)]
+    assert seen == [shaped(M=1024, N=1024), shaped(M=1024, N=2000)]     # the entry's own key's, then the call's
 
 
 def test_a_far_bucket_after_another_gpus_near_one_before_any_nearest_shape(shipped):

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests._autotune_fakes import H100, H200, entry, run_together
+from tests._autotune_fakes import H100, H200, admitted_config, entry, run_together
 from tilekit import cli
 from tilekit.autotune import store
-from tilekit.autotune.db import TuningDB
+from tilekit.autotune.db import TuningDB, TuningDBWarning
 from tilekit.device import DeviceInfo, gpu_unavailable_reason
 from tilekit.kernels.layer_norm import LAYER_NORM
 from tilekit.kernels.linear import LINEAR
@@ -53,17 +53,23 @@ def linear_problem(M=8192, N=2304, K=768, **kw) -> dict:
     return dict(dict(dtype="bfloat16", M=M, N=N, K=K, wt="kn", bias=1, act="none", res=0, tf32=0), **kw)
 
 
-LINEAR_CONFIG = next(iter(LINEAR.space))
-LN_CONFIG = next(iter(LAYER_NORM.space))
+def linear_config(**problem) -> dict:
+    """A config the linear space admits for linear_problem(**problem)."""
+    return admitted_config(LINEAR, linear_problem(**problem))
+
+
+def linear_entry(device=H100, **problem) -> tuple[str, dict]:
+    """(key, a usable entry on `device`) of linear_problem(**problem)."""
+    return LINEAR.problem_key(linear_problem(**problem))[1], entry(LINEAR, linear_config(**problem), device)
 
 
 def seed_user_db() -> dict[str, set[str]]:
     """Real-op entries in the user db for two GPUs; returns {file stem: keys}."""
-    h100 = {LINEAR.problem_key(linear_problem(M=m))[1]: entry(LINEAR, LINEAR_CONFIG, H100, time_us=m / 100)
+    h100 = {LINEAR.problem_key(linear_problem(M=m))[1]: entry(LINEAR, linear_config(M=m), H100, time_us=m / 100)
             for m in (8, 128, 8192)}
-    ln = LAYER_NORM.problem_key(dict(dtype="bfloat16", M=1024, N=768, gather=0, fixed=0))[1]
-    h100[ln] = entry(LAYER_NORM, LN_CONFIG, H100)
-    h200 = {LINEAR.problem_key(linear_problem(M=1024, N=768, res=1))[1]: entry(LINEAR, LINEAR_CONFIG, H200)}
+    ln_problem = dict(dtype="bfloat16", M=1024, N=768, gather=0, fixed=0)
+    h100[LAYER_NORM.problem_key(ln_problem)[1]] = entry(LAYER_NORM, admitted_config(LAYER_NORM, ln_problem), H100)
+    h200 = dict([linear_entry(H200, M=1024, N=768, res=1)])
     store.user_db().store(H100, h100)
     store.user_db().store(H200, h200)
     store.reset()
@@ -256,7 +262,7 @@ def test_db_show_prints_json(capsys):
     assert header.startswith("# user db: ") and header.endswith("NVIDIA_H100_80GB_HBM3.json")
     shown = json.loads("\n".join(body))
     assert shown == user_entries()[("NVIDIA_H100_80GB_HBM3.json", key)]
-    assert shown["config"] == LINEAR_CONFIG and shown["kernel_hash"] == LINEAR.kernel_hash()
+    assert shown["config"] == linear_config(M=128) and shown["kernel_hash"] == LINEAR.kernel_hash()
 
 
 def test_db_export_clear_import_round_trip(tmp_path, capsys):
@@ -283,7 +289,7 @@ def test_db_export_clear_import_round_trip(tmp_path, capsys):
         data = json.loads(store.user_db().file_for(device).path.read_text())
         assert data["device"] == device.as_dict()
     r = LINEAR.resolve(linear_problem(M=8000), H100, mode="cached")   # and dispatch uses the entries
-    assert (r.source, r.config, r.match.rule) == ("user", LINEAR_CONFIG, "exact")
+    assert (r.source, r.config, r.match.rule) == ("user", linear_config(M=8192), "exact")
 
     rc, out, _ = run(["db", "import", str(export)], capsys)   # importing twice changes nothing
     assert rc == 0 and user_entries() == before
@@ -329,15 +335,19 @@ def test_db_export_to_a_bad_place(tmp_path, capsys):
 
 
 def test_db_import_drops_what_lookup_rejects_and_says_why(tmp_path, capsys):
-    good = {LINEAR.problem_key(linear_problem(M=m))[1]: entry(LINEAR, LINEAR_CONFIG, H100) for m in (8, 16)}
+    good = dict(linear_entry(M=m) for m in (8, 16))
     k1, k2, k3, k4, k5, k6 = (LINEAR.problem_key(linear_problem(M=2 ** m))[1] for m in range(6, 12))
-    bad = {k1: entry(LINEAR, dict(LINEAR_CONFIG, **{next(iter(LINEAR_CONFIG)): -1}), H100),
-           k2: entry(LINEAR, dict(LINEAR_CONFIG, **{next(iter(LINEAR_CONFIG)): 1e30}), H100),
-           k3: entry(LINEAR, LINEAR_CONFIG, H100, time_us=-5.0),
-           k4: entry(LINEAR, LINEAR_CONFIG, H100, toolchain={"cuda_tile": "0.1", "tileiras": "0.1"}),
-           k5: entry(LINEAR, LINEAR_CONFIG, H100, kernel_hash="0" * 16),
-           "nosuch/M=8,dtype=bfloat16": entry(LINEAR, LINEAR_CONFIG, H100),
-           "linear/not a key": entry(LINEAR, LINEAR_CONFIG, H100)}
+    first = next(iter(LINEAR.space.params))
+    refused = next(iter(LINEAR.space))        # in the space, but no candidate of k6's problem (M=2048)
+    assert not LINEAR.space.admits(refused, LINEAR.tuning_problem(linear_problem(M=2048)))
+    bad = {k1: entry(LINEAR, dict(linear_config(M=64), **{first: -1}), H100),
+           k2: entry(LINEAR, dict(linear_config(M=128), **{first: 1e30}), H100),
+           k3: entry(LINEAR, linear_config(M=256), H100, time_us=-5.0),
+           k4: entry(LINEAR, linear_config(M=512), H100, toolchain={"cuda_tile": "0.1", "tileiras": "0.1"}),
+           k5: entry(LINEAR, linear_config(M=1024), H100, kernel_hash="0" * 16),
+           k6: entry(LINEAR, refused, H100),
+           "nosuch/M=8,dtype=bfloat16": entry(LINEAR, linear_config(M=8), H100),
+           "linear/not a key": entry(LINEAR, linear_config(), H100)}
     export = tmp_path / "export.json"
     export.write_text(json.dumps({"schema": 1, "kind": "tilekit-tuning-export",
                                   "files": [{"device": H100.as_dict(), "entries": {**good, **bad}}]}))
@@ -345,8 +355,9 @@ def test_db_import_drops_what_lookup_rejects_and_says_why(tmp_path, capsys):
     assert rc == 0 and err == "", err
     imported, dropped = out.splitlines()
     assert imported == f"imported 2 entries into {store.user_db().root}"
-    assert dropped.startswith("dropped 7: 2 config outside the linear search space, ")
-    for reason in ("1 time_us is negative", "1 stale: tuned with {'cuda_tile': '0.1'",
+    assert dropped.startswith("dropped 8: 2 config outside the linear search space, ")
+    for reason in ("1 config the linear search space's rule refuses for its key", "1 time_us is negative",
+                   "1 stale: tuned with {'cuda_tile': '0.1'",
                    "1 stale: tuned for another version of the kernel source", "1 unknown kernel 'nosuch'",
                    "1 malformed tuning key 'linear/not a key'"):
         assert ", " + reason in dropped, dropped
@@ -372,8 +383,7 @@ def test_db_clear_asks_first(monkeypatch, capsys):
                                   ["db", "explain", "--gpu", "NVIDIA H200"]])
 def test_db_commands_when_the_cache_dir_is_a_file(argv, tmp_path, monkeypatch, capsys):
     (tmp_path / "e.json").write_text(json.dumps({"schema": 1, "kind": "tilekit-tuning-export", "files": [
-        {"device": H100.as_dict(), "entries": {LINEAR.problem_key(linear_problem())[1]:
-                                               entry(LINEAR, LINEAR_CONFIG, H100)}}]}))
+        {"device": H100.as_dict(), "entries": dict([linear_entry()])}]}))
     (tmp_path / "cachefile").write_text("x")
     monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "cachefile"))
     store.reset()
@@ -390,7 +400,7 @@ def test_a_tuning_write_into_a_cache_path_that_is_a_file_is_one_line(tmp_path, m
     store.reset()
     key = LINEAR.problem_key(linear_problem())[1]
     monkeypatch.setattr(cli, "cmd_tune",
-                        lambda args: store.user_db().store(H100, {key: entry(LINEAR, LINEAR_CONFIG)}))
+                        lambda args: store.user_db().store(H100, {key: entry(LINEAR, linear_config())}))
     path = tmp_path / "cachefile" / "tuning" / "sm_90" / "NVIDIA_H100_80GB_HBM3.json"
     assert misuse(["tune", "--model", "gpt2"], capsys) == \
         f"tilekit: cannot write {path}: {tmp_path / 'cachefile'} is not a directory"
@@ -417,7 +427,7 @@ def verify_with_one_more(capsys, config, label, **entry_fields):
 
 
 def test_db_verify_reports_stale(capsys):
-    rc, out, key, stale = verify_with_one_more(capsys, LINEAR_CONFIG, "STALE", kernel_hash="0" * 16)
+    rc, out, key, stale = verify_with_one_more(capsys, linear_config(M=4096), "STALE", kernel_hash="0" * 16)
     assert rc == 0
     assert key in stale and "another version of the kernel source" in stale
     assert out.splitlines()[-1] == "5 usable, 1 stale, 0 invalid"
@@ -426,12 +436,26 @@ def test_db_verify_reports_stale(capsys):
 
 
 def test_db_verify_reports_invalid(capsys):
-    outside = dict(LINEAR_CONFIG, **{next(iter(LINEAR_CONFIG)): 3})   # 3 is in no tile-size list
+    outside = dict(linear_config(M=4096), **{next(iter(LINEAR.space.params)): 3})   # 3 is in no tile-size list
     assert not LINEAR.space.contains(outside)
     rc, out, key, invalid = verify_with_one_more(capsys, outside, "INVALID")
     assert rc == 1
     assert key in invalid and "outside the linear search space" in invalid
     assert out.splitlines()[-1] == "5 usable, 0 stale, 1 invalid"
+
+
+def test_db_verify_reports_a_config_the_rule_refuses_for_its_key_and_dispatch_passes_it_by(capsys):
+    """A config of the space's values that its rule refuses for the entry's own key (e.g. tiles larger than the
+    problem, too much shared memory) is invalid, and a lookup of that very key does not use it."""
+    problem = linear_problem(M=4096)
+    refused = next(iter(LINEAR.space))
+    assert not LINEAR.space.admits(refused, LINEAR.tuning_problem(problem)) and refused != linear_config(M=4096)
+    rc, out, key, invalid = verify_with_one_more(capsys, refused, "INVALID")
+    assert rc == 1 and key in invalid and "config the linear search space's rule refuses for its key" in invalid
+    assert out.splitlines()[-1] == "5 usable, 0 stale, 1 invalid"
+    with pytest.warns(TuningDBWarning, match="rule refuses for its key"):
+        r = LINEAR.resolve(problem, H100, mode="cached")
+    assert (r.source, r.match.key, r.config) == ("user", LINEAR.problem_key(linear_problem())[1], linear_config())
 
 
 @pytest.mark.parametrize("damage, says", [
@@ -454,9 +478,8 @@ def test_db_verify_fails_on_an_unusable_file(damage, says, capsys):
 
 def test_db_verify_counts_unparseable_keys_as_invalid(capsys):
     seed_user_db()
-    store.user_db().store(H100, {"linear/garbage": entry(LINEAR, LINEAR_CONFIG, H100),
-                                 "linear": entry(LINEAR, LINEAR_CONFIG, H100),
-                                 "linear/M=x,dtype=bfloat16": entry(LINEAR, LINEAR_CONFIG, H100)})
+    good = entry(LINEAR, linear_config(), H100)
+    store.user_db().store(H100, {"linear/garbage": good, "linear": good, "linear/M=x,dtype=bfloat16": good})
     store.reset()
     rc, out, _ = run(["db", "verify"], capsys)
     assert rc == 1 and out.splitlines()[-1] == "5 usable, 0 stale, 3 invalid"
@@ -482,7 +505,8 @@ def test_concurrent_imports_lose_nothing(tmp_path, monkeypatch, capsys):
         store.reset()
         for device in (H100, H200):
             batch = {LINEAR.problem_key(linear_problem(M=2 ** j, N=64 * (i + 1)))[1]:
-                     entry(LINEAR, LINEAR_CONFIG, device, time_us=float(i * 100 + j)) for j in range(KEYS)}
+                     entry(LINEAR, linear_config(M=2 ** j, N=64 * (i + 1)), device, time_us=float(i * 100 + j))
+                     for j in range(KEYS)}
             store.user_db().store(device, batch)
             expected.update({(device.name, k): v for k, v in batch.items()})
         files.append(tmp_path / f"export{i}.json")
@@ -538,7 +562,7 @@ def test_explain_prefers_the_user_db_for_its_gpu(monkeypatch, capsys):
     store.reset()
     op, problem = next((op, p) for op, p in GPT2_SHAPES if op is LINEAR)
     h800 = DeviceInfo("NVIDIA H800", "sm_90", 132)
-    store.user_db().store(h800, {op.problem_key(problem)[1]: entry(op, LINEAR_CONFIG, h800)})
+    store.user_db().store(h800, {op.problem_key(problem)[1]: entry(op, admitted_config(op, problem), h800)})
     store.reset()
     lines = explain("NVIDIA H800", capsys)
     assert sum(line.endswith("user db, exact-gpu, exact bucket") for line in lines) == 1
@@ -629,9 +653,9 @@ def test_tune_stale_selects_exactly_the_stale_entries(monkeypatch):
     fresh = LINEAR.problem_key(linear_problem(M=8))[1]
     stale = LINEAR.problem_key(linear_problem(M=128))[1]
     other_gpu = LINEAR.problem_key(linear_problem(M=1024))[1]
-    store.user_db().store(H100, {fresh: entry(LINEAR, LINEAR_CONFIG, H100),
-                                 stale: entry(LINEAR, LINEAR_CONFIG, H100, kernel_hash="0" * 16)})
-    store.user_db().store(H200, {other_gpu: entry(LINEAR, LINEAR_CONFIG, H200, kernel_hash="0" * 16)})
+    store.user_db().store(H100, {fresh: entry(LINEAR, linear_config(M=8), H100),
+                                 stale: entry(LINEAR, linear_config(M=128), H100, kernel_hash="0" * 16)})
+    store.user_db().store(H200, {other_gpu: entry(LINEAR, linear_config(M=1024), H200, kernel_hash="0" * 16)})
     monkeypatch.setattr(tilekit.device, "device_info", lambda index=None: H100)
     items = cli._stale_items("user")
     assert [(op.name, op.problem_key(p)[1]) for op, p in items] == [("linear", stale)]
@@ -643,10 +667,11 @@ def test_tune_like_takes_the_shapes_another_gpus_shipped_file_holds(monkeypatch,
     with --kernel; a name the shipped database lacks is refused, naming the GPUs it holds."""
     shipped = TuningDB(tmp_path / "shipped", "maintainer", writable=True)
     linear = LINEAR.problem_key(linear_problem(M=8))[1]
-    norm = LAYER_NORM.problem_key(dict(dtype="bfloat16", M=8, N=768, gather=0, fixed=0))[1]
-    shipped.store(H200, {linear: entry(LINEAR, LINEAR_CONFIG, H200),
-                         norm: entry(LAYER_NORM, next(iter(LAYER_NORM.space)), H200, kernel_hash="0" * 16)})
-    shipped.store(H100, {LINEAR.problem_key(linear_problem(M=1))[1]: entry(LINEAR, LINEAR_CONFIG, H100)})
+    norm_problem = dict(dtype="bfloat16", M=8, N=768, gather=0, fixed=0)
+    norm, norm_config = LAYER_NORM.problem_key(norm_problem)[1], admitted_config(LAYER_NORM, norm_problem)
+    shipped.store(H200, {linear: entry(LINEAR, linear_config(M=8), H200),
+                         norm: entry(LAYER_NORM, norm_config, H200, kernel_hash="0" * 16)})
+    shipped.store(H100, dict([linear_entry(M=1)]))
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "shipped"))
     store.reset()
     keys = lambda items: sorted(op.problem_key(p)[1] for op, p in items)      # noqa: E731
@@ -671,7 +696,7 @@ def test_db_export_refuses_links_and_special_files(tmp_path, capsys):
 @pytest.mark.parametrize("field, value, reason", [
     ("time_us", 10 ** 400, "time_us is out of range"), ("default_time_us", -(10 ** 13), "out of range")])
 def test_db_verify_names_an_integer_time_no_float_holds(capsys, field, value, reason):
-    rc, out, key, invalid = verify_with_one_more(capsys, LINEAR_CONFIG, "INVALID", **{field: value})
+    rc, out, key, invalid = verify_with_one_more(capsys, linear_config(M=4096), "INVALID", **{field: value})
     assert key in invalid and reason in invalid
     rc, out, err = run(["db", "list"], capsys)
     assert rc == 0 and "Traceback" not in err
@@ -689,7 +714,7 @@ def test_db_verify_refuses_keys_no_problem_has(capsys, problem, reason):
     fields = dict(f.split("=") for f in fields.split(","))
     fields.update({k: str(v) for k, v in problem.items()})
     bad = name + "/" + ",".join(f"{k}={fields[k]}" for k in sorted(fields))
-    assert reason in (entry_defect(bad, entry(LINEAR, LINEAR_CONFIG)) or "")
+    assert reason in (entry_defect(bad, entry(LINEAR, linear_config(M=8))) or "")
 
 
 def test_database_warnings_are_escaped_and_capped(monkeypatch):

@@ -15,26 +15,29 @@ from pathlib import Path
 
 import pytest
 
-from tests._autotune_fakes import H100, entry, run_together
+from tests._autotune_fakes import H100, admitted_config, entry, run_together
 from tilekit import cli
 from tilekit.autotune import store
 from tilekit.autotune.db import MAX_FILE_BYTES, TuningDB
 from tilekit.kernels.linear import LINEAR
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = next(iter(LINEAR.space))
+
+
+def linear_problem(M: int = 8192, N: int = 2304) -> dict:
+    return dict(dtype="bfloat16", M=M, N=N, K=768, wt="kn", bias=1, act="none", res=0, tf32=0)
 
 
 def linear_key(M: int = 8192, N: int = 2304) -> str:
-    return LINEAR.problem_key(dict(dtype="bfloat16", M=M, N=N, K=768, wt="kn", bias=1, act="none", res=0,
-                                   tf32=0))[1]
+    return LINEAR.problem_key(linear_problem(M, N))[1]
 
 
 GOOD_KEY = linear_key()
 
 
-def good_entry(**overrides) -> dict:
-    return entry(LINEAR, CONFIG, H100, **overrides)
+def good_entry(M: int = 8192, N: int = 2304, **overrides) -> dict:
+    """A usable entry for linear_key(M, N)."""
+    return entry(LINEAR, admitted_config(LINEAR, linear_problem(M, N)), H100, **overrides)
 
 
 def export(device=None, entries=None) -> dict:
@@ -144,7 +147,7 @@ def test_a_device_file_linked_to_the_shipped_layer(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 1 and f"BAD     user {user_file}: resolves outside the database root" in out, out
     with pytest.warns(UserWarning, match="moved it to"):
-        out = imported(tmp_path, capsys, export(entries={linear_key(M=64): good_entry()}))
+        out = imported(tmp_path, capsys, export(entries={linear_key(M=64): good_entry(M=64)}))
     assert out.startswith("imported 1 entries")
     assert not user_file.is_symlink() and list(json.loads(user_file.read_text())["entries"]) == [linear_key(M=64)]
     (aside,) = user_file.parent.glob("*.bad")
@@ -270,7 +273,8 @@ def _module(*args, cwd, timeout=120):
 
 
 def test_a_50_mb_export_is_read_in_seconds(tmp_path):
-    junk = {f"nosuch{i % 3}/M={i},dtype=bfloat16": good_entry(notes="x" * 100) for i in range(90_000)}
+    junk_entry = good_entry(notes="x" * 100)
+    junk = {f"nosuch{i % 3}/M={i},dtype=bfloat16": junk_entry for i in range(90_000)}
     junk[GOOD_KEY] = good_entry()
     path = tmp_path / "big.json"
     path.write_text(json.dumps(export(entries=junk)))
@@ -318,8 +322,8 @@ def test_concurrent_good_and_hostile_importers(tmp_path):
     good, hostile = [], []
     for i in range(4):
         good.append(tmp_path / f"good{i}.json")
-        good[-1].write_text(json.dumps(export(entries={linear_key(M=2 ** j, N=64 * (i + 1)): good_entry()
-                                                       for j in range(10)})))
+        shapes = [dict(M=2 ** j, N=64 * (i + 1)) for j in range(10)]
+        good[-1].write_text(json.dumps(export(entries={linear_key(**shape): good_entry(**shape) for shape in shapes})))
     for i, bad in enumerate([with_device(arch="../../shipped/sm_90"), with_device(name=".."),
                              GOOD_TEXT.replace("12.5", "NaN"), _files({"x": 1})]):
         hostile.append(tmp_path / f"hostile{i}.json")

@@ -204,21 +204,45 @@ def entry_problem(key: str, entry: dict) -> str | None:
     return None
 
 
-def _near(entries: dict, path: Path, op: str, problem: Mapping, buckets: Buckets, sizes) -> list[tuple[tuple, str]]:
-    """(distance, key) of every sound entry of `op` in one file's entries that may answer `problem`, closest
-    first (keys.key_distance, then the key)."""
+def _near(sound: list[tuple[str, dict]], problem: Mapping, buckets: Buckets, sizes) -> list[tuple[tuple, str]]:
+    """(distance, key) of every (key, key fields) of `sound` that may answer `problem`, closest first
+    (keys.key_distance, then the key)."""
     near = []
-    for key, entry in entries.items():
-        if not key.startswith(op + "/"):
-            continue
-        shape_problem = entry_problem(key, entry)
-        if shape_problem:
-            warn_once(f"tilekit: ignoring entry {key} in {path}: {shape_problem}")
-            continue
-        distance = key_distance(problem, parse_key(key)[1], buckets, sizes)
+    for key, fields in sound:
+        distance = key_distance(problem, fields, buckets, sizes)
         if distance is not None:
             near.append((distance, key))
     return sorted(near)
+
+
+class _ByOp:
+    """One read of a file's entries by op: the keys grouped on first use, each op's sound entries parsed (the
+    unsound ones warned about) the first time a lookup asks for that op."""
+
+    def __init__(self, entries: dict, path: Path):
+        self.entries, self.path = entries, path
+        self.keys: dict[str, list[str]] | None = None
+        self.sound: dict[str, list[tuple[str, dict]]] = {}
+
+    def of(self, op: str) -> list[tuple[str, dict]]:
+        """(key, key fields) of every structurally sound entry of `op`, in the file's order."""
+        if self.keys is None:
+            keys: dict[str, list[str]] = {}
+            for key in self.entries:
+                name, slash, _ = key.partition("/")
+                if slash:
+                    keys.setdefault(name, []).append(key)
+            self.keys = keys
+        if op not in self.sound:
+            sound = []
+            for key in self.keys.get(op, ()):
+                shape_problem = entry_problem(key, self.entries[key])
+                if shape_problem:
+                    warn_once(f"tilekit: ignoring entry {key} in {self.path}: {shape_problem}")
+                else:
+                    sound.append((key, parse_key(key)[1]))
+            self.sound[op] = sound
+        return self.sound[op]
 
 
 @dataclass(frozen=True)
@@ -253,29 +277,44 @@ class DeviceFile:
     def __init__(self, path: Path, db: "TuningDB"):
         self.path = Path(path)
         self.db = db
-        self._cache: tuple[tuple[int, int, int], tuple[dict, str | None]] | None = None
+        self._cache: tuple[tuple[int, int, int], tuple[dict, str | None], _ByOp] | None = None
 
-    def load(self) -> tuple[dict, str | None]:
-        """(file data, None), ({}, None) when missing, or ({}, why it is unusable). Never raises."""
+    def _read(self) -> tuple[tuple[dict, str | None], _ByOp]:
+        """(load()'s answer, its entries by op), parsed again only when the file changed."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
-            return {}, None
+            return ({}, None), _ByOp({}, self.path)
         except OSError as e:  # e.g. the arch "directory" is a file
-            return {}, f"unreadable ({e.strerror or e})"
+            return ({}, f"unreadable ({e.strerror or e})"), _ByOp({}, self.path)
         # st_ino too: every write lands as a new file (rename), while size and a coarse mtime may not change
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if self._cache is None or self._cache[0] != stamp:
+        cache = self._cache
+        if cache is None or cache[0] != stamp:
             data, problem = self._parse()
-            self._cache = (stamp, (data or {}, problem))
-        return self._cache[1]
+            data = data or {}
+            cache = self._cache = (stamp, (data, problem), _ByOp(data.get("entries", {}), self.path))
+        return cache[1], cache[2]
+
+    def load(self) -> tuple[dict, str | None]:
+        """(file data, None), ({}, None) when missing, or ({}, why it is unusable). Never raises."""
+        return self._read()[0]
 
     def read(self) -> dict:
         """Parsed entries (empty when missing or unusable, with one warning: never raises)."""
-        data, problem = self.load()
+        return self._entries()[0]
+
+    def read_op(self, op: str) -> tuple[dict, list[tuple[str, dict]]]:
+        """(read(), (key, key fields) of every sound entry of `op` in that same read): a lookup ranks only these."""
+        entries, by_op = self._entries()
+        return entries, by_op.of(op)
+
+    def _entries(self) -> tuple[dict, _ByOp]:
+        """(entries, the same entries by op), with one warning when the file is unusable."""
+        (data, problem), by_op = self._read()
         if problem:
             warn_once(f"tilekit: ignoring tuning file {self.path}: {problem}")
-        return data.get("entries", {})
+        return data.get("entries", {}), by_op
 
     def device(self) -> DeviceInfo | None:
         data, _ = self.load()
@@ -401,8 +440,9 @@ class TuningDB:
         the key string breaking ties.
 
         `usable(key, entry)` returns None for an entry this kernel may use, else why not
-        (entries.entry_reason is the rule). `fits(config)` says whether a borrowed config (any rule
-        but exact) is valid for this problem; entries whose config does not fit are skipped.
+        (entries.entry_reason is the rule: it checks a config against the space's rule for the entry's own key).
+        `fits(config)` says whether a borrowed config (any rule but exact) is valid for this problem; entries whose
+        config does not fit are skipped.
         """
         own = self.file_for(device)
         tiers = [(own, "exact-gpu")] + [
@@ -411,8 +451,8 @@ class TuningDB:
         for tier in range(3):
             for dfile, device_rule in tiers:
                 if dfile.path not in ranked:
-                    entries = dfile.read()
-                    ranked[dfile.path] = entries, _near(entries, dfile.path, op, problem, buckets, sizes)
+                    entries, sound = dfile.read_op(op)
+                    ranked[dfile.path] = entries, _near(sound, problem, buckets, sizes)
                 entries, near = ranked[dfile.path]
                 for distance, key in near:
                     if search_tier(distance) != tier:

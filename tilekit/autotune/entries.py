@@ -24,7 +24,8 @@ def bad_time(value) -> str | None:
 
 def entry_defect(key: str, entry) -> str | None:
     """Why an entry can never be used by this tilekit (malformed, unknown kernel, a key the kernel does
-    not make, config outside the space it claims to be tuned over, a bad time), or None."""
+    not make, a config outside the space it claims to be tuned over or, other than the key's default config, one
+    that space's rule refuses for the key, a bad time), or None."""
     problem = entry_problem(key, entry)
     if problem:
         return problem
@@ -41,8 +42,13 @@ def entry_defect(key: str, entry) -> str | None:
     errors = op.problem_errors(fields)          # as a problem named on the command line is checked
     if errors:
         return f"key field {errors[0]}"
-    if not op.space.contains(entry["config"]) and entry["space_hash"] == op.space_hash():
-        return f"config outside the {name} search space"    # (tuned over another space: stale, not broken)
+    if entry["space_hash"] == op.space_hash():      # (tuned over another space: stale, not broken)
+        config = entry["config"]
+        if not op.space.contains(config):
+            return f"config outside the {name} search space"
+        tuning = op.complete(fields)            # its tuning_problem: the fields of a canonical key are bucketed
+        if not op.space.admits(config, tuning) and config != op.default(tuning):     # the tuner times the default
+            return f"config the {name} search space's rule refuses for its key"
     for field in ("time_us", "default_time_us"):
         why = None if field != "time_us" and entry.get(field) is None else bad_time(entry.get(field))
         if why:

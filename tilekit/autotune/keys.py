@@ -66,17 +66,18 @@ def key_distance(a: Mapping, b: Mapping, buckets: Buckets, sizes: frozenset | se
     ints. Comparing these tuples orders answers exact, then nearest bucket (nearest first), then nearest shape
     (nearest unbucketed sizes first, e.g. N and K, then the nearest bucket, e.g. M).
     """
-    if set(a) != set(b):
+    if a.keys() != b.keys():
         return None
     shape = bucket = 0.0
     for k in sorted(a):  # one summation order, so that the distance is symmetric
-        if a[k] == b[k]:
+        x, y = a[k], b[k]
+        if x == y:
             continue
         if k not in buckets and k not in sizes:
             return None
-        if not all(type(v) is int and v > 0 for v in (a[k], b[k])):
+        if type(x) is not int or type(y) is not int or x <= 0 or y <= 0:
             return None
-        d = abs(math.log2(a[k]) - math.log2(b[k]))
+        d = abs(math.log2(x) - math.log2(y))
         if k in buckets:
             bucket += d
         else:

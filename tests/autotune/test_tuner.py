@@ -174,7 +174,7 @@ def test_db_check_runs_entries_against_the_default_and_retunes_those_that_disagr
     assert cli.main(["db", "check", "--layer", "user"]) == 0
     assert "1 of 1 entries agree" in capsys.readouterr().out
 
-    def planted(case, configs, reference, runs=3):
+    def planted(case, configs, reference, runs=3, **_):      # (deadline, name: the hang watch's)
         return [reference], [(c, "WrongOutput", "planted disagreement") for c in configs if c != reference]
     monkeypatch.setattr(tuner, "agreeing", planted)
     assert cli.main(["db", "check", "--layer", "user"]) == 1

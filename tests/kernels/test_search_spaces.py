@@ -43,7 +43,7 @@ SPACE_CASES = {
     "decode_attention": dict(dtype="bfloat16", B=2, H=3, Hkv=3, nq=1, capacity=700, D=64, new_kv=1, fp8=0),
     "decode_attention_gqa": dict(dtype="bfloat16", B=2, H=8, Hkv=2, nq=3, capacity=700, D=128, new_kv=1, fp8=0),
     "next_token": dict(dtype="bfloat16", B=3, V=50257, pen=1, KS=128, check=1),
-    "rms_norm": dict(dtype="bfloat16", M=37, N=2048, gather=0, res=1),
+    "rms_norm": dict(dtype="bfloat16", M=37, N=2048, gather=0, res=1, fixed=0),
     "rope": dict(dtype="bfloat16", table="float32", B=2, H=6, T=77, D=64),
     "swiglu_linear": dict(dtype="bfloat16", M=300, N=200, K=136),
     "swiglu_linear_few_rows": dict(dtype="bfloat16", M=3, N=1000, K=512),

@@ -598,7 +598,7 @@ def _db_import(args) -> int:
 
 def _db_verify(args) -> int:
     from tilekit.autotune import store
-    from tilekit.autotune.entries import entry_defect, entry_reason
+    from tilekit.autotune.entries import entry_defect, staleness
     invalid = stale = ok = bad = 0
     for db in store.layers():
         for dfile in db.device_files():
@@ -609,7 +609,7 @@ def _db_verify(args) -> int:
             for key, entry in sorted(data.get("entries", {}).items()):
                 where = f"{db.layer} {dfile.path.name} {_shown(key)}"
                 defect = entry_defect(key, entry)
-                why = defect or entry_reason(key, entry, db.layer)
+                why = defect or staleness(key, entry, db.layer)
                 if defect:
                     invalid += 1
                     print(f"INVALID {where}: {_shown(defect)}")

@@ -58,5 +58,10 @@ def entry_defect(key: str, entry) -> str | None:
 
 def entry_reason(key: str, entry, layer: str) -> str | None:
     """None when the entry may be used now from `layer` ("user" or "shipped"), else the reason: a
-    defect (entry_defect) or staleness (the op's why_unusable: kernel, space, toolchain)."""
-    return entry_defect(key, entry) or registered_ops()[parse_key(key)[0]].why_unusable(entry, layer)
+    defect (entry_defect) or staleness."""
+    return entry_defect(key, entry) or staleness(key, entry, layer)
+
+
+def staleness(key: str, entry, layer: str) -> str | None:
+    """Why an entry without defects is stale in `layer` (the op's why_unusable: kernel, space, toolchain), or None."""
+    return registered_ops()[parse_key(key)[0]].why_unusable(entry, layer)

@@ -28,7 +28,7 @@ def test_defaults():
 
 
 def test_the_peer_all_reduce_limit(monkeypatch):
-    for value, parsed in (("0", 0), (" 65536 ", 65536), ("", 1 << 20), ("16777216", 1 << 24)):
+    for value, parsed in (("0", 0), (" 65536 ", 65536), ("", 1 << 20), ("16777216", 1 << 24), ("1000000", 10 ** 6)):
         monkeypatch.setenv("TILEKIT_PEER_ALL_REDUCE_BYTES", value)
         assert env.peer_all_reduce_bytes() == parsed
 
@@ -50,6 +50,10 @@ def test_good_values(monkeypatch, name, value, parsed):
     ("TILEKIT_PEER_ALL_REDUCE_BYTES", "1MB", "TILEKIT_PEER_ALL_REDUCE_BYTES='1MB' is not an integer in [0, 16777216]"),
     ("TILEKIT_PEER_ALL_REDUCE_BYTES", "16777217",
      "TILEKIT_PEER_ALL_REDUCE_BYTES='16777217' is not an integer in [0, 16777216]"),
+    ("TILEKIT_PEER_ALL_REDUCE_BYTES", "1048577", "TILEKIT_PEER_ALL_REDUCE_BYTES='1048577' is not a multiple of 16 (the "
+     "peer inboxes' slots lie this many bytes apart, and each must start aligned for any dtype)"),
+    ("TILEKIT_PEER_ALL_REDUCE_BYTES", " 1000 ", "TILEKIT_PEER_ALL_REDUCE_BYTES=' 1000 ' is not a multiple of 16 (the "
+     "peer inboxes' slots lie this many bytes apart, and each must start aligned for any dtype)"),
 ])
 def test_bad_choices_name_the_variable(monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)
@@ -93,6 +97,23 @@ def test_a_shipped_database_path_too_long_is_an_error_naming_the_variable(monkey
         assert str(info.value).startswith(f"TILEKIT_SHIPPED_DB='{tmp_path}/aaa")
         assert str(info.value).endswith("'...: cannot be read (File name too long) (unset it to use the tuning "
                                         "database packaged with tilekit)")
+
+
+def test_a_cache_dir_that_cannot_be_looked_at_is_an_error_naming_the_variable(monkeypatch, tmp_path):
+    """A name too long made every kernel's tuning lookup raise OSError (the user database's directory listing); a
+    directory not made yet, or a file on the way (the database's own error when it writes), is no error here."""
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / ("a" * 300)))
+    for action in (env.check, store.layers):
+        store.reset()
+        with pytest.raises(ValueError) as info:
+            action()
+        assert str(info.value).startswith(f"TILEKIT_CACHE_DIR='{tmp_path}/aaa")
+        assert str(info.value).endswith("'...: cannot be read (File name too long)")
+    (tmp_path / "file").write_text("")
+    for path in (tmp_path / "new" / "dir", tmp_path / "file", tmp_path / "file" / "below"):
+        monkeypatch.setenv("TILEKIT_CACHE_DIR", str(path))
+        store.reset()
+        assert env.cache_dir() == path and store.user_db().device_files() == []
 
 
 @pytest.mark.parametrize("name", ["TILEKIT_CACHE_DIR", "TILEKIT_SHIPPED_DB", "HF_HUB_CACHE", "HF_HOME",

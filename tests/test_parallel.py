@@ -3,6 +3,8 @@ world size or a missing rank is an error on every rank, within a timeout), the w
 the others exit, even ones that would wait forever), the launcher (a dying rank stops the others), and the peer
 all-reduce's memory (the ranks agree to use it or all fall back to NCCL, on a fake CUDA runtime)."""
 
+import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,6 +15,7 @@ import pytest
 
 from tilekit import env, parallel
 from tilekit.env import Distributed
+from tilekit.untrusted import quoted
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -51,6 +54,29 @@ def test_bad_torchrun_variables_are_named(monkeypatch, values, message):
         env.distributed()
     with pytest.raises(ValueError, match=message):
         env.check()
+
+
+@pytest.mark.parametrize("addr", ["a..b", "a" * 64, "a" * (1 << 20), "-node", "node-", "[", "[::1", "::1]", "a:b:c",
+                                  "1.2.3.4.5", "999.1.1.1", "65536", ".", "node..", "[10.0.0.1]", "h\udcff"])
+def test_a_master_addr_that_is_no_host_name_or_address_is_named(monkeypatch, addr):
+    """Refused before any socket: a bad label (empty, over 63 characters, a hyphen at an end) made the resolver
+    raise UnicodeError, a ValueError naming no variable; the rest only failed to resolve, for RENDEZVOUS_TIMEOUT."""
+    for name, value in zip(TORCHRUN, ("1", "2", "1", addr, "29500")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as info:
+        env.distributed()
+    assert str(info.value) == f"MASTER_ADDR={quoted(addr)} is not a host name or address"
+
+
+@pytest.mark.parametrize("addr, read", [("node7", "node7"), ("Node-7.cluster_a.example", "Node-7.cluster_a.example"),
+                                        ("localhost", "localhost"), (" 10.0.0.1 ", "10.0.0.1"), ("::1", "::1"),
+                                        ("[fe80::1]", "fe80::1"), ("a" * 63 + ".b", "a" * 63 + ".b"), ("3com", "3com"),
+                                        ("node7.example.", "node7.example.")])
+def test_master_addr_host_names_and_addresses(monkeypatch, addr, read):
+    """A bracketed IPv6 address (as in a URL) loses its brackets, which socket.create_connection does not take."""
+    for name, value in zip(TORCHRUN, ("1", "2", "1", addr, "29500")):
+        monkeypatch.setenv(name, value)
+    assert env.distributed().master_addr == read
 
 
 def test_splits():
@@ -104,6 +130,32 @@ def test_a_world_size_mismatch_fails_every_rank():
         assert "rank 1 has WORLD_SIZE=3 but rank 0 has WORLD_SIZE=2" in str(out[rank])
 
 
+@pytest.mark.parametrize("hello, claim", [({"rank": [1], "world_size": 2}, "a rank claims RANK=[1]"),
+                                          ({"rank": "\x1b[2J", "world_size": 2}, "a rank claims RANK='\\x1b[2J'"),
+                                          ({"rank": 1, "world_size": "\n2"},
+                                           "rank 1 has WORLD_SIZE='\\n2' but rank 0 has WORLD_SIZE=2")])
+def test_a_strangers_hello_fails_the_rendezvous_with_a_rank_error(hello, claim):
+    """Whatever connects to MASTER_PORT is untrusted: a RANK that is no integer (a list raised TypeError on rank 0,
+    leaving the caller unanswered) or text with control characters is named, escaped, on rank 0 and to the caller."""
+    port = parallel.free_port()
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(rendezvous([Distributed(0, 2, 0, "127.0.0.1", port)])[0]))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    with sock:
+        sock.sendall(json.dumps(hello).encode() + b"\n")
+        assert parallel._receive(sock, time.monotonic() + 10, "stranger") == {"error": claim}
+    thread.join(30)
+    assert isinstance(out[0], parallel.RankError) and str(out[0]) == f"rank 0: {claim}"
+
+
 def test_missing_ranks_time_out():
     port = parallel.free_port()
     out, _ = rendezvous([Distributed(0, 3, 0, "127.0.0.1", port), Distributed(2, 3, 2, "127.0.0.1", port)],
@@ -117,11 +169,11 @@ def test_missing_ranks_time_out():
 def test_a_failing_rank_is_named_on_the_others():
     port = parallel.free_port()
     links, lost = rendezvous([Distributed(r, 2, r, "127.0.0.1", port) for r in range(2)])
-    links[1].close(failed="out of memory")
+    links[1].close(failed="out of memory\n\x1b[2J")         # a peer's text, escaped: one line, no terminal codes
     deadline = time.monotonic() + 10
     while not lost and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert lost == ["rank 0: rank 1 failed: out of memory"]
+    assert lost == ["rank 0: rank 1 failed: out of memory\\n\\x1b[2J"]
 
 
 RANK_SCRIPT = textwrap.dedent("""

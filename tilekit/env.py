@@ -6,8 +6,10 @@ them all, for a command line to refuse a bad environment before doing anything."
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,20 +55,38 @@ def dependent_launch() -> bool:
 
 PEER_ALL_REDUCE_LIMIT = 1 << 24
 PEER_ALL_REDUCE_DEFAULT = 1 << 20
+PEER_ALL_REDUCE_ALIGN = 16
 
 
 def peer_all_reduce_bytes() -> int:
     """TILEKIT_PEER_ALL_REDUCE_BYTES: tensor-parallel all-reduces of up to this many bytes go through peer memory
     (tilekit.kernels.peer_all_reduce) where the ranks share a host and their GPUs reach each other, larger ones
     through NCCL. Default 1048576 (decode's messages); 0: NCCL for all. At most 16 MiB (the inboxes take 2 x world
-    size x this)."""
+    size x this), a multiple of 16 (an inbox's slots lie this many bytes apart: each must start aligned for any
+    dtype, which 1048577 would not)."""
     value = integer("TILEKIT_PEER_ALL_REDUCE_BYTES", 0, PEER_ALL_REDUCE_LIMIT)
+    if value is not None and value % PEER_ALL_REDUCE_ALIGN:
+        raise ValueError(f"TILEKIT_PEER_ALL_REDUCE_BYTES={quoted(os.environ['TILEKIT_PEER_ALL_REDUCE_BYTES'])} is not "
+                         f"a multiple of {PEER_ALL_REDUCE_ALIGN} (the peer inboxes' slots lie this many bytes apart, "
+                         "and each must start aligned for any dtype)")
     return PEER_ALL_REDUCE_DEFAULT if value is None else value
 
 
 def cache_dir() -> Path | None:
-    """TILEKIT_CACHE_DIR: the user tuning database's directory, or None for the platform's default."""
-    return directory("TILEKIT_CACHE_DIR")
+    """TILEKIT_CACHE_DIR: the user tuning database's directory, or None for the platform's default. A path that
+    cannot even be looked at (a name too long, a permission denied on the way) is an error naming the variable,
+    not an OSError at every kernel's lookup; one not made yet, or with a file on the way, is not (the database
+    reports the file when it writes)."""
+    path = directory("TILEKIT_CACHE_DIR")
+    if path is not None:
+        try:
+            path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as e:
+            raise ValueError(f"TILEKIT_CACHE_DIR={quoted(os.environ['TILEKIT_CACHE_DIR'])}: cannot be read "
+                             f"({e.strerror})") from None
+    return path
 
 
 def shipped_dir() -> Path | None:
@@ -143,10 +163,30 @@ def distributed() -> Distributed | None:
     local = rank if local is None else local
     if local > rank:
         raise ValueError(f"LOCAL_RANK={local} is above RANK={rank}")
-    addr = os.environ["MASTER_ADDR"].strip()
-    if not all(c.isalnum() or c in ".-:[]_" for c in addr) or not addr.isascii():
-        raise ValueError(f"MASTER_ADDR={quoted(addr)} is not a host name or address")
-    return Distributed(rank, world, local, addr, integer("MASTER_PORT", 1, 65535))
+    return Distributed(rank, world, local, host("MASTER_ADDR"), integer("MASTER_PORT", 1, 65535))
+
+
+HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def host(name: str) -> str:
+    """Variable `name` (blanks stripped) as a host to connect to: an IPv4 or IPv6 address (an IPv6 one may come in
+    brackets, which are dropped), or a host name of at most 253 characters: dot-separated labels of 1 to 63 ASCII
+    letters, digits, '_' and '-' (not at either end), the last not all digits, one final dot allowed. ValueError
+    naming the variable otherwise: the resolver raises UnicodeError for a bad label, and waits out the rendezvous
+    on a name such as 999.1.1.1."""
+    raw = os.environ.get(name, "")
+    text = raw.strip()
+    if text.isascii() and all(c.isalnum() or c in ".-:[]_" for c in text):     # no scope id (%eth0), no blank
+        bracketed = text.startswith("[") and text.endswith("]")
+        try:
+            if ipaddress.ip_address(text[1:-1] if bracketed else text).version == 6 or not bracketed:
+                return text[1:-1] if bracketed else text
+        except ValueError:
+            labels = text.removesuffix(".").split(".")
+            if len(".".join(labels)) <= 253 and all(map(HOST_LABEL.fullmatch, labels)) and not labels[-1].isdigit():
+                return text
+    raise ValueError(f"{name}={quoted(raw)} is not a host name or address")
 
 
 def check() -> None:

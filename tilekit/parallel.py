@@ -38,6 +38,7 @@ import numpy as np
 
 from tilekit.autotune.arrays import FLOAT_DTYPES
 from tilekit.env import Distributed, distributed, peer_all_reduce_bytes
+from tilekit.untrusted import quoted, shown
 
 RENDEZVOUS_TIMEOUT = 120.0    # seconds for every rank to arrive (model loading happens after)
 EXIT_PEER_LOST = 75           # a rank's exit status when another rank died
@@ -266,7 +267,7 @@ class Link:
             raise
         if "error" in reply:
             sock.close()
-            raise RankError(f"rank {dist.rank}: {reply['error']}")
+            raise RankError(f"rank {dist.rank}: {shown(reply['error'])}")
         return cls(dist, {0: sock}, reply.get("payload"), on_lost)
 
     @staticmethod
@@ -306,12 +307,14 @@ class Link:
                 except RankError:
                     sock.close()
                     continue
-                rank, world = hello.get("rank"), hello.get("world_size")
+                rank, world = hello.get("rank"), hello.get("world_size")     # from whatever connected: untrusted
                 if world != dist.world_size:
-                    problem = f"rank {rank} has WORLD_SIZE={world} but rank 0 has WORLD_SIZE={dist.world_size}"
+                    problem = f"rank {quoted(rank)} has WORLD_SIZE={quoted(world)} but rank 0 has WORLD_SIZE=" \
+                              f"{dist.world_size}"
                     pending.append(sock)
-                elif not isinstance(rank, int) or not 0 < rank < dist.world_size or rank in socks:
-                    problem = f"two ranks claim RANK={rank}" if rank in socks else f"a rank claims RANK={rank}"
+                elif type(rank) is not int or not 0 < rank < dist.world_size or rank in socks:
+                    problem = f"two ranks claim RANK={rank}" if type(rank) is int and rank in socks else \
+                        f"a rank claims RANK={quoted(rank)}"
                     pending.append(sock)
                 else:
                     socks[rank] = sock
@@ -352,7 +355,7 @@ class Link:
                             if message.get("bye"):
                                 self.said_bye.add(peer)
                             elif message.get("failed"):
-                                self._lost(f"rank {self.dist.rank}: rank {peer} failed: {message['failed']}")
+                                self._lost(f"rank {self.dist.rank}: rank {peer} failed: {shown(message['failed'])}")
                     continue
                 del socks[peer]
                 with self.lock:

@@ -4,6 +4,7 @@ not read, and the compressed-tensors layout save_pretrained writes read back."""
 
 import json
 import math
+import time
 
 import ml_dtypes
 import numpy as np
@@ -194,12 +195,105 @@ def test_quantize_weight_is_per_channel_absmax(kind):
     (reweighted(compressed("fp8", "channel"), num_bits=8.0), "weights"),         # JSON integers are integers
     (compressed("fp8", "block", block_structure=[128.0, 128]), "block_structure"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128.0]}, "weight_block_size"),
+    (reweighted(compressed("fp8", "channel"), group_size=128), "weights.group_size"),
+    (reweighted(compressed("fp8", "channel"), group_size=-1.0), "weights.group_size"),
+    (reweighted(compressed("fp8", "channel"), group_size=True), "weights.group_size"),
+    (reweighted(compressed("fp8", "tensor"), group_size=-1), "weights.group_size"),
+    ({**compressed("fp8", "channel"), "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config"),
+    ({**compressed("fp8", "channel"), "sparsity_config": ["dense"]}, "sparsity_config"),
+    ({**compressed("fp8", "channel"), "transform_config": {"config_groups": {"v": {"type": "hadamard"}}}},
+     "transform_config"),
 ])
 def test_unsupported_schemes_are_named(qconfig, field, tmp_path):
     hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=qconfig), {})
     with pytest.raises(hf.ModelFileError, match=field) as e:
         quantization.scheme_of(hf.Checkpoint.at(tmp_path))
     assert "config.json" in str(e.value)
+
+
+def test_a_group_size_sparsity_or_transform_is_named_with_its_field(tmp_path):
+    """Read as if absent, a group size needed scales of another shape (named by tensor, not by field), and a
+    transform or a sparse layout would have been misread."""
+    for qconfig, message in [
+        (reweighted(compressed("fp8", "channel"), group_size=128), "field 'quantization_config.config_groups.group_0"
+         ".weights.group_size' is 128: groups of columns are not read (null, or -1 with strategy channel)"),
+        ({**compressed("fp8", "channel"), "sparsity_config": {"format": "sparse-24-bitmask"}},
+         "field 'quantization_config.sparsity_config' is {\"format\": \"sparse-24-bitmask\"}: a sparse layout (dense "
+         "weights are read); " + quantization.READ),
+        ({**compressed("fp8", "channel"), "transform_config": {"config_groups": {}}},
+         "field 'quantization_config.transform_config' is {\"config_groups\": {}}: transforms applied as the model "
+         "runs (tilekit applies none); " + quantization.READ)]:
+        hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=qconfig), {})
+        with pytest.raises(hf.ModelFileError) as e:
+            quantization.scheme_of(hf.Checkpoint.at(tmp_path))
+        assert str(e.value) == f"{tmp_path / 'config.json'}: {message}"
+
+
+@pytest.mark.parametrize("qconfig", [
+    reweighted(compressed("fp8", "channel"), group_size=-1), reweighted(compressed("fp8", "channel"), group_size=None),
+    {**compressed("fp8", "channel"), "sparsity_config": {"format": "dense", "sparsity_structure": "unstructured"}},
+    {**compressed("fp8", "channel"), "sparsity_config": {}, "transform_config": None},
+    {**compressed("fp8", "channel"), "sparsity_config": None, "transform_config": {}},
+])
+def test_a_whole_row_group_size_and_a_dense_layout_are_read(qconfig, tmp_path):
+    hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=qconfig), {})
+    assert quantization.scheme_of(hf.Checkpoint.at(tmp_path)).source == "compressed-tensors"
+
+
+def test_module_patterns_from_a_file_are_never_compiled(tmp_path):
+    """'re:' patterns in targets and ignore lists are compared as text, never compiled: a pathological one (nested
+    quantifiers), an invalid one or a million of them cost a scan of the list, not a hang or a re.error."""
+    patterns = ["re:(a+)+$", "re:(", "re:(.*a){30}"] + ["re:(x+x+)+y"] * 10 ** 6
+    qconfig = {**compressed("fp8", "channel"), "ignore": ["lm_head"] + patterns}
+    qconfig["config_groups"]["group_0"]["targets"] = ["Linear"] + patterns[:3]
+    hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=qconfig), {})
+    start = time.monotonic()
+    assert quantization.scheme_of(hf.Checkpoint.at(tmp_path), mixed=True).float_head is not None
+    with pytest.raises(hf.ModelFileError, match=r"field 'quantization_config.ignore' leaves modules other than the LM "
+                                                r"head unquantized \('re:\(a\+\)\+\$', 're:\(', 're:\(\.\*a\)\{30\}', "
+                                                r"\.\.\.\)"):
+        quantization.scheme_of(hf.Checkpoint.at(tmp_path))
+    assert time.monotonic() - start < 10
+
+
+def patch_tensor(path, name: str, offset: int, data: bytes) -> None:
+    """Overwrite bytes of tensor `name` in a safetensors file, `offset` bytes into its data."""
+    raw = bytearray(path.read_bytes())
+    length = int.from_bytes(raw[:8], "little")
+    at = 8 + length + json.loads(raw[8:8 + length])[name]["data_offsets"][0] + offset
+    raw[at:at + len(data)] = data
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_a_nan_fp8_code_is_refused_naming_its_tensor(code, tmp_path):
+    """e4m3 has no infinity: 0x7F and 0xFF are its NaNs, which loaded as they are made the layer's outputs NaN.
+    (An int8 checkpoint's 0x7F is 127, a code like any other.)"""
+    name = "model.layers.1.mlp.down_proj.weight"
+    for kind in ("int8", "fp8"):
+        write_quantized(tmp_path / kind, kind, "channel", compressed(kind, "channel"), lambda s: (s[0], 1))
+        patch_tensor(tmp_path / kind / "model.safetensors", name, 5, bytes([code]))
+    assert load_host(tmp_path / "int8")[1][name].reshape(-1)[5] == np.int8(code - (code > 127) * 256)
+    with pytest.raises(hf.ModelFileError) as info:
+        load_host(tmp_path / "fp8")
+    assert str(info.value) == f"{tmp_path / 'fp8' / 'model.safetensors'}: tensor '{name}' holds a value that is not " \
+                              "finite"
+
+
+@pytest.mark.parametrize("kind, fits, overflows", [("fp8", 7e35, 8e35), ("int8", 2.6e36, 2.7e36)])
+def test_a_scale_that_makes_codes_overflow_float32_is_refused(kind, fits, overflows, tmp_path):
+    """A finite scale so large that the largest code (448 in e4m3, -128 in int8) times it is infinite in fp32, the
+    kernels' weights: as a weight that is not finite, named at load rather than as infinite logits."""
+    name = "model.layers.0.self_attn.o_proj.weight_scale"
+    for scale in (fits, overflows):
+        write_quantized(tmp_path / str(scale), kind, "channel", compressed(kind, "channel"), lambda s: (s[0], 1))
+        patch_tensor(tmp_path / str(scale) / "model.safetensors", name, 4 * 3, np.float32(scale).tobytes())
+    assert load_host(tmp_path / str(fits))[1][name][3] == np.float32(fits)
+    with pytest.raises(hf.ModelFileError) as info:
+        load_host(tmp_path / str(overflows))
+    top = {"fp8": 448, "int8": 128}[kind]
+    assert str(info.value) == f"{tmp_path / str(overflows) / 'model.safetensors'}: tensor '{name}' holds a scale " \
+                              f"that times the largest {kind} code ({top}) overflows float32"
 
 
 def test_a_null_quantization_config_is_none(tmp_path):

@@ -52,8 +52,10 @@ DTYPES = {"BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "F8_E4M3":
 FLOATS = ("BF16", "F16", "F32")                                  # what a Target accepts by default
 TARGET_DTYPES = ("bfloat16", "float16", "float32", "float64")
 # float dtype -> (the unsigned integer of its width, its exponent bits): all of them set is an infinity or a NaN
+# (FP8 e4m3, which has no infinity: exponent and mantissa bits all set, its NaN codes 0x7F and 0xFF)
 EXPONENT_BITS = {"bfloat16": ("uint16", 0x7F80), "float16": ("uint16", 0x7C00), "float32": ("uint32", 0x7F800000),
-                 "float64": ("uint64", 0x7FF0000000000000)}
+                 "float64": ("uint64", 0x7FF0000000000000), "float8_e4m3fn": ("uint8", 0x7F)}
+FLOAT_BITS = {"F8_E4M3": "float8_e4m3fn"}     # a safetensors dtype DTYPES views as uint8 -> the float it holds
 _WRITE_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
@@ -1048,7 +1050,8 @@ class _Stream:
                 if k + len(ring) < len(self.pieces):
                     reads.append(pool.submit(self.read, k + len(ring), copied[slot]))
                 if hi == info.nbytes:
-                    self.check_finite(info, target, raw, "holds a value that is not finite", DTYPES[info.dtype][1])
+                    self.check_finite(info, target, raw, "holds a value that is not finite",
+                                      FLOAT_BITS.get(info.dtype, DTYPES[info.dtype][1]))
                     if not direct:
                         self.finish(info, target, out, raw)
                         if target.transform is None:       # (transforms check their own outputs)

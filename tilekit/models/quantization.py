@@ -6,7 +6,8 @@ scales, one per output channel ([out]) or per 128x128 block ([ceil(out/128), cei
 W ~ codes * scale (tilekit.kernels.quant_linear). Checkpoints read:
 
 * compressed-tensors ("float-quantized" FP8 / "int-quantized" INT8 weights; channel, tensor or 128x128 block
-  strategy; symmetric): `weight` + `weight_scale` ([out, 1], [1] or blocks);
+  strategy; symmetric; no group size, sparse layout or transform): `weight` + `weight_scale` ([out, 1], [1] or
+  blocks);
 * fbgemm_fp8: `weight` + `weight_scale` [out, 1] (`input_scale_ub` read past);
 * ModelOpt (`quant_method: modelopt` or hf_quant_config.json): FP8 (per-tensor `weight_scale`, a scalar),
   FP8_PER_CHANNEL_PER_TOKEN ([out, 1]) and FP8_PB_WO (blocks); static `input_scale`s and KV-cache scales are
@@ -51,6 +52,7 @@ from tilekit.untrusted import quoted, shown
 
 KINDS = ("int8", "fp8")
 INT8_MAX = 127.0
+CODE_MAX = {"int8": 128.0, "fp8": 448.0}        # the largest magnitude of a file's codes (int8's -128 too)
 FILE_DTYPES = {"int8": "I8", "fp8": "F8_E4M3"}
 QUANT_CONFIG = "hf_quant_config.json"           # ModelOpt's description of its checkpoints
 LM_HEAD_NAMES = ("lm_head", "re:.*lm_head", "re:^lm_head$", "lm_head.weight")
@@ -102,7 +104,8 @@ def _unsupported(fields: hf.Fields, key: str, what: str = "a scheme tilekit does
 def _only_lm_head(fields: hf.Fields, key: str, mixed: bool) -> tuple | None:
     """A list of modules left unquantized may name the LM head only (tilekit quantizes every block linear), or,
     for a family that keeps some linears in its float dtype (`mixed`), anything: the headers decide there.
-    Returns (path, field) where the list names the LM head (Scheme.float_head), else None."""
+    Returns (path, field) where the list names the LM head (Scheme.float_head), else None. Names are compared as
+    text: a file's 're:' pattern is never compiled (nested quantifiers could hang the regex engine)."""
     names = fields.d.get(key)
     if names is None:
         return None
@@ -160,6 +163,15 @@ def _compressed_tensors(q: hf.Fields, mixed: bool) -> Scheme:
         raise w.error("type", f"is {quoted(w.d['type'])}, but the checkpoint's format is {quoted(fmt)}")
     if strategy == "block" and not _is_exactly(w.d.get("block_structure"), [QBLOCK, QBLOCK]):
         raise w.error("block_structure", f"must be [{QBLOCK}, {QBLOCK}]")
+    group_size = w.d.get("group_size")
+    if group_size is not None and not (strategy == "channel" and _is_exactly(group_size, -1)):
+        raise w.error("group_size", f"is {hf.json_shown(group_size)}: groups of columns are not read (null, or -1 "
+                                    "with strategy channel)")
+    sparsity = q.d.get("sparsity_config")
+    if sparsity not in (None, {}) and not (isinstance(sparsity, dict) and sparsity.get("format") == "dense"):
+        raise _unsupported(q, "sparsity_config", "a sparse layout (dense weights are read)")
+    if q.d.get("transform_config") not in (None, {}):
+        raise _unsupported(q, "transform_config", "transforms applied as the model runs (tilekit applies none)")
     return Scheme(kind, "block" if strategy == "block" else "channel", "compressed-tensors",
                   {"channel": "out1", "tensor": "one", "block": "blocks"}[strategy],
                   ignored=(".input_scale", ".weight_zero_point", ".input_zero_point"),
@@ -201,20 +213,26 @@ def _block_fp8(q: hf.Fields, mixed: bool) -> Scheme:
 
 # -- load plans ----------------------------------------------------------------------------------------------
 
-def check_scales(src) -> None:
-    """TensorValueError unless every scale of a file's tensor is finite and not negative (as fp32)."""
+def check_scales(src, kind: str) -> None:
+    """TensorValueError unless every scale of a file's tensor is finite, not negative and small enough that the
+    largest code of `kind` times it is finite in fp32 (the kernels' weights: one beyond is an infinite weight)."""
     xp = array_module(src)
     s = src.astype(np.float32)
-    if not bool(xp.all(xp.isfinite(s) & (s >= 0))):
-        raise hf.TensorValueError("holds a scale that is negative or not finite")
+    with np.errstate(over="ignore"):
+        top = s * np.float32(CODE_MAX[kind])
+    if not bool(xp.all(xp.isfinite(top) & (s >= 0))):
+        if not bool(xp.all(xp.isfinite(s) & (s >= 0))):
+            raise hf.TensorValueError("holds a scale that is negative or not finite")
+        raise hf.TensorValueError(f"holds a scale that times the largest {kind} code ({CODE_MAX[kind]:g}) overflows "
+                                  "float32")
 
 
-def scale_into(out, transform: Callable | None = None) -> Callable:
+def scale_into(out, kind: str, transform: Callable | None = None) -> Callable:
     """A transform writing a file's scale tensor (any float dtype, per channel [out, 1], per tensor or blocks;
-    finite, not negative) into the model's fp32 scales `out`; per channel through the weight's own `transform` (a
-    row permutation), so that each scale follows its row."""
+    check_scales' for codes of `kind`) into the model's fp32 scales `out`; per channel through the weight's own
+    `transform` (a row permutation), so that each scale follows its row."""
     def into(src, _):
-        check_scales(src)
+        check_scales(src, kind)
         if transform is None or out.ndim != 1:
             out[...] = src.reshape(out.shape) if src.size == out.size else src.reshape(())
             return
@@ -279,7 +297,7 @@ class Dequantizing:
         self._finish()
 
     def scales(self, src, _) -> None:
-        check_scales(src)
+        check_scales(src, self.scheme.weight)
         self.scale = src.copy()
         self._finish()
 
@@ -326,7 +344,7 @@ def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme
                                accept=(FILE_DTYPES[scheme.weight],), part=target.part)
         plan[name[:-len("weight")] + scheme.scale_name] = hf.Target(
             scheme.scale_file_shape(shape), "float32", out=scale,
-            transform=None if scale is None else scale_into(scale, target.transform),
+            transform=None if scale is None else scale_into(scale, scheme.weight, target.transform),
             part=scale_part(name, scheme, shape, target.part))
     if loading or not dequantized:
         return plan

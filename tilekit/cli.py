@@ -1014,6 +1014,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from tilekit.autotune.db import TuningDBError
+    from tilekit.parallel import EXIT_PEER_LOST, RankError
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -1026,6 +1027,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ValueError, FileNotFoundError, TuningDBError) as e:
         print(f"tilekit: {shown(str(e), 1 << 20)}", file=sys.stderr)     # one line: a file's newlines escaped
         return 2
+    except RankError as e:    # tensor parallelism: another rank missing, dead or disagreeing (its WORLD_SIZE)
+        print(f"tilekit: {shown(str(e), 1 << 20)}", file=sys.stderr)
+        return EXIT_PEER_LOST
     except BrokenPipeError:   # output piped into `head` and the like: stop quietly (before OSError, its base)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -133,6 +133,19 @@ def test_misuse_exits_2_with_one_line(argv, says, capsys):
     assert says in misuse(argv, capsys)
 
 
+def test_a_rank_error_is_one_line_and_the_peer_lost_status(monkeypatch, capsys):
+    """Tensor parallelism's RankError (a rank missing, dead, or with another WORLD_SIZE) ends a command as the other
+    errors do, with the status of a lost peer, its text escaped."""
+    from tilekit import parallel
+
+    def rendezvous_fails(args):
+        raise parallel.RankError("rank 1: rank 0: rank 1 has WORLD_SIZE=3\x1b[2J but rank 0 has WORLD_SIZE=2\n")
+    monkeypatch.setattr(cli, "cmd_generate", rendezvous_fails)
+    assert cli.main(["generate", "--model", "gpt2"]) == parallel.EXIT_PEER_LOST
+    err = capsys.readouterr().err
+    assert err == ("tilekit: rank 1: rank 0: rank 1 has WORLD_SIZE=3\\x1b[2J but rank 0 has WORLD_SIZE=2\\n\n")
+
+
 def test_import_of_a_non_export_file(tmp_path, capsys):
     not_json = tmp_path / "notes.txt"
     not_json.write_text("hello\n")

@@ -101,6 +101,9 @@ def compressed(kind, strategy, **weights_extra):
             "ignore": ["lm_head"]}
 
 
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
 def reweighted(qconfig: dict, **changes) -> dict:
     """A compressed-tensors config with fields of its group's weights replaced."""
     group = qconfig["config_groups"]["group_0"]
@@ -113,6 +116,9 @@ LAYOUTS = {
     "compressed-tensors fp8 block": ("fp8", "block", compressed("fp8", "block", block_structure=[128, 128]),
                                      lambda s: (math.ceil(s[0] / 128), math.ceil(s[1] / 128))),
     "compressed-tensors int8 channel": ("int8", "channel", compressed("int8", "channel"), lambda s: (s[0], 1)),
+    "compressed-tensors fp8 channel, KV-cache scales": ("fp8", "channel", {**compressed("fp8", "channel"),
+                                                                          "kv_cache_scheme": KV_CACHE_SCHEME},
+                                                       lambda s: (s[0], 1)),
     "fbgemm_fp8": ("fp8", "channel", {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
                                       "modules_to_not_convert": ["lm_head"]}, lambda s: (s[0], 1)),
     "modelopt FP8": ("fp8", "tensor", {"quant_method": "modelopt", "quant_algo": "FP8",
@@ -121,7 +127,8 @@ LAYOUTS = {
                                    "weight_block_size": [128, 128]},
                   lambda s: (math.ceil(s[0] / 128), math.ceil(s[1] / 128))),
 }
-EXTRAS = {"fbgemm_fp8": ("input_scale_ub",), "modelopt FP8": ("input_scale", "k_scale")}
+EXTRAS = {"fbgemm_fp8": ("input_scale_ub",), "modelopt FP8": ("input_scale", "k_scale"),
+          "compressed-tensors fp8 channel, KV-cache scales": ("k_scale", "v_scale")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -201,6 +208,7 @@ def test_quantize_weight_is_per_channel_absmax(kind):
     (reweighted(compressed("fp8", "tensor"), group_size=-1), "weights.group_size"),
     ({**compressed("fp8", "channel"), "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config"),
     ({**compressed("fp8", "channel"), "sparsity_config": ["dense"]}, "sparsity_config"),
+    ({**compressed("fp8", "channel"), "kv_cache_scheme": [KV_CACHE_SCHEME]}, "kv_cache_scheme"),
     ({**compressed("fp8", "channel"), "transform_config": {"config_groups": {"v": {"type": "hadamard"}}}},
      "transform_config"),
 ])
@@ -238,6 +246,15 @@ def test_a_group_size_sparsity_or_transform_is_named_with_its_field(tmp_path):
 def test_a_whole_row_group_size_and_a_dense_layout_are_read(qconfig, tmp_path):
     hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=qconfig), {})
     assert quantization.scheme_of(hf.Checkpoint.at(tmp_path)).source == "compressed-tensors"
+
+
+def test_kv_cache_scales_are_read_past_only_where_the_config_declares_them(tmp_path):
+    """A compressed-tensors kv_cache_scheme's static k_scale / v_scale tensors are read past (tilekit's KV cache
+    takes no static scales); without the field they are tensors the model does not have."""
+    qconfig = compressed("fp8", "channel")
+    write_quantized(tmp_path, "fp8", "channel", qconfig, lambda s: (s[0], 1), extras=("k_scale",))
+    with pytest.raises(hf.ModelFileError, match=r"\n  unexpected tensor '.*\.k_scale'"):
+        load_host(tmp_path)
 
 
 def test_module_patterns_from_a_file_are_never_compiled(tmp_path):

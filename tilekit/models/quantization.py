@@ -172,9 +172,11 @@ def _compressed_tensors(q: hf.Fields, mixed: bool) -> Scheme:
         raise _unsupported(q, "sparsity_config", "a sparse layout (dense weights are read)")
     if q.d.get("transform_config") not in (None, {}):
         raise _unsupported(q, "transform_config", "transforms applied as the model runs (tilekit applies none)")
+    kv_scales = q.object("kv_cache_scheme", None) is not None     # static KV-cache scales: read past, as ModelOpt's
     return Scheme(kind, "block" if strategy == "block" else "channel", "compressed-tensors",
                   {"channel": "out1", "tensor": "one", "block": "blocks"}[strategy],
-                  ignored=(".input_scale", ".weight_zero_point", ".input_zero_point"),
+                  ignored=(".input_scale", ".weight_zero_point", ".input_zero_point")
+                  + ((".k_scale", ".v_scale") if kv_scales else ()),
                   float_head=_only_lm_head(q, "ignore", mixed))
 
 

@@ -1050,12 +1050,12 @@ class _Stream:
                 if k + len(ring) < len(self.pieces):
                     reads.append(pool.submit(self.read, k + len(ring), copied[slot]))
                 if hi == info.nbytes:
-                    self.check_finite(info, target, raw, "holds a value that is not finite",
+                    self.check_finite(info, raw, "holds a value that is not finite",
                                       FLOAT_BITS.get(info.dtype, DTYPES[info.dtype][1]))
                     if not direct:
                         self.finish(info, target, out, raw)
                         if target.transform is None:       # (transforms check their own outputs)
-                            self.check_finite(info, target, out, f"holds a value too large for {out.dtype}")
+                            self.check_finite(info, out, f"holds a value too large for {out.dtype}")
                     self.out[info.name] = out
                 done += hi - lo
                 self.progress.update(done, total)
@@ -1068,7 +1068,7 @@ class _Stream:
                 raise ModelFileError(info.file.path, f"tensor {quoted(info.name)} {problem}")
         return self.out
 
-    def check_finite(self, info: TensorInfo, target: Target, array, problem: str, dtype: str | None = None) -> None:
+    def check_finite(self, info: TensorInfo, array, problem: str, dtype: str | None = None) -> None:
         """Queue a check that `array` (bytes of float `dtype`, default its own) holds no infinity or NaN."""
         dtype = dtype or str(array.dtype)
         if dtype in EXPONENT_BITS:

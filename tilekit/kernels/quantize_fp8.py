@@ -34,18 +34,22 @@ def fp8_scale(amax):
 
 
 @ct.function
+def saturated_fp8_bits(q):
+    """q (fp32 tile) rounded to e4m3, saturated at +-FP8_MAX, as uint8 bits."""
+    return ct.bitcast(ct.minimum(ct.maximum(q, -FP8_MAX), FP8_MAX).astype(ct.float8_e4m3fn), ct.uint8)
+
+
+@ct.function
 def fp8_bits(x, s):
     """x / s (fp32 tile, s broadcast) rounded to e4m3, saturated, as uint8 bits."""
-    q = ct.minimum(ct.maximum(ct.truediv(x, s, rounding_mode=RN), -FP8_MAX), FP8_MAX)
-    return ct.bitcast(q.astype(ct.float8_e4m3fn), ct.uint8)
+    return saturated_fp8_bits(ct.truediv(x, s, rounding_mode=RN))
 
 
 @ct.function
 def fp8_bits_times(x, inv):
     """x * inv (fp32 tile, inv = 1 / scale in fp32, broadcast) rounded to e4m3, saturated, as uint8 bits: one
     multiply an element where fp8_bits divides (an IEEE division is a dozen instructions)."""
-    q = ct.minimum(ct.maximum(x * inv, -FP8_MAX), FP8_MAX)
-    return ct.bitcast(q.astype(ct.float8_e4m3fn), ct.uint8)
+    return saturated_fp8_bits(x * inv)
 
 
 @ct.function

@@ -72,6 +72,31 @@ def test_non_finite_values_are_refused_alike(tmp_path, source):
             assert str(info.value) == f"{tmp_path}/model.safetensors: tensor 'x' {problem}", (value, dtype, device)
 
 
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_a_nan_fp8_code_is_refused_alike(tmp_path, code):
+    """FP8 e4m3 codes (no infinity: 0x7F and 0xFF are its NaNs), one of them in one piece of a tensor streamed in
+    several: the GPU loader's error is the host's; the same codes without it (every other code, +-448 included)
+    load bit for bit."""
+    rng = np.random.default_rng()
+    ok = rng.integers(0, 256, 5000, dtype=np.uint8)
+    ok[(ok & 0x7F) == 0x7F] -= 1                      # 0x7E, 0xFE: +-448, the largest finite codes
+    bad = ok.copy()
+    bad[rng.integers(len(bad))] = code
+
+    def keep(src, out):
+        out[...] = src                                 # the codes as numbers
+
+    plan = {"x": Target((len(ok), 1), "float32", transform=keep, accept=("F8_E4M3",))}
+    hf.write_checkpoint(tmp_path, {}, {"x": ok.reshape(-1, 1)}, raw={"x": "F8_E4M3"})
+    got = load(tmp_path, plan, CupyDevice(), buffer_bytes=1000, buffers=2)["x"]
+    assert (cupy.asnumpy(got).reshape(-1) == ok).all()
+    hf.write_checkpoint(tmp_path, {}, {"x": bad.reshape(-1, 1)}, raw={"x": "F8_E4M3"})
+    for device in (HostDevice(), CupyDevice()):
+        with pytest.raises(hf.ModelFileError) as info:
+            load(tmp_path, plan, device, buffer_bytes=1000, buffers=2)
+        assert str(info.value) == f"{tmp_path}/model.safetensors: tensor 'x' holds a value that is not finite", device
+
+
 @pytest.mark.parametrize("buffers, buffer_bytes", [(1, 1 << 20), (3, 1 << 20), (4, 7 << 20), (4, 64 << 20)])
 def test_many_pieces_through_the_ring(tmp_path, buffers, buffer_bytes):
     """96 MB of fresh random tensors in up to a hundred pieces: a staging buffer refilled before its copy ended,

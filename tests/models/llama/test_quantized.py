@@ -8,6 +8,7 @@ import pytest
 
 from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama
 from tests.models.quantized_checks import W8A8_TOL, WEIGHT_ONLY_TOL, assert_near_bf16, logits
+from tests.models.test_quantization import EXTRAS, LAYOUTS, write_quantized
 from tilekit.models.quantization import Scheme
 from tilekit.models.runtime import W8A8_MIN_ROWS
 from tilekit.models.llama.weights import random_state_dict, save_state_dict
@@ -93,13 +94,10 @@ def test_load_time_quantization_and_save_pretrained(kind, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["compressed-tensors fp8 channel", "compressed-tensors fp8 tensor",
-                                    "compressed-tensors fp8 block", "compressed-tensors int8 channel", "fbgemm_fp8",
-                                    "modelopt FP8", "block fp8"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_checkpoint_layouts_run(layout, tmp_path):
     """A synthetic checkpoint of each layout (tests/models/test_quantization.py) runs at the reference of its
     dequantized weights."""
-    from tests.models.test_quantization import EXTRAS, LAYOUTS, write_quantized
     from tilekit.kernels.checks import rel_err
     kind, strategy, qconfig, scale_shape = LAYOUTS[layout]
     config = CONFIG.replace(vocab_size=50)          # q and k projections of 128-row multiples (block scales)

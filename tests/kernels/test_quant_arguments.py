@@ -102,3 +102,18 @@ def test_swap_and_fma_split_k_only_over_16_byte_weight_rows():
         assert bool(split) == (K % 16 == 0), K
         default = QUANT_LINEAR.default(p)
         assert default["MODE"] != MMA and (default["SPLIT_K"] > 1) == (K == 14336), (K, default)
+
+
+@pytest.mark.parametrize("xq", ["none", "fp8"])
+def test_no_split_k_swap_with_block_scales(xq):
+    """Split-K SWAP launches with block scales now and then never finished (H100, H200): neither the space nor the
+    default holds one, while MMA and FMA keep their splits and channel scales keep SWAP's."""
+    from tilekit.kernels.quant_linear import FMA, MMA, SWAP
+    for scale in ("block", "channel"):
+        p = QUANT_LINEAR.tuning_problem(dict(dtype="bfloat16", M=1, N=1024, K=14336, wq="fp8", scale=scale, xq=xq,
+                                             act="swiglu", bias=0, res=0))
+        candidates = QUANT_LINEAR.space.candidates(p)
+        split = {c["MODE"] for c in candidates if c["SPLIT_K"] > 1}
+        assert split == ({MMA, FMA} if scale == "block" else {MMA, FMA, SWAP}), (scale, split)
+        default = QUANT_LINEAR.default(p)
+        assert default["MODE"] == SWAP and (default["SPLIT_K"] > 1) == (scale == "channel"), (scale, default)

@@ -102,6 +102,42 @@ def test_a_database_path_too_long_is_an_error_naming_the_variable(monkeypatch, t
         assert str(info.value).endswith("'...: cannot be read (File name too long)" + after)
 
 
+def test_a_cache_dir_too_long_for_the_database_files_is_an_error_naming_the_variable(monkeypatch, tmp_path):
+    """A directory whose own path fits but whose database files' would not (PATH_MAX): named at startup, where
+    every tuning write failed before; one just short enough is no error."""
+    import errno
+    from tilekit.autotune import db
+
+    def deep(length):
+        path = str(tmp_path)
+        while len(path) < length:
+            path += "/" + "a" * min(200, length - len(path) - 1)
+        return path
+
+    longest = os.pathconf(str(tmp_path), "PC_PATH_MAX") - 1            # (PATH_MAX counts the terminating NUL)
+    room = len(str(env.CACHE_DEEPEST)) + 1
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", deep(longest - room))
+    assert env.cache_dir() is not None
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", deep(longest - room + 2))
+    for action in (env.check, store.layers):
+        store.reset()
+        with pytest.raises(ValueError) as info:
+            action()
+        assert str(info.value).endswith(f"'...: too long for the tuning database's files in it "
+                                        f"({os.strerror(errno.ENAMETOOLONG)})")
+    writer_file = f".{'x' * db.MAX_NAME}.json.{'0' * 16}.tmp"          # db's temporary name of its longest file
+    assert len(env.CACHE_DEEPEST.name) >= len(writer_file)
+
+
+def test_an_empty_home_is_no_home(monkeypatch):
+    """Python makes ~/x the root's /x when HOME is set but empty."""
+    monkeypatch.setenv("HOME", "")
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", "~/tk")
+    with pytest.raises(FileNotFoundError) as info:
+        env.check()
+    assert str(info.value) == "TILEKIT_CACHE_DIR '~/tk': no home directory (HOME is empty)"
+
+
 def test_a_cache_dir_not_made_yet_or_behind_a_file_is_no_error_at_startup(monkeypatch, tmp_path):
     """The database's own error names a file on the way when it writes."""
     (tmp_path / "file").write_text("")

@@ -6,6 +6,7 @@ them all, for a command line to refuse a bad environment before doing anything."
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import itertools
 import os
@@ -19,7 +20,10 @@ AUTOTUNE_MODES = ("off", "cached", "auto")
 
 
 def expand_user(text: str, what: str) -> str:
-    """`text` with a leading ~ or ~user expanded; FileNotFoundError naming `what` if that user does not exist."""
+    """`text` with a leading ~ or ~user expanded; FileNotFoundError naming `what` if that user does not exist, or
+    for ~ when HOME is set but empty (Python would make ~/x the root's /x)."""
+    if text.partition("/")[0] == "~" and os.environ.get("HOME", None) == "":
+        raise FileNotFoundError(f"{what} {quoted(text)}: no home directory (HOME is empty)")
     expanded = os.path.expanduser(text)
     if text.startswith("~") and expanded == text:
         user = text[1:].partition("/")[0]
@@ -72,19 +76,26 @@ def peer_all_reduce_bytes() -> int:
     return PEER_ALL_REDUCE_DEFAULT if value is None else value
 
 
+# The longest path the user tuning database writes below its directory: a writer's temporary file of a GPU's file
+# (tuning/sm_NNN/.<name of up to autotune.db.MAX_NAME characters>.json.<16 hex digits>.tmp).
+CACHE_DEEPEST = Path("tuning", "sm_" + "0" * 5, "." + "x" * 128 + ".json." + "0" * 16 + ".tmp")
+
+
 def cache_dir() -> Path | None:
     """TILEKIT_CACHE_DIR: the user tuning database's directory, or None for the platform's default. A path that
-    cannot even be looked at (a name too long, a permission denied on the way) is an error naming the variable,
-    not an OSError at every kernel's lookup; one not made yet, or with a file on the way, is not (the database
-    reports the file when it writes)."""
+    cannot even be looked at (a name too long, a permission denied on the way), or too long for the database's
+    files below it, is an error naming the variable, not an OSError at every kernel's lookup or write; one not made
+    yet, or with a file on the way, is not (the database reports the file when it writes)."""
     path = directory("TILEKIT_CACHE_DIR")
-    if path is not None:
+    for below in (Path(), CACHE_DEEPEST) if path is not None else ():
         try:
-            path.stat()
+            (path / below).stat()
         except (FileNotFoundError, NotADirectoryError):
             pass
         except OSError as e:
-            raise ValueError(f"TILEKIT_CACHE_DIR={quoted(os.environ['TILEKIT_CACHE_DIR'])}: cannot be read "
+            why = "too long for the tuning database's files in it" if below.parts and e.errno == errno.ENAMETOOLONG \
+                else "cannot be read"
+            raise ValueError(f"TILEKIT_CACHE_DIR={quoted(os.environ['TILEKIT_CACHE_DIR'])}: {why} "
                              f"({e.strerror})") from None
     return path
 

@@ -1,7 +1,10 @@
-"""Which launches should be dependent: the replayed decode step (batch 1) with programmatic dependent
-launch on for all kernels, off for all, off for one kernel at a time, and on for one at a time.
+"""Which launches should be dependent: the replayed decode step with programmatic dependent launch on for all
+kernels, off for all, off for one kernel at a time, and on for one at a time.
 
-    python -m benchmarks.studies.launch_variants OUT.json PRESET [PRESET ...]
+    python -m benchmarks.studies.launch_variants OUT.json MODEL [MODEL ...]
+
+MODEL: a preset, optionally +int8 / +fp8 (its linears quantized per channel) and @B (the batch, default 1), e.g.
+llama-3.1-8b+fp8@8.
 
 Produced docs/results/dependent-launch-variants-h200.txt (its VAR lines); an experiment, not a suite.
 """
@@ -35,12 +38,20 @@ def spy(h, g, k, a, programmatic_dependent_launch=False):
     return real(h, g, k, a, programmatic_dependent_launch=programmatic_dependent_launch)
 
 
+def parse(spec: str) -> tuple[str, str | None, int]:
+    """'preset[+quantize][@batch]' -> (preset, quantize or None, batch)."""
+    model, _, batch = spec.partition("@")
+    preset, _, quantize = model.partition("+")
+    return preset, quantize or None, int(batch or 1)
+
+
 if __name__ == "__main__":
     out = {}
-    for preset in sys.argv[2:]:
-        model = decode_model(preset)
+    for spec in sys.argv[2:]:
+        preset, quantize, batch = parse(spec)
+        model = decode_model(preset, quantize=quantize)
         op.ct_launch = spy
-        _decode_generation(model, 1)
+        _decode_generation(model, batch)
         names = sorted(seen)
         seen.clear()
         variants = ([("all-on", set()), ("all-off", set(names))] + [(f"off:{n}", {n}) for n in names]
@@ -48,10 +59,10 @@ if __name__ == "__main__":
         res = []
         for label, off in variants:
             use(off)
-            ms = replay_ms(_decode_generation(model, 1), reps=50)
+            ms = replay_ms(_decode_generation(model, batch), reps=50)
             res.append((label, ms))
-            print(f"VAR {preset:14s} {label:34s} {ms:.4f}", flush=True)
-        out[preset] = res
+            print(f"VAR {spec:14s} {label:34s} {ms:.4f}", flush=True)
+        out[spec] = res
         del model
     op.ct_launch = real
     with open(sys.argv[1], "w") as f:

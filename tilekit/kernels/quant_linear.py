@@ -269,9 +269,9 @@ def _fits(c: dict, p: dict) -> bool:
     weight rows (_aligned_rows). Split-K tiles at least 32 columns wide: 16-wide ones with occupancy 2 summed
     wrongly on an H200 (SwiGLU, block scales; cause not found). No split-K SWAP with block scales: now and then
     such a launch never finished, on the H100 and the H200 (16 x 128 x 128 split 2 the 7th time in a row, fp8 block
-    SwiGLU, M 1, N 300, K 528; 32 x 32 x 128 split 2 with FP8 activations, M 1 and 20), waiting in tileiras's
-    producer / consumer barriers (the kernel itself has no wait loop); MMA split 2 and SWAP split 1 and 4 of the
-    same problem finished 8 of 8 times. The kernel is left as it is: no shipped entry has block scales."""
+    SwiGLU, M 1, N 300, K 528; 32 x 32 x 128 split 2 with FP8 activations, M 1 and 20); the kernel has no wait
+    loop of its own, so probably in tileiras's producer / consumer barriers. MMA split 2 and SWAP split 1 and 4 of
+    the same problem finished 8 of 8 times. The kernel is left as it is: no shipped entry has block scales."""
     m = pow2_ceil(p["M"])
     few_rows = m <= 64
     halves = _halves(p)

@@ -312,18 +312,19 @@ MIN_SPLIT_TILES = 8   # ... and keeps at least this many K tiles a split (a spli
 
 
 def default_config(p: dict) -> dict:
-    """What the H100 tuning of the first kernel chose (13 int8 Llama-3.1-8B shapes; splitting K to about two programs
-    per SM, the first default, was 1.3-3x slower than no split). Few rows: SWAP (weights in their own layout as the
-    register operand) 32 columns by 256 of K (128 in scale blocks and with FP8 x), occupancy 2, split over K only below
-    MIN_PROGRAMS programs and not with block scales (_fits; fp32: MMA, no tensor cores for SWAP). From 1024 rows 128 x
-    256 tiles (128 x 128 for SwiGLU's two accumulators) with two warpgroups, halved where a partial sum doubles the
-    accumulator (block scales, FP8 activations promoted every K tile of 128, as DeepSeek-V3); 128-1023 rows 64 x 64 x
-    128; fp32 64 x 64 x 32. A split-K default runs one program a SM: split-K configs with two summed wrongly now and
-    then (the tuner rejects 4-11 per few-row shape against this default; a TP=2 rank's FP8 forward with the split
-    default of its 3072-row qkv slice differed between two runs of the same inputs, H100; cause not found). W8A8 with
-    channel scales above 64 rows (fp16 / bf16 out): fast accumulation unpromoted, as every H100 pick of Llama-3.1-8B's
-    12 such shapes (M 128 / 1024 / 8192), and their tiles: SwiGLU SWAP 128 x 64 at occupancy 2 (all three M), else MMA
-    128 x 256 from 1024 rows and SWAP 64 x 64 at occupancy 2 below (the promoted default ran them 1.05-1.6x slower)."""
+    """What the H100 tuning of the first kernel chose (13 int8 Llama-3.1-8B shapes; splitting K to about two
+    programs per SM, the first default, was 1.3-3x slower than no split). Few rows: SWAP (weights in their own
+    layout as the register operand) 32 columns by 256 of K (128 in scale blocks and with FP8 x), occupancy 2, split
+    over K only below MIN_PROGRAMS programs and not SWAP's with block scales (_fits; fp32: MMA, no tensor cores for
+    SWAP). From 1024 rows 128 x 256 tiles (128 x 128 for SwiGLU's two accumulators) with two warpgroups, halved
+    where a partial sum doubles the accumulator (block scales, FP8 activations promoted every K tile of 128, as
+    DeepSeek-V3); 128-1023 rows 64 x 64 x 128; fp32 64 x 64 x 32. A split-K default runs one program a SM: split-K
+    configs with two summed wrongly now and then (the tuner rejects 4-11 per few-row shape against this default; a
+    TP=2 rank's FP8 forward with the split default of its 3072-row qkv slice differed between two runs of the same
+    inputs, H100; cause not found). W8A8 with channel scales above 64 rows (fp16 / bf16 out): fast accumulation
+    unpromoted, as every H100 pick of Llama-3.1-8B's 12 such shapes (M 128 / 1024 / 8192), and their tiles: SwiGLU
+    SWAP 128 x 64 at occupancy 2 (all three M), else MMA 128 x 256 from 1024 rows and SWAP 64 x 64 at occupancy 2
+    below (the promoted default ran them 1.05-1.6x slower)."""
     m = pow2_ceil(p["M"])
     plain = dict(GROUP_M=8, SPLIT_K=1, PROMOTE=1, occupancy=1, num_worker_warps=0)
     if m > 64 and p["xq"] == "fp8" and p["scale"] == "channel" and p["dtype"] != "float32":   # W8A8, unpromoted

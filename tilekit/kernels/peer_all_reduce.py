@@ -27,7 +27,9 @@ most one call ahead of a peer (its next call waits for the peer's flags, which t
 its previous call, kernels on a stream running in order), so two halves are enough; halves laid out by the call's
 shape overlapped the previous call's and broke the models. Every rank must make the same sequence of calls, as it
 must with NCCL; a program waits only on its twins on the other ranks, and PROGRAMS is below any GPU's SM count, so
-all programs are resident at once.
+all programs are resident at once. The int32 counters wrap after 2**31 - 1 calls (about 30 hours of TP=2 decode of
+the 8B shape: 33 calls a step, 1.6 ms a step): flags are compared by their difference, which stays right across
+the wrap (a peer's flag is at most one call ahead), and the parity is the counter's low bit.
 
 On two H100s one decode all-reduce (8 KB) takes 5.6 us against NCCL's 7.2 (benchmarks/studies/tp.py); every
 tensor-parallel model test passes with it (docs/results/tp-h100x2.txt).
@@ -69,7 +71,7 @@ def peer_all_reduce_kernel(X, Out, Inbox, Box0, Box1, Box2, Box3, Box4, Box5, Bo
     boxes = (Box0, Box1, Box2, Box3, Box4, Box5, Box6)
     flags = (Flag0, Flag1, Flag2, Flag3, Flag4, Flag5, Flag6)
     epoch = ct.load(Epochs, (pid,), shape=()) + 1            # every program counts every call: one parity per call
-    parity = epoch % 2
+    parity = epoch & 1                                       # (wraps past 2**31 - 1 calls: module doc)
     for row in range(pid, M, PROGRAMS):
         for j in range(ct.cdiv(N, TN)):
             part = ct.load(X, (row, j), (1, TN), padding_mode=ZERO, allow_tma=False).reshape((1, 1, 1, TN))
@@ -80,7 +82,7 @@ def peer_all_reduce_kernel(X, Out, Inbox, Box0, Box1, Box2, Box3, Box4, Box5, Bo
     for sender in range(WORLD):
         if sender != rank:
             seen = ct.atomic_or(Flags, sender * PROGRAMS + pid, 0, memory_order=ACQUIRE, memory_scope=SYS)
-            while seen < epoch:
+            while seen - epoch < 0:                          # seen < epoch, across the counters' wrap
                 seen = ct.atomic_or(Flags, sender * PROGRAMS + pid, 0, memory_order=ACQUIRE, memory_scope=SYS)
     ct.grid_dependency_control_launch_dependents()
     for row in range(pid, M, PROGRAMS):

@@ -111,14 +111,14 @@ def test_a_cache_dir_too_long_for_the_database_files_is_an_error_naming_the_vari
     def deep(length):
         path = str(tmp_path)
         while len(path) < length:
-            path += "/" + "a" * min(200, length - len(path) - 1)
+            path += "/" + "a" * min(100, length - len(path) - 1)     # (100: below any file system's name limit)
         return path
 
     longest = os.pathconf(str(tmp_path), "PC_PATH_MAX") - 1            # (PATH_MAX counts the terminating NUL)
     room = len(str(env.CACHE_DEEPEST)) + 1
     monkeypatch.setenv("TILEKIT_CACHE_DIR", deep(longest - room))
     assert env.cache_dir() is not None
-    monkeypatch.setenv("TILEKIT_CACHE_DIR", deep(longest - room + 2))
+    monkeypatch.setenv("TILEKIT_CACHE_DIR", deep(longest - room + 2))  # (+1 could end in a bare "/", which Path drops)
     for action in (env.check, store.layers):
         store.reset()
         with pytest.raises(ValueError) as info:

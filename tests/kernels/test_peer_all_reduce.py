@@ -1,7 +1,8 @@
 """The one-shot peer all-reduce (tilekit.kernels.peer_all_reduce through parallel.NcclCommunicator) on two GPUs of
 one host: sums of fresh random bf16 / fp16 / fp32 / int64 arrays against float64 (int64 exactly), eager, back to
-back and replayed from a CUDA graph, the fused RMSNorm against its reference, calls across the wrap of the call
-counters, and every rank holding the same bits. The kernel also compiles for sm_90 and sm_100 on a CPU (tests/kernels/test_compile.py)."""
+back and replayed from a CUDA graph, the fused RMSNorm against its reference, calls queued across the wrap of the
+call counters, and every rank holding the same bits. The kernel also compiles for sm_90 and sm_100 on a CPU
+(tests/kernels/test_compile.py)."""
 
 import sys
 

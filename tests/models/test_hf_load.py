@@ -81,7 +81,8 @@ def test_a_nan_fp8_code_is_refused_alike(tmp_path, code):
     ok = rng.integers(0, 256, 5000, dtype=np.uint8)
     ok[(ok & 0x7F) == 0x7F] -= 1                      # 0x7E, 0xFE: +-448, the largest finite codes
     bad = ok.copy()
-    bad[rng.integers(len(bad))] = code
+    at = rng.integers(len(bad))
+    bad[at] = code
 
     def keep(src, out):
         out[...] = src                                 # the codes as numbers
@@ -94,7 +95,8 @@ def test_a_nan_fp8_code_is_refused_alike(tmp_path, code):
     for device in (HostDevice(), CupyDevice()):
         with pytest.raises(hf.ModelFileError) as info:
             load(tmp_path, plan, device, buffer_bytes=1000, buffers=2)
-        assert str(info.value) == f"{tmp_path}/model.safetensors: tensor 'x' holds a value that is not finite", device
+        assert str(info.value) == f"{tmp_path}/model.safetensors: tensor 'x' holds a value that is not finite", \
+            (device, at)
 
 
 @pytest.mark.parametrize("buffers, buffer_bytes", [(1, 1 << 20), (3, 1 << 20), (4, 7 << 20), (4, 64 << 20)])

@@ -82,7 +82,7 @@ def peer_all_reduce_kernel(X, Out, Inbox, Box0, Box1, Box2, Box3, Box4, Box5, Bo
     for sender in range(WORLD):
         if sender != rank:
             seen = ct.atomic_or(Flags, sender * PROGRAMS + pid, 0, memory_order=ACQUIRE, memory_scope=SYS)
-            while seen - epoch < 0:                          # seen < epoch, across the counters' wrap
+            while seen - epoch < 0:          # seen < epoch, across the wrap (cuTile's int32 arithmetic wraps)
                 seen = ct.atomic_or(Flags, sender * PROGRAMS + pid, 0, memory_order=ACQUIRE, memory_scope=SYS)
     ct.grid_dependency_control_launch_dependents()
     for row in range(pid, M, PROGRAMS):

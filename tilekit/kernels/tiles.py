@@ -8,7 +8,8 @@ tilekit's launch path launches each kernel with programmatic_dependent_launch=Tr
 its programs can be scheduled, and prefetch what no earlier kernel writes (weights), while the
 kernel before it on the stream is still running. Every kernel therefore calls
 `sync_with_previous_kernel()` before it reads anything an earlier kernel may have written, and
-before it writes anything at all. Launched without the flag (the tuner, a plain ct.launch), the
+before it writes anything at all (the peer all-reduce waits there too, but lets its dependents
+launch only once its peers are in: its module doc). Launched without the flag (the tuner, a plain ct.launch), the
 call costs nothing.
 
 The fixed-point residual stream: int64 arrays holding value * 2**32.

@@ -46,6 +46,23 @@ def check_sum(got, parts, dtype: str, what: str) -> float:
     return assert_close(host(got), sum(host(p).astype(np.float64) for p in parts), TOL[dtype], what)
 
 
+def queued_sums(comm, call: int, count: int, label: str) -> dict:
+    """`count` all-reduces of the MIXED cases (inputs of calls call + 1, ...) queued back to back with no host sync
+    between them, then each checked against float64; label k -> its sum."""
+    queue = []
+    for k in range(count):
+        shape, dtype = MIXED[k % len(MIXED)]
+        parts = inputs(shape, dtype, comm.world_size, call + 1 + k)
+        got = parts[comm.rank].copy()
+        comm.all_reduce(got)
+        queue.append((shape, dtype, parts, got))
+    sums = {}
+    for k, (shape, dtype, parts, got) in enumerate(queue):
+        check_sum(got, parts, dtype, f"{label} {k} {shape} {dtype}")
+        sums[f"{label} {k}"] = host(got)
+    return sums
+
+
 def main(out: str) -> None:
     import cupy
     faulthandler.dump_traceback_later(float(os.environ.get("TILEKIT_TEST_RANK_TIMEOUT", "200")), exit=True)
@@ -77,17 +94,8 @@ def main(out: str) -> None:
         results[f"norm {shape} {dtype}"] = host(y)
     # back to back with no host sync between calls of different shapes and dtypes (as a model's step makes them):
     # each call's rows must not land where a peer still reads the previous call's
-    queue = []
-    for k in range(24):
-        call += 1
-        shape, dtype = MIXED[k % len(MIXED)]
-        parts = inputs(shape, dtype, world, call)
-        got = parts[rank].copy()
-        comm.all_reduce(got)
-        queue.append((shape, dtype, parts, got))
-    for k, (shape, dtype, parts, got) in enumerate(queue):
-        check_sum(got, parts, dtype, f"mixed {k} {shape} {dtype}")
-        results[f"mixed {k}"] = host(got)
+    results.update(queued_sums(comm, call, 24, "mixed"))
+    call += 24
     # a captured graph of two all-reduces and a fused norm, replayed with new inputs each time
     shape, dtype = (4, 4096), "bfloat16"
     a, b, y = poisoned(shape, dtype), poisoned(shape, dtype), poisoned(shape, dtype)
@@ -115,17 +123,7 @@ def main(out: str) -> None:
         cupy.cuda.Device().synchronize()
         comm.barrier()                      # no call in flight on any rank while the counters are set
         comm.peers.epochs[...] = 2 ** 31 - 4
-        queue = []
-        for k in range(8):
-            call += 1
-            shape, dtype = MIXED[k % len(MIXED)]
-            parts = inputs(shape, dtype, world, call)
-            got = parts[rank].copy()
-            comm.all_reduce(got)
-            queue.append((shape, dtype, parts, got))
-        for k, (shape, dtype, parts, got) in enumerate(queue):
-            check_sum(got, parts, dtype, f"wrap {k} {shape} {dtype}")
-            results[f"wrap {k}"] = host(got)
+        results.update(queued_sums(comm, call, 8, "wrap"))
         assert int(comm.peers.epochs.max()) < 0, "the counters did not wrap"
     results["worst"] = np.array([f"{k}: {v:.2e}" for k, v in sorted(worst.items())])
     np.savez(Path(out) / f"rank{rank}.npz", **results)

@@ -7,7 +7,9 @@ source, this compiles its (problem, config) for its arch under the tilekit of OL
 kernels it was tuned for: its kernel hash must match OLD's) and under this checkout, and gives it this
 checkout's kernel hash only where every launch compiles to the same cubin, debug sections aside (they hold
 the source's line numbers, which any edit above a kernel shifts), so its measurement is a measurement of the
-very code that runs now. Likewise an entry stale for its search space alone (or for both) is carried where the
+very code that runs now. Where only the digest changed (what it hashes, not the code), OLD's code hashed by this
+checkout's digest equals this checkout's: such entries are carried whatever their cubins (a few kernels, e.g.
+moe_down_combine, compile to different cubins each time). Likewise an entry stale for its search space alone (or for both) is carried where the
 space admits exactly the same configs for its problem as OLD's did (a change of the fp32 rule, say, leaves a bf16
 problem's candidates alone): its tuner chose among the very configs it would choose among now. The rest stays
 stale, for `tilekit tune --stale`.
@@ -108,6 +110,8 @@ def main(old: str) -> int:
         tree.mkdir()
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
         before = compile_under(tree, tasks, str(Path(tmp) / "cache-old"))
+        shutil.copy2(ROOT / "tilekit" / "autotune" / "digest.py", tree / "tilekit" / "autotune" / "digest.py")
+        rehashed = compile_under(tree, [], str(Path(tmp) / "cache-old"))      # OLD's code, this digest
         shutil.rmtree(tree / "tilekit")
         shutil.copytree(ROOT / "tilekit", tree / "tilekit", ignore=shutil.ignore_patterns("__pycache__"))
         now = compile_under(tree, tasks, str(Path(tmp) / "cache-now"))   # compiled again, not looked up
@@ -116,8 +120,10 @@ def main(old: str) -> int:
     for (file, key, entry, task), a, b, was, now_admits in zip(candidates, before["cubins"], now["cubins"],
                                                             before["candidates"], now["candidates"]):
         name = task[0]
+        same_code = rehashed["hashes"].get(name) == now["hashes"][name] and \
+            rehashed["spaces"].get(name) == now["spaces"][name]
         if (entry["kernel_hash"] == before["hashes"].get(name) and entry["space_hash"] == before["spaces"].get(name)
-                and isinstance(a, list) and a == b and was == now_admits):
+                and (isinstance(a, list) and a == b or same_code) and was == now_admits):
             carried.setdefault(file, {})[key] = {**entry, "kernel_hash": now["hashes"][name],
                                                  "space_hash": now["spaces"][name]}
         else:
@@ -125,7 +131,7 @@ def main(old: str) -> int:
     for file, entries in carried.items():
         shipped.store(file.device(), entries)
         file.path.with_name(file.path.name + ".lock").unlink(missing_ok=True)     # not part of the repository
-        print(f"{file.path.relative_to(ROOT)}: carried {len(entries)} entries with unchanged cubins and candidates")
+        print(f"{file.path.relative_to(ROOT)}: carried {len(entries)} entries with unchanged code and candidates")
     print(f"left stale (code changed, or tuned for a source other than {old}'s): {kept}")
     return 0
 

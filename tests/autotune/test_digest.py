@@ -22,7 +22,14 @@ helper._cutile_tile_function = True     # what @ct.function marks a tile helper 
 
 def kernel(x):
     """A kernel."""
+    sync_with_previous_kernel()
+    if x:
+        x = x + 1
     return helper(x) + 1  # a comment
+
+
+def sync_with_previous_kernel():
+    pass
 '''
 
 
@@ -42,6 +49,11 @@ def load(tmp_path, name, source):
     (lambda s: s.replace("return helper(x) + 1", "return helper(x) + 2"), False),
     (lambda s: s.replace("return x * SCALE", "return x * SCALE * 1"), False),     # a helper it calls
     (lambda s: s.replace("SCALE = 2.0", "SCALE = 3.0"), False),                   # a constant it reads
+    # where a kernel waits for the kernel before it or lets the next one launch (programmatic dependent launch,
+    # which the tuner does not use) does not count; what it computes around them does
+    (lambda s: s.replace("    sync_with_previous_kernel()\n", ""), True),
+    (lambda s: s.replace("x = x + 1\n", "x = x + 1\n        ct.grid_dependency_control_wait()\n"), True),
+    (lambda s: s.replace("    sync_with_previous_kernel()\n", "    print()\n"), False),
 ])
 def test_what_changes_the_digest(tmp_path, edit, same, request):
     name = request.node.name.replace("[", "_").replace("]", "").replace("-", "_")

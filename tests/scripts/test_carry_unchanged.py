@@ -25,27 +25,42 @@ if shutil.which("git") is None:
     pytest.skip("needs git", allow_module_level=True)
 
 
-def _entry(op, exact: int) -> tuple[str, dict]:
+def _entry(op, exact: int, hashes: dict | None = None) -> tuple[str, dict]:
+    """gelu's entry for the exact or approximate form, tuned for `hashes` (default: this checkout's)."""
     problem = dict(dtype="bfloat16", n=1 << 20, exact=exact)
     config = dict(BLOCK=1024, occupancy=2)
+    hashes = hashes or dict(kernel=op.kernel_hash(), space=op.space_hash())
     return op.problem_key(problem)[1], {
         "config": config, "time_us": 10.0, "default_config": config, "default_time_us": 10.0,
-        "kernel_hash": op.kernel_hash(), "space_hash": op.space_hash(), "toolchain": toolchain(), "device": DEVICE,
+        "kernel_hash": hashes["kernel"], "space_hash": hashes["space"], "toolchain": toolchain(), "device": DEVICE,
         "candidates": 1, "measured": 1, "tuned_at": "2026-11-25T00:00:00+00:00"}
+
+
+def _hashes(tree: Path) -> dict:
+    """gelu's kernel and space hashes under the tilekit of `tree`."""
+    return json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, tilekit.kernels; from tilekit.autotune.registry import registered_ops; "
+         "op = registered_ops()['gelu']; print(json.dumps(dict(kernel=op.kernel_hash(), space=op.space_hash())))"],
+        env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree, capture_output=True, text=True, check=True).stdout)
 
 
 def _git(tree: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
-def _carry_after(tmp_path, edit) -> tuple[dict, dict, dict]:
+def _carry_after(tmp_path, edit, old_digest=None) -> tuple[dict, dict, dict]:
     """(entries after carry_unchanged, the two entries before, gelu's (kernel, space) hashes after) in a scratch
-    tree whose gelu.py `edit` (text -> text) changed after the entries were committed as tuned."""
+    tree whose gelu.py `edit` (text -> text) changed after the entries were committed as tuned; with `old_digest`
+    (text -> text), the entries were tuned under that edit of digest.py, and this checkout's digest.py came since."""
     gelu = registered_ops()["gelu"]
     tree = tmp_path / "tree"
     for part in ("tilekit", "scripts"):
         shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
-    approximate, exact = _entry(gelu, 0), _entry(gelu, 1)
+    digest = tree / "tilekit" / "autotune" / "digest.py"
+    if old_digest:
+        digest.write_text(old_digest(digest.read_text()))
+    tuned = _hashes(tree)
+    approximate, exact = _entry(gelu, 0, tuned), _entry(gelu, 1, tuned)
     db_file = tree / "tuning_db" / "sm_90" / "NVIDIA_H200.json"
     db_file.parent.mkdir(parents=True)
     schema = json.loads((ROOT / "tuning_db" / "sm_90" / "NVIDIA_H200.json").read_text())["schema"]
@@ -54,6 +69,7 @@ def _carry_after(tmp_path, edit) -> tuple[dict, dict, dict]:
     _git(tree, "-c", "user.name=t", "-c", "user.email=t@t", "add", ".")
     _git(tree, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tuned")
     old = _git(tree, "rev-parse", "HEAD")
+    shutil.copy2(ROOT / "tilekit" / "autotune" / "digest.py", digest)
     source = tree / "tilekit" / "kernels" / "gelu.py"
     source.write_text(edit(source.read_text()))
     env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -61,11 +77,7 @@ def _carry_after(tmp_path, edit) -> tuple[dict, dict, dict]:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 entries stale for their kernel source or search space" in done.stdout
-    hashes = json.loads(subprocess.run(
-        [sys.executable, "-c", "import json, tilekit.kernels; from tilekit.autotune.registry import registered_ops; "
-         "op = registered_ops()['gelu']; print(json.dumps(dict(kernel=op.kernel_hash(), space=op.space_hash())))"],
-        env=env, cwd=tree, capture_output=True, text=True, check=True).stdout)
-    return json.loads(db_file.read_text())["entries"], dict([approximate, exact]), hashes
+    return json.loads(db_file.read_text())["entries"], dict([approximate, exact]), _hashes(tree)
 
 
 def test_only_entries_whose_cubins_did_not_change_are_carried(tmp_path):
@@ -114,3 +126,25 @@ def test_a_constant_added_carries_the_problems_whose_code_it_leaves_alone(tmp_pa
     assert hashes["kernel"] != gelu.kernel_hash()
     assert entries[approximate]["kernel_hash"] == hashes["kernel"]          # carried: NEGATE off, same code
     assert entries[exact] == before[exact]                                  # left stale: its code negates
+
+
+def test_a_digest_change_alone_carries_entries_whose_code_it_hashes_alike(tmp_path):
+    """Entries tuned when the digest still hashed where a kernel lets the next one launch (PDL_CONTROL empty), and
+    gelu's kernel since letting it launch at its end too: its cubins differ, but this digest hashes the old code
+    and the new alike, so both entries are carried."""
+    def old_digest(text):
+        assert "PDL_CONTROL = frozenset({" in text
+        return text + "\nPDL_CONTROL = frozenset()\n"          # read at each digest: none left out
+
+    def edit(text):
+        body = "    ct.store(Y, (pid,), y.astype(Y.dtype))"
+        assert text.count(body) == 1
+        return text.replace(body, body + "\n    ct.grid_dependency_control_launch_dependents()")
+    entries, before, hashes = _carry_after(tmp_path, edit, old_digest)
+    gelu = registered_ops()["gelu"]
+    assert hashes["kernel"] == gelu.kernel_hash() != before[_entry(gelu, 0)[0]]["kernel_hash"]
+    for exact in (0, 1):
+        key = _entry(gelu, exact)[0]
+        assert entries[key]["kernel_hash"] == hashes["kernel"], exact
+        assert {k: v for k, v in entries[key].items() if k != "kernel_hash"} == \
+            {k: v for k, v in before[key].items() if k != "kernel_hash"}

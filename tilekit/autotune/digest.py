@@ -5,6 +5,10 @@ tree is written out so that every Python version writes it alike), and,
 recursively, every tilekit function, cuTile function or kernel and plain constant it names. So editing
 a comment or a docstring keeps a tuning database valid, while changing a kernel, a tile helper it
 calls, a constant it reads, or the grid and arguments it is launched with makes its entries stale.
+Statements that only order a kernel against its neighbours under programmatic dependent launch
+(PDL_CONTROL: waiting for the previous kernel, letting the next one launch) are left out too: the
+tuner launches kernels without it, where they do nothing, so where a kernel places them changes no
+tuned measurement (their placement is checked by the GPU tests and measured in whole decode steps).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import inspect
 import textwrap
 
 UNAVAILABLE = "unavailable"   # prefix of the digest of code whose source cannot be read
+PDL_CONTROL = frozenset({"grid_dependency_control_wait", "grid_dependency_control_launch_dependents",
+                         "sync_with_previous_kernel"})
 
 
 def code_digest(*objects) -> str:
@@ -78,6 +84,11 @@ def _visit(obj, parts: list[str], seen: set[int]) -> None:
                 and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and any(_pdl_control(s) for s in block):
+                setattr(node, field, [s for s in block if not _pdl_control(s)] or [ast.Pass()])
     parts.append(f"{func.__qualname__}:{_canonical(tree)}")
     names = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)})
     for name in names:
@@ -88,3 +99,11 @@ def _visit(obj, parts: list[str], seen: set[int]) -> None:
             parts.append(f"{name}={value!r}")
         elif _function_of(value) is not None and _ours(value):
             _visit(value, parts, seen)
+
+
+def _pdl_control(statement) -> bool:
+    """A statement that is only a call of a PDL_CONTROL function (ct.f() or f())."""
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    func = call.func if isinstance(call, ast.Call) else None
+    return (isinstance(func, ast.Attribute) and func.attr in PDL_CONTROL) or \
+        (isinstance(func, ast.Name) and func.id in PDL_CONTROL)

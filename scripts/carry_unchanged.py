@@ -1,18 +1,17 @@
 """Carry shipped tuning entries across a kernel or search-space change that leaves what they measured unchanged.
 
-An entry goes stale whenever its op's kernel source changes, even where the change cannot reach the
-entry's problem (code under a compile-time constant it never sets, such as the GELU epilogue for a
-linear without activation). For each entry of the shipped files that is stale for its kernel
-source, this compiles its (problem, config) for its arch under the tilekit of OLD (the git commit whose
-kernels it was tuned for: its kernel hash must match OLD's) and under this checkout, and gives it this
-checkout's kernel hash only where every launch compiles to the same cubin, debug sections aside (they hold
-the source's line numbers, which any edit above a kernel shifts), so its measurement is a measurement of the
-very code that runs now. Where only the digest changed (what it hashes, not the code), OLD's code hashed by this
-checkout's digest equals this checkout's: such entries are carried whatever their cubins (a few kernels, e.g.
-moe_down_combine, compile to different cubins each time). Likewise an entry stale for its search space alone (or for both) is carried where the
-space admits exactly the same configs for its problem as OLD's did (a change of the fp32 rule, say, leaves a bf16
-problem's candidates alone): its tuner chose among the very configs it would choose among now. The rest stays
-stale, for `tilekit tune --stale`.
+An entry goes stale whenever its op's kernel source changes, even where the change cannot reach the entry's problem
+(code under a compile-time constant it never sets, such as the GELU epilogue for a linear without activation). For
+each entry of the shipped files that is stale for its kernel source, this compiles its (problem, config) for its
+arch under the tilekit of OLD (the git commit whose kernels it was tuned for: its kernel hash must match OLD's) and
+under this checkout, and gives it this checkout's kernel hash only where every launch compiles to the same cubin,
+debug sections aside (they hold the source's line numbers, which any edit above a kernel shifts), so its measurement
+is a measurement of the very code that runs now. Where only the digest changed (what it hashes, not the code), OLD's
+code hashed by this checkout's digest equals this checkout's: such entries are carried whatever their cubins (a few
+kernels, e.g. moe_down_combine, compile to different cubins each time). Likewise an entry stale for its search space
+alone (or for both) is carried where the space admits exactly the same configs for its problem as OLD's did (a
+change of the fp32 rule, say, leaves a bf16 problem's candidates alone): its tuner chose among the very configs it
+would choose among now. The rest stays stale, for `tilekit tune --stale`.
 
     python scripts/carry_unchanged.py OLD_COMMIT
 """

@@ -251,10 +251,15 @@ def _partial(c: dict, p: dict) -> bool:
     return c["MODE"] != FMA and (p["scale"] == "block" or (p["xq"] == "fp8" and c["PROMOTE"] > 0))
 
 
-def _aligned_rows(p: dict) -> bool:
-    """Whether W's rows start 16 bytes apart (K a multiple of 16 one-byte weights): SWAP and FMA split over K
-    summed wrongly where they did not (K = 1544 on an H200; 1536 and 2112 were right, MMA was right at 1544)."""
-    return p["K"] % 16 == 0
+def _may_split_k(mode: int, p: dict) -> bool:
+    """Whether product `mode` may split K for problem p. SWAP and FMA only over W rows 16 bytes apart (K a multiple
+    of 16 one-byte weights): they summed wrongly where they were not (K = 1544 on an H200; 1536 and 2112 were right,
+    MMA was right at 1544). SWAP not with block scales: now and then such a launch never finished, on the H100 and
+    the H200 (16 x 128 x 128 split 2 the 7th time in a row, fp8 block SwiGLU, M 1, N 300, K 528; 32 x 32 x 128 split 2
+    with FP8 activations, M 1 and 20); the kernel has no wait loop of its own, so probably in tileiras's producer /
+    consumer barriers. MMA split 2 and SWAP split 1 and 4 of the same problem finished 8 of 8 times. The kernel is
+    left as it is: no shipped entry has block scales."""
+    return mode == MMA or (p["K"] % 16 == 0 and (mode != SWAP or p["scale"] != "block"))
 
 
 def _fits(c: dict, p: dict) -> bool:
@@ -265,13 +270,9 @@ def _fits(c: dict, p: dict) -> bool:
     is 1 except with FP8 activations and channel scales: fast accumulation promoted every PROMOTE K tiles (at most
     512 products), or never (0). Accumulator and partial at most 128 fp32 registers a thread (the 128x128 W8A8
     tile with its partial spilled with one warpgroup, 546 local stores in its sm_90 cubin; some longer promotions
-    spill anyway, which the tuner sees). K tiles inside a scale block. SWAP and FMA split K only over 16-byte
-    weight rows (_aligned_rows). Split-K tiles at least 32 columns wide: 16-wide ones with occupancy 2 summed
-    wrongly on an H200 (SwiGLU, block scales; cause not found). No split-K SWAP with block scales: now and then
-    such a launch never finished, on the H100 and the H200 (16 x 128 x 128 split 2 the 7th time in a row, fp8 block
-    SwiGLU, M 1, N 300, K 528; 32 x 32 x 128 split 2 with FP8 activations, M 1 and 20); the kernel has no wait
-    loop of its own, so probably in tileiras's producer / consumer barriers. MMA split 2 and SWAP split 1 and 4 of
-    the same problem finished 8 of 8 times. The kernel is left as it is: no shipped entry has block scales."""
+    spill anyway, which the tuner sees). K tiles inside a scale block. SWAP and FMA split K only where
+    _may_split_k says. Split-K tiles at least 32 columns wide: 16-wide ones with occupancy 2 summed wrongly on an
+    H200 (SwiGLU, block scales; cause not found)."""
     m = pow2_ceil(p["M"])
     few_rows = m <= 64
     halves = _halves(p)
@@ -294,8 +295,7 @@ def _fits(c: dict, p: dict) -> bool:
                  else c["MODE"] != FMA and c["TN"] >= 64 and c["TK"] <= 128 and c["SPLIT_K"] == 1)
             and c["SPLIT_K"] <= ct.cdiv(p["K"], c["TK"])
             and (c["SPLIT_K"] == 1 or c["TN"] >= 32)
-            and (c["SPLIT_K"] == 1 or c["MODE"] == MMA or _aligned_rows(p))
-            and (c["SPLIT_K"] == 1 or c["MODE"] != SWAP or p["scale"] != "block")
+            and (c["SPLIT_K"] == 1 or _may_split_k(c["MODE"], p))
             and tile <= 128 * 256
             and tile * (2 if _partial(c, p) else 1) <= 128 * 128 * warpgroups
             and (c["TM"] * item + c["TN"] * halves) * c["TK"] <= 64 * 1024       # x and weight tiles, bytes
@@ -315,7 +315,7 @@ def default_config(p: dict) -> dict:
     """What the H100 tuning of the first kernel chose (13 int8 Llama-3.1-8B shapes; splitting K to about two
     programs per SM, the first default, was 1.3-3x slower than no split). Few rows: SWAP (weights in their own
     layout as the register operand) 32 columns by 256 of K (128 in scale blocks and with FP8 x), occupancy 2, split
-    over K only below MIN_PROGRAMS programs and not SWAP's with block scales (_fits; fp32: MMA, no tensor cores for
+    over K only below MIN_PROGRAMS programs and where _may_split_k allows (fp32: MMA, no tensor cores for
     SWAP). From 1024 rows 128 x 256 tiles (128 x 128 for SwiGLU's two accumulators) with two warpgroups, halved
     where a partial sum doubles the accumulator (block scales, FP8 activations promoted every K tile of 128, as
     DeepSeek-V3); 128-1023 rows 64 x 64 x 128; fp32 64 x 64 x 32. A split-K default runs one program a SM: split-K
@@ -355,7 +355,7 @@ def default_config(p: dict) -> dict:
     k_tiles, tiles = ct.cdiv(p["K"], c["TK"]), ct.cdiv(p["N"], c["TN"])
     split = 1
     while (split < 16 and 2 * split * MIN_SPLIT_TILES <= k_tiles and tiles * split < MIN_PROGRAMS
-           and (c["MODE"] == MMA or (_aligned_rows(p) and p["scale"] != "block"))):
+           and _may_split_k(c["MODE"], p)):
         split *= 2
     return dict(c, SPLIT_K=split, occupancy=1 if split > 1 else c["occupancy"])
 

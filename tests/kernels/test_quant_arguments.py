@@ -117,3 +117,11 @@ def test_no_split_k_swap_with_block_scales(xq):
         assert split == ({MMA, FMA} if scale == "block" else {MMA, FMA, SWAP}), (scale, split)
         default = QUANT_LINEAR.default(p)
         assert default["MODE"] == SWAP and (default["SPLIT_K"] > 1) == (scale == "channel"), (scale, default)
+
+
+def test_only_one_row_launches_dependently():
+    (launch,) = QUANT_LINEAR.launches
+    for M, dependent in ((1, True), (2, False), (8, False), (8192, False)):
+        problem = dict(dtype="bfloat16", M=M, N=4096, K=4096, wq="fp8", scale="channel", xq="none", act="none",
+                       bias=0, res=0)
+        assert launch.dependent(problem, QUANT_LINEAR.default(problem)) is dependent

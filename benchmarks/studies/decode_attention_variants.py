@@ -1,0 +1,205 @@
+"""Where decode attention's time goes at short contexts: variants of its kernel (text edits of
+tilekit/kernels/decode_attention.py's kernels, imported from a temporary module) against the kernel itself, over
+every config its space admits (short contexts) or the tuned one, each output checked against float64.
+
+    python -m benchmarks.studies.decode_attention_variants [OUT.json]
+
+Time: LAYERS launches, each on its own arrays as a model's layers are, captured in a CUDA graph and replayed after
+an L2 flush; the median of 30 replays divided by LAYERS. Produced docs/results/decode-attention-short-h100.txt.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+da = importlib.import_module("tilekit.kernels.decode_attention")
+
+LAYERS = 16
+SHAPES = [  # B, H, Hkv, D, capacity, new_kv
+    (1, 16, 4, 128, 256, 1), (1, 32, 8, 128, 256, 1), (8, 32, 8, 128, 256, 1), (1, 12, 12, 64, 256, 1),
+    (1, 32, 8, 128, 1024, 1), (1, 32, 8, 128, 4096, 1), (1, 16, 4, 128, 256, 0),
+]
+K_LOAD = "k = ct.load(K, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO)"
+V_LOAD = "v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO)"
+NEW_START = "    if NEW_KV:\n        if split == (length - 1) // CHUNK:"
+LOOP_START = "    for j in range(start // BN, ct.cdiv(end, BN)):"
+TAIL_START = "    if not MERGE:\n        out = acc / l_i"
+V_START, V_END = "        # V's tile loaded after", "        m_i, l_i, acc = online_softmax_step_by_column"
+
+
+def late_new(src: str) -> str:
+    """The new tokens' fold after the cached positions' loop."""
+    a, b, c = src.index(NEW_START), src.index(LOOP_START), src.index(TAIL_START)
+    return src[:a] + src[b:c] + src[a:b] + src[c:]
+
+
+def v_beside_k(src: str) -> str:
+    """V's tile loaded right after K's, before the scores."""
+    v = src[src.index(V_START):src.index(V_END)]
+    src = src.replace(v, "")
+    k_line = src[src.index(K_LOAD) - 8:src.index("\n", src.index(K_LOAD)) + 1]
+    return src.replace(k_line, k_line + v)
+
+
+def latency(n: int):
+    """The K and V tiles loaded with latency hint n."""
+    return lambda src: src.replace(K_LOAD, K_LOAD[:-1] + f", latency={n})").replace(V_LOAD, V_LOAD[:-1] + f", latency={n})")
+
+
+VARIANTS = {
+    "kernel": lambda s: s,
+    "lat2": latency(2),
+    "lat4": latency(4),
+    "late_new": late_new,
+    "v_beside_k": v_beside_k,
+}
+
+
+def variant_module(name: str, folder: str):
+    """The kernels of decode_attention.py (the source up to its host code) with VARIANTS[name] applied."""
+    source = Path(da.__file__).read_text()
+    head = source[:source.index("MIN_CHUNK = 128")]
+    edited = VARIANTS[name](head)
+    if name != "kernel" and edited == head:
+        raise RuntimeError(f"variant {name} no longer applies to decode_attention.py")
+    path = Path(folder) / f"decode_variant_{name}.py"
+    path.write_text(edited)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def problem(B, H, Hkv, D, capacity, new_kv) -> dict:
+    return dict(dtype="bfloat16", B=B, H=H, Hkv=Hkv, nq=1, capacity=capacity, D=D, new_kv=new_kv, fp8=0)
+
+
+def layer_arrays(p: dict) -> dict:
+    """Fresh random arrays of one launch in the op's declared layout (lengths = capacity)."""
+    import cupy
+
+    from tilekit.autotune.arrays import bench_array
+    rng = cupy.random.default_rng()
+    values = {n: bench_array(s, 0, rng) for n, s in da.DECODE_ATTENTION.arrays(p).items()}
+    return {**values, **da.DECODE_ATTENTION.scalars(p)}
+
+
+KEEP = {}      # hinted kernels live for the process (as Op.hinted keeps them): one collected after launching crashed
+
+
+def launches(p: dict, c: dict, values: dict, module, warps: int | None) -> list:
+    """(kernel, grid, args) of each launch of config c, the kernels taken from `module`."""
+    from tilekit.autotune.arrays import bench_array
+    import cupy
+    for n, s in da.DECODE_ATTENTION.scratch(p, c).items():
+        values.setdefault((n, s), bench_array(s, 0, cupy.random.default_rng()))
+        values[n] = values[(n, s)]
+    out = []
+    for launch in da.DECODE_ATTENTION.launches:
+        grid = tuple(launch.grid(p, c))
+        if 0 in grid:
+            continue
+        name = launch.kernel._pyfunc.__name__
+        hints = {"occupancy": c["occupancy"], **({"num_worker_warps": warps} if warps else {})} if launch.hinted else {}
+        key = (module.__name__, name, tuple(sorted(hints.items())))
+        if key not in KEEP:
+            kernel = getattr(module, name)
+            KEEP[key] = kernel.replace_hints(**hints) if hints else kernel
+        out.append((KEEP[key], grid, tuple(values[n] for n in launch.args) + tuple(launch.constants(p, c))))
+    return out
+
+
+def checked_error(p: dict, c: dict, values: dict, module, warps) -> float:
+    """Largest |error| / largest |reference| of one launch's output (poisoned first) against float64."""
+    import cupy
+    import cuda.tile as ct
+    import numpy as np
+
+    from tilekit.kernels.checks import NAN_BITS, host
+    uint, bits = NAN_BITS[p["dtype"]]
+    values["o"].view(uint).fill(bits)
+    k, v = host(values["k"]), host(values["v"])
+    stream = cupy.cuda.get_current_stream()
+    for kernel, grid, args in launches(p, c, values, module, warps):
+        ct.launch(stream, grid, kernel, args)
+    stream.synchronize()
+    new = dict(new_k=host(values["k_new"]), new_v=host(values["v_new"])) if p["new_kv"] else {}
+    ref = da.decode_attention_reference(host(values["q"]), k, v, cupy.asnumpy(values["lengths"]), **new)
+    got = host(values["o"])
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))) if np.isfinite(got).all() else float("inf")
+
+
+def replayed_us(recipes: list, stream, flush) -> float:
+    import cupy
+    import cuda.tile as ct
+    for recipe in recipes:                  # compiled and loaded before the capture
+        for kernel, grid, args in recipe:
+            ct.launch(stream, grid, kernel, args)
+    stream.synchronize()
+    stream.begin_capture()
+    for recipe in recipes:
+        for kernel, grid, args in recipe:
+            ct.launch(stream, grid, kernel, args)
+    graph = stream.end_capture()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for i in range(33):
+        with stream:
+            flush.fill(i)
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
+        end.synchronize()
+        if i >= 3:
+            times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / len(recipes))
+    return statistics.median(times)
+
+
+def main(argv: list[str]) -> int:
+    import cupy
+
+    from tilekit.device import device_info
+    gc.disable()
+    folder = tempfile.mkdtemp()
+    modules = {name: variant_module(name, folder) for name in VARIANTS}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    flush = cupy.empty(64 << 20, cupy.int32)
+    rows = []
+    for shape in SHAPES:
+        p = problem(*shape)
+        tuned = da.DECODE_ATTENTION.resolve(p, device_info(0), mode="cached").config
+        configs = da.SPACE.candidates(dict(p)) if shape[4] <= 256 and shape[5] else [tuned]
+        plans = [("kernel", c, None) for c in configs] + [(v, tuned, None) for v in VARIANTS if v != "kernel"]
+        plans.append(("kernel", tuned, 8))
+        layers = [layer_arrays(p) for _ in range(LAYERS)]
+        for variant, c, warps in plans:
+            row = dict(shape=shape, variant=variant + ("+8 warps" if warps else ""), config=c, tuned=c == tuned)
+            try:
+                row["error"] = checked_error(p, c, layers[0], modules[variant], warps)
+                row["us"] = replayed_us([launches(p, c, values, modules[variant], warps) for values in layers],
+                                        stream, flush)
+            except Exception as e:  # noqa: BLE001  (a variant that fails is a row saying so)
+                row["failure"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if argv:
+        Path(argv[0]).write_text(json.dumps(rows, indent=1))
+    print(f"\n{'B, H, Hkv, D, capacity, new_kv':28s} {'variant':16s} config  (* tuned)   us/launch  max error")
+    for r in rows:
+        c = r["config"]
+        label = f"{'*' if r['tuned'] else ' '} BN{c['BN']:<4d} P{c['PROGRAMS']:<5d} occ{c['occupancy']}"
+        result = r.get("failure") or (f"{r['us']:8.2f}   {r['error']:.1e}" + ("" if r["error"] <= 2e-2 else " FAILED"))
+        print(f"{str(r['shape']):28s} {r['variant']:16s} {label}  {result}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -2,7 +2,10 @@
 tilekit/kernels/decode_attention.py's kernels, imported from a temporary module) against the kernel itself, over
 every config its space admits (short contexts) or the tuned one, each output checked against float64.
 
-    python -m benchmarks.studies.decode_attention_variants [OUT.json]
+    python -m benchmarks.studies.decode_attention_variants [OUT.json] [--against REV]
+
+--against REV adds the kernel of git revision REV (its whole module, launched through its own op) as one more
+variant: a kernel change measured against the one before it in the same run.
 
 Time: LAYERS launches, each on its own arrays as a model's layers are, captured in a CUDA graph and replayed after
 an L2 flush; the median of 30 replays divided by LAYERS. Produced docs/results/decode-attention-short-h100.txt.
@@ -15,6 +18,7 @@ import importlib
 import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -62,6 +66,17 @@ VARIANTS = {
 }
 
 
+def imported(source: str, name: str, folder: str):
+    """`source` imported as module `name` from a file in `folder` (cuTile reads kernels' source from files)."""
+    path = Path(folder) / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def variant_module(name: str, folder: str):
     """The kernels of decode_attention.py (the source up to its host code) with VARIANTS[name] applied."""
     source = Path(da.__file__).read_text()
@@ -69,13 +84,16 @@ def variant_module(name: str, folder: str):
     edited = VARIANTS[name](head)
     if name != "kernel" and edited == head:
         raise RuntimeError(f"variant {name} no longer applies to decode_attention.py")
-    path = Path(folder) / f"decode_variant_{name}.py"
-    path.write_text(edited)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return imported(edited, f"decode_variant_{name}", folder)
+
+
+def revision_module(rev: str, folder: str):
+    """decode_attention.py as git revision `rev` has it, whole (its op launches its kernels: their arguments may
+    differ from this tree's)."""
+    root = Path(__file__).resolve().parents[2]
+    source = subprocess.run(["git", "show", f"{rev}:tilekit/kernels/decode_attention.py"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    return imported(source, "decode_revision_" + "".join(ch if ch.isalnum() else "_" for ch in rev), folder)
 
 
 def problem(B, H, Hkv, D, capacity, new_kv) -> dict:
@@ -96,14 +114,16 @@ KEEP = {}      # hinted kernels live for the process (as Op.hinted keeps them): 
 
 
 def launches(p: dict, c: dict, values: dict, module, warps: int | None) -> list:
-    """(kernel, grid, args) of each launch of config c, the kernels taken from `module`."""
+    """(kernel, grid, args) of each launch of config c, the kernels taken from `module`, launched as its op (when
+    it declares one; else this tree's) launches them."""
     from tilekit.autotune.arrays import bench_array
     import cupy
-    for n, s in da.DECODE_ATTENTION.scratch(p, c).items():
+    op = getattr(module, "DECODE_ATTENTION", da.DECODE_ATTENTION)
+    for n, s in op.scratch(p, c).items():
         values.setdefault((n, s), bench_array(s, 0, cupy.random.default_rng()))
         values[n] = values[(n, s)]
     out = []
-    for launch in da.DECODE_ATTENTION.launches:
+    for launch in op.launches:
         grid = tuple(launch.grid(p, c))
         if 0 in grid:
             continue
@@ -164,20 +184,30 @@ def replayed_us(recipes: list, stream, flush) -> float:
 
 
 def main(argv: list[str]) -> int:
+    import argparse
+
     import cupy
 
     from tilekit.device import device_info
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", help="JSON file for the rows")
+    parser.add_argument("--against", metavar="REV", help="also the kernel of this git revision")
+    args = parser.parse_args(argv)
     gc.disable()
     folder = tempfile.mkdtemp()
     modules = {name: variant_module(name, folder) for name in VARIANTS}
+    if args.against:
+        modules[f"at {args.against}"] = revision_module(args.against, folder)
+    # the configs: the shipped ones, which are tuned for the revision's kernel where one is given
+    chooser = getattr(modules.get(f"at {args.against}"), "DECODE_ATTENTION", da.DECODE_ATTENTION)
     stream = cupy.cuda.Stream(non_blocking=True)
     flush = cupy.empty(64 << 20, cupy.int32)
     rows = []
     for shape in SHAPES:
         p = problem(*shape)
-        tuned = da.DECODE_ATTENTION.resolve(p, device_info(0), mode="cached").config
+        tuned = chooser.resolve(p, device_info(0), mode="cached").config
         configs = da.SPACE.candidates(dict(p)) if shape[4] <= 256 and shape[5] else [tuned]
-        plans = [("kernel", c, None) for c in configs] + [(v, tuned, None) for v in VARIANTS if v != "kernel"]
+        plans = [("kernel", c, None) for c in configs] + [(v, tuned, None) for v in modules if v != "kernel"]
         plans.append(("kernel", tuned, 8))
         layers = [layer_arrays(p) for _ in range(LAYERS)]
         for variant, c, warps in plans:
@@ -190,8 +220,8 @@ def main(argv: list[str]) -> int:
                 row["failure"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if argv:
-        Path(argv[0]).write_text(json.dumps(rows, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"\n{'B, H, Hkv, D, capacity, new_kv':28s} {'variant':16s} config  (* tuned)   us/launch  max error")
     for r in rows:
         c = r["config"]

@@ -52,6 +52,45 @@ def v_beside_k(src: str) -> str:
     return src.replace(k_line, k_line + v)
 
 
+NEW_TILE = """\
+            r = ct.arange(MAX_QUERIES, dtype=ct.int32).reshape((MAX_QUERIES, 1))
+            k_new = ct.load(Knew, (b, hk, 0, 0), (1, 1, MAX_QUERIES, D), padding_mode=ZERO).reshape((MAX_QUERIES, D))
+            v_new = ct.load(Vnew, (b, hk, 0, 0), (1, 1, MAX_QUERIES, D), padding_mode=ZERO).reshape((MAX_QUERIES, D))
+            k_write = k_new
+            v_write = v_new
+            if FP8:
+                k_write = fp8_bits(k_new.astype(ct.float32), k_scale)
+                v_write = fp8_bits(v_new.astype(ct.float32), v_scale)
+                k_new = ct.bitcast(k_write, ct.float8_e4m3fn).astype(Q.dtype)
+                v_new = ct.bitcast(v_write, ct.float8_e4m3fn).astype(Q.dtype)
+"""
+NEW_FOLD = """\
+            s_new = ct.mma(k_new, q_t, ct.zeros((MAX_QUERIES, QP), dtype=ct.float32)) * score_scale
+            s_new = ct.where((r < nq) & (r <= q_token), s_new, -math.inf)
+            m_i, l_i, acc = online_softmax_step_by_column(s_new, m_i, l_i, acc, ct.transpose(v_new))
+"""
+NEW_WRITE = """\
+            ct.scatter(K, (b, hk, first_new + r, dims), k_write, mask=r < nq)
+            ct.scatter(V, (b, hk, first_new + r, dims), v_write, mask=r < nq)
+"""
+LAST_SPLIT = "    if NEW_KV:\n        if split == (length - 1) // CHUNK:\n"
+
+
+def new_tile(src: str) -> str:
+    """The new tokens as one tile of MAX_QUERIES keys (zeros past nq): one product and one softmax step where the
+    kernel folds them in a token at a time, before the loop; their cache write after it (loaded again there)."""
+    a, b, c = src.index(NEW_START), src.index(LOOP_START), src.index(TAIL_START)
+    return src[:a] + LAST_SPLIT + NEW_TILE + NEW_FOLD + src[b:c] + LAST_SPLIT + NEW_TILE + NEW_WRITE + src[c:]
+
+
+def new_tile_ahead(src: str) -> str:
+    """As new_tile, the tile loaded before the loop by every split (its latency behind the loop's), folded and
+    written after the loop by the split holding the last position."""
+    a, b, c = src.index(NEW_START), src.index(LOOP_START), src.index(TAIL_START)
+    ahead = "    if NEW_KV:\n" + NEW_TILE.replace("\n            ", "\n        ")[4:]
+    return src[:a] + ahead + src[b:c] + LAST_SPLIT + NEW_FOLD + NEW_WRITE + src[c:]
+
+
 def latency(n: int):
     """The K and V tiles loaded with latency hint n."""
     return lambda src: src.replace(K_LOAD, K_LOAD[:-1] + f", latency={n})").replace(V_LOAD, V_LOAD[:-1] + f", latency={n})")
@@ -63,6 +102,9 @@ VARIANTS = {
     "lat4": latency(4),
     "late_new": late_new,
     "v_beside_k": v_beside_k,
+    "new_tile": new_tile,
+    "new_tile_ahead": new_tile_ahead,
+    "lat4+new_tile": lambda s: new_tile(latency(4)(s)),
 }
 
 

@@ -96,3 +96,18 @@ def test_agreement_checks_stop_at_the_deadline_after_the_reference(clock):
     assert kept == [{"c": 7}, {"c": 0}, {"c": 1}, {"c": 2}]    # then one config a second until past 3.5
     kept, _ = tuner.agreeing(Case(clock, 1.0), configs, reference, runs=1)
     assert len(kept) == 10
+
+
+def test_the_smallest_problems_are_tuned_first():
+    """A budget that runs out leaves the prefill shapes, not the decode ones: decode's few rows come first, and a
+    problem's position follows the bytes its arrays hold, ties in the order given."""
+    import tilekit.kernels  # noqa: F401  (declares the ops)
+    from tilekit.autotune.registry import registered_ops
+    quant, norm = registered_ops()["quant_linear"], registered_ops()["rms_norm"]
+    shape = dict(dtype="bfloat16", N=14336, K=4096, wq="fp8", scale="channel", xq="none", act="swiglu", bias=0, res=0)
+    big, small, mid = dict(shape, M=1024, xq="fp8"), dict(shape, M=8), dict(shape, M=128)
+    row = dict(dtype="bfloat16", M=1, N=4096, gather=0, res=0, fixed=0)
+    items = [(quant, big), (quant, small), (norm, row), (quant, mid), (norm, dict(row))]
+    order = tuner.smallest_first(items)
+    assert [p for _, p in order] == [row, row, small, mid, big]
+    assert order[0][1] is row and tuner.problem_bytes(quant, small) < tuner.problem_bytes(quant, big)

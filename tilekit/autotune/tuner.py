@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import sys
 import threading
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from tilekit.autotune import store
+from tilekit.autotune.arrays import ITEMSIZE
 from tilekit.autotune.compile import precompile
 from tilekit.autotune.space import Config, split_hints
 from tilekit.device import device_info, toolchain
@@ -81,16 +83,28 @@ def tune(op, problem: dict, **kwargs) -> TuneResult:
     return results[0]
 
 
+def problem_bytes(op, problem: dict) -> int:
+    """Bytes of the arrays a problem declares: what its kernels move, roughly what timing each config costs."""
+    p = op.complete(op.tuning_problem(problem))
+    return sum(ITEMSIZE[s.dtype] * math.prod(s.shape) for s in op.arrays(p).values())
+
+
+def smallest_first(items: Sequence[tuple]) -> list[tuple]:
+    """(op, problem) items, the problems with the fewest bytes first (ties keep their order): a budget that runs
+    out leaves the large prefill shapes untuned rather than the decode ones, and tunes more shapes."""
+    return sorted(items, key=lambda item: problem_bytes(*item))
+
+
 def tune_many(items: Sequence[tuple], *, budget_s: float | None = None, workers: int | None = None,
               save: bool = True, progress: Callable[..., None] | None = None) -> list[TuneResult]:
-    """Tune each (op, problem); compile everything in parallel first, then measure one by one."""
+    """Tune each (op, problem), smallest first; compile everything in parallel first, then measure one by one."""
     import cupy
 
     start = time.monotonic()
     notify = progress or (lambda *a, **k: None)
     dev = device_info()
     plans = []
-    for op, problem in items:
+    for op, problem in smallest_first(items):
         bucketed, key = op.tuning_problem(problem), op.problem_key(problem)[1]
         candidates = op.space.candidates(bucketed)
         default = op.default(bucketed)
@@ -262,8 +276,6 @@ def measure_launches(configs: Sequence[Config], stream, launches: Callable, samp
     """exhaustive_search's result for ops tuned whole (Op.tune_whole): each config's launches(config), a list of
     (kernel, grid, args), run in order and timed together between two events, L2 flushed before each sample;
     the mean of `samples` after `warmup` runs. A config that fails to launch is a failure, as there."""
-    import math
-
     import cupy
     import cuda.tile as ct
     from cuda.tile.tune import Measurement, TuningResult

@@ -152,14 +152,16 @@ def layer_arrays(p: dict) -> dict:
     return {**values, **da.DECODE_ATTENTION.scalars(p)}
 
 
-KEEP = {}      # hinted kernels live for the process (as Op.hinted keeps them): one collected after launching crashed
+KEEP = {}      # hinted kernels live as long as the process, as Op.hinted keeps them: one collected after it had
+               # launched took the process down (a segmentation fault, session 33)
 
 
 def launches(p: dict, c: dict, values: dict, module, warps: int | None) -> list:
     """(kernel, grid, args) of each launch of config c, the kernels taken from `module`, launched as its op (when
     it declares one; else this tree's) launches them."""
-    from tilekit.autotune.arrays import bench_array
     import cupy
+
+    from tilekit.autotune.arrays import bench_array
     op = getattr(module, "DECODE_ATTENTION", da.DECODE_ATTENTION)
     for n, s in op.scratch(p, c).items():
         values.setdefault((n, s), bench_array(s, 0, cupy.random.default_rng()))

@@ -50,11 +50,21 @@ def query_rows(QP, nq, hk, group, H):
     return ct.where(r < group * nq, hk * group + r // nq, H), r % nq
 
 
+@ct.function
+def cache_tile(C, b, hk, j, BN, D, LATENCY):
+    """Tile j (BN, D) of head (b, hk) of cache C, loaded with latency hint LATENCY (0: none)."""
+    if LATENCY:
+        tile = ct.load(C, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO, latency=LATENCY)
+    else:
+        tile = ct.load(C, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO)
+    return tile.reshape((BN, D))
+
+
 @ct.kernel
 def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opart, Mpart, Lpart,
                             qk_scale: float, length_offset: int, QP: ct.Constant[int], BN: ct.Constant[int],
                             D: ct.Constant[int], CHUNK: ct.Constant[int], MERGE: ct.Constant[bool],
-                            NEW_KV: ct.Constant[bool], FP8: ct.Constant[bool]):
+                            NEW_KV: ct.Constant[bool], FP8: ct.Constant[bool], LATENCY: ct.Constant[int]):
     """Attention of split ct.bid(1) of (batch, key/value head) ct.bid(0).
 
     Q: (B, H, nq, D); K, V: (B, Hkv, capacity, D) caches; Lengths[b] + length_offset = valid keys,
@@ -69,7 +79,7 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
     program writes O; otherwise its partial state goes to Opart (B, Hkv, S, QP, D), Mpart, Lpart
     (B, Hkv, S, QP), fp32, for decode_merge_kernel. With FP8, K and V hold e4m3 codes (uint8) and KScale,
     VScale (Hkv,) fp32 their per-head scales (the value scale multiplies the output, or the partial output,
-    which the merge's weighted sum carries through).
+    which the merge's weighted sum carries through). LATENCY: the cache tiles' load latency hint (load_latency).
     """
     sync_with_previous_kernel()
     bh = ct.bid(0)
@@ -116,7 +126,7 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
                 ct.scatter(K, (b, hk, first_new + t, dims), k_write)
                 ct.scatter(V, (b, hk, first_new + t, dims), v_write)
     for j in range(start // BN, ct.cdiv(end, BN)):
-        k = ct.load(K, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
+        k = cache_tile(K, b, hk, j, BN, D, LATENCY)
         if FP8:
             k = ct.bitcast(k, ct.float8_e4m3fn).astype(Q.dtype)
         s = ct.mma(k, q_t, ct.zeros((BN, QP), dtype=ct.float32)) * score_scale
@@ -124,7 +134,7 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
         s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
         # V's tile loaded after the scores: loaded beside K's, a 128-wide bf16 head took 225 KB of shared memory
         # (one program an SM) whatever the occupancy (docs/results/decode-attention-cubins-sm90.txt)
-        v = ct.load(V, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO).reshape((BN, D))
+        v = cache_tile(V, b, hk, j, BN, D, LATENCY)
         if FP8:
             v = ct.bitcast(v, ct.float8_e4m3fn).astype(Q.dtype)
         m_i, l_i, acc = online_softmax_step_by_column(s, m_i, l_i, acc, ct.transpose(v))
@@ -221,6 +231,14 @@ def default_config(p: dict) -> dict:
     return dict(c, PROGRAMS=min(n for n in PROGRAMS if chunk[n] == target))     # the space's one for that length
 
 
+def load_latency(c: dict) -> int:
+    """The K and V tiles' latency hint: 4 at occupancy 1, where a program has an SM's shared memory to prefetch
+    into, 0 (no hint) otherwise. Batch 1 of 16 query heads over 4 key/value heads, 256 keys of 128 dims, one
+    program per head: 7.6 us a launch with it against 10.3 without (H100, replayed;
+    docs/results/decode-attention-short-h100.txt); at occupancy 4 the hint changed nothing."""
+    return 4 if c["occupancy"] == 1 else 0
+
+
 def _splits(p: dict, c: dict) -> int:
     return ct.cdiv(p["capacity"], split_chunk(p, c))
 
@@ -266,7 +284,7 @@ def _merge_grid(p: dict, c: dict) -> tuple:
 
 def _constants(p: dict, c: dict) -> tuple:
     return (_qp(p), c["BN"], pow2_ceil(p["D"]), split_chunk(p, c), _splits(p, c) > 1, bool(p["new_kv"]),
-            bool(p["fp8"]))
+            bool(p["fp8"]), load_latency(c))
 
 
 def _merge_constants(p: dict, c: dict) -> tuple:

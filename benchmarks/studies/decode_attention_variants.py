@@ -11,13 +11,11 @@ variant: a kernel change measured against the one before it in the same run.
 Time, two ways: `us`, LAYERS launches, each on its own arrays as a model's layers are, captured in a CUDA graph and
 replayed after an L2 flush, the median of 30 replays divided by LAYERS; `tuner_us`, one launch timed as the tuner
 times it (tilekit.autotune.tuner.measure_launches: eager, L2 flushed, mean of 30). Produced
-docs/results/decode-attention-short-h100.txt (graph times only). In session 34 the graph times came out about 3x the
-tuner's on both GPUs (32 against 9.4 us for the first shape), cause not found: tuner_us was added beside them.
+docs/results/decode-attention-short-h100.txt.
 """
 
 from __future__ import annotations
 
-import gc
 import importlib
 import importlib.util
 import json
@@ -229,6 +227,7 @@ def replayed_us(recipes: list, stream, flush) -> float:
     for i in range(33):
         with stream:
             flush.fill(i)
+        cupy.cuda.Device().synchronize()    # the flush done before the clock starts (session 34's runs timed it too)
         start.record(stream)
         graph.launch(stream)
         end.record(stream)
@@ -249,9 +248,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out", nargs="?", help="JSON file for the rows")
     parser.add_argument("--against", metavar="REV", help="also the kernel of this git revision")
     args = parser.parse_args(argv)
-    gc.disable()
     folder = tempfile.mkdtemp()
     modules = {name: variant_module(name, folder) for name in VARIANTS}
+    modules["package"] = da         # the kernels as imported from tilekit (the copy above runs from a temporary file)
     if args.against:
         modules[f"at {args.against}"] = revision_module(args.against, folder)
     # the configs: the shipped ones, which are tuned for the revision's kernel where one is given
@@ -271,8 +270,9 @@ def main(argv: list[str]) -> int:
                        tuned=c == tuned)
             try:
                 row["error"], row["worst_row"] = checked_errors(p, c, layers[0], modules[variant], warps)
-                row["tuner_us"] = measure_launches([c], stream, lambda _: launches(
-                    p, c, layers[0], modules[variant], warps)).best.mean_us
+                with stream:                        # measure_launches flushes L2 on the current stream
+                    row["tuner_us"] = measure_launches([c], stream, lambda _: launches(
+                        p, c, layers[0], modules[variant], warps)).best.mean_us
                 row["us"] = replayed_us([launches(p, c, values, modules[variant], warps) for values in layers],
                                         stream, flush)
             except Exception as e:  # noqa: BLE001  (a variant that fails is a row saying so)

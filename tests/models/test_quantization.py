@@ -45,8 +45,9 @@ def file_quantized(w, kind: str, strategy: str):
 
 
 def write_quantized(directory, kind: str, strategy: str, qconfig: dict | None, scale_shape, scale_name="weight_scale",
-                    extras=(), config=CONFIG):
-    """A synthetic quantized Llama checkpoint of `config`; returns our name -> expected float64 dequantized weight."""
+                    extras=(), config=CONFIG, more=None):
+    """A synthetic quantized Llama checkpoint of `config` (and the fp32 tensors of `more`, name -> array); returns
+    our name -> expected float64 dequantized weight."""
     state = weights.random_state_dict(config, 0)
     linears = quantization.linear_names(weights.state_dict_shapes(config), weights.QUANTIZED)
     tensors, raw, expected = {}, {}, {}
@@ -63,6 +64,8 @@ def write_quantized(directory, kind: str, strategy: str, qconfig: dict | None, s
         values = codes.view(FP8).astype(np.float64) if kind == "fp8" else codes.astype(np.float64)
         block = np.repeat(np.repeat(s, QBLOCK, 0), QBLOCK, 1)[:w.shape[0], :w.shape[1]] if strategy == "block" else s
         expected[name] = values * block
+    for name, array in (more or {}).items():
+        tensors[name], raw[name] = np.asarray(array, np.float32), "F32"
     hf_config = config.to_hf_dict()
     if qconfig is not None:
         hf_config["quantization_config"] = qconfig
@@ -249,8 +252,8 @@ def test_a_whole_row_group_size_and_a_dense_layout_are_read(qconfig, tmp_path):
 
 
 def test_kv_cache_scales_are_read_past_only_where_the_config_declares_them(tmp_path):
-    """A compressed-tensors kv_cache_scheme's static k_scale / v_scale tensors are read past (tilekit's KV cache
-    takes no static scales); without the field they are tensors the model does not have."""
+    """A compressed-tensors kv_cache_scheme's static k_scale / v_scale tensors are not weights of the model (the
+    FP8 KV cache reads them: read_kv_scales); without the field they are tensors the model does not have."""
     qconfig = compressed("fp8", "channel")
     write_quantized(tmp_path, "fp8", "channel", qconfig, lambda s: (s[0], 1), extras=("k_scale",))
     with pytest.raises(hf.ModelFileError, match=r"\n  unexpected tensor '.*\.k_scale'"):
@@ -347,3 +350,72 @@ def _written(directory, kind, scale):
     else:
         write_quantized(directory, kind, "channel", compressed(kind, "channel"), lambda s: (s[0], 1))
     return directory
+
+
+def _with_kv_scales(directory, scales: dict) -> None:
+    """A compressed-tensors fp8 checkpoint declaring static KV-cache scales, with tensors `scales` (name -> value)."""
+    write_quantized(directory, "fp8", "channel", {**compressed("fp8", "channel"), "kv_cache_scheme": KV_CACHE_SCHEME},
+                    lambda s: (s[0], 1), more=scales)
+
+
+KV_NAMES = (("self_attn.k_scale", "self_attn.k_proj.k_scale"), ("self_attn.v_scale", "self_attn.v_proj.v_scale"))
+LAYERS = [f"model.layers.{i}." for i in range(CONFIG.n_layer)]
+
+
+@pytest.mark.parametrize("qconfig, declared", [
+    ({**compressed("fp8", "channel"), "kv_cache_scheme": KV_CACHE_SCHEME}, True),
+    ({**compressed("fp8", "channel"), "kv_cache_scheme": {**KV_CACHE_SCHEME, "strategy": "attn_head"}}, False),
+    ({**compressed("fp8", "channel"), "kv_cache_scheme": {**KV_CACHE_SCHEME, "dynamic": True}}, False),
+    (compressed("fp8", "channel"), False),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}, True),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, False),
+])
+def test_static_kv_cache_scales_are_declared_by_the_schemes_that_store_them(qconfig, declared, tmp_path):
+    hf.write_checkpoint(tmp_path, dict(CONFIG.to_hf_dict(), quantization_config=qconfig), {})
+    assert quantization.scheme_of(hf.Checkpoint.at(tmp_path)).kv_scales is declared
+
+
+@pytest.mark.parametrize("k_name, v_name, shape", [("self_attn.k_scale", "self_attn.v_scale", ()),
+                                                    ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale", (1,))])
+def test_kv_cache_scales_are_read_per_layer_under_either_name(k_name, v_name, shape, tmp_path):
+    rng = np.random.default_rng(3)
+    k, v = rng.uniform(0.01, 0.1, (2, CONFIG.n_layer)).astype(np.float32)
+    _with_kv_scales(tmp_path, {**{p + k_name: k[i].reshape(shape) for i, p in enumerate(LAYERS)},
+                               **{p + v_name: v[i].reshape(shape) for i, p in enumerate(LAYERS)}})
+    got_k, got_v = quantization.read_kv_scales(hf.Checkpoint.at(tmp_path), LAYERS, KV_NAMES)
+    np.testing.assert_array_equal(got_k, k)
+    np.testing.assert_array_equal(got_v, v)
+
+
+def test_a_checkpoint_without_kv_cache_scales_reads_none(tmp_path):
+    _with_kv_scales(tmp_path, {})
+    assert quantization.read_kv_scales(hf.Checkpoint.at(tmp_path), LAYERS, KV_NAMES) is None
+
+
+def _both(value=0.05, shape=()):
+    return {p + n: np.full(shape, value, np.float32) for p in LAYERS for n in ("self_attn.k_scale", "self_attn.v_scale")}
+
+
+@pytest.mark.parametrize("scales, match", [
+    ({n: s for n, s in _both().items() if n != "model.layers.1.self_attn.v_scale"},
+     r"missing tensor 'model.layers.1.self_attn.v_scale'"),
+    (_both(shape=(2,)), r"tensor 'model.layers.0.self_attn.k_scale' has shape \(2,\)"),
+    ({**_both(), "model.layers.0.self_attn.k_proj.k_scale": np.float32(0.05)},
+     r"'model.layers.0.self_attn.k_scale' and 'model.layers.0.self_attn.k_proj.k_scale' both give one scale"),
+    ({**_both(), "model.layers.1.self_attn.k_scale": np.float32(-0.05)}, r"'model.layers.1.self_attn.k_scale' is -0.05"),
+    ({**_both(), "model.layers.0.self_attn.v_scale": np.float32(0.0)}, r"'model.layers.0.self_attn.v_scale' is 0.0"),
+    ({**_both(), "model.layers.0.self_attn.v_scale": np.float32(1e36)},
+     r"'model.layers.0.self_attn.v_scale' is 9\.99\d*e\+35: a KV-cache scale must be positive, at most 7.596e\+35"),
+])
+def test_unusable_kv_cache_scales_are_refused_naming_the_file_and_tensor(scales, match, tmp_path):
+    _with_kv_scales(tmp_path, scales)
+    with pytest.raises(hf.ModelFileError, match=r"(?s)model\.safetensors: .*" + match) as e:
+        quantization.read_kv_scales(hf.Checkpoint.at(tmp_path), LAYERS, KV_NAMES)
+    assert "Traceback" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_kv_cache_scale_that_is_not_finite_is_refused(bad, tmp_path):
+    _with_kv_scales(tmp_path, {**_both(), "model.layers.1.self_attn.v_scale": np.float32(bad)})
+    with pytest.raises(hf.ModelFileError, match=r"model\.layers\.1\.self_attn\.v_scale"):
+        quantization.read_kv_scales(hf.Checkpoint.at(tmp_path), LAYERS, KV_NAMES)

@@ -67,7 +67,10 @@ class Scheme:
     per-linear tensors read past. `source` names the format (messages). `head`: an untied LM head is quantized too,
     in a family whose weights.QUANTIZED_HEAD says it can be (head_quantized): at load where asked (quantize_head;
     gpt-fast's int8 quantizes every linear, vLLM's FP8 keeps the head), or where a checkpoint stores it as codes.
-    `float_head`: the config field listing the LM head unquantized, as a ModelFileError's (path, field), or None."""
+    `float_head`: the config field listing the LM head unquantized, as a ModelFileError's (path, field), or None.
+    `kv_scales`: the checkpoint declares static FP8 KV-cache scales, one per attention layer for keys and one for
+    values (compressed-tensors' kv_cache_scheme of 8-bit floats per tensor, ModelOpt's kv_cache_quant_algo FP8),
+    which an FP8 KV cache takes (read_kv_scales); other KV-cache schemes' tensors are read past."""
 
     weight: str
     scale: str = "channel"
@@ -77,6 +80,8 @@ class Scheme:
     ignored: tuple[str, ...] = ()
     head: bool = False
     float_head: tuple | None = field(default=None, compare=False)
+    kv_scales: bool = False
+
 
     def scale_file_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
         out, k = shape
@@ -172,12 +177,14 @@ def _compressed_tensors(q: hf.Fields, mixed: bool) -> Scheme:
         raise _unsupported(q, "sparsity_config", "a sparse layout (dense weights are read)")
     if q.d.get("transform_config") not in (None, {}):
         raise _unsupported(q, "transform_config", "transforms applied as the model runs (tilekit applies none)")
-    kv_scales = q.object("kv_cache_scheme", None) is not None     # static KV-cache scales: read past, as ModelOpt's
+    kv = q.object("kv_cache_scheme", None)
+    per_tensor = kv is not None and kv.d.get("type") == "float" and _is_exactly(kv.d.get("num_bits"), 8) \
+        and kv.d.get("strategy") == "tensor" and kv.d.get("dynamic") in (False, None)
     return Scheme(kind, "block" if strategy == "block" else "channel", "compressed-tensors",
                   {"channel": "out1", "tensor": "one", "block": "blocks"}[strategy],
                   ignored=(".input_scale", ".weight_zero_point", ".input_zero_point")
-                  + ((".k_scale", ".v_scale") if kv_scales else ()),
-                  float_head=_only_lm_head(q, "ignore", mixed))
+                  + ((".k_scale", ".v_scale") if kv is not None else ()),
+                  float_head=_only_lm_head(q, "ignore", mixed), kv_scales=per_tensor)
 
 
 def _fbgemm(q: hf.Fields, mixed: bool) -> Scheme:
@@ -193,7 +200,8 @@ def _modelopt(q: hf.Fields, mixed: bool) -> Scheme:
         raise _unsupported(q, "quant_algo")
     scale, shape = shapes[algo.upper()]
     return Scheme("fp8", scale, "ModelOpt " + algo.upper(), shape, ignored=(".input_scale", ".k_scale", ".v_scale"),
-                  float_head=_only_lm_head(q, "exclude_modules", mixed))
+                  float_head=_only_lm_head(q, "exclude_modules", mixed),
+                  kv_scales=q.d.get("kv_cache_quant_algo") == "FP8")
 
 
 def _is_exactly(value, want) -> bool:
@@ -433,6 +441,47 @@ def scale_key(weight_name: str) -> str:
     return weight_name + "_scale"
 
 
+KV_SCALE_MAX = float(np.finfo(np.float32).max) / 448      # e4m3's largest code x the scale stays finite
+
+
+def read_kv_scales(checkpoint: hf.Checkpoint, layer_names: list[str],
+                   names: tuple[tuple[str, ...], tuple[str, ...]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """A checkpoint's static FP8 KV-cache scales (Scheme.kv_scales): (keys', values') fp32 (layers,), one scale of
+    each attention layer `layer_names[i]` (its tensors' prefix, e.g. 'model.layers.0.'), found under one of `names`
+    (the key scale's suffixes, the value scale's: 'self_attn.k_scale' as compressed-tensors writes it,
+    'self_attn.k_proj.k_scale' as ModelOpt does), or None where the checkpoint holds none. Each must be a float
+    scalar ([] or [1]), positive and at most KV_SCALE_MAX; a layer lacking one while others have theirs is
+    refused."""
+    with checkpoint.tensor_files() as files:
+        found, problems = {}, []
+        for i, layer in enumerate(layer_names):
+            for which, suffixes in enumerate(names):
+                hits = [layer + suffix for suffix in suffixes if layer + suffix in files.tensors]
+                if len(hits) > 1:
+                    problems.append(f"tensors {' and '.join(map(quoted, hits))} both give one scale")
+                elif hits:
+                    found[which, i] = hits[0]
+        if not found:
+            return None
+        problems += [f"missing tensor {quoted(layer_names[i] + names[which][0])} (the other layers have theirs)"
+                     for i in range(len(layer_names)) for which in (0, 1) if (which, i) not in found]
+        problems += [f"tensor {quoted(name)} has shape {files.tensors[name].shape}: one KV-cache scale per layer "
+                     f"([] or [1]) is read" for name in found.values() if files.tensors[name].shape not in ((), (1,))]
+        if problems:
+            raise hf.ModelFileError(files.source, hf.listing("has FP8 KV-cache scales tilekit cannot use", problems))
+        plan = {name: hf.Target(files.tensors[name].shape, "float32") for name in found.values()}
+        arrays = hf.load_tensors(files, plan, device=hf.HostDevice(), ignore=("",), progress=False)
+        scales = np.zeros((2, len(layer_names)), np.float32)
+        for (which, i), name in found.items():
+            value = float(arrays[name].reshape(()))
+            if not (math.isfinite(value) and 0 < value <= KV_SCALE_MAX):
+                raise hf.ModelFileError(files.source, f"tensor {quoted(name)} is {value!r}: a KV-cache scale must be "
+                                                      f"positive, at most {KV_SCALE_MAX:.4g} (e4m3's largest code "
+                                                      "times it must stay finite in fp32)")
+            scales[which, i] = value
+    return scales[0], scales[1]
+
+
 # -- quantization math ---------------------------------------------------------------------------------------
 
 def quantize_into(src, codes, scale, kind: str) -> None:
@@ -466,10 +515,15 @@ def quantize_weight(w, kind: str) -> tuple[np.ndarray, np.ndarray]:
 
 # -- writing -------------------------------------------------------------------------------------------------
 
-def compressed_tensors_config(scheme: Scheme, dequantized: tuple[str, ...] = (), head: bool = False) -> dict:
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def compressed_tensors_config(scheme: Scheme, dequantized: tuple[str, ...] = (), head: bool = False,
+                              kv_scales: bool = False) -> dict:
     """The quantization_config save_pretrained writes: compressed-tensors, weights as the model holds them,
     activations dynamic per token; the LM head (unless `head`: quantized) and the modules of `dequantized` (a
-    family's DEQUANTIZED patterns, written in the model's dtype) listed unquantized."""
+    family's DEQUANTIZED patterns, written in the model's dtype) listed unquantized; with `kv_scales`, the
+    kv_cache_scheme of static per-tensor FP8 KV-cache scales (the model's, written beside its weights)."""
     weights = {"num_bits": 8, "type": "float" if scheme.weight == "fp8" else "int", "symmetric": True,
                "strategy": scheme.scale, "dynamic": False}
     if scheme.scale == "block":
@@ -477,7 +531,8 @@ def compressed_tensors_config(scheme: Scheme, dequantized: tuple[str, ...] = (),
     return {"quant_method": "compressed-tensors",
             "format": "float-quantized" if scheme.weight == "fp8" else "int-quantized",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
-            "ignore": ([] if head else ["lm_head"]) + [f"re:.*\\.{p}$" for p in dequantized]}
+            "ignore": ([] if head else ["lm_head"]) + [f"re:.*\\.{p}$" for p in dequantized],
+            **({"kv_cache_scheme": dict(KV_CACHE_SCHEME)} if kv_scales else {})}
 
 
 def file_tensors(state: Mapping, linears: tuple[str, ...], scheme: Scheme) -> tuple[dict, dict]:

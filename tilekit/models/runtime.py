@@ -86,14 +86,16 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # The FP8 cache's scale of every (layer, key/value head), keys and values alike: static, as vLLM's uncalibrated
 # default. Values beyond +-448 saturate; magnitudes below 2^-6 (e4m3's smallest normal) keep an absolute step of
 # 2^-9 rather than 3 significant bits (README: the accuracy measured). Calibrated per-head scales (a checkpoint's,
-# or the prompt's absmax / 448) would go into KVCache.k_scale / v_scale; none is computed yet.
+# or the prompt's absmax / 448) go into KVCache.k_scale / v_scale: a checkpoint's are (CausalLM.kv_scales), none
+# is computed from the prompt.
 FP8_KV_SCALE = 1.0
 
 
 class KVCache:
     """Keys and values of every layer for B sequences, preallocated to `capacity` positions: in the model's dtype
     ("auto"), or "fp8": e4m3 codes as uint8 with fp32 scales k_scale, v_scale (layers, key/value heads), value =
-    code x scale (FP8_KV_SCALE), half the bytes a decode step reads."""
+    code x scale (the checkpoint's scale of each layer, model.kv_scales, else FP8_KV_SCALE), half the bytes a decode
+    step reads."""
 
     def __init__(self, model: "CausalLM", batch: int, capacity: int, arrays: Arrays, dtype: str = "auto"):
         if dtype not in KV_CACHE_DTYPES:
@@ -108,8 +110,10 @@ class KVCache:
         if dtype == "fp8":
             self.k_scale, self.v_scale = arrays.zeros((layers, heads), "float32"), arrays.zeros((layers, heads), "float32")
             if not arrays.meta:
-                self.k_scale[...] = FP8_KV_SCALE
-                self.v_scale[...] = FP8_KV_SCALE
+                import cupy
+                k, v = model.kv_scales if model.kv_scales is not None else (np.full(layers, FP8_KV_SCALE),) * 2
+                self.k_scale[...] = cupy.asarray(np.repeat(np.float32(k)[:, None], heads, 1))
+                self.v_scale[...] = cupy.asarray(np.repeat(np.float32(v)[:, None], heads, 1))
         self.capacity = capacity
 
     def scales(self, layer: int) -> dict:
@@ -418,6 +422,7 @@ class CausalLM(TextGeneration):
     prefill_chunk = 8192       # generate() prefills prompts longer than this in chunks of it (0: never; prefill_pieces)
     comm = None                # tensor-parallel: this rank's tilekit.parallel.Communicator (None: one process)
     shards_quantized = False   # tensor-parallel with quantized linears (a subclass whose sharding supports it)
+    kv_scales = None           # a checkpoint's FP8 KV-cache scales: (keys', values') fp32 (layers,), or None (KVCache)
 
     def _init_runtime(self) -> None:
         self.checkpoint: Checkpoint | None = None
@@ -717,6 +722,9 @@ class CausalLM(TextGeneration):
         cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate, ignore=scheme.ignored if scheme else (),
                          rewrite=scheme and rewrite, **options)
         made[0].checkpoint = checkpoint
+        if scheme is not None and scheme.kv_scales and hasattr(cls.weights, "KV_SCALES"):
+            made[0].kv_scales = quantization.read_kv_scales(checkpoint, cls.weights.layer_prefixes(config),
+                                                            cls.weights.KV_SCALES)
         return made[0]
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -746,11 +754,15 @@ class CausalLM(TextGeneration):
             tensors = self.weights.LAYOUT.to_file(self.config, tensors)
         dequantized = getattr(self.weights, "DEQUANTIZED", ())
         hf_config = dict(self.config.to_hf_dict(), torch_dtype=self.dtype,
-                         quantization_config=quantization.compressed_tensors_config(self.quant, dequantized,
-                                                                                    LM_HEAD in self.quantized))
+                         quantization_config=quantization.compressed_tensors_config(
+                             self.quant, dequantized, LM_HEAD in self.quantized, self.kv_scales is not None))
         prefix = self.weights.PREFIX
-        write_checkpoint(directory, hf_config, {prefix + n: a for n, a in tensors.items()}, dtype=self.dtype,
-                         raw={prefix + n: code for n, code in raw.items()})
+        tensors, raw = {prefix + n: a for n, a in tensors.items()}, {prefix + n: code for n, code in raw.items()}
+        if self.kv_scales is not None:      # compressed-tensors' names (checkpoint names: the prefix is in them)
+            for layer, k, v in zip(self.weights.layer_prefixes(self.config), *self.kv_scales):
+                for (suffix, *_), value in zip(self.weights.KV_SCALES, (k, v)):
+                    tensors[layer + suffix], raw[layer + suffix] = np.float32(value).reshape(()), "F32"
+        write_checkpoint(directory, hf_config, tensors, dtype=self.dtype, raw=raw)
 
     # -- forward --------------------------------------------------------------------------------
     def __call__(self, ids, **kwargs):

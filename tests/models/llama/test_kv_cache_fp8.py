@@ -2,6 +2,7 @@
 holds e4m3 codes with per-(layer, head) scales, the prefill and decode steps write what write_kv and
 decode_attention write, and the decode logits stay within a stated bound of the model-dtype cache's."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +56,33 @@ def test_bad_kv_cache_dtypes_are_refused(cpu):
     latent = DeepseekV2(DeepseekV2Config.preset("deepseek-v2-lite"), meta=True)
     with pytest.raises(ValueError, match="latent cache is kept in the model's dtype"):
         latent.new_cache(1, 64, Arrays(meta=True), "fp8")
+
+
+def test_a_checkpoints_kv_cache_scales_scale_the_fp8_cache_and_save_back(cpu, tmp_path):
+    """Static per-layer scales of a quantized checkpoint (calibrated here as each layer's key / value absmax / 448
+    from the model-dtype cache) become every head's scales of the FP8 cache: its codes decode to the plain cache's
+    values and the logits stay within the bound; save_pretrained writes them back (compressed-tensors'
+    kv_cache_scheme) and they load again."""
+    model = Llama.from_pretrained(DATA / "tiny-llama", dtype="float32", quantize="fp8")
+    assert model.kv_scales is None
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(0, model.config.vocab_size, (2, 20))
+    follow = rng.integers(0, model.config.vocab_size, (2, 4))
+    plain, exact = decode_logits(model, prompts, follow, "auto")
+    n = prompts.shape[1] + follow.shape[1]
+    k, v = (np.abs(values[:, :, :, :n]).max((1, 2, 3, 4)).astype(np.float32) / 448 for values in (exact.k, exact.v))
+    model.kv_scales = (k, v)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]["strategy"] \
+        == "tensor"
+    loaded = Llama.from_pretrained(tmp_path, dtype="float32")
+    np.testing.assert_array_equal(loaded.kv_scales[0], k)
+    np.testing.assert_array_equal(loaded.kv_scales[1], v)
+    fp8, cache = decode_logits(loaded, prompts, follow, "fp8")
+    np.testing.assert_array_equal(cache.k_scale, np.repeat(k[:, None], model.config.n_kv_head, 1))
+    np.testing.assert_array_equal(cache.v_scale, np.repeat(v[:, None], model.config.n_kv_head, 1))
+    assert 0 < rel_err(fp8, plain) <= FP8_LOGITS_BOUND
+    for layer in range(model.config.n_layer):
+        for codes, scales, values in ((cache.k, cache.k_scale, exact.k), (cache.v, cache.v_scale, exact.v)):
+            assert rel_err(fp8_values(codes[layer][:, :, :n], scales[layer]), values[layer][:, :, :n]) \
+                <= FP8_CACHE_BOUND, layer

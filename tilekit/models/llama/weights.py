@@ -20,6 +20,14 @@ BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)  # a buffer that checkpoints of olde
 QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
              "mlp.up_proj", "mlp.down_proj")  # the linears a quantized model holds in 8 bits (tilekit.models.quantization)
 QUANTIZED_HEAD = True     # and an untied LM head, quantized at load or stored as codes (quantization.head_quantized)
+# a quantized checkpoint's static FP8 KV-cache scales, each layer's under one of these suffixes (keys', values'):
+# compressed-tensors' names, then ModelOpt's (quantization.read_kv_scales)
+KV_SCALES = (("self_attn.k_scale", "self_attn.k_proj.k_scale"), ("self_attn.v_scale", "self_attn.v_proj.v_scale"))
+
+
+def layer_prefixes(config: LlamaConfig) -> list[str]:
+    """The tensor-name prefix of each decoder layer."""
+    return [f"model.layers.{i}." for i in range(config.n_layer)]
 
 
 def state_dict_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

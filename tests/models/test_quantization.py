@@ -393,7 +393,8 @@ def test_a_checkpoint_without_kv_cache_scales_reads_none(tmp_path):
 
 
 def _both(value=0.05, shape=()):
-    return {p + n: np.full(shape, value, np.float32) for p in LAYERS for n in ("self_attn.k_scale", "self_attn.v_scale")}
+    names = ("self_attn.k_scale", "self_attn.v_scale")
+    return {p + n: np.full(shape, value, np.float32) for p in LAYERS for n in names}
 
 
 @pytest.mark.parametrize("scales, match", [
@@ -402,7 +403,8 @@ def _both(value=0.05, shape=()):
     (_both(shape=(2,)), r"tensor 'model.layers.0.self_attn.k_scale' has shape \(2,\)"),
     ({**_both(), "model.layers.0.self_attn.k_proj.k_scale": np.float32(0.05)},
      r"'model.layers.0.self_attn.k_scale' and 'model.layers.0.self_attn.k_proj.k_scale' both give one scale"),
-    ({**_both(), "model.layers.1.self_attn.k_scale": np.float32(-0.05)}, r"'model.layers.1.self_attn.k_scale' is -0.05"),
+    ({**_both(), "model.layers.1.self_attn.k_scale": np.float32(-0.05)},
+     r"'model.layers.1.self_attn.k_scale' is -0.05"),
     ({**_both(), "model.layers.0.self_attn.v_scale": np.float32(0.0)}, r"'model.layers.0.self_attn.v_scale' is 0.0"),
     ({**_both(), "model.layers.0.self_attn.v_scale": np.float32(1e36)},
      r"'model.layers.0.self_attn.v_scale' is 9\.99\d*e\+35: a KV-cache scale must be positive, at most 7.596e\+35"),

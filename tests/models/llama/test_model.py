@@ -210,6 +210,34 @@ def test_fp8_kv_cache_logits_stay_near_the_model_dtype_cache(dtype):
     assert 0 < err <= FP8_LOGITS_BOUND, (dtype, err)
 
 
+def test_a_checkpoints_kv_cache_scales_reach_the_fp8_cache(tmp_path):
+    """A quantized checkpoint's per-layer KV-cache scales (calibrated here: each layer's key / value absmax / 448 in
+    the model-dtype cache), saved and loaded back, are every head's scales of the FP8 cache, and its decode logits
+    stay within the bound of tests/models/llama/test_kv_cache_fp8.py (which checks the same on the CPU)."""
+    from tests.models.llama.test_kv_cache_fp8 import FP8_LOGITS_BOUND
+    from tests.models.steps import decode_logits
+    from tilekit.kernels.checks import host
+    config = LlamaConfig(n_layer=2, n_head=8, n_kv_head=2, n_embd=256, intermediate_size=688, vocab_size=1031,
+                         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    Llama(config, dtype="bfloat16", seed=6).save_pretrained(tmp_path / "float")
+    model = Llama.from_pretrained(tmp_path / "float", quantize="fp8")
+    rng = np.random.default_rng(1)
+    prompts, follow = rng.integers(0, 1031, (2, 300)), rng.integers(0, 1031, (2, 4))
+    plain, exact = decode_logits(model, prompts, follow, "auto")
+    n = prompts.shape[1] + follow.shape[1]
+    k, v = (np.abs(host(values)[:, :, :, :n]).max((1, 2, 3, 4)).astype(np.float32) / 448
+            for values in (exact.k, exact.v))
+    model.kv_scales = (k, v)
+    model.save_pretrained(tmp_path / "fp8")
+    loaded = Llama.from_pretrained(tmp_path / "fp8")
+    fp8, cache = decode_logits(loaded, prompts, follow, "fp8")
+    np.testing.assert_array_equal(cupy.asnumpy(cache.k_scale), np.repeat(k[:, None], config.n_kv_head, 1))
+    np.testing.assert_array_equal(cupy.asnumpy(cache.v_scale), np.repeat(v[:, None], config.n_kv_head, 1))
+    assert np.isfinite(fp8).all()
+    err = rel_err(fp8, plain)
+    assert 0 < err <= FP8_LOGITS_BOUND, err
+
+
 def test_fp8_kv_cache_generate_with_graphs_equals_eager(small_llama):
     prompts = [[5, 17, 900, 4], [3, 1, 4, 1, 5, 9, 2, 6, 5]]
     graphed = small_llama.generate(prompts, 12, temperature=0, kv_cache_dtype="fp8")

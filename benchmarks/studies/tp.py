@@ -56,22 +56,94 @@ def checkpoint_path(preset: str, quantize: str | None = None) -> Path:
 
 
 def write_checkpoint(path: Path, config, log=print, quantize: str | None = None) -> None:
-    """Random weights of `config` (drawn on the GPU, seed 0) saved as a bf16 checkpoint, or `quantize`d per
-    channel as they are drawn and saved as a compressed-tensors one, unless already there (a run stopped while
-    writing leaves no weights file, and the next one writes it again)."""
+    """Random weights of `config` (drawn on the GPU) saved as a bf16 checkpoint, or `quantize`d per channel as they
+    are drawn and saved as a compressed-tensors one, unless already there (a run stopped while writing leaves no
+    weights file, and the next one writes it again). A bf16 model is drawn whole (seed 0) and saved; a quantized one
+    a tensor at a time (drawn_tensors): a 70B model's fp8 weights fit an 80 GB GPU, with the whole model's draw
+    buffers they did not."""
+    from tilekit.models import hf, quantization
     from tilekit.models.families import family_of_config
     if (path / "model.safetensors").exists() and json.loads((path / "config.json").read_text()).get(
             "num_hidden_layers") == config.n_layer:     # the weights file is renamed into place once whole
         log(f"checkpoint {path} (kept from an earlier run)")
         return
     start = time.perf_counter()
-    options = {"quantize": quantize} if quantize else {}
-    model = family_of_config(config).model_class(config, dtype="bfloat16", seed=0, **options)
-    model.save_pretrained(path)
-    del model
+    model_class = family_of_config(config).model_class
+    if quantize:
+        tensors, raw = drawn_tensors(model_class.weights, config, quantize)
+        hf_config = dict(config.to_hf_dict(), torch_dtype="bfloat16", quantization_config=quantization.
+                         compressed_tensors_config(quantization.Scheme(quantize)))
+        hf.write_checkpoint(path, hf_config, tensors, dtype="bfloat16", raw=raw)
+    else:
+        model = model_class(config, dtype="bfloat16", seed=0)
+        model.save_pretrained(path)
+        del model
     import cupy
     cupy.get_default_memory_pool().free_all_blocks()     # the ranks start on these GPUs next
     log(f"checkpoint {path} written in {time.perf_counter() - start:.0f} s")
+
+
+class Drawn:
+    """A checkpoint tensor drawn on the GPU only when hf.write_checkpoint reaches it (its shape and dtype known
+    before): a float weight, or the codes or the scales of a linear quantized per channel (`part`), the linear's
+    draw shared by the two and dropped once both were taken."""
+
+    def __init__(self, draw, shape, dtype, part: str | None = None):
+        self.draw, self.shape, self.dtype, self.part = draw, tuple(shape), dtype, part
+
+    def value(self):
+        return self.draw() if self.part is None else self.draw(self.part)
+
+    def astype(self, dtype, copy=False):
+        return self.value().astype(dtype, copy=copy)
+
+    def get(self):
+        import cupy
+        return cupy.asnumpy(self.value())
+
+
+def _sampler(shape, mean: float, std: float, seed: int, quantize: str):
+    """draw(): the float tensor ~ N(mean, std) from `seed` (fp32, on the GPU); draw(part): "codes" or "scale" of it
+    quantized per channel, one draw serving both."""
+    import cupy
+    import numpy as np
+
+    from tilekit.models import quantization
+    kept = {}
+
+    def draw(part=None):
+        if part is None or not kept:
+            w = cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32) * std + mean
+            if part is None:
+                return w
+            codes = cupy.empty(shape, np.int8 if quantize == "int8" else np.uint8)
+            scale = cupy.empty(shape[0], np.float32)
+            quantization.quantize_into(w, codes, scale, quantize)
+            kept.update(codes=codes, scale=scale.reshape(-1, 1))
+        return kept.pop(part)
+    return draw
+
+
+def drawn_tensors(weights, config, quantize: str, seed: int = 0) -> tuple[dict, dict]:
+    """(name -> Drawn, name -> safetensors dtype of the codes and scales) of a random checkpoint of `config` whose
+    linears (weights.QUANTIZED) are quantized per channel (`quantize`: int8 | fp8), in the file's order (each
+    linear's codes, then its fp32 scales [out, 1]); tensor i drawn from seed + i, ~ weights.weight_stats."""
+    import numpy as np
+
+    from tilekit.models import quantization
+    shapes = weights.state_dict_shapes(config)
+    linears = set(quantization.linear_names(shapes, weights.QUANTIZED))
+    tensors, raw = {}, {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        draw = _sampler(shape, *weights.weight_stats(config, name), seed + i, quantize)
+        if name in linears:
+            code_dtype = np.int8 if quantize == "int8" else np.uint8
+            tensors[name] = Drawn(draw, shape, np.dtype(code_dtype), "codes")
+            tensors[quantization.scale_key(name)] = Drawn(draw, (shape[0], 1), np.dtype(np.float32), "scale")
+            raw[name], raw[quantization.scale_key(name)] = quantization.FILE_DTYPES[quantize], "F32"
+        else:
+            tensors[name] = Drawn(draw, shape, np.dtype(np.float32))
+    return tensors, raw
 
 
 # -- one rank ---------------------------------------------------------------------------------------------

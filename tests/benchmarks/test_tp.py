@@ -8,6 +8,7 @@ import argparse
 import pytest
 
 from benchmarks.studies import tp
+from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
 from tilekit.models.families import preset_config
 
 
@@ -58,3 +59,33 @@ def test_the_model_shape_is_a_presets():
     assert tp.checkpoint_path("deepseek-v2-lite").name == "tilekit-tp-deepseek-v2-lite"
     assert tp.checkpoint_path("llama-3.1-70b", "fp8").name == "tilekit-tp-llama-3.1-70b-fp8"
     assert tp.model_config("llama-3.1-70b", None).n_embd == 8192
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_quantized_checkpoint_is_drawn_a_tensor_at_a_time_and_loads(numpy_cupy, kind, tmp_path):
+    """drawn_tensors through hf.write_checkpoint (NumPy standing in for CuPy): a compressed-tensors checkpoint the
+    model loads quantized, each linear's codes and scales those of its own draw, the other tensors their draws in
+    bf16."""
+    import numpy as np
+
+    from tilekit.models import Llama, LlamaConfig, hf, quantization
+    from tilekit.models.llama import weights
+    config = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=192, vocab_size=64,
+                         max_position_embeddings=64, tie_word_embeddings=False, rope_scaling=None)
+    tensors, raw = tp.drawn_tensors(weights, config, kind, seed=7)
+    hf.write_checkpoint(tmp_path, dict(config.to_hf_dict(), quantization_config=quantization.
+                                       compressed_tensors_config(quantization.Scheme(kind))), tensors,
+                        dtype="bfloat16", raw=raw)
+    model = Llama.from_pretrained(tmp_path, dtype="float32")
+    assert model.quant.weight == kind
+    shapes = weights.state_dict_shapes(config)
+    for i, name in enumerate(shapes):
+        mean, std = weights.weight_stats(config, name)
+        w = np.random.default_rng(7 + i).standard_normal(shapes[name], dtype=np.float32) * std + mean
+        if name in model.quantized:
+            codes, scale = quantization.quantize_weight(w, kind)
+            np.testing.assert_array_equal(model.params[name], codes, err_msg=name)
+            np.testing.assert_array_equal(model.params[quantization.scale_key(name)], scale, err_msg=name)
+        else:
+            np.testing.assert_array_equal(model.params[name], w.astype(hf.numpy_dtype("bfloat16")).astype(np.float32),
+                                          err_msg=name)

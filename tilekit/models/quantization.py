@@ -82,7 +82,6 @@ class Scheme:
     float_head: tuple | None = field(default=None, compare=False)
     kv_scales: bool = False
 
-
     def scale_file_shape(self, shape: tuple[int, int]) -> tuple[int, ...]:
         out, k = shape
         return {"out1": (out, 1), "one": (1,), "scalar": (), "blocks": (math.ceil(out / QBLOCK),
@@ -470,7 +469,8 @@ def read_kv_scales(checkpoint: hf.Checkpoint, layer_names: list[str],
         if problems:
             raise hf.ModelFileError(files.source, hf.listing("has FP8 KV-cache scales tilekit cannot use", problems))
         plan = {name: hf.Target(files.tensors[name].shape, "float32") for name in found.values()}
-        arrays = hf.load_tensors(files, plan, device=hf.HostDevice(), ignore=("",), progress=False)
+        arrays = hf.load_tensors(files, plan, device=hf.HostDevice(), ignore=("",),     # "": every other tensor
+                                 progress=False)
         scales = np.zeros((2, len(layer_names)), np.float32)
         for (which, i), name in found.items():
             value = float(arrays[name].reshape(()))

@@ -83,11 +83,10 @@ class FP8Activations:
 
 DTYPES = ("bfloat16", "float16", "float32")       # a model's weights and activations
 KV_CACHE_DTYPES = ("auto", "fp8")
-# The FP8 cache's scale of every (layer, key/value head), keys and values alike: static, as vLLM's uncalibrated
-# default. Values beyond +-448 saturate; magnitudes below 2^-6 (e4m3's smallest normal) keep an absolute step of
-# 2^-9 rather than 3 significant bits (README: the accuracy measured). Calibrated per-head scales (a checkpoint's,
-# or the prompt's absmax / 448) go into KVCache.k_scale / v_scale: a checkpoint's are (CausalLM.kv_scales), none
-# is computed from the prompt.
+# The FP8 cache's scale of every (layer, key/value head), keys and values alike, where the checkpoint gives none
+# (CausalLM.kv_scales: a quantized checkpoint's static scale of each layer): 1.0, vLLM's uncalibrated default.
+# Values beyond +-448 x scale saturate; magnitudes below 2^-6 x scale (e4m3's smallest normal) keep an absolute step
+# of 2^-9 x scale rather than 3 significant bits (README: the accuracy measured). None is computed from the prompt.
 FP8_KV_SCALE = 1.0
 
 

@@ -10,8 +10,10 @@ own weight-streaming floor (quantized linears at one byte a weight plus their sc
 embedding table's batch rows only, and the mean step's KV cache, at the copy bandwidth) and the share of next
 tokens each model picks as bf16's greedy run did, fed that run's tokens (teacher-forced).
 Prefill row: B8 x T1024 full-logits forward, fp8 (W8A8) against bf16, and its logits' distance from bf16's.
-Linear rows: quant_linear per Llama linear shape against torch._scaled_mm (FP8, row-wise scales, fast accumulation)
-and torch._int_mm (INT8, M > 16), % of the bandwidth floor (few rows) or the tensor-core rate.
+Linear rows: quant_linear per Llama linear shape (int8, fp8 per channel, fp8 with 128 x 128 block scales) against
+torch._scaled_mm (FP8, fast accumulation; blockwise where this PyTorch takes it) and torch._int_mm (INT8, M > 16),
+each output checked against float64 (a failing row is FAILED, without a time), % of the bandwidth floor (few rows)
+or the tensor-core rate.
 """
 
 from __future__ import annotations
@@ -118,9 +120,60 @@ def prefill_rows(preset: str, batch: int = 8, seq: int = 1024, log=print) -> lis
     return rows
 
 
+def expanded(scale, shape):
+    """A scale tensor (per row [R] or [R, 1], per block [ceil(R/128), ceil(C/128)], per row group
+    [R, ceil(C/128)]) as a float64 (R, C) tensor of each element's scale."""
+    from tilekit.models.quantization import QBLOCK
+    s = scale.double().reshape(scale.shape[0], -1)
+    for axis, full in enumerate(shape):
+        if s.shape[axis] == 1:
+            s = s.expand(*(full if a == axis else n for a, n in enumerate(s.shape)))
+        elif s.shape[axis] != full:
+            s = s.repeat_interleave(QBLOCK, axis).narrow(axis, 0, full)
+    return s
+
+
+def dequantized(codes, scale, kind: str):
+    """float64 codes x scale (torch, on the GPU) of int8 or FP8 (uint8 bits or float8_e4m3fn) codes."""
+    import torch
+    values = codes.double() if kind == "int8" else codes.view(torch.float8_e4m3fn).double()
+    return values * expanded(scale, tuple(codes.shape))
+
+
+def output_problem(y, ref, dtype: str) -> str | None:
+    """None where y (M, N) matches the float64 reference as tilekit.kernels.checks.assert_close asks (the whole
+    output and every row within `dtype`'s tolerance), else what is wrong."""
+    from tilekit.kernels.checks import ROW_SLACK, TOL, rel_err, row_errors
+    got, want = y.double().cpu().numpy(), ref.cpu().numpy()
+    err, worst = rel_err(got, want), float(row_errors(got, want).max())
+    ok = err < TOL[dtype] and worst < ROW_SLACK * TOL[dtype]
+    return None if ok else f"error {err:.2g} (worst row {worst:.2g}) against float64, {dtype} tolerance {TOL[dtype]:g}"
+
+
+def block_scaled_mm(xf8, wf8, w_scale, ref):
+    """torch._scaled_mm of x (M, K) FP8 with 1 x 128 scales of one and w (N, K) FP8 with 128 x 128 block scales, in
+    the first scale layout this PyTorch takes whose output matches `ref`; None where none does."""
+    import torch
+    M, K = xf8.shape
+    ones = torch.ones(-(-K // 128), M, device="cuda").t()             # 1 x 128 scales: outer-dimension-major
+    for scale_b in (w_scale.t(), w_scale.t().contiguous(), w_scale):
+        def call(scale_b=scale_b):
+            return torch._scaled_mm(xf8, wf8.t(), scale_a=ones, scale_b=scale_b, out_dtype=torch.bfloat16)
+        try:
+            if output_problem(call(), ref, "bfloat16") is None:
+                return call
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            continue
+    return None
+
+
 def linear_rows(preset: str, copy_gbs: float, peak: float, rows_list=(1, 8, 32, 8192), log=print) -> list[dict]:
-    """quant_linear (weight-only int8 / fp8; W8A8 fp8 from 128 rows) against torch._scaled_mm and torch._int_mm;
-    `peak`: the measured bf16 tensor-core rate (FP8's taken as twice it)."""
+    """quant_linear (weight-only int8 / fp8 with per-channel scales, fp8 with 128 x 128 block scales; W8A8 fp8 from
+    128 rows, the activations quantized per row, or per 128-column group with block scales) against
+    torch._scaled_mm (fp8: per-channel scales, fast accumulation; block scales where this PyTorch takes them, else
+    the per-channel call, so marked) and torch._int_mm (int8, M > 16). Every output (ours poisoned first) is checked
+    against a float64 product of the dequantized operands: a row that fails is FAILED, without a time. `peak`: the
+    measured bf16 tensor-core rate (FP8's taken as twice it)."""
     import cupy
     import torch
 
@@ -134,35 +187,63 @@ def linear_rows(preset: str, copy_gbs: float, peak: float, rows_list=(1, 8, 32, 
         w8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, device="cuda")
         wf8 = (torch.randn(N, K, device="cuda")).to(torch.float8_e4m3fn)
         ws = torch.rand(N, device="cuda") / K
+        wsb = torch.rand(-(-N // 128), -(-K // 128), device="cuda") / K
+        weights = {"int8": (w8, ws), "fp8": (wf8.view(torch.uint8), ws), "fp8 block": (wf8.view(torch.uint8), wsb)}
         for M in rows_list:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-            w8a8 = M >= 128
-            xq, xs = torch.empty(M, K, dtype=torch.uint8, device="cuda"), torch.empty(M, 1, device="cuda")
-            ours = {"int8": lambda: quant_linear(x, w8, ws, weight_dtype="int8", out=y)}
-            if w8a8:
-                def fp8():
-                    quantize_fp8(x, xq, xs)
-                    quant_linear(xq, wf8.view(torch.uint8), ws, weight_dtype="fp8", x_scale=xs, out=y)
-                ours["fp8"] = fp8
-            else:
-                ours["fp8"] = lambda: quant_linear(x, wf8.view(torch.uint8), ws, weight_dtype="fp8", out=y)
             xf8 = x.to(torch.float8_e4m3fn)
-            theirs = {"fp8": lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=torch.ones(M, 1, device="cuda"),
+            for kind, (w, scale) in weights.items():
+                w8a8 = M >= 128 and kind != "int8"
+                group = 128 if kind == "fp8 block" else None
+                wdtype = kind.split()[0]
+                if w8a8:
+                    xq = torch.empty(M, K, dtype=torch.uint8, device="cuda")
+                    xs = torch.empty(M, -(-K // 128) if group else 1, device="cuda")
+
+                    def ours(w=w, scale=scale, xq=xq, xs=xs, group=group):
+                        quantize_fp8(x, xq, xs, group=group)
+                        quant_linear(xq, w, scale, weight_dtype="fp8", x_scale=xs, out=y)
+                else:
+                    def ours(w=w, scale=scale, wdtype=wdtype):
+                        quant_linear(x, w, scale, weight_dtype=wdtype, out=y)
+                y.view(torch.int16).fill_(0x7FC0)                               # NaN bits: poisoned
+                ours()
+                lhs = dequantized(xq, xs, "fp8") if w8a8 else x.double()
+                problem = output_problem(y, lhs @ dequantized(w, scale, wdtype).t(), "bfloat16")
+                theirs, anchor, wrong = None, None, None
+                if kind == "int8" and M > 16:
+                    x8 = torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda")
+                    theirs, anchor = (lambda x8=x8: torch._int_mm(x8, w8.t())), "torch._int_mm"
+                    wrong = output_problem(theirs().double(), x8.double() @ w8.double().t(), "float32")
+                elif kind == "fp8":
+                    theirs = lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=torch.ones(M, 1, device="cuda"),  # noqa
                                                       scale_b=ws.view(1, N), out_dtype=torch.bfloat16,
-                                                      use_fast_accum=True)}
-            if M > 16:
-                x8 = torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda")
-                theirs["int8"] = lambda: torch._int_mm(x8, w8.t())
-            for kind, fn in ours.items():
-                ms = timed(fn)
-                ref_ms = timed(theirs[kind]) if kind in theirs else math.nan
+                                                      use_fast_accum=True)
+                    anchor = "torch._scaled_mm"
+                    wrong = output_problem(theirs(), xf8.double() @ dequantized(w, ws, "fp8").t(), "bfloat16")
+                elif kind == "fp8 block":
+                    theirs = block_scaled_mm(xf8, wf8, wsb, xf8.double() @ dequantized(w, wsb, "fp8").t())
+                    anchor = "torch._scaled_mm blockwise"
+                    if theirs is None:
+                        theirs = lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=torch.ones(M, 1, device="cuda"),  # noqa
+                                                          scale_b=ws.view(1, N), out_dtype=torch.bfloat16,
+                                                          use_fast_accum=True)
+                        anchor = "torch._scaled_mm per channel (no blockwise here)"
+                ms = math.nan if problem else timed(ours)
+                ref_ms = math.nan if theirs is None or wrong else timed(theirs)
                 floor = (N * K + 2 * M * (K + N)) / (copy_gbs * 1e9) * 1e3
-                compute = 2 * M * N * K / (peak * (2 if w8a8 and kind == "fp8" else 1) * 1e12) * 1e3
-                row = dict(preset=preset, linear=name, M=M, N=N, K=K, weights=kind, w8a8=w8a8 and kind == "fp8",
-                           ms=ms, torch_ms=ref_ms, vs_torch=ref_ms / ms, pct_floor=100 * max(floor, compute) / ms)
-                log(f"{name:8s} M{M:<5d} N{N:<6d} K{K:<6d} {kind:4s}{' w8a8' if row['w8a8'] else '     '} {ms * 1e3:9.1f} us"
-                    f"  torch {ref_ms * 1e3:9.1f} us ({row['vs_torch']:.2f}x)  {row['pct_floor']:4.0f}% of floor")
+                compute = 2 * M * N * K / (peak * (2 if w8a8 else 1) * 1e12) * 1e3
+                row = dict(preset=preset, linear=name, M=M, N=N, K=K, weights=kind, w8a8=w8a8, ms=ms,
+                           torch_ms=ref_ms, anchor=anchor, vs_torch=ref_ms / ms,
+                           pct_floor=100 * max(floor, compute) / ms, problem=problem, anchor_problem=wrong)
+                label = f"{name:8s} M{M:<5d} N{N:<6d} K{K:<6d} {kind:9s}{' w8a8' if w8a8 else '     '}"
+                if problem:
+                    log(f"{label} FAILED: {problem}")
+                else:
+                    theirs_text = f"anchor FAILED: {wrong}" if wrong else \
+                        f"{anchor or 'no anchor'} {ref_ms * 1e3:9.1f} us ({row['vs_torch']:.2f}x)"
+                    log(f"{label} {ms * 1e3:9.1f} us  {theirs_text}  {row['pct_floor']:4.0f}% of floor")
                 out.append(row)
     cupy.cuda.runtime.deviceSynchronize()
     return out

@@ -1,6 +1,7 @@
 """The quant study's accuracy column (CPU: a stand-in model)."""
 
 import numpy as np
+import pytest
 
 from benchmarks.studies.quant import next_token_agreement
 
@@ -23,3 +24,23 @@ def test_next_token_agreement_compares_each_generated_position_given_the_referen
     sequences[1, 5] = 0                                           # except one generated position (of 10)
     assert next_token_agreement(Echo(vocab, 1), sequences, prompt) == 8 / 10
     assert next_token_agreement(Echo(vocab, 2), sequences, prompt) == 0.0
+
+
+def test_the_linear_rows_check_outputs_against_dequantized_float64_products():
+    """expanded / dequantized give every element its scale (per row, per 128 x 128 block, per row and 128-column
+    group), and output_problem passes a right product and names a wrong or non-finite one (torch on the CPU)."""
+    torch = pytest.importorskip("torch")
+    from benchmarks.studies.quant import dequantized, expanded, output_problem
+    N, K, M = 300, 520, 5
+    per_row, blocks, groups = torch.rand(N), torch.rand(3, 5), torch.rand(M, 5)
+    assert torch.equal(expanded(per_row, (N, K))[:, 7], per_row.double())
+    full = expanded(blocks, (N, K))
+    assert full.shape == (N, K) and full[129, 257] == blocks[1, 2] and full[299, 519] == blocks[2, 4]
+    assert expanded(groups, (M, K))[2, 300] == groups[2, 2]
+    codes = torch.randn(N, K).to(torch.float8_e4m3fn).view(torch.uint8)
+    w = dequantized(codes, blocks, "fp8")
+    assert torch.equal(w, codes.view(torch.float8_e4m3fn).double() * full)
+    ref = torch.randn(M, K).double() @ w.t()
+    assert output_problem(ref.to(torch.bfloat16), ref, "bfloat16") is None
+    assert output_problem((ref * 1.05).to(torch.bfloat16), ref, "bfloat16").startswith("error 0.05")
+    assert output_problem(torch.full((M, N), float("nan")), ref, "bfloat16").startswith("error inf")

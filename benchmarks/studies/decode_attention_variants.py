@@ -9,7 +9,8 @@ tests check (tilekit.kernels.checks: the whole output and every row; a row that 
 variant: a kernel change measured against the one before it in the same run.
 
 Time, two ways: `us`, LAYERS launches, each on its own arrays as a model's layers are, captured in a CUDA graph and
-replayed after an L2 flush, the median of 30 replays divided by LAYERS; `tuner_us`, one launch timed as the tuner
+replayed after an L2 flush and a device synchronize (so each time holds the graph's submission too, a few us: under
+0.5 us a launch), the median of 30 replays divided by LAYERS; `tuner_us`, one launch timed as the tuner
 times it (tilekit.autotune.tuner.measure_launches: eager, L2 flushed, mean of 30). Produced
 docs/results/decode-attention-short-h100.txt.
 """

@@ -58,9 +58,10 @@ def checkpoint_path(preset: str, quantize: str | None = None) -> Path:
 def write_checkpoint(path: Path, config, log=print, quantize: str | None = None) -> None:
     """Random weights of `config` (drawn on the GPU) saved as a bf16 checkpoint, or `quantize`d per channel as they
     are drawn and saved as a compressed-tensors one, unless already there (a run stopped while writing leaves no
-    weights file, and the next one writes it again). A bf16 model is drawn whole (seed 0) and saved; a quantized one
-    a tensor at a time (drawn_tensors): a 70B model's fp8 weights fit an 80 GB GPU, with the whole model's draw
-    buffers they did not."""
+    weights file, and the next one writes it again). A quantized model of a family whose files keep its own tensors
+    (drawn_as_stored: Llama) is drawn a tensor at a time (drawn_tensors): a 70B model's
+    fp8 weights fit an 80 GB GPU, with the whole model's draw buffers they did not. Any other model is drawn whole
+    (seed 0) and saved by save_pretrained, which writes its family's layout."""
     from tilekit.models import hf, quantization
     from tilekit.models.families import family_of_config
     if (path / "model.safetensors").exists() and json.loads((path / "config.json").read_text()).get(
@@ -69,18 +70,25 @@ def write_checkpoint(path: Path, config, log=print, quantize: str | None = None)
         return
     start = time.perf_counter()
     model_class = family_of_config(config).model_class
-    if quantize:
-        tensors, raw = drawn_tensors(model_class.weights, config, quantize)
+    weights = model_class.weights
+    if quantize and drawn_as_stored(weights):
+        tensors, raw = drawn_tensors(weights, config, quantize)
         hf_config = dict(config.to_hf_dict(), torch_dtype="bfloat16", quantization_config=quantization.
                          compressed_tensors_config(quantization.Scheme(quantize)))
         hf.write_checkpoint(path, hf_config, tensors, dtype="bfloat16", raw=raw)
     else:
-        model = model_class(config, dtype="bfloat16", seed=0)
+        model = model_class(config, dtype="bfloat16", seed=0, **({"quantize": quantize} if quantize else {}))
         model.save_pretrained(path)
         del model
     import cupy
     cupy.get_default_memory_pool().free_all_blocks()     # the ranks start on these GPUs next
     log(f"checkpoint {path} written in {time.perf_counter() - start:.0f} s")
+
+
+def drawn_as_stored(weights) -> bool:
+    """Whether a family's checkpoints hold its tensors as the model does (no LAYOUT.to_file) with every linear of
+    weights.QUANTIZED quantized (no DEQUANTIZED ones): then drawn_tensors writes a checkpoint it loads."""
+    return weights.LAYOUT.to_file is None and not getattr(weights, "DEQUANTIZED", ())
 
 
 class Drawn:

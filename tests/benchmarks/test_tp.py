@@ -89,3 +89,10 @@ def test_a_quantized_checkpoint_is_drawn_a_tensor_at_a_time_and_loads(numpy_cupy
         else:
             np.testing.assert_array_equal(model.params[name], w.astype(hf.numpy_dtype("bfloat16")).astype(np.float32),
                                           err_msg=name)
+
+
+def test_only_families_whose_files_hold_their_own_tensors_are_drawn_a_tensor_at_a_time():
+    from tilekit.models.deepseek_v2 import weights as deepseek_weights
+    from tilekit.models.llama import weights as llama_weights
+    assert tp.drawn_as_stored(llama_weights)
+    assert not tp.drawn_as_stored(deepseek_weights)     # experts kept as stacked tensors, some linears dequantized

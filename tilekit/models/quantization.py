@@ -7,11 +7,13 @@ W ~ codes * scale (tilekit.kernels.quant_linear). Checkpoints read:
 
 * compressed-tensors ("float-quantized" FP8 / "int-quantized" INT8 weights; channel, tensor or 128x128 block
   strategy; symmetric; no group size, sparse layout or transform): `weight` + `weight_scale` ([out, 1], [1] or
-  blocks);
+  blocks); a `kv_cache_scheme` of static per-tensor 8-bit float scales: each attention layer's `k_scale` /
+  `v_scale`, which an FP8 KV cache takes (read_kv_scales; other KV-cache schemes' scales are read past);
 * fbgemm_fp8: `weight` + `weight_scale` [out, 1] (`input_scale_ub` read past);
 * ModelOpt (`quant_method: modelopt` or hf_quant_config.json): FP8 (per-tensor `weight_scale`, a scalar),
-  FP8_PER_CHANNEL_PER_TOKEN ([out, 1]) and FP8_PB_WO (blocks); static `input_scale`s and KV-cache scales are
-  read past (activations are scaled per token, the KV cache stays in the model's dtype);
+  FP8_PER_CHANNEL_PER_TOKEN ([out, 1]) and FP8_PB_WO (blocks); static `input_scale`s are read past
+  (activations are scaled per token); with `kv_cache_quant_algo: FP8`, each layer's `k_proj.k_scale` /
+  `v_proj.v_scale` go to an FP8 KV cache as compressed-tensors' do (else they are read past);
 * DeepSeek-style block FP8 (`quant_method: fp8`, `weight_block_size: [128, 128]`): `weight` +
   `weight_scale_inv` (blocks; despite the name a multiplier, as DeepSeek-V3 dequantizes).
 
@@ -440,17 +442,45 @@ def scale_key(weight_name: str) -> str:
     return weight_name + "_scale"
 
 
+KV_SCALE_MIN = float(np.finfo(np.float32).tiny)              # a normal fp32: its reciprocal stays finite
 KV_SCALE_MAX = float(np.finfo(np.float32).max) / 448      # e4m3's largest code x the scale stays finite
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
+
+
+def kv_scale_problem(value: float) -> str | None:
+    """Why `value` cannot scale an FP8 KV cache (code x scale = value), or None."""
+    if math.isfinite(value) and KV_SCALE_MIN <= value <= KV_SCALE_MAX:
+        return None
+    return f"is {value!r}: a KV-cache scale must be between {KV_SCALE_MIN:.4g} and {KV_SCALE_MAX:.4g} (finite in " \
+           "fp32, its reciprocal and e4m3's largest code times it too)"
+
+
+def checked_kv_scales(scales, layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """CausalLM.kv_scales as (keys', values') fp32 (layers,) arrays; ValueError naming kv_scales otherwise."""
+    try:
+        k, v = (np.asarray(part, np.float64) for part in scales)
+    except (TypeError, ValueError):
+        k = v = None
+    if k is None or k.ndim != 1 or v.ndim != 1:
+        raise ValueError("kv_scales must be (key scales, value scales), one of each per layer")
+    for name, part in (("key", k), ("value", v)):
+        if part.shape != (layers,):
+            raise ValueError(f"kv_scales: {part.size} {name} scales for {layers} layers")
+        bad = [(i, x) for i, x in enumerate(part.tolist()) if kv_scale_problem(x)]
+        if bad:
+            raise ValueError(f"kv_scales: layer {bad[0][0]}'s {name} scale {kv_scale_problem(bad[0][1])}")
+    return k.astype(np.float32), v.astype(np.float32)
 
 
 def read_kv_scales(checkpoint: hf.Checkpoint, layer_names: list[str],
-                   names: tuple[tuple[str, ...], tuple[str, ...]]) -> tuple[np.ndarray, np.ndarray] | None:
-    """A checkpoint's static FP8 KV-cache scales (Scheme.kv_scales): (keys', values') fp32 (layers,), one scale of
-    each attention layer `layer_names[i]` (its tensors' prefix, e.g. 'model.layers.0.'), found under one of `names`
-    (the key scale's suffixes, the value scale's: 'self_attn.k_scale' as compressed-tensors writes it,
-    'self_attn.k_proj.k_scale' as ModelOpt does), or None where the checkpoint holds none. Each must be a float
-    scalar ([] or [1]), positive and at most KV_SCALE_MAX; a layer lacking one while others have theirs is
-    refused."""
+                   names: tuple[tuple[str, ...], tuple[str, ...]]) -> tuple[np.ndarray, np.ndarray]:
+    """A checkpoint's static FP8 KV-cache scales, which its config declares (Scheme.kv_scales): (keys', values')
+    fp32 (layers,), one scale of each attention layer `layer_names[i]` (its tensors' prefix, e.g.
+    'model.layers.0.'), found under one of `names` (the key scale's suffixes, the value scale's: 'self_attn.k_scale'
+    as compressed-tensors writes it, 'self_attn.k_proj.k_scale' as ModelOpt does). Each must be a float scalar
+    ([] or [1]) that kv_scale_problem accepts. A layer without its two scales, a scale tensor under another name
+    (the weights' loader reads past every '.k_scale' / '.v_scale'), or none at all is a ModelFileError naming the
+    file and the tensors. Only headers are read until those checks pass."""
     with checkpoint.tensor_files() as files:
         found, problems = {}, []
         for i, layer in enumerate(layer_names):
@@ -461,23 +491,31 @@ def read_kv_scales(checkpoint: hf.Checkpoint, layer_names: list[str],
                 elif hits:
                     found[which, i] = hits[0]
         if not found:
-            return None
-        problems += [f"missing tensor {quoted(layer_names[i] + names[which][0])} (the other layers have theirs)"
-                     for i in range(len(layer_names)) for which in (0, 1) if (which, i) not in found]
+            raise hf.ModelFileError(files.source, f"its config declares static KV-cache scales, but no tensor holds "
+                                                  f"them (read: {' or '.join(map(quoted, names[0]))} and "
+                                                  f"{' or '.join(map(quoted, names[1]))} of each layer)")
+        for which, kind in enumerate(("key", "value")):
+            have = sum((which, i) in found for i in range(len(layer_names)))
+            problems += [f"missing tensor {quoted(layer_names[i] + names[which][0])} ("
+                         + (f"{have} of {len(layer_names)} layers have their {kind} scale)" if have else
+                            f"no layer has a {kind} scale)")
+                         for i in range(len(layer_names)) if (which, i) not in found]
         problems += [f"tensor {quoted(name)} has shape {files.tensors[name].shape}: one KV-cache scale per layer "
                      f"([] or [1]) is read" for name in found.values() if files.tensors[name].shape not in ((), (1,))]
+        known = set(found.values())
+        problems += [f"tensor {quoted(name)}: a KV-cache scale under a name tilekit does not read" for name in
+                     files.tensors if name.endswith(KV_SCALE_SUFFIXES) and name not in known]
         if problems:
             raise hf.ModelFileError(files.source, hf.listing("has FP8 KV-cache scales tilekit cannot use", problems))
-        plan = {name: hf.Target(files.tensors[name].shape, "float32") for name in found.values()}
+        plan = {name: hf.Target(files.tensors[name].shape, "float32") for name in known}
         arrays = hf.load_tensors(files, plan, device=hf.HostDevice(), ignore=("",),     # "": every other tensor
-                                 progress=False)
+                                 expected="its FP8 KV-cache scales", progress=False)
         scales = np.zeros((2, len(layer_names)), np.float32)
         for (which, i), name in found.items():
             value = float(arrays[name].reshape(()))
-            if not (math.isfinite(value) and 0 < value <= KV_SCALE_MAX):
-                raise hf.ModelFileError(files.source, f"tensor {quoted(name)} is {value!r}: a KV-cache scale must be "
-                                                      f"positive, at most {KV_SCALE_MAX:.4g} (e4m3's largest code "
-                                                      "times it must stay finite in fp32)")
+            problem = kv_scale_problem(value)
+            if problem:
+                raise hf.ModelFileError(files.source, f"tensor {quoted(name)} {problem}")
             scales[which, i] = value
     return scales[0], scales[1]
 

@@ -110,7 +110,8 @@ class KVCache:
             self.k_scale, self.v_scale = arrays.zeros((layers, heads), "float32"), arrays.zeros((layers, heads), "float32")
             if not arrays.meta:
                 import cupy
-                k, v = model.kv_scales if model.kv_scales is not None else (np.full(layers, FP8_KV_SCALE),) * 2
+                k, v = (np.full(layers, FP8_KV_SCALE),) * 2 if model.kv_scales is None else \
+                    quantization.checked_kv_scales(model.kv_scales, layers)
                 self.k_scale[...] = cupy.asarray(np.repeat(np.float32(k)[:, None], heads, 1))
                 self.v_scale[...] = cupy.asarray(np.repeat(np.float32(v)[:, None], heads, 1))
         self.capacity = capacity
@@ -662,7 +663,8 @@ class CausalLM(TextGeneration):
         (tilekit.models.quantization) loads quantized (its LM head as the file stores it); quantize="int8" | "fp8"
         quantizes a float one per channel as it streams in, with quantize_head=True its untied LM head too (a
         family with weights.QUANTIZED_HEAD); linears the family keeps in its dtype (weights.DEQUANTIZED) are
-        dequantized as they load. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this
+        dequantized as they load; a quantized checkpoint's static FP8 KV-cache scales (quantization.read_kv_scales)
+        become kv_scales, the FP8 KV cache's. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this
         rank's slices of the tensors are read (the family's weights.shard_parts), of a quantized linear its codes
         and their scales (quantization.scale_part), quantize= quantizing the slice. The arguments are checked
         before any file is read."""
@@ -718,12 +720,13 @@ class CausalLM(TextGeneration):
             made.append(cls(config, dtype=dtype, empty=True, **kwargs))
             return made[0].params
         options = {} if parts is None else {"parts": parts}
+        kv_scales = None            # read first: a bad one is refused before the weights stream in
+        if scheme is not None and scheme.kv_scales and hasattr(cls.weights, "KV_SCALES"):
+            kv_scales = quantization.read_kv_scales(checkpoint, cls.weights.layer_prefixes(config),
+                                                    cls.weights.KV_SCALES)
         cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate, ignore=scheme.ignored if scheme else (),
                          rewrite=scheme and rewrite, **options)
-        made[0].checkpoint = checkpoint
-        if scheme is not None and scheme.kv_scales and hasattr(cls.weights, "KV_SCALES"):
-            made[0].kv_scales = quantization.read_kv_scales(checkpoint, cls.weights.layer_prefixes(config),
-                                                            cls.weights.KV_SCALES)
+        made[0].checkpoint, made[0].kv_scales = checkpoint, kv_scales
         return made[0]
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -746,6 +749,9 @@ class CausalLM(TextGeneration):
             raise ValueError("save_pretrained of a tensor-parallel model: each rank holds only its slices of the "
                              "weights; save from a one-rank model (no comm), loaded the same way")
         if not self.quant:
+            if self.kv_scales is not None:
+                raise ValueError("kv_scales are saved with a quantized model's compressed-tensors checkpoint; this "
+                                 "model's linears are not quantized")
             self.weights.save_state_dict(directory, self.config, self.params, dtype=self.dtype)
             return
         tensors, raw = quantization.file_tensors(self.params, self.quantized, self.quant)
@@ -758,7 +764,10 @@ class CausalLM(TextGeneration):
         prefix = self.weights.PREFIX
         tensors, raw = {prefix + n: a for n, a in tensors.items()}, {prefix + n: code for n, code in raw.items()}
         if self.kv_scales is not None:      # compressed-tensors' names (checkpoint names: the prefix is in them)
-            for layer, k, v in zip(self.weights.layer_prefixes(self.config), *self.kv_scales):
+            if not hasattr(self.weights, "KV_SCALES"):
+                raise ValueError(f"kv_scales: {type(self).__name__} checkpoints keep no KV-cache scales")
+            scales = quantization.checked_kv_scales(self.kv_scales, len(self.weights.layer_prefixes(self.config)))
+            for layer, k, v in zip(self.weights.layer_prefixes(self.config), *scales):
                 for (suffix, *_), value in zip(self.weights.KV_SCALES, (k, v)):
                     tensors[layer + suffix], raw[layer + suffix] = np.float32(value).reshape(()), "F32"
         write_checkpoint(directory, hf_config, tensors, dtype=self.dtype, raw=raw)

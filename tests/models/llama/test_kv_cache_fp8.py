@@ -86,3 +86,22 @@ def test_a_checkpoints_kv_cache_scales_scale_the_fp8_cache_and_save_back(cpu, tm
         for codes, scales, values in ((cache.k, cache.k_scale, exact.k), (cache.v, cache.v_scale, exact.v)):
             assert rel_err(fp8_values(codes[layer][:, :, :n], scales[layer]), values[layer][:, :, :n]) \
                 <= FP8_CACHE_BOUND, layer
+
+
+def test_kv_scales_set_by_hand_are_checked_where_they_are_used(cpu, tmp_path):
+    model = Llama.from_pretrained(DATA / "tiny-llama", dtype="float32", quantize="fp8")
+    layers = model.config.n_layer
+    for scales, match in [((np.ones(layers + 1), np.ones(layers)), f"kv_scales: {layers + 1} key scales for {layers} "
+                                                                    "layers"),
+                          ((np.ones(layers), np.full(layers, np.nan)), "kv_scales: layer 0's value scale is nan"),
+                          ((np.ones(layers), -np.ones(layers)), "kv_scales: layer 0's value scale is -1.0"),
+                          (np.ones(layers), r"kv_scales must be \(key scales, value scales\)")]:
+        model.kv_scales = scales
+        with pytest.raises(ValueError, match=match):
+            model.new_cache(1, 64, Arrays(), "fp8")
+        with pytest.raises(ValueError, match=match):
+            model.save_pretrained(tmp_path / "q")
+    plain = Llama.from_pretrained(DATA / "tiny-llama", dtype="float32")
+    plain.kv_scales = (np.ones(layers), np.ones(layers))
+    with pytest.raises(ValueError, match="kv_scales are saved with a quantized model's compressed-tensors checkpoint"):
+        plain.save_pretrained(tmp_path / "f")

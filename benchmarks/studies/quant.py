@@ -190,10 +190,16 @@ def linear_rows(preset: str, copy_gbs: float, peak: float, rows_list=(1, 8, 32, 
         ws = torch.rand(N, device="cuda") / K
         wsb = torch.rand(-(-N // 128), -(-K // 128), device="cuda") / K
         weights = {"int8": (w8, ws), "fp8": (wf8.view(torch.uint8), ws), "fp8 block": (wf8.view(torch.uint8), wsb)}
+        exact = {kind: dequantized(w, scale, kind.split()[0]) for kind, (w, scale) in weights.items()}   # float64
         for M in rows_list:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             xf8 = x.to(torch.float8_e4m3fn)
+            x64 = xf8.double()
+
+            def per_channel():
+                return torch._scaled_mm(xf8, wf8.t(), scale_a=torch.ones(M, 1, device="cuda"), scale_b=ws.view(1, N),
+                                        out_dtype=torch.bfloat16, use_fast_accum=True)
             for kind, (w, scale) in weights.items():
                 w8a8 = M >= 128 and kind != "int8"
                 group = 128 if kind == "fp8 block" else None
@@ -211,27 +217,20 @@ def linear_rows(preset: str, copy_gbs: float, peak: float, rows_list=(1, 8, 32, 
                 y.view(torch.int16).fill_(0x7FC0)                               # NaN bits: poisoned
                 ours()
                 lhs = dequantized(xq, xs, "fp8") if w8a8 else x.double()
-                problem = output_problem(y, lhs @ dequantized(w, scale, wdtype).t(), "bfloat16")
+                problem = output_problem(y, lhs @ exact[kind].t(), "bfloat16")
                 theirs, anchor, wrong = None, None, None
                 if kind == "int8" and M > 16:
                     x8 = torch.randint(-127, 128, (M, K), dtype=torch.int8, device="cuda")
                     theirs, anchor = (lambda x8=x8: torch._int_mm(x8, w8.t())), "torch._int_mm"
                     wrong = output_problem(theirs().double(), x8.double() @ w8.double().t(), "float32")
                 elif kind == "fp8":
-                    theirs = lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=torch.ones(M, 1, device="cuda"),  # noqa
-                                                      scale_b=ws.view(1, N), out_dtype=torch.bfloat16,
-                                                      use_fast_accum=True)
-                    anchor = "torch._scaled_mm"
-                    wrong = output_problem(theirs(), xf8.double() @ dequantized(w, ws, "fp8").t(), "bfloat16")
+                    theirs, anchor = per_channel, "torch._scaled_mm"
                 elif kind == "fp8 block":
-                    theirs = block_scaled_mm(xf8, wf8, wsb, xf8.double() @ dequantized(w, wsb, "fp8").t())
-                    anchor = "torch._scaled_mm blockwise"
+                    theirs, anchor = block_scaled_mm(xf8, wf8, wsb, x64 @ exact[kind].t()), "torch._scaled_mm blockwise"
                     if theirs is None:
-                        theirs = lambda: torch._scaled_mm(xf8, wf8.t(), scale_a=torch.ones(M, 1, device="cuda"),  # noqa
-                                                          scale_b=ws.view(1, N), out_dtype=torch.bfloat16,
-                                                          use_fast_accum=True)
-                        anchor = "torch._scaled_mm per channel (no blockwise here)"
-                        wrong = output_problem(theirs(), xf8.double() @ dequantized(w, ws, "fp8").t(), "bfloat16")
+                        theirs, anchor = per_channel, "torch._scaled_mm per channel (no blockwise here)"
+                if theirs is per_channel:                   # block_scaled_mm checked its own output
+                    wrong = output_problem(theirs(), x64 @ exact["fp8"].t(), "bfloat16")
                 ms = math.nan if problem else timed(ours)
                 ref_ms = math.nan if theirs is None or wrong else timed(theirs)
                 floor = (N * K + 2 * M * (K + N)) / (copy_gbs * 1e9) * 1e3

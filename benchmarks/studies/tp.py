@@ -110,9 +110,9 @@ class Drawn:
         return cupy.asnumpy(self.value())
 
 
-def _sampler(shape, mean: float, std: float, seed: int, quantize: str):
-    """draw(): the float tensor ~ N(mean, std) from `seed` (fp32, on the GPU); draw(part): "codes" or "scale" of it
-    quantized per channel, one draw serving both."""
+def _sampler(shape, mean: float, std: float, seed: int, quantize: str, code_dtype):
+    """draw(): the float tensor ~ N(mean, std) from `seed` (fp32, on the GPU); draw(part): "codes" (code_dtype) or
+    "scale" of it quantized per channel, one draw serving both."""
     import cupy
     import numpy as np
 
@@ -124,7 +124,7 @@ def _sampler(shape, mean: float, std: float, seed: int, quantize: str):
             w = cupy.random.default_rng(seed).standard_normal(shape, dtype=cupy.float32) * std + mean
             if part is None:
                 return w
-            codes = cupy.empty(shape, np.int8 if quantize == "int8" else np.uint8)
+            codes = cupy.empty(shape, code_dtype)
             scale = cupy.empty(shape[0], np.float32)
             quantization.quantize_into(w, codes, scale, quantize)
             kept.update(codes=codes, scale=scale.reshape(-1, 1))
@@ -141,12 +141,12 @@ def drawn_tensors(weights, config, quantize: str, seed: int = 0) -> tuple[dict, 
     from tilekit.models import quantization
     shapes = weights.state_dict_shapes(config)
     linears = set(quantization.linear_names(shapes, weights.QUANTIZED))
+    code_dtype = np.dtype(np.int8 if quantize == "int8" else np.uint8)
     tensors, raw = {}, {}
     for i, (name, shape) in enumerate(shapes.items()):
-        draw = _sampler(shape, *weights.weight_stats(config, name), seed + i, quantize)
+        draw = _sampler(shape, *weights.weight_stats(config, name), seed + i, quantize, code_dtype)
         if name in linears:
-            code_dtype = np.int8 if quantize == "int8" else np.uint8
-            tensors[name] = Drawn(draw, shape, np.dtype(code_dtype), "codes")
+            tensors[name] = Drawn(draw, shape, code_dtype, "codes")
             tensors[quantization.scale_key(name)] = Drawn(draw, (shape[0], 1), np.dtype(np.float32), "scale")
             raw[name], raw[quantization.scale_key(name)] = quantization.FILE_DTYPES[quantize], "F32"
         else:

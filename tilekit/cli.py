@@ -157,10 +157,17 @@ def _check_quantize_head(args) -> None:
 
 
 def _model_problems(args) -> list:
-    """The workload of --model with its --dtype, sizes, --quantize[-head] and --tp (tune, db explain)."""
+    """The workload of --model with its --dtype, sizes, --quantize[-head] and --tp (tune, db explain); a quantized
+    checkpoint's own scheme (FP8 block scales, its LM head as stored)."""
+    from tilekit.models import families
     from tilekit.models.workload import model_problems
-    return model_problems(_config_for(args.model), args.dtype, args.batch_sizes, args.seq_lens, args.new_tokens,
-                          args.quantize, args.tp, args.quantize_head)
+    config = _config_for(args.model)
+    if args.model in families.preset_names():
+        quantize, head = args.quantize, args.quantize_head
+    else:
+        quantize, head = families.quantization_of(args.model, args.quantize, args.quantize_head), False
+    return model_problems(config, args.dtype, args.batch_sizes, args.seq_lens, args.new_tokens, quantize, args.tp,
+                          head)
 
 
 def cmd_tune(args) -> int:

@@ -137,6 +137,20 @@ def config_from_path(path_or_name):
     return family_of_fields(f).config_class.from_fields(f)
 
 
+def quantization_of(path_or_name, quantize: str | None = None, quantize_head: bool = False):
+    """The quantization.Scheme of the model a checkpoint (a directory or a hub model name in the local cache) or a
+    config.json loads as, for workload.model_problems: a checkpoint's own FP8 / INT8 scheme (block scales, its LM
+    head as its file stores it) or `quantize` of a float one (CausalLM.loaded_scheme), a config.json's `quantize`
+    (`quantize_head`: its LM head too); None: float linears."""
+    from tilekit.models import quantization
+    if isinstance(path_or_name, (str, os.PathLike)) and str(path_or_name).endswith(".json"):
+        quantization.check_arguments(quantize, quantize_head)
+        return quantize and quantization.Scheme(quantize, head=quantize_head)
+    checkpoint = find_checkpoint(path_or_name)
+    cls = family_of_fields(checkpoint.config()).model_class
+    return cls.loaded_scheme(checkpoint, cls.config_class.from_fields(checkpoint.config()), quantize, quantize_head)
+
+
 def load_model(path_or_name, dtype: str = "bfloat16", quantize: str | None = None, comm=None,
                quantize_head: bool = False):
     """The model of a checkpoint (a directory or a hub model name in the local cache), of the family its

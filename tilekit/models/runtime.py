@@ -455,6 +455,34 @@ class CausalLM(TextGeneration):
         checkpoint, from_pretrained names its config.json)."""
 
     @classmethod
+    def loaded_scheme(cls, checkpoint, config, quantize: str | None = None,
+                      quantize_head: bool = False) -> quantization.Scheme | None:
+        """The quantization a model of `config` loaded from `checkpoint` (an hf.Checkpoint) with `quantize` and
+        `quantize_head` holds, its LM head decided (a quantized checkpoint's: where its file stores codes, read from
+        the safetensors headers), or None for float linears; the errors from_pretrained raises for it."""
+        scheme = quantization.scheme_for(checkpoint, quantize, mixed=bool(getattr(cls.weights, "DEQUANTIZED", ())),
+                                         quantize_head=quantize_head)
+        quantization.check_head(cls, config, scheme)
+        try:
+            cls.check_quantized_config(config, scheme)
+        except ValueError as e:
+            raise ModelFileError(checkpoint.directory / CONFIG_NAME, str(e)) from None
+        if scheme is None:
+            return None
+        if getattr(cls.weights, "QUANTIZED", None) is None:
+            raise ValueError(f"{cls.__name__} has no quantized linears ({scheme.source})")
+        if scheme.source != quantization.LOAD_TIME:
+            name = cls.weights.PREFIX + LM_HEAD
+            with checkpoint.tensor_files() as files:
+                stored = files.tensors[name].dtype if name in files.tensors else None
+            if stored == quantization.FILE_DTYPES[scheme.weight] and scheme.float_head:
+                path, key = scheme.float_head
+                raise ModelFileError(path, f"field {quoted(key)} lists the LM head unquantized, but the weights "
+                                           f"store {quoted(name)} as {stored} codes")
+            scheme = replace(scheme, head=stored == quantization.FILE_DTYPES[scheme.weight])
+        return replace(scheme, head=quantization.head_quantized(cls.weights, config, scheme))
+
+    @classmethod
     def check_shards_quantized(cls, source: str) -> None:
         """A tensor-parallel model with quantized linears (from `source`) is refused unless the class shards them."""
         if not cls.shards_quantized:
@@ -678,17 +706,10 @@ class CausalLM(TextGeneration):
             raise TypeError(f"comm must be a tilekit.parallel.Communicator, got {type(kwargs['comm']).__name__}")
         checkpoint = cls.weights.resolve(path_or_name)
         config = cls.config_class.from_fields(checkpoint.config())
+        scheme = cls.loaded_scheme(checkpoint, config, quantize, quantize_head)
         dequantized = getattr(cls.weights, "DEQUANTIZED", ())
-        scheme = quantization.scheme_for(checkpoint, quantize, mixed=bool(dequantized), quantize_head=quantize_head)
-        quantization.check_head(cls, config, scheme)
-        try:
-            cls.check_quantized_config(config, scheme)
-        except ValueError as e:
-            raise ModelFileError(checkpoint.directory / CONFIG_NAME, str(e)) from None
-        modules = getattr(cls.weights, "QUANTIZED", None)
-        if scheme is not None and modules is None:
-            raise ValueError(f"{cls.__name__} has no quantized linears ({scheme.source})")
-        linears = () if scheme is None else quantization.linear_names(cls.weights.state_dict_shapes(config), modules)
+        linears = () if scheme is None else quantization.linear_names(cls.weights.state_dict_shapes(config),
+                                                                      cls.weights.QUANTIZED)
         comm = kwargs.get("comm")
         parts = None
         if comm is not None and comm.world_size > 1:
@@ -697,26 +718,16 @@ class CausalLM(TextGeneration):
             if scheme is not None:
                 cls.check_shards_quantized(scheme.source)
             parts = cls.weights.shard_parts(config, comm.rank, comm.world_size)
-        made, head = [], []
+        made = []
 
         def rewrite(plan, outs, dtypes):
-            """The plan with the linears quantized, the LM head too where the scheme and the family quantize it
-            (a checkpoint's head: where its file stores codes; decided on the first call, before allocate)."""
-            if not head:
-                name = cls.weights.PREFIX + LM_HEAD
-                stored = dtypes.get(name) == quantization.FILE_DTYPES[scheme.weight]
-                if stored and scheme.float_head:
-                    path, key = scheme.float_head
-                    raise ModelFileError(path, f"field {quoted(key)} lists the LM head unquantized, but the weights "
-                                               f"store {quoted(name)} as {dtypes[name]} codes")
-                head.append(quantization.head_quantized(cls.weights, config, scheme if scheme.source ==
-                                                        quantization.LOAD_TIME else replace(scheme, head=stored)))
-            return quantization.rewrite_plan(plan, linears + ((LM_HEAD,) if head[0] else ()), scheme, outs, dtypes,
+            """The plan with the linears quantized, the LM head too where the scheme holds it quantized."""
+            return quantization.rewrite_plan(plan, linears + ((LM_HEAD,) if scheme.head else ()), scheme, outs, dtypes,
                                              dequantized)
 
         def allocate() -> dict:
             if scheme is not None:
-                kwargs["quantize"] = replace(scheme, head=head[0])
+                kwargs["quantize"] = scheme
             made.append(cls(config, dtype=dtype, empty=True, **kwargs))
             return made[0].params
         options = {} if parts is None else {"parts": parts}

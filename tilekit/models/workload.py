@@ -15,11 +15,12 @@ from tilekit.models.families import family_of_config
 NEW_TOKENS = 128       # generate()'s continuation length in the tuning workload
 
 
-def meta_model(config, dtype: str, quantize: str | None = None, rank: int = 0, tp: int = 1,
+def meta_model(config, dtype: str, quantize: str | quantization.Scheme | None = None, rank: int = 0, tp: int = 1,
                quantize_head: bool = False):
     """A model of `config` (a config of any family) with shapes and no memory; `quantize`: its linears in
-    "int8" or "fp8" (families that support it), `quantize_head` its untied LM head too; tp > 1: tensor-parallel
-    rank `rank` of tp (its shard's shapes)."""
+    "int8" or "fp8" (families that support it), `quantize_head` its untied LM head too, or the Scheme a checkpoint's
+    model holds (CausalLM.loaded_scheme, its head decided); tp > 1: tensor-parallel rank `rank` of tp (its shard's
+    shapes)."""
     cls = family_of_config(config).model_class
     options = {}
     for name, value, what in (("quantize", quantize, "quantized linears"), ("comm", tp > 1, "tensor parallelism")):
@@ -27,8 +28,13 @@ def meta_model(config, dtype: str, quantize: str | None = None, rank: int = 0, t
             raise ValueError(f"{cls.__name__} models have no {what}")
     if quantize_head and quantize is None:
         raise ValueError("quantize_head goes with quantize='int8' or 'fp8'")
-    if quantize is not None:
+    if isinstance(quantize, quantization.Scheme):
+        if quantize_head:
+            raise ValueError("quantize_head goes with quantize='int8' or 'fp8' (a Scheme holds its head)")
+        options["quantize"] = quantize
+    elif quantize is not None:
         options["quantize"] = quantization.Scheme(quantize, head=quantize_head)
+    if quantize is not None:
         quantization.check_head(cls, config, options["quantize"])
     if tp > 1:
         options["comm"] = parallel.ShapeOnly(rank, tp)
@@ -46,12 +52,12 @@ def generate_problems(config, dtype: str, batch: int, prompt_len: int, new_token
 
 
 def model_problems(config, dtype: str = "bfloat16", batch_sizes=(1, 8), seq_lens=(128, 1024),
-                   new_tokens: int = NEW_TOKENS, quantize: str | None = None, tp: int = 1,
+                   new_tokens: int = NEW_TOKENS, quantize: str | quantization.Scheme | None = None, tp: int = 1,
                    quantize_head: bool = False) -> list[tuple]:
     """Distinct (op, problem) keys of forward() on B x T ids and of generate() adding new_tokens to
     B prompts of T tokens (shortened to fit the context), for every B and T (with `quantize`: of the model
-    with quantized linears, `quantize_head` its LM head too; tp > 1: of every rank of the model split over tp GPUs,
-    each running its shard's shapes; no communication is needed to tune them)."""
+    with quantized linears, as meta_model takes it, `quantize_head` its LM head too; tp > 1: of every rank of the
+    model split over tp GPUs, each running its shard's shapes; no communication is needed to tune them)."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be a positive integer, got {tp!r}")
     models = [meta_model(config, dtype, quantize, rank, tp, quantize_head) for rank in range(tp)]

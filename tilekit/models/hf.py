@@ -463,6 +463,23 @@ def rope_fields(f: Fields, kinds: dict[str, tuple[str, ...]], theta: float) -> t
     return rope, kind, rope.number("rope_theta", theta, positive=True)
 
 
+def refuse_rope_theta(f: Fields, rope: "Fields | None", theta: float, problem: str | None) -> None:
+    """A ModelFileError naming rope_theta (in the RoPE object where it holds one) if `problem` (the family's
+    rope_problem of the config's tables) is set."""
+    if problem:
+        where = rope if rope is not None and "rope_theta" in rope else f
+        raise where.error("rope_theta", f"is {theta}: it {problem}")
+
+
+def common_fields(f: Fields, vocab: int) -> dict:
+    """rms_norm_eps, tie_word_embeddings and the bos / eos token ids of a rotary family's config.json (transformers'
+    defaults where absent), as config constructor arguments."""
+    return dict(rms_norm_eps=f.number("rms_norm_eps", 1e-6, positive=True),
+                tie_word_embeddings=f.boolean("tie_word_embeddings", False),
+                bos_token_id=f.integer("bos_token_id", None if "bos_token_id" in f else 1, low=0, high=vocab - 1),
+                eos_token_id=f.token_ids("eos_token_id", None if "eos_token_id" in f else 2, vocab=vocab))
+
+
 # -- config arguments ---------------------------------------------------------------------------------------
 
 MAX_SIZE = 1 << 24         # no model dimension comes near; a config claiming more is refused
@@ -499,6 +516,23 @@ def check_token_ids(config) -> None:
                           for t in (config.bos_token_id, *eos)) or (len(eos) > 1 and None in eos):
         raise ValueError(f"{type(config).__name__} token ids must be ints in [0, {config.vocab_size}) (eos: one or "
                          f"a non-empty tuple), got bos {config.bos_token_id!r}, eos {config.eos_token_id!r}")
+
+
+def check_rotary_config(config, scaling_type: type, rope_problem: Callable, dim: int) -> None:
+    """ValueError unless a rotary family's config has rms_norm_eps and rope_theta finite and > 0, rope_scaling a
+    `scaling_type` or None whose tables rope_problem(dim, rope_theta, rope_scaling) accepts, tie_word_embeddings a
+    bool and its token ids in the vocabulary (check_token_ids)."""
+    name = type(config).__name__
+    check_number(config, "rms_norm_eps")
+    check_number(config, "rope_theta")
+    if not isinstance(config.rope_scaling, (scaling_type, type(None))):
+        raise ValueError(f"{name}.rope_scaling must be a {scaling_type.__name__} or None, got {config.rope_scaling!r}")
+    problem = rope_problem(dim, config.rope_theta, config.rope_scaling)
+    if problem:
+        raise ValueError(f"{name}.rope_theta {config.rope_theta} {problem}")
+    if not isinstance(config.tie_word_embeddings, bool):
+        raise ValueError(f"{name}.tie_word_embeddings must be a bool, got {config.tie_word_embeddings!r}")
+    check_token_ids(config)
 
 
 class HFConfig:

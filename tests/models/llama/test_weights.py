@@ -201,7 +201,7 @@ def test_missing_key_is_named():
     (dict(tie_word_embeddings=1), "tie_word_embeddings"), (dict(rope_scaling={"factor": 8.0}), "RopeScaling"),
     (dict(eos_token_id=50), "token ids"), (dict(bos_token_id=-1), "token ids"),
     (dict(eos_token_id=(1, "2")), "token ids"), (dict(eos_token_id=()), "token ids"),
-    (dict(rope_theta=5e-324), "rope_theta gives rotary frequencies that are not finite"),
+    (dict(rope_theta=5e-324), "rope_theta 5e-324 gives rotary frequencies that are not finite"),
 ])
 def test_invalid_configs_are_refused(changes, message):
     with pytest.raises(ValueError, match=message):

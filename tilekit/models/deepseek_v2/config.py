@@ -177,16 +177,7 @@ class DeepseekV2Config(hf.HFConfig):
         if not 0 < self.routed_scaling_factor <= MAX_FACTOR:
             raise ValueError(f"DeepseekV2Config.routed_scaling_factor must lie in (0, {MAX_FACTOR:g}], got "
                              f"{self.routed_scaling_factor!r}")
-        hf.check_number(self, "rms_norm_eps")
-        hf.check_number(self, "rope_theta")
-        if not isinstance(self.rope_scaling, (YarnScaling, type(None))):
-            raise ValueError(f"DeepseekV2Config.rope_scaling must be a YarnScaling or None, got {self.rope_scaling!r}")
-        problem = rope_problem(self.qk_rope_head_dim, self.rope_theta, self.rope_scaling)
-        if problem:
-            raise ValueError(f"DeepseekV2Config.rope_theta {self.rope_theta} {problem}")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"DeepseekV2Config.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
-        hf.check_token_ids(self)
+        hf.check_rotary_config(self, YarnScaling, rope_problem, self.qk_rope_head_dim)
 
     @property
     def block_size(self) -> int:
@@ -248,10 +239,8 @@ class DeepseekV2Config(hf.HFConfig):
                 rope.number("attention_factor", None, low=0.0, high=MAX_FACTOR),
                 rope.boolean("truncate", True))
         rope_dim = f.integer("qk_rope_head_dim", low=1, high=hf.MAX_SIZE)
-        problem = rope_problem(rope_dim, theta, scaling) if rope_dim % 2 == 0 else None   # odd: build says so
-        if problem:
-            where = rope if rope is not None and "rope_theta" in rope else f
-            raise where.error("rope_theta", f"is {theta}: it {problem}")
+        if rope_dim % 2 == 0:                                                           # odd: build says so
+            hf.refuse_rope_theta(f, rope, theta, rope_problem(rope_dim, theta, scaling))
         vocab = f.integer("vocab_size", low=1, high=hf.MAX_SIZE)
         n_layer = f.integer("num_hidden_layers", low=1, high=hf.MAX_LAYERS)
         experts = f.integer("n_routed_experts", low=1, high=hf.MAX_SIZE)
@@ -273,11 +262,7 @@ class DeepseekV2Config(hf.HFConfig):
                        qk_nope_head_dim=f.integer("qk_nope_head_dim", low=1, high=hf.MAX_SIZE),
                        qk_rope_head_dim=rope_dim,
                        v_head_dim=f.integer("v_head_dim", low=1, high=hf.MAX_SIZE), max_position_embeddings=positions,
-                       rms_norm_eps=f.number("rms_norm_eps", 1e-6, positive=True), rope_theta=theta,
-                       rope_scaling=scaling, tie_word_embeddings=f.boolean("tie_word_embeddings", False),
-                       bos_token_id=f.integer("bos_token_id", None if "bos_token_id" in f else 1, low=0,
-                                              high=vocab - 1),
-                       eos_token_id=f.token_ids("eos_token_id", None if "eos_token_id" in f else 2, vocab=vocab))
+                       rope_theta=theta, rope_scaling=scaling, **hf.common_fields(f, vocab))
 
     def to_hf_dict(self) -> dict:
         """A config.json that transformers' DeepseekV2ForCausalLM reads (the transformers 4 layout of the hub)."""

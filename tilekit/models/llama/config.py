@@ -92,16 +92,7 @@ class LlamaConfig(hf.HFConfig):
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim must be even (rotary embeddings pair its halves), "
                              f"got {self.head_dim}")
-        hf.check_number(self, "rms_norm_eps")
-        hf.check_number(self, "rope_theta")
-        if not isinstance(self.rope_scaling, (RopeScaling, type(None))):
-            raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
-        problem = rope_problem(self.head_dim, self.rope_theta, self.rope_scaling)
-        if problem:
-            raise ValueError(f"LlamaConfig.rope_theta {problem}")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"LlamaConfig.tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
-        hf.check_token_ids(self)
+        hf.check_rotary_config(self, RopeScaling, rope_problem, self.head_dim)
 
     @property
     def block_size(self) -> int:
@@ -150,19 +141,12 @@ class LlamaConfig(hf.HFConfig):
                 raise rope.error("high_freq_factor", f"is {high}, expected > low_freq_factor ({low})")
             scaling = RopeScaling(rope.number("factor", low=1.0), low, high, rope.integer(
                 "original_max_position_embeddings", positions, low=1, high=hf.MAX_SIZE))
-        problem = rope_problem(head_dim, theta, scaling)
-        if problem:
-            where = rope if rope is not None and "rope_theta" in rope else f
-            raise where.error("rope_theta", f"is {theta}: it {problem}")
+        hf.refuse_rope_theta(f, rope, theta, rope_problem(head_dim, theta, scaling))
         return f.build(cls, n_layer=f.integer("num_hidden_layers", low=1, high=hf.MAX_LAYERS), n_head=n_head,
                        n_kv_head=n_kv_head, n_embd=n_embd,
                        intermediate_size=f.integer("intermediate_size", low=1, high=hf.MAX_SIZE), vocab_size=vocab,
-                       max_position_embeddings=positions, head_dim=head_dim,
-                       rms_norm_eps=f.number("rms_norm_eps", 1e-6, positive=True), rope_theta=theta,
-                       rope_scaling=scaling, tie_word_embeddings=f.boolean("tie_word_embeddings", False),
-                       bos_token_id=f.integer("bos_token_id", None if "bos_token_id" in f else 1, low=0,
-                                              high=vocab - 1),
-                       eos_token_id=f.token_ids("eos_token_id", None if "eos_token_id" in f else 2, vocab=vocab))
+                       max_position_embeddings=positions, head_dim=head_dim, rope_theta=theta, rope_scaling=scaling,
+                       **hf.common_fields(f, vocab))
 
     def to_hf_dict(self) -> dict:
         """A config.json that transformers' LlamaForCausalLM reads (the transformers 4 layout, as the hub has it)."""

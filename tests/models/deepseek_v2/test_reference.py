@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tilekit.kernels.checks import rel_err
 from tilekit.kernels.attention import attention_reference
 from tilekit.kernels.mla_decode_attention import mla_decode_attention_reference
 from tilekit.kernels.moe_down_combine import moe_down_combine_reference
@@ -21,10 +22,6 @@ from tilekit.models.deepseek_v2.weights import random_state_dict
 
 DATA = Path(__file__).parents[2] / "data"
 FIXTURES = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora"]   # V2-Lite-like with YaRN, hub layout; q_lora, tied, fused
-
-
-def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.linalg.norm(actual.astype(np.float64) - expected) / np.linalg.norm(expected))
 
 
 @pytest.fixture(scope="module", params=FIXTURES)

@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tilekit.kernels.checks import rel_err
 from tilekit.models.gpt2.weights import random_state_dict
 from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models.gpt2.reference import ReferenceGPT
@@ -20,10 +21,6 @@ def ids() -> np.ndarray:
 @pytest.fixture(scope="module")
 def model() -> ReferenceGPT:
     return ReferenceGPT.from_pretrained(TINY)
-
-
-def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.linalg.norm(actual.astype(np.float64) - expected) / np.linalg.norm(expected))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

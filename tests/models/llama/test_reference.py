@@ -5,6 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tilekit.kernels.checks import rel_err
 from tilekit.kernels.attention import attention_reference
 from tilekit.models.llama.weights import random_state_dict
 from tilekit.models.llama.config import LlamaConfig, RopeScaling
@@ -16,10 +17,6 @@ from tilekit.models.llama.reference import ReferenceLlama
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 FIXTURES = ["tiny-llama", "tiny-llama-tied"]  # GQA + llama3 rope + untied, sharded; MQA + plain rope + tied
-
-
-def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
-    return float(np.linalg.norm(actual.astype(np.float64) - expected) / np.linalg.norm(expected))
 
 
 @pytest.fixture(scope="module", params=FIXTURES)

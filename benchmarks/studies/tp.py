@@ -138,10 +138,11 @@ def drawn_tensors(weights, config, quantize: str, seed: int = 0) -> tuple[dict, 
     linear's codes, then its fp32 scales [out, 1]); tensor i drawn from seed + i, ~ weights.weight_stats."""
     import numpy as np
 
+    from tilekit.kernels.quant_linear import WEIGHT_DTYPES
     from tilekit.models import quantization
     shapes = weights.state_dict_shapes(config)
     linears = set(quantization.linear_names(shapes, weights.QUANTIZED))
-    code_dtype = np.dtype(np.int8 if quantize == "int8" else np.uint8)
+    code_dtype = np.dtype(WEIGHT_DTYPES[quantize])
     tensors, raw = {}, {}
     for i, (name, shape) in enumerate(shapes.items()):
         draw = _sampler(shape, *weights.weight_stats(config, name), seed + i, quantize, code_dtype)

@@ -777,8 +777,8 @@ class CausalLM(TextGeneration):
         if self.kv_scales is not None:      # compressed-tensors' names (checkpoint names: the prefix is in them)
             if not hasattr(self.weights, "KV_SCALES"):
                 raise ValueError(f"kv_scales: {type(self).__name__} checkpoints keep no KV-cache scales")
-            scales = quantization.checked_kv_scales(self.kv_scales, len(self.weights.layer_prefixes(self.config)))
-            for layer, k, v in zip(self.weights.layer_prefixes(self.config), *scales):
+            layers = self.weights.layer_prefixes(self.config)
+            for layer, k, v in zip(layers, *quantization.checked_kv_scales(self.kv_scales, len(layers))):
                 for (suffix, *_), value in zip(self.weights.KV_SCALES, (k, v)):
                     tensors[layer + suffix], raw[layer + suffix] = np.float32(value).reshape(()), "F32"
         write_checkpoint(directory, hf_config, tensors, dtype=self.dtype, raw=raw)

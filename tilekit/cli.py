@@ -744,42 +744,15 @@ def _load(args, comm=None):
     return families.load_reference(args.model)
 
 
-def _tensor_parallel(args):
-    """(this process's place among tensor-parallel ranks or None, whether to start the ranks here): --tp N alone
-    starts N ranks; under torchrun's variables this process is one rank, and --tp, if given, must agree. Either
-    needs --device cuda and a GPU (--tp N: N of them), checked before any rank starts."""
-    from tilekit import env
-    from tilekit.device import gpu_unavailable_reason
-    dist = env.distributed()
-    if dist is not None and args.tp is not None and args.tp != dist.world_size:
-        raise UsageError(f"--tp {args.tp} but WORLD_SIZE={dist.world_size}: a rank runs with as many ranks as "
-                         "the launcher started")
-    start = dist is None and args.tp is not None and args.tp > 1
-    if not start and (dist is None or dist.world_size == 1):
-        return None, False
-    if args.device != "cuda":
-        raise UsageError("tensor parallelism (--tp or WORLD_SIZE) needs --device cuda")
-    reason = gpu_unavailable_reason()
-    if reason:
-        raise UsageError(f"tensor parallelism needs GPUs: {reason}")
-    if start:
-        import cupy
-        count = cupy.cuda.runtime.getDeviceCount()
-        if count < args.tp:
-            raise UsageError(f"--tp {args.tp} needs {args.tp} GPUs, this host shows {count}")
-    return dist, start
-
-
 def cmd_generate(args) -> int:
     options = _generation_options(args)
     prompts = _prompts(args)
-    dist, start_ranks = _tensor_parallel(args)
+    from tilekit import parallel
+    dist, start_ranks = parallel.placement(args.tp, args.device == "cuda")
     if start_ranks:
-        from tilekit import parallel
         return parallel.launch(args.tp, args.argv)
     if dist is None:
         return _generate(args, _load(args), prompts, options, print)
-    from tilekit import parallel
     comm = parallel.NcclCommunicator(dist)
     try:
         shown = print if dist.rank == 0 else (lambda *a, **k: None)    # rank 0 prints; every rank computes

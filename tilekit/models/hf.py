@@ -33,6 +33,7 @@ import numpy as np
 
 from tilekit.autotune.arrays import numpy_dtype
 from tilekit.env import expand_user, hub_cache_dir
+from tilekit.parallel.splits import part_fields, part_problem, part_shape, take_part
 from tilekit.untrusted import parse_json, quoted, shown
 
 CONFIG_NAME = "config.json"
@@ -721,36 +722,6 @@ class Target:
     def out_shape(self) -> tuple[int, ...]:
         """The shape of what is written: `shape`, or its `part`."""
         return tuple(self.shape) if self.part is None else part_shape(self.shape, self.part)
-
-
-def part_fields(part: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """(axis, start, stop, groups) of a part."""
-    return (*part, 1) if len(part) == 3 else tuple(part)
-
-
-def part_problem(shape: tuple[int, ...], part: tuple[int, ...]) -> str | None:
-    """Why `part` is not a slice (axis, start, stop[, groups]) of an array of `shape`, or None."""
-    if len(part) not in (3, 4) or not all(isinstance(v, int) for v in part):
-        return "not (axis, start, stop[, groups])"
-    axis, start, stop, groups = part_fields(part)
-    if not 0 <= axis < len(shape) or groups < 1 or shape[axis] % groups or not \
-            0 <= start < stop <= shape[axis] // groups:
-        return f"not a slice (axis, start, stop[, groups]) of shape {tuple(shape)}"
-    return None
-
-
-def part_shape(shape: tuple[int, ...], part: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of `part` of an array of `shape`."""
-    axis, start, stop, groups = part_fields(part)
-    return tuple(shape[:axis]) + (groups * (stop - start),) + tuple(shape[axis + 1:])
-
-
-def take_part(array, part: tuple[int, ...]):
-    """`part` of a NumPy or CuPy array (a view for one group, else a copy)."""
-    axis, start, stop, groups = part_fields(part)
-    shape = array.shape
-    blocks = array.reshape(shape[:axis] + (groups, shape[axis] // groups) + shape[axis + 1:])
-    return blocks[(slice(None),) * (axis + 1) + (slice(start, stop),)].reshape(part_shape(shape, part))
 
 
 def _narrowed(info: TensorInfo, target: Target) -> tuple[TensorInfo, Target]:

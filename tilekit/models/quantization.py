@@ -49,6 +49,7 @@ import numpy as np
 from tilekit.autotune.arrays import array_module
 from tilekit.kernels.quant_linear import QBLOCK
 from tilekit.kernels.quantize_fp8 import MIN_AMAX, quantize_fp8_reference
+from tilekit import parallel
 from tilekit.models import hf
 from tilekit.untrusted import quoted, shown
 
@@ -380,7 +381,7 @@ def scale_part(name: str, scheme: Scheme, shape: tuple[int, int], part: tuple[in
     the tensor otherwise)."""
     if part is None or scheme.scale_shape in ("one", "scalar"):
         return None
-    axis, start, stop, groups = hf.part_fields(part)
+    axis, start, stop, groups = parallel.part_fields(part)
     if scheme.scale_shape == "out1":
         return part if axis == 0 else None
     if groups != 1 or start % QBLOCK or (stop % QBLOCK and stop != shape[axis]):

@@ -29,7 +29,7 @@ from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candid
 from tilekit.kernels.quant_linear import QBLOCK, WEIGHT_DTYPES, dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
 from tilekit.models import quantization
-from tilekit.models.hf import (CONFIG_NAME, LM_HEAD, Checkpoint, ModelFileError, convert, part_shape, take_part,
+from tilekit.models.hf import (CONFIG_NAME, LM_HEAD, Checkpoint, ModelFileError, convert,
                                write_checkpoint)
 from tilekit.untrusted import quoted
 
@@ -587,7 +587,7 @@ class CausalLM(TextGeneration):
         Each of `groups` (names of weights of one input width, all quantized or none; one GEMM) and of `halves`
         (a quantized SwiGLU's [gate; up], each half with its own block grid) becomes row views of one fused
         matrix, and so do their scales; returns each group's and each halves' (matrix, scales or None)."""
-        shapes = {name: part_shape(shape, self.parts[name]) if name in self.parts else shape
+        shapes = {name: parallel.part_shape(shape, self.parts[name]) if name in self.parts else shape
                   for name, shape in self.weights.state_dict_shapes(self.config).items()}
         new, quant = Arrays(self.meta).empty, self.quant
         fused, views = [], {}
@@ -670,7 +670,7 @@ class CausalLM(TextGeneration):
                 continue
             if state is not None:
                 part = self.parts.get(name)
-                host = state[name] if part is None else take_part(np.asarray(state[name]), part)
+                host = state[name] if part is None else parallel.take_part(np.asarray(state[name]), part)
                 src = cupy.asarray(np.ascontiguousarray(host))
             else:
                 mean, std = self.weights.weight_stats(self.config, name)

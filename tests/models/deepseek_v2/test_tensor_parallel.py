@@ -195,7 +195,7 @@ def test_a_shard_loads_without_preallocated_outputs(name):
     whole = weights.load(checkpoint, config, dtype="float32", device=hf.HostDevice())
     shard = weights.load(checkpoint, config, dtype="float32", device=hf.HostDevice(), parts=parts)
     for key, part in parts.items():
-        np.testing.assert_array_equal(shard[key], hf.take_part(whole[key], part), err_msg=key)
+        np.testing.assert_array_equal(shard[key], parallel.take_part(whole[key], part), err_msg=key)
 
 
 def test_a_refused_model_leaves_nothing_for_close():

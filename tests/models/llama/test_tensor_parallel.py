@@ -157,8 +157,8 @@ def test_sliced_targets_read_rows_and_columns(tmp_path):
                                 device=hf.HostDevice(), progress=False)
         np.testing.assert_array_equal(fused["b"], (a + 1)[3:5])
         six = np.arange(4 * 6, dtype=np.float32).reshape(4, 6)       # three column blocks of two: [q | k | v]
-        np.testing.assert_array_equal(hf.take_part(six, (1, 1, 2, 3)), six[:, [1, 3, 5]])
-        assert hf.part_problem((4, 6), (1, 0, 3, 3)) and hf.part_problem((4, 7), (1, 0, 1, 3))
+        np.testing.assert_array_equal(parallel.take_part(six, (1, 1, 2, 3)), six[:, [1, 3, 5]])
+        assert parallel.part_problem((4, 6), (1, 0, 3, 3)) and parallel.part_problem((4, 7), (1, 0, 1, 3))
         with pytest.raises(ValueError, match=r"part \(1, 3, 9\) is not a slice \(axis, start, stop\[, groups\]\)"):
             hf.load_tensors(files, {"a": hf.Target((5, 7), "float32", part=(1, 3, 9))}, device=hf.HostDevice(),
                             ignore=("b",), progress=False)

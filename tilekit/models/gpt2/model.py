@@ -26,7 +26,6 @@ import numpy as np
 from tilekit import parallel
 from tilekit.kernels import embedding, layer_norm, linear, residual_linear
 from tilekit.kernels.tiles import FIXED_DTYPE
-from tilekit.models import hf
 from tilekit.models.gpt2 import weights
 from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models.runtime import DTYPES, Arrays, CausalLM
@@ -104,7 +103,7 @@ class GPT(CausalLM):
         self._init_comm(comm, state is not None or empty or meta)
         self.ranks = 1 if self.comm is None else self.comm.world_size
         new = Arrays(meta).empty
-        self.params = w = {name: new(hf.part_shape(shape, self.parts[name]) if name in self.parts else shape, dtype)
+        self.params = w = {name: new(parallel.part_shape(shape, self.parts[name]) if name in self.parts else shape, dtype)
                            for name, shape in weights.state_dict_shapes(config).items()}
         self._init_weights(state, seed, empty)
         self.wte, self.wpe = w["wte.weight"], w["wpe.weight"]

@@ -151,7 +151,7 @@ def test_a_strangers_hello_fails_the_rendezvous_with_a_rank_error(hello, claim):
             time.sleep(0.05)
     with sock:
         sock.sendall(json.dumps(hello).encode() + b"\n")
-        assert parallel._receive(sock, time.monotonic() + 10, "stranger") == {"error": claim}
+        assert parallel.rendezvous._receive(sock, time.monotonic() + 10, "stranger") == {"error": claim}
     thread.join(30)
     assert isinstance(out[0], parallel.RankError) and str(out[0]) == f"rank 0: {claim}"
 

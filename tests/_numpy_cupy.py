@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from tilekit.models import hf
+from tilekit import checkpoints
 
 
 @pytest.fixture
@@ -16,7 +16,7 @@ def numpy_cupy(monkeypatch):
     shim.asarray, shim.asnumpy, shim.empty, shim.float32, shim.random = (np.asarray, np.asarray, np.empty,
                                                                         np.float32, np.random)
     monkeypatch.setitem(sys.modules, "cupy", shim)
-    monkeypatch.setattr(hf, "CupyDevice", hf.HostDevice)
+    monkeypatch.setattr(checkpoints.load, "CupyDevice", checkpoints.HostDevice)
     return shim
 
 

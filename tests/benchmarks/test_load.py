@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from benchmarks.studies import load as bench
-from tilekit.models import Llama, LlamaConfig, hf
+from tilekit.models import Llama, LlamaConfig
+from tilekit import checkpoints as hf
 
 TINY = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=16, intermediate_size=24, vocab_size=50,
                    max_position_embeddings=32, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)

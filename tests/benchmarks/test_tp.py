@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks.studies import tp
 from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
+from tilekit.autotune.arrays import numpy_dtype
 from tilekit.models.families import preset_config
 
 
@@ -68,7 +69,8 @@ def test_a_quantized_checkpoint_is_drawn_a_tensor_at_a_time_and_loads(numpy_cupy
     bf16."""
     import numpy as np
 
-    from tilekit.models import Llama, LlamaConfig, hf, quantization
+    from tilekit.models import Llama, LlamaConfig, quantization
+    from tilekit import checkpoints as hf
     from tilekit.models.llama import weights
     config = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=128, intermediate_size=192, vocab_size=64,
                          max_position_embeddings=64, tie_word_embeddings=False, rope_scaling=None)
@@ -87,7 +89,7 @@ def test_a_quantized_checkpoint_is_drawn_a_tensor_at_a_time_and_loads(numpy_cupy
             np.testing.assert_array_equal(model.params[name], codes, err_msg=name)
             np.testing.assert_array_equal(model.params[quantization.scale_key(name)], scale, err_msg=name)
         else:
-            np.testing.assert_array_equal(model.params[name], w.astype(hf.numpy_dtype("bfloat16")).astype(np.float32),
+            np.testing.assert_array_equal(model.params[name], w.astype(numpy_dtype("bfloat16")).astype(np.float32),
                                           err_msg=name)
 
 

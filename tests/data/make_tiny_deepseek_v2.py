@@ -44,7 +44,7 @@ sys.path.insert(0, str(DATA.parents[1]))  # the repository root, so that tilekit
 from tilekit.models.deepseek_v2.config import DeepseekV2Config, YarnScaling  # noqa: E402
 from tilekit.models.deepseek_v2.reference import ReferenceDeepseekV2  # noqa: E402
 from tilekit.models.deepseek_v2.weights import load_state_dict, random_state_dict, save_state_dict, to_file  # noqa: E402
-from tilekit.models.hf import write_checkpoint  # noqa: E402
+from tilekit.checkpoints import write_checkpoint  # noqa: E402
 
 VOCAB = 259  # bytes 0-255, then bos 256 and eos 257, 258
 MODELS = {

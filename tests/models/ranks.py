@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from tilekit import parallel
-from tilekit.models import hf
+from tilekit import checkpoints as hf
 
 
 def on_ranks(world: int, fn, timeout: float = 60.0) -> list:

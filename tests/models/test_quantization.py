@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from tilekit.kernels.quant_linear import dequantize_reference
-from tilekit.models import hf, quantization
+from tilekit.models import quantization
+from tilekit import checkpoints as hf
 from tilekit.models.llama import weights
 from tilekit.models.llama.config import LlamaConfig
 from tilekit.models.quantization import QBLOCK, Scheme, quantize_weight

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from tests._threads import run_briefly
-from tilekit.models.hf import Checkpoint
+from tilekit.checkpoints import Checkpoint
 from tilekit.models.text import (ChatTemplate, TextStream, chat_template, load_tokenizer, render_chat,
                                  special_tokens)
 

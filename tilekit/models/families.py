@@ -18,7 +18,7 @@ from types import ModuleType
 
 import numpy as np
 
-from tilekit.models import hf
+from tilekit import checkpoints
 
 
 @dataclass(frozen=True)
@@ -115,14 +115,14 @@ def preset_config(name: str):
     raise ValueError(f"unknown preset {name!r}; choose from {', '.join(preset_names())}")
 
 
-def find_checkpoint(path_or_name) -> hf.Checkpoint:
+def find_checkpoint(path_or_name) -> checkpoints.Checkpoint:
     """A checkpoint of any family: a directory, or a hub model name in the local cache, also looked up under every
     family's hub organisations."""
-    return hf.find_checkpoint(path_or_name, tuple(dict.fromkeys(org for family in FAMILIES.values()
+    return checkpoints.find_checkpoint(path_or_name, tuple(dict.fromkeys(org for family in FAMILIES.values()
                                                                  for org in family.hub_orgs)))
 
 
-def family_of_fields(f: hf.Fields) -> Family:
+def family_of_fields(f: checkpoints.Fields) -> Family:
     """The family a config.json's model_type names; ModelFileError naming the file if it names none."""
     return FAMILIES[f.choice("model_type", tuple(FAMILIES))]
 
@@ -131,7 +131,7 @@ def config_from_path(path_or_name):
     """The config of a checkpoint (a directory or a hub model name in the local cache) or of a config.json file,
     of the family its model_type names."""
     if isinstance(path_or_name, (str, os.PathLike)) and str(path_or_name).endswith(".json"):
-        f = hf.read_config(path_or_name)
+        f = checkpoints.read_config(path_or_name)
     else:
         f = find_checkpoint(path_or_name).config()
     return family_of_fields(f).config_class.from_fields(f)

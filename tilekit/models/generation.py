@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tilekit.kernels.next_token import next_token_reference
-from tilekit.models.hf import CONFIG_NAME, Checkpoint, Fields, ModelFileError, quoted
+from tilekit.checkpoints import CONFIG_NAME, Checkpoint, Fields, ModelFileError
+from tilekit.untrusted import quoted
 from tilekit.models.text import TextStream, tokenizer_failures
 
 GENERATION_CONFIG = "generation_config.json"

@@ -50,7 +50,7 @@ from tilekit.autotune.arrays import array_module
 from tilekit.kernels.quant_linear import QBLOCK
 from tilekit.kernels.quantize_fp8 import MIN_AMAX, quantize_fp8_reference
 from tilekit import parallel
-from tilekit.models import hf
+from tilekit import checkpoints
 from tilekit.untrusted import quoted, shown
 
 KINDS = ("int8", "fp8")
@@ -103,12 +103,12 @@ READ = ("tilekit reads FP8 / INT8 checkpoints of compressed-tensors (float-quant
         "ModelOpt FP8 and block FP8 (quant_method fp8, 128x128 weight_block_size)")
 
 
-def _unsupported(fields: hf.Fields, key: str, what: str = "a scheme tilekit does not read") -> hf.ModelFileError:
+def _unsupported(fields: checkpoints.Fields, key: str, what: str = "a scheme tilekit does not read") -> checkpoints.ModelFileError:
     """The error for a scheme tilekit does not read, naming the field, its value and the file."""
-    return fields.error(key, f"is {hf.json_shown(fields.d.get(key))}: {what}; {READ}")
+    return fields.error(key, f"is {checkpoints.json_shown(fields.d.get(key))}: {what}; {READ}")
 
 
-def _only_lm_head(fields: hf.Fields, key: str, mixed: bool) -> tuple | None:
+def _only_lm_head(fields: checkpoints.Fields, key: str, mixed: bool) -> tuple | None:
     """A list of modules left unquantized may name the LM head only (tilekit quantizes every block linear), or,
     for a family that keeps some linears in its float dtype (`mixed`), anything: the headers decide there.
     Returns (path, field) where the list names the LM head (Scheme.float_head), else None. Names are compared as
@@ -129,14 +129,14 @@ def _only_lm_head(fields: hf.Fields, key: str, mixed: bool) -> tuple | None:
     return listed
 
 
-def scheme_of(checkpoint: hf.Checkpoint, mixed: bool = False) -> Scheme | None:
+def scheme_of(checkpoint: checkpoints.Checkpoint, mixed: bool = False) -> Scheme | None:
     """The quantization scheme of a checkpoint's linears, or None for a plain float checkpoint. `mixed`: the
     family keeps some linears in its float dtype (their modules may be listed unquantized)."""
     q = checkpoint.config().object("quantization_config", None)
     if q is None:
         if checkpoint.has(QUANT_CONFIG):
             path = checkpoint.directory / QUANT_CONFIG
-            return _modelopt(hf.Fields(checkpoint.read_json(QUANT_CONFIG), path).object("quantization"), mixed)
+            return _modelopt(checkpoints.Fields(checkpoint.read_json(QUANT_CONFIG), path).object("quantization"), mixed)
         return None
     method = q.d.get("quant_method")
     if not isinstance(method, str):
@@ -148,7 +148,7 @@ def scheme_of(checkpoint: hf.Checkpoint, mixed: bool = False) -> Scheme | None:
     return readers[method](q, mixed)
 
 
-def _compressed_tensors(q: hf.Fields, mixed: bool) -> Scheme:
+def _compressed_tensors(q: checkpoints.Fields, mixed: bool) -> Scheme:
     fmt = q.d.get("format")
     if fmt not in ("float-quantized", "int-quantized", "naive-quantized"):
         raise _unsupported(q, "format")
@@ -172,7 +172,7 @@ def _compressed_tensors(q: hf.Fields, mixed: bool) -> Scheme:
         raise w.error("block_structure", f"must be [{QBLOCK}, {QBLOCK}]")
     group_size = w.d.get("group_size")
     if group_size is not None and not (strategy == "channel" and _is_exactly(group_size, -1)):
-        raise w.error("group_size", f"is {hf.json_shown(group_size)}: groups of columns are not read (null, or -1 "
+        raise w.error("group_size", f"is {checkpoints.json_shown(group_size)}: groups of columns are not read (null, or -1 "
                                     "with strategy channel)")
     sparsity = q.d.get("sparsity_config")
     if sparsity not in (None, {}) and not (isinstance(sparsity, dict) and sparsity.get("format") == "dense"):
@@ -189,12 +189,12 @@ def _compressed_tensors(q: hf.Fields, mixed: bool) -> Scheme:
                   float_head=_only_lm_head(q, "ignore", mixed), kv_scales=per_tensor)
 
 
-def _fbgemm(q: hf.Fields, mixed: bool) -> Scheme:
+def _fbgemm(q: checkpoints.Fields, mixed: bool) -> Scheme:
     return Scheme("fp8", "channel", "fbgemm_fp8", "out1", ignored=(".input_scale_ub",),
                   float_head=_only_lm_head(q, "modules_to_not_convert", mixed))
 
 
-def _modelopt(q: hf.Fields, mixed: bool) -> Scheme:
+def _modelopt(q: checkpoints.Fields, mixed: bool) -> Scheme:
     algo = q.d.get("quant_algo")
     shapes = {"FP8": ("channel", "scalar"), "FP8_PER_CHANNEL_PER_TOKEN": ("channel", "out1"),
               "FP8_PB_WO": ("block", "blocks")}
@@ -207,13 +207,13 @@ def _modelopt(q: hf.Fields, mixed: bool) -> Scheme:
 
 
 def _is_exactly(value, want) -> bool:
-    """JSON `value` equals `want` with integers as integers (8.0 and true are not 8 or 1, as hf.Fields reads)."""
+    """JSON `value` equals `want` with integers as integers (8.0 and true are not 8 or 1, as checkpoints.Fields reads)."""
     if isinstance(want, list):
         return isinstance(value, list) and len(value) == len(want) and all(map(_is_exactly, value, want))
     return type(value) is type(want) and value == want
 
 
-def _block_fp8(q: hf.Fields, mixed: bool) -> Scheme:
+def _block_fp8(q: checkpoints.Fields, mixed: bool) -> Scheme:
     if not _is_exactly(q.d.get("weight_block_size"), [QBLOCK, QBLOCK]):
         raise _unsupported(q, "weight_block_size", f"not [{QBLOCK}, {QBLOCK}]")
     if q.d.get("fmt", "e4m3") != "e4m3" or q.d.get("activation_scheme", "dynamic") != "dynamic":
@@ -234,8 +234,8 @@ def check_scales(src, kind: str) -> None:
         top = s * np.float32(CODE_MAX[kind])
     if not bool(xp.all(xp.isfinite(top) & (s >= 0))):
         if not bool(xp.all(xp.isfinite(s) & (s >= 0))):
-            raise hf.TensorValueError("holds a scale that is negative or not finite")
-        raise hf.TensorValueError(f"holds a scale that times the largest {kind} code ({CODE_MAX[kind]:g}) overflows "
+            raise checkpoints.TensorValueError("holds a scale that is negative or not finite")
+        raise checkpoints.TensorValueError(f"holds a scale that times the largest {kind} code ({CODE_MAX[kind]:g}) overflows "
                                   "float32")
 
 
@@ -300,7 +300,7 @@ class Dequantizing:
     may keep either first; whichever arrives second scales the values in place, so nothing waits on the side."""
 
     def __init__(self, scheme: Scheme, shape: tuple[int, int], out, transform: Callable | None):
-        self.scheme, self.shape, self.out, self.transform = scheme, shape, out, transform or hf.convert
+        self.scheme, self.shape, self.out, self.transform = scheme, shape, out, transform or checkpoints.convert
         self.scale, self.values = None, False
 
     def codes(self, src, _) -> None:
@@ -324,21 +324,21 @@ class Dequantizing:
         xp = array_module(weights)
         import ml_dtypes
         if not bool(xp.all(xp.abs(weights) <= float(ml_dtypes.finfo(self.out.dtype).max))):    # NaN fails too
-            raise hf.TensorValueError(f"dequantizes to values that {self.out.dtype} cannot hold (codes times scales: "
+            raise checkpoints.TensorValueError(f"dequantizes to values that {self.out.dtype} cannot hold (codes times scales: "
                                       "NaN codes, or scales too large)")
         self.out[...] = weights
         self.scale = None
 
 
-def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme: Scheme, outs,
+def rewrite_plan(plan: Mapping[str, checkpoints.Target], linears: tuple[str, ...], scheme: Scheme, outs,
                  dtypes: Mapping[str, str] | None = None, dequantized: tuple[str, ...] = ()) -> dict:
-    """A load plan (file names; hf.load_weights) with every linear weight of `plan` (names in `linears`) read as
+    """A load plan (file names; checkpoints.load_weights) with every linear weight of `plan` (names in `linears`) read as
     `scheme` stores it: codes and scales from a quantized checkpoint, or float weights quantized as they arrive
     (load-time quantization). A target's own transform (a family's layout, a row permutation) still applies.
     `outs`: our name -> array (codes under the weight's name, fp32 scales under NAME_scale), or None before the
     headers are checked. From a quantized checkpoint, the weights matching `dequantized` (a family's
     DEQUANTIZED patterns) that `dtypes` (file name -> safetensors dtype) shows as codes are dequantized into
-    their float targets, with their scales. A sharded target (hf.Target.part, a tensor-parallel rank's slice)
+    their float targets, with their scales. A sharded target (checkpoints.Target.part, a tensor-parallel rank's slice)
     reads its slice of the codes and the matching slice of the scales (scale_part); load-time quantization
     quantizes the slice."""
     plan = dict(plan)
@@ -349,12 +349,12 @@ def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme
         out = outs[name] if outs is not None else None
         scale = outs[scale_key(name)] if outs is not None else None
         if loading:
-            plan[name] = hf.Target(shape, out=out, transform=quantizing(scheme.weight, scale, target.transform),
+            plan[name] = checkpoints.Target(shape, out=out, transform=quantizing(scheme.weight, scale, target.transform),
                                    part=target.part)
             continue
-        plan[name] = hf.Target(shape, out=out, transform=target.transform or hf.convert,
+        plan[name] = checkpoints.Target(shape, out=out, transform=target.transform or checkpoints.convert,
                                accept=(FILE_DTYPES[scheme.weight],), part=target.part)
-        plan[name[:-len("weight")] + scheme.scale_name] = hf.Target(
+        plan[name[:-len("weight")] + scheme.scale_name] = checkpoints.Target(
             scheme.scale_file_shape(shape), "float32", out=scale,
             transform=None if scale is None else scale_into(scale, scheme.weight, target.transform),
             part=scale_part(name, scheme, shape, target.part))
@@ -367,15 +367,15 @@ def rewrite_plan(plan: Mapping[str, hf.Target], linears: tuple[str, ...], scheme
                 or len(target.shape) != 2 or name in linears:
             continue
         into = Dequantizing(scheme, target.shape, target.out, target.transform)
-        plan[name] = hf.Target(target.shape, target.dtype, target.out, into.codes, accept=(code,))
-        plan[name[:-len("weight")] + scheme.scale_name] = hf.Target(scheme.scale_file_shape(target.shape),
+        plan[name] = checkpoints.Target(target.shape, target.dtype, target.out, into.codes, accept=(code,))
+        plan[name[:-len("weight")] + scheme.scale_name] = checkpoints.Target(scheme.scale_file_shape(target.shape),
                                                                     "float32", transform=into.scales)
     return plan
 
 
 def scale_part(name: str, scheme: Scheme, shape: tuple[int, int], part: tuple[int, ...] | None):
     """The slice of a linear's file scale tensor (Scheme.scale_shape) that goes with `part` of its [out, in] weight
-    `name` (hf.Target.part), or None for the whole tensor: per channel, the same rows of a column-parallel (axis
+    `name` (checkpoints.Target.part), or None for the whole tensor: per channel, the same rows of a column-parallel (axis
     0) slice and every scale of a row-parallel (axis 1) one; a per-tensor scale whole; block scales, the
     128-blocks of the slice's rows or columns, which must then start and end on block edges (ValueError naming
     the tensor otherwise)."""
@@ -406,7 +406,7 @@ def check_arguments(quantize, quantize_head) -> None:
         raise TypeError(f"quantize_head must be a bool, got {quantize_head!r}")
 
 
-def scheme_for(checkpoint: hf.Checkpoint, quantize: str | None, mixed: bool = False,
+def scheme_for(checkpoint: checkpoints.Checkpoint, quantize: str | None, mixed: bool = False,
                quantize_head: bool = False) -> Scheme | None:
     """The scheme a model loaded from `checkpoint` with `quantize` (None, "int8" or "fp8") holds: the checkpoint's
     own, or load-time per-channel quantization of a float checkpoint (`mixed`: as scheme_of), its untied LM head
@@ -473,7 +473,7 @@ def checked_kv_scales(scales, layers: int) -> tuple[np.ndarray, np.ndarray]:
     return k.astype(np.float32), v.astype(np.float32)
 
 
-def read_kv_scales(checkpoint: hf.Checkpoint, layer_names: list[str],
+def read_kv_scales(checkpoint: checkpoints.Checkpoint, layer_names: list[str],
                    names: tuple[tuple[str, ...], tuple[str, ...]]) -> tuple[np.ndarray, np.ndarray]:
     """A checkpoint's static FP8 KV-cache scales, which its config declares (Scheme.kv_scales): (keys', values')
     fp32 (layers,), one scale of each attention layer `layer_names[i]` (its tensors' prefix, e.g.
@@ -492,7 +492,7 @@ def read_kv_scales(checkpoint: hf.Checkpoint, layer_names: list[str],
                 elif hits:
                     found[which, i] = hits[0]
         if not found:
-            raise hf.ModelFileError(files.source, f"its config declares static KV-cache scales, but no tensor holds "
+            raise checkpoints.ModelFileError(files.source, f"its config declares static KV-cache scales, but no tensor holds "
                                                   f"them (read: {' or '.join(map(quoted, names[0]))} and "
                                                   f"{' or '.join(map(quoted, names[1]))} of each layer)")
         for which, kind in enumerate(("key", "value")):
@@ -507,16 +507,16 @@ def read_kv_scales(checkpoint: hf.Checkpoint, layer_names: list[str],
         problems += [f"tensor {quoted(name)}: a KV-cache scale under a name tilekit does not read" for name in
                      files.tensors if name.endswith(KV_SCALE_SUFFIXES) and name not in known]
         if problems:
-            raise hf.ModelFileError(files.source, hf.listing("has FP8 KV-cache scales tilekit cannot use", problems))
-        plan = {name: hf.Target(files.tensors[name].shape, "float32") for name in known}
-        arrays = hf.load_tensors(files, plan, device=hf.HostDevice(), ignore=("",),     # "": every other tensor
+            raise checkpoints.ModelFileError(files.source, checkpoints.listing("has FP8 KV-cache scales tilekit cannot use", problems))
+        plan = {name: checkpoints.Target(files.tensors[name].shape, "float32") for name in known}
+        arrays = checkpoints.load_tensors(files, plan, device=checkpoints.HostDevice(), ignore=("",),     # "": every other tensor
                                  expected="its FP8 KV-cache scales", progress=False)
         scales = np.zeros((2, len(layer_names)), np.float32)
         for (which, i), name in found.items():
             value = float(arrays[name].reshape(()))
             problem = kv_scale_problem(value)
             if problem:
-                raise hf.ModelFileError(files.source, f"tensor {quoted(name)} {problem}")
+                raise checkpoints.ModelFileError(files.source, f"tensor {quoted(name)} {problem}")
             scales[which, i] = value
     return scales[0], scales[1]
 
@@ -538,7 +538,7 @@ def quantize_into(src, codes, scale, kind: str) -> None:
         w = src.astype(xp.float32)
         scale[...] = xp.maximum(xp.abs(w).max(axis=1), xp.float32(MIN_AMAX)) / xp.float32(INT8_MAX)
     if not bool(xp.all(xp.isfinite(scale))):      # a NaN or infinite weight's row has no absmax scale
-        raise hf.TensorValueError("holds a value that is not finite: no per-channel scale quantizes its row")
+        raise checkpoints.TensorValueError("holds a value that is not finite: no per-channel scale quantizes its row")
     if kind == "int8":
         codes[...] = xp.clip(xp.rint(w / scale[:, None]), -INT8_MAX, INT8_MAX).astype(xp.int8)
 

@@ -12,7 +12,7 @@ from types import ModuleType
 import numpy as np
 
 from tilekit.models.generation import SamplingParams, TextGeneration, generate_by_recomputation
-from tilekit.models.hf import float_dtype
+from tilekit.checkpoints import float_dtype
 
 
 class ReferenceLM(TextGeneration):

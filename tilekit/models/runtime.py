@@ -29,7 +29,7 @@ from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS, MAX_EOS, candid
 from tilekit.kernels.quant_linear import QBLOCK, WEIGHT_DTYPES, dequantize_reference
 from tilekit.models.generation import SamplingParams, StopChecker, TextGeneration, param_arrays, token_counts
 from tilekit.models import quantization
-from tilekit.models.hf import (CONFIG_NAME, LM_HEAD, Checkpoint, ModelFileError, convert,
+from tilekit.checkpoints import (CONFIG_NAME, LM_HEAD, Checkpoint, ModelFileError, convert,
                                write_checkpoint)
 from tilekit.untrusted import quoted
 

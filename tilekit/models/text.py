@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Iterator, Mapping, Sequence
 
-from tilekit.models.hf import Checkpoint, ModelFileError, quoted, shown
+from tilekit.checkpoints import Checkpoint, ModelFileError
+from tilekit.untrusted import quoted, shown
 
 MAX_TOKENIZER_BYTES = 64 << 20   # tokenizer.json of a 256k vocabulary is ~35 MB
 MAX_TEMPLATE_CHARS = 1 << 20     # real chat templates are a few kB to a few tens of kB

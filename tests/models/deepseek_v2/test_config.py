@@ -138,7 +138,7 @@ def test_scale_factors_past_any_model_name_their_field(tmp_path, field, where):
 def test_a_config_claiming_millions_of_expert_mlps_is_refused_at_once():
     """n_routed_experts times the layers beyond any model (a loader keeps objects per expert and layer): the field's
     error, not minutes of building load plans."""
-    from tilekit.models.hf import ModelFileError
+    from tilekit.checkpoints import ModelFileError
     with pytest.raises(ModelFileError, match="n_routed_experts.*expert MLPs"):
         DeepseekV2Config.from_hf_dict(dict(HUB_LITE, num_hidden_layers=4096, n_routed_experts=4096))
     assert DeepseekV2Config.from_hf_dict(dict(HUB_LITE, n_routed_experts=256)).n_routed_experts == 256

@@ -12,7 +12,8 @@ from tilekit.kernels.checks import rel_err
 
 cupy = pytest.importorskip("cupy")
 
-from tilekit.models import DEEPSEEK_V2_PRESETS, DeepseekV2, ReferenceDeepseekV2, hf  # noqa: E402
+from tilekit.models import DEEPSEEK_V2_PRESETS, DeepseekV2, ReferenceDeepseekV2  # noqa: E402
+from tilekit import checkpoints as hf
 from tilekit.models.deepseek_v2.weights import random_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -16,7 +16,8 @@ from tests.models.deepseek_v2.test_step_code import cpu, forward  # noqa: F401  
 from tests.models.test_quantization import compressed, file_quantized
 from tilekit.kernels.checks import rel_err
 from tilekit.kernels.quant_linear import dequantize_reference
-from tilekit.models import DEEPSEEK_V2_PRESETS, DeepseekV2, DeepseekV2Config, hf, quantization
+from tilekit.models import DEEPSEEK_V2_PRESETS, DeepseekV2, DeepseekV2Config, quantization
+from tilekit import checkpoints as hf
 from tilekit.models.deepseek_v2 import weights
 from tilekit.models.quantization import quantize_weight, scale_key
 from tilekit.models.runtime import W8A8_MIN_ROWS

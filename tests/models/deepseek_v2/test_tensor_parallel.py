@@ -16,7 +16,8 @@ from tests.models.ranks import (ReadCounter, assert_a_failing_rank_stops_the_oth
                                 on_ranks)
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
-from tilekit.models import DeepseekV2, DeepseekV2Config, families, hf
+from tilekit.models import DeepseekV2, DeepseekV2Config, families
+from tilekit import checkpoints as hf
 from tilekit.models.deepseek_v2 import weights
 from tilekit.models.runtime import Arrays
 from tilekit.models.workload import model_problems

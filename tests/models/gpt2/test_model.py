@@ -9,7 +9,8 @@ from tilekit.kernels.checks import rel_err
 
 cupy = pytest.importorskip("cupy")
 
-from tilekit.models import GPT, GPTConfig, ReferenceGPT, hf  # noqa: E402
+from tilekit.models import GPT, GPTConfig, ReferenceGPT  # noqa: E402
+from tilekit import checkpoints as hf
 from tilekit.models.gpt2.weights import random_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,8 @@ from tilekit.kernels.checks import rel_err
 
 cupy = pytest.importorskip("cupy")
 
-from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama, hf  # noqa: E402
+from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama  # noqa: E402
+from tilekit import checkpoints as hf
 from tilekit.models.llama.weights import random_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -117,7 +117,7 @@ def test_gpt_refuses_quantize(numpy_cupy):
 def test_a_head_stored_as_codes_needs_its_scales(numpy_cupy, tmp_path):
     """A compressed-tensors file whose lm_head holds int8 codes (not in `ignore`) loads it quantized; without its
     scale tensor it is a ModelFileError naming the tensor, before anything is allocated."""
-    from tilekit.models import hf
+    from tilekit import checkpoints as hf
     state = random_state_dict(CONFIG, 6)
     save_state_dict(tmp_path / "in", CONFIG, state)
     model = Llama.from_pretrained(tmp_path / "in", quantize="int8", quantize_head=True)
@@ -140,7 +140,7 @@ def test_a_head_stored_as_codes_needs_its_scales(numpy_cupy, tmp_path):
 def test_a_scale_that_is_not_finite_or_negative_is_refused_naming_its_tensor(numpy_cupy, bad, tmp_path):
     """A compressed-tensors checkpoint whose scale tensor holds NaN, inf or a negative value: a ModelFileError
     naming the file and the tensor (a zero scale, an all-zero row's, loads)."""
-    from tilekit.models import hf
+    from tilekit import checkpoints as hf
     state = random_state_dict(CONFIG, 7)
     save_state_dict(tmp_path / "in", CONFIG, state)
     model = Llama.from_pretrained(tmp_path / "in", quantize="int8")
@@ -161,7 +161,7 @@ def test_a_scale_that_is_not_finite_or_negative_is_refused_naming_its_tensor(num
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_load_time_quantization_refuses_a_weight_that_is_not_finite(numpy_cupy, kind, tmp_path):
-    from tilekit.models import hf
+    from tilekit import checkpoints as hf
     state = random_state_dict(CONFIG, 8)
     state["model.layers.0.mlp.up_proj.weight"][5, 7] = np.inf
     save_state_dict(tmp_path, CONFIG, state)
@@ -181,7 +181,7 @@ def test_from_pretrained_checks_its_arguments_before_reading_anything(kwargs, er
 def test_a_head_stored_as_codes_that_the_config_lists_unquantized_is_refused(numpy_cupy, tmp_path):
     """The file contradicting its config (`ignore` names lm_head, the weights store it as codes): the config's
     field named, not a quantized head loaded silently."""
-    from tilekit.models import hf
+    from tilekit import checkpoints as hf
     state = random_state_dict(CONFIG, 9)
     save_state_dict(tmp_path / "in", CONFIG, state)
     model = Llama.from_pretrained(tmp_path / "in", quantize="fp8", quantize_head=True)

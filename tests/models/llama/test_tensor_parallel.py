@@ -15,7 +15,8 @@ from tests.models.ranks import (assert_a_failing_rank_stops_the_others, assert_s
                                 on_ranks)
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
-from tilekit.models import Llama, LlamaConfig, hf, runtime
+from tilekit.models import Llama, LlamaConfig, runtime
+from tilekit import checkpoints as hf
 from tilekit.models.llama import model as model_module
 from tilekit.models.llama import weights
 from tilekit.models.workload import model_problems

@@ -453,9 +453,9 @@ def test_malformed_index_is_named(sharded, text, problem):
 
 
 def test_index_too_large_is_refused_unread(sharded, monkeypatch):
-    from tilekit.models import hf
+    from tilekit import checkpoints as hf
     limit = (sharded[0] / "config.json").stat().st_size         # the index is larger than the config
-    monkeypatch.setattr(hf, "MAX_JSON_BYTES", limit)
+    monkeypatch.setattr(hf.files, "MAX_JSON_BYTES", limit)
     load_fails(sharded[0], f"model.safetensors.index.json: is larger than {limit} bytes$")
 
 

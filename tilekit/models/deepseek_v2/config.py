@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tilekit.models import hf
+from tilekit import checkpoints
 
 MAX_EXPERT_MLPS = 1 << 16     # routed experts times layers (DeepSeek-V3: 256 x 61); a loader keeps a few
                               # objects per expert and layer
@@ -56,12 +56,12 @@ class YarnScaling:
     truncate: bool = True
 
     def __post_init__(self):
-        hf.check_number(self, "factor")
+        checkpoints.check_number(self, "factor")
         if self.factor < 1:
             raise ValueError(f"YarnScaling.factor must be >= 1, got {self.factor!r}")
-        hf.check_positive_ints(self, ("original_max_position_embeddings",))
-        hf.check_number(self, "beta_slow")
-        hf.check_number(self, "beta_fast")
+        checkpoints.check_positive_ints(self, ("original_max_position_embeddings",))
+        checkpoints.check_number(self, "beta_slow")
+        checkpoints.check_number(self, "beta_fast")
         if self.beta_fast < self.beta_slow:
             raise ValueError(f"YarnScaling.beta_fast ({self.beta_fast}) must be >= beta_slow ({self.beta_slow})")
         for name in ("mscale", "mscale_all_dim", "attention_factor"):
@@ -107,18 +107,18 @@ def rope_inv_freq(dim: int, theta: float, scaling: YarnScaling | None = None) ->
 
 def rope_problem(dim: int, theta: float, scaling: YarnScaling | None) -> str | None:
     """Why these RoPE parameters cannot rotate, or None: YaRN's correction range undefined (rope_theta 1, or a beta
-    so small that its rotation count overflows), or frequencies hf.rotary_problem refuses."""
+    so small that its rotation count overflows), or frequencies checkpoints.rotary_problem refuses."""
     try:
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             inv_freq = rope_inv_freq(dim, theta, scaling)
     except (ZeroDivisionError, OverflowError, ValueError):
         return (f"leaves YaRN's correction range undefined (with beta_fast {scaling.beta_fast}, beta_slow "
                 f"{scaling.beta_slow})")
-    return hf.rotary_problem(inv_freq, "qk_rope_head_dim", dim)
+    return checkpoints.rotary_problem(inv_freq, "qk_rope_head_dim", dim)
 
 
 @dataclass(frozen=True)
-class DeepseekV2Config(hf.HFConfig):
+class DeepseekV2Config(checkpoints.HFConfig):
     """Shape of a DeepSeek-V2 model (multi-head latent attention, a mixture of experts after the first
     first_k_dense_replace dense layers). The defaults are DeepSeek-V2-Lite's.
 
@@ -155,12 +155,12 @@ class DeepseekV2Config(hf.HFConfig):
     eos_token_id: int | tuple[int, ...] | None = 100001
 
     def __post_init__(self):
-        hf.check_positive_ints(self, ("n_layer", "n_head", "n_embd", "vocab_size", "intermediate_size",
+        checkpoints.check_positive_ints(self, ("n_layer", "n_head", "n_embd", "vocab_size", "intermediate_size",
                                    "moe_intermediate_size", "n_routed_experts", "n_shared_experts",
                                    "num_experts_per_tok", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                    "v_head_dim", "max_position_embeddings"))
         if self.q_lora_rank is not None:
-            hf.check_positive_ints(self, ("q_lora_rank",))
+            checkpoints.check_positive_ints(self, ("q_lora_rank",))
         if self.n_embd % self.n_head:  # transformers refuses such a config
             raise ValueError(f"DeepseekV2Config.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.qk_rope_head_dim % 2:
@@ -173,11 +173,11 @@ class DeepseekV2Config(hf.HFConfig):
         if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= self.n_layer:
             raise ValueError(f"DeepseekV2Config.first_k_dense_replace must be an int in [0, {self.n_layer}], "
                              f"got {first!r}")
-        hf.check_number(self, "routed_scaling_factor")
+        checkpoints.check_number(self, "routed_scaling_factor")
         if not 0 < self.routed_scaling_factor <= MAX_FACTOR:
             raise ValueError(f"DeepseekV2Config.routed_scaling_factor must lie in (0, {MAX_FACTOR:g}], got "
                              f"{self.routed_scaling_factor!r}")
-        hf.check_rotary_config(self, YarnScaling, rope_problem, self.qk_rope_head_dim)
+        checkpoints.check_rotary_config(self, YarnScaling, rope_problem, self.qk_rope_head_dim)
 
     @property
     def block_size(self) -> int:
@@ -206,7 +206,7 @@ class DeepseekV2Config(hf.HFConfig):
             raise ValueError(f"unknown DeepSeek-V2 preset {name!r}; choose from {sorted(PRESETS)}") from None
 
     @classmethod
-    def from_fields(cls, f: hf.Fields) -> "DeepseekV2Config":
+    def from_fields(cls, f: checkpoints.Fields) -> "DeepseekV2Config":
         """Read a Hugging Face DeepseekV2Config (config.json's fields, transformers 4 or 5 layout), each checked,
         absent ones taking transformers 5.17's defaults; variants this model does not compute are refused, naming
         the field."""
@@ -218,16 +218,16 @@ class DeepseekV2Config(hf.HFConfig):
         f.variant("scoring_func", "softmax", lambda v: v == "softmax")          # ignored by transformers 5.17
         f.variant("moe_layer_freq", 1, lambda v: v == 1)                        # ignored by transformers 5.17
         f.variant("n_shared_experts", 2, lambda v: v not in (None, 0))
-        n_head = f.integer("num_attention_heads", low=1, high=hf.MAX_SIZE)
+        n_head = f.integer("num_attention_heads", low=1, high=checkpoints.MAX_SIZE)
         f.variant("num_key_value_heads", None, lambda v: v in (None, n_head))
-        positions = f.integer("max_position_embeddings", 2048, low=1, high=hf.MAX_SIZE)
-        rope, kind, theta = hf.rope_fields(f, {"default": (), "yarn": YARN_KEYS},
+        positions = f.integer("max_position_embeddings", 2048, low=1, high=checkpoints.MAX_SIZE)
+        rope, kind, theta = checkpoints.rope_fields(f, {"default": (), "yarn": YARN_KEYS},
                                            f.number("rope_theta", 10000.0, positive=True))
         scaling = None
         if kind == "yarn":
             # as transformers: a top-level original_max_position_embeddings wins, then the rope dict's
-            original = f.integer("original_max_position_embeddings", None, low=1, high=hf.MAX_SIZE) or \
-                rope.integer("original_max_position_embeddings", positions, low=1, high=hf.MAX_SIZE)
+            original = f.integer("original_max_position_embeddings", None, low=1, high=checkpoints.MAX_SIZE) or \
+                rope.integer("original_max_position_embeddings", positions, low=1, high=checkpoints.MAX_SIZE)
             beta_fast, beta_slow = rope.number("beta_fast", 32.0, positive=True), rope.number("beta_slow", 1.0,
                                                                                                 positive=True)
             if beta_fast < beta_slow:
@@ -238,31 +238,31 @@ class DeepseekV2Config(hf.HFConfig):
                                                                                    high=MAX_FACTOR),
                 rope.number("attention_factor", None, low=0.0, high=MAX_FACTOR),
                 rope.boolean("truncate", True))
-        rope_dim = f.integer("qk_rope_head_dim", low=1, high=hf.MAX_SIZE)
+        rope_dim = f.integer("qk_rope_head_dim", low=1, high=checkpoints.MAX_SIZE)
         if rope_dim % 2 == 0:                                                           # odd: build says so
-            hf.refuse_rope_theta(f, rope, theta, rope_problem(rope_dim, theta, scaling))
-        vocab = f.integer("vocab_size", low=1, high=hf.MAX_SIZE)
-        n_layer = f.integer("num_hidden_layers", low=1, high=hf.MAX_LAYERS)
-        experts = f.integer("n_routed_experts", low=1, high=hf.MAX_SIZE)
+            checkpoints.refuse_rope_theta(f, rope, theta, rope_problem(rope_dim, theta, scaling))
+        vocab = f.integer("vocab_size", low=1, high=checkpoints.MAX_SIZE)
+        n_layer = f.integer("num_hidden_layers", low=1, high=checkpoints.MAX_LAYERS)
+        experts = f.integer("n_routed_experts", low=1, high=checkpoints.MAX_SIZE)
         if experts * n_layer > MAX_EXPERT_MLPS:
             raise f.error("n_routed_experts", f"is {experts}: over {n_layer} layers more than {MAX_EXPERT_MLPS} "
                                               "expert MLPs, which no model comes near")
         return f.build(cls, n_layer=n_layer, n_head=n_head,
-                       n_embd=f.integer("hidden_size", low=1, high=hf.MAX_SIZE), vocab_size=vocab,
-                       intermediate_size=f.integer("intermediate_size", low=1, high=hf.MAX_SIZE),
-                       moe_intermediate_size=f.integer("moe_intermediate_size", low=1, high=hf.MAX_SIZE),
+                       n_embd=f.integer("hidden_size", low=1, high=checkpoints.MAX_SIZE), vocab_size=vocab,
+                       intermediate_size=f.integer("intermediate_size", low=1, high=checkpoints.MAX_SIZE),
+                       moe_intermediate_size=f.integer("moe_intermediate_size", low=1, high=checkpoints.MAX_SIZE),
                        n_routed_experts=experts,
-                       n_shared_experts=f.integer("n_shared_experts", 2, low=1, high=hf.MAX_SIZE),
-                       num_experts_per_tok=f.integer("num_experts_per_tok", low=1, high=hf.MAX_SIZE),
-                       first_k_dense_replace=f.integer("first_k_dense_replace", 0, low=0, high=hf.MAX_LAYERS),
+                       n_shared_experts=f.integer("n_shared_experts", 2, low=1, high=checkpoints.MAX_SIZE),
+                       num_experts_per_tok=f.integer("num_experts_per_tok", low=1, high=checkpoints.MAX_SIZE),
+                       first_k_dense_replace=f.integer("first_k_dense_replace", 0, low=0, high=checkpoints.MAX_LAYERS),
                        routed_scaling_factor=f.number("routed_scaling_factor", 1.0, positive=True, high=MAX_FACTOR),
                        q_lora_rank=f.integer("q_lora_rank", None if "q_lora_rank" in f else 1536, low=1,
-                                             high=hf.MAX_SIZE),
-                       kv_lora_rank=f.integer("kv_lora_rank", low=1, high=hf.MAX_SIZE),
-                       qk_nope_head_dim=f.integer("qk_nope_head_dim", low=1, high=hf.MAX_SIZE),
+                                             high=checkpoints.MAX_SIZE),
+                       kv_lora_rank=f.integer("kv_lora_rank", low=1, high=checkpoints.MAX_SIZE),
+                       qk_nope_head_dim=f.integer("qk_nope_head_dim", low=1, high=checkpoints.MAX_SIZE),
                        qk_rope_head_dim=rope_dim,
-                       v_head_dim=f.integer("v_head_dim", low=1, high=hf.MAX_SIZE), max_position_embeddings=positions,
-                       rope_theta=theta, rope_scaling=scaling, **hf.common_fields(f, vocab))
+                       v_head_dim=f.integer("v_head_dim", low=1, high=checkpoints.MAX_SIZE), max_position_embeddings=positions,
+                       rope_theta=theta, rope_scaling=scaling, **checkpoints.common_fields(f, vocab))
 
     def to_hf_dict(self) -> dict:
         """A config.json that transformers' DeepseekV2ForCausalLM reads (the transformers 4 layout of the hub)."""

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from tilekit import parallel
-from tilekit.models import hf
+from tilekit import checkpoints
 from tilekit.models.deepseek_v2.config import DeepseekV2Config
 
 HUB_ORGS = ("deepseek-ai",)
@@ -38,7 +38,7 @@ DEQUANTIZED = (r"self_attn\.kv_b_proj", r"self_attn\.o_proj", r"mlp\.down_proj",
 
 def state_dict_shapes(config: DeepseekV2Config) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor of this config (our layout; lm_head only when untied)."""
-    return hf.decoder_shapes(config, block_shapes, EMBEDDING)
+    return checkpoints.decoder_shapes(config, block_shapes, EMBEDDING)
 
 
 def block_shapes(config: DeepseekV2Config, i: int) -> dict[str, tuple[int, ...]]:
@@ -97,9 +97,9 @@ def _half_split(config: DeepseekV2Config, name: str):
 
     def transform(src, out):
         src, out = src.reshape(-1, group, src.shape[-1]), out.reshape(-1, group, out.shape[-1])
-        hf.convert(src[:, :first], out[:, :first])
-        hf.convert(src[:, first::2], out[:, first:first + half])
-        hf.convert(src[:, first + 1::2], out[:, first + half:])
+        checkpoints.convert(src[:, :first], out[:, :first])
+        checkpoints.convert(src[:, first::2], out[:, first:first + half])
+        checkpoints.convert(src[:, first + 1::2], out[:, first + half:])
     return transform
 
 
@@ -114,7 +114,7 @@ def _interleaved(config: DeepseekV2Config, name: str, w):
     return out
 
 
-def _experts(config: DeepseekV2Config, i: int, fused: bool, span: tuple[int, int] | None) -> dict[str, hf.Piece]:
+def _experts(config: DeepseekV2Config, i: int, fused: bool, span: tuple[int, int] | None) -> dict[str, checkpoints.Piece]:
     """File name -> Piece of layer i's experts: the routed ones one by one or fused, and the shared MLP's slices;
     `span`: the [start, stop) of each expert's intermediate columns a tensor-parallel rank holds (None: all)."""
     C, E, S, I = config.n_embd, config.n_routed_experts, config.n_shared_experts, config.moe_intermediate_size
@@ -124,32 +124,32 @@ def _experts(config: DeepseekV2Config, i: int, fused: bool, span: tuple[int, int
     p = f"model.layers.{i}.mlp."
     gate_up, down = p + "experts.gate_up_proj", p + "experts.down_proj"
     if fused:
-        pieces = {gate_up: hf.Piece(gate_up, (E, 2 * I, C), np.s_[:E], part=part(1, i0, i1, 2)),
-                  down: hf.Piece(down, (E, C, I), np.s_[:E], part=part(2, i0, i1))}
+        pieces = {gate_up: checkpoints.Piece(gate_up, (E, 2 * I, C), np.s_[:E], part=part(1, i0, i1, 2)),
+                  down: checkpoints.Piece(down, (E, C, I), np.s_[:E], part=part(2, i0, i1))}
     else:
         pieces = {}
         for j in range(E):
-            pieces.update({f"{p}experts.{j}.gate_proj.weight": hf.Piece(gate_up, (I, C), np.s_[j, :J],
+            pieces.update({f"{p}experts.{j}.gate_proj.weight": checkpoints.Piece(gate_up, (I, C), np.s_[j, :J],
                                                                         part=part(0, i0, i1)),
-                           f"{p}experts.{j}.up_proj.weight": hf.Piece(gate_up, (I, C), np.s_[j, J:],
+                           f"{p}experts.{j}.up_proj.weight": checkpoints.Piece(gate_up, (I, C), np.s_[j, J:],
                                                                       part=part(0, i0, i1)),
-                           f"{p}experts.{j}.down_proj.weight": hf.Piece(down, (C, I), np.s_[j], part=part(1, i0, i1))})
+                           f"{p}experts.{j}.down_proj.weight": checkpoints.Piece(down, (C, I), np.s_[j], part=part(1, i0, i1))})
 
     def rows(src, out):               # (S * J, C) -> (S, J, C)
-        hf.convert(src.reshape(out.shape), out)
+        checkpoints.convert(src.reshape(out.shape), out)
 
     def columns(src, out):            # (C, S * J) -> (S, C, J)
-        hf.convert(src.reshape(C, S, J).transpose(1, 0, 2), out)
-    pieces.update({p + "shared_experts.gate_proj.weight": hf.Piece(gate_up, (S * I, C), np.s_[E:, :J], rows,
+        checkpoints.convert(src.reshape(C, S, J).transpose(1, 0, 2), out)
+    pieces.update({p + "shared_experts.gate_proj.weight": checkpoints.Piece(gate_up, (S * I, C), np.s_[E:, :J], rows,
                                                                    part(0, i0, i1, S)),
-                   p + "shared_experts.up_proj.weight": hf.Piece(gate_up, (S * I, C), np.s_[E:, J:], rows,
+                   p + "shared_experts.up_proj.weight": checkpoints.Piece(gate_up, (S * I, C), np.s_[E:, J:], rows,
                                                                  part(0, i0, i1, S)),
-                   p + "shared_experts.down_proj.weight": hf.Piece(down, (C, S * I), np.s_[E:], columns,
+                   p + "shared_experts.down_proj.weight": checkpoints.Piece(down, (C, S * I), np.s_[E:], columns,
                                                                    part(1, i0, i1, S))})
     return pieces
 
 
-def stored(config: DeepseekV2Config, names: set[str], parts: dict | None = None) -> dict[str, hf.Piece]:
+def stored(config: DeepseekV2Config, names: set[str], parts: dict | None = None) -> dict[str, checkpoints.Piece]:
     """File name -> Piece of every tensor a file keeps in another form than ours (CheckpointLayout.stored): the
     experts (each layer's routed ones fused if the file holds them so, else one by one) and the tensors with
     rotary rows; `parts` (shard_parts of a tensor-parallel rank): each piece reads only that rank's slice of its
@@ -158,7 +158,7 @@ def stored(config: DeepseekV2Config, names: set[str], parts: dict | None = None)
     pieces = {}
     for name, shape in state_dict_shapes(config).items():
         if _rotary(config, name):
-            pieces[name] = hf.Piece(name, shape, (), _half_split(config, name), parts.get(name))
+            pieces[name] = checkpoints.Piece(name, shape, (), _half_split(config, name), parts.get(name))
     for i in range(config.n_layer):
         if config.is_moe_layer(i):
             p = f"model.layers.{i}.mlp.experts."
@@ -169,7 +169,7 @@ def stored(config: DeepseekV2Config, names: set[str], parts: dict | None = None)
 
 def shard_parts(config: DeepseekV2Config, rank: int, world: int) -> dict[str, tuple[int, ...]]:
     """Name -> (axis, start, stop[, groups]): the slice of each tensor (our layout) that tensor-parallel rank `rank`
-    of `world` holds (hf.Target.part). Attention heads split evenly: q_proj (q_b_proj) and kv_b_proj by rows, whole
+    of `world` holds (checkpoints.Target.part). Attention heads split evenly: q_proj (q_b_proj) and kv_b_proj by rows, whole
     heads (column-parallel), o_proj by columns (row-parallel); kv_a_proj_with_mqa (the latent and the rotary key:
     per token, not per head), q_a_proj, the norms and the router stay whole. The dense MLP's gate / up split by
     rows and down by columns; every expert, routed and shared, the same way: gate_up_proj's gate and up rows
@@ -196,7 +196,7 @@ def shard_parts(config: DeepseekV2Config, rank: int, world: int) -> dict[str, tu
             parts.update({p + "mlp.gate_proj.weight": (0, j0, j1), p + "mlp.up_proj.weight": (0, j0, j1),
                           p + "mlp.down_proj.weight": (1, j0, j1)})
     if not c.tie_word_embeddings:
-        parts[hf.LM_HEAD] = (0, *parallel.vocab_span(c.vocab_size, rank, world))
+        parts[checkpoints.LM_HEAD] = (0, *parallel.vocab_span(c.vocab_size, rank, world))
     return parts
 
 
@@ -230,7 +230,7 @@ def to_file(config: DeepseekV2Config, state, fused_experts: bool = False) -> dic
 
 
 # The family's resolve / load / load_state_dict / save_state_dict / check_state_dict / random_state_dict
-LAYOUT = hf.CheckpointLayout(DeepseekV2Config, state_dict_shapes, weight_stats, EMBEDDING, PREFIX, BUFFER_SUFFIXES,
+LAYOUT = checkpoints.CheckpointLayout(DeepseekV2Config, state_dict_shapes, weight_stats, EMBEDDING, PREFIX, BUFFER_SUFFIXES,
                              HUB_ORGS, stored, to_file)
 resolve, load, check_state_dict = LAYOUT.resolve, LAYOUT.load, LAYOUT.check_state_dict
 load_state_dict, save_state_dict = LAYOUT.load_state_dict, LAYOUT.save_state_dict

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tilekit.models import hf
+from tilekit import checkpoints
 
 
 @dataclass(frozen=True)
-class GPTConfig(hf.HFConfig):
+class GPTConfig(checkpoints.HFConfig):
     """Shape of a GPT-2 model; names follow nanoGPT and the HF config keys map onto them."""
 
     n_layer: int = 12
@@ -21,12 +21,12 @@ class GPTConfig(hf.HFConfig):
     eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
-        hf.check_positive_ints(self, ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"))
+        checkpoints.check_positive_ints(self, ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"))
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by "
                              f"n_head ({self.n_head})")
-        hf.check_number(self, "layer_norm_epsilon")
-        hf.check_token_ids(self)
+        checkpoints.check_number(self, "layer_norm_epsilon")
+        checkpoints.check_token_ids(self)
 
     @property
     def head_dim(self) -> int:
@@ -46,7 +46,7 @@ class GPTConfig(hf.HFConfig):
             raise ValueError(f"unknown GPT-2 preset {name!r}; choose from {sorted(PRESETS)}") from None
 
     @classmethod
-    def from_fields(cls, f: hf.Fields) -> "GPTConfig":
+    def from_fields(cls, f: checkpoints.Fields) -> "GPTConfig":
         """Read a Hugging Face GPT2Config (config.json's fields), each checked; variants this model does not
         compute are refused, naming the field."""
         f.choice("model_type", ("gpt2",), "gpt2")
@@ -54,15 +54,15 @@ class GPTConfig(hf.HFConfig):
         f.variant("scale_attn_by_inverse_layer_idx", False, lambda v: v is False)
         f.variant("scale_attn_weights", True, lambda v: v is True)
         f.variant("tie_word_embeddings", True, lambda v: v is True)
-        n_head = f.integer("n_head", low=1, high=hf.MAX_SIZE)
-        n_embd = f.integer("n_embd", low=1, high=hf.MAX_SIZE)
+        n_head = f.integer("n_head", low=1, high=checkpoints.MAX_SIZE)
+        n_embd = f.integer("n_embd", low=1, high=checkpoints.MAX_SIZE)
         if n_embd % n_head:
             raise f.error("n_embd", f"is {n_embd}, not a multiple of n_head ({n_head})")
         f.variant("n_inner", None, lambda v: v is None or (type(v) is int and v == 4 * n_embd))
-        vocab = f.integer("vocab_size", low=1, high=hf.MAX_SIZE)
+        vocab = f.integer("vocab_size", low=1, high=checkpoints.MAX_SIZE)
         positions = f.integer("n_ctx" if "n_ctx" in f and "n_positions" not in f else "n_positions", 1024, low=1,
-                              high=hf.MAX_SIZE)   # n_ctx: what configs older than n_positions name it
-        return f.build(cls, n_layer=f.integer("n_layer", low=1, high=hf.MAX_LAYERS), n_head=n_head, n_embd=n_embd,
+                              high=checkpoints.MAX_SIZE)   # n_ctx: what configs older than n_positions name it
+        return f.build(cls, n_layer=f.integer("n_layer", low=1, high=checkpoints.MAX_LAYERS), n_head=n_head, n_embd=n_embd,
                        vocab_size=vocab, block_size=positions,
                        layer_norm_epsilon=f.number("layer_norm_epsilon", 1e-5, positive=True),
                        bos_token_id=f.integer("bos_token_id", None, low=0, high=vocab - 1),

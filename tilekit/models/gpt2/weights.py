@@ -2,7 +2,7 @@
 
 Tensor names here are GPT2Model's ("h.0.ln_1.weight"; GPT2LMHeadModel puts "transformer." before them),
 weights are laid out [in, out] like GPT-2's Conv1D, and the LM head is tied to wte. The files themselves are
-read and written by tilekit.models.hf.
+read and written by tilekit.models.checkpoints.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from tilekit import parallel
-from tilekit.models import hf
+from tilekit import checkpoints
 from tilekit.models.gpt2.config import GPTConfig
 
 HUB_ORGS = ("openai-community",)     # where a bare hub name ("gpt2") is also looked up
@@ -55,7 +55,7 @@ def block_shapes(config: GPTConfig, i: int) -> dict[str, tuple[int, ...]]:
 
 def shard_parts(config: GPTConfig, rank: int, world: int) -> dict[str, tuple[int, ...]]:
     """Name -> (axis, start, stop[, groups]): the slice of each tensor tensor-parallel rank `rank` of `world` holds
-    (hf.Target.part). Weights are [in, out]: c_attn (its q, k and v column blocks alike) and c_fc split by
+    (checkpoints.Target.part). Weights are [in, out]: c_attn (its q, k and v column blocks alike) and c_fc split by
     columns (column-parallel), both c_proj by rows (row-parallel; their biases whole, added by rank 0). wte (also
     the tied LM head, of which each rank uses a row view), wpe and the LayerNorms stay whole."""
     C, D = config.n_embd, config.head_dim
@@ -71,7 +71,7 @@ def shard_parts(config: GPTConfig, rank: int, world: int) -> dict[str, tuple[int
 
 
 # The family's resolve / load / load_state_dict / save_state_dict / check_state_dict / random_state_dict
-LAYOUT = hf.CheckpointLayout(GPTConfig, state_dict_shapes, weight_stats, EMBEDDING, PREFIX, BUFFER_SUFFIXES, HUB_ORGS)
+LAYOUT = checkpoints.CheckpointLayout(GPTConfig, state_dict_shapes, weight_stats, EMBEDDING, PREFIX, BUFFER_SUFFIXES, HUB_ORGS)
 resolve, load, check_state_dict = LAYOUT.resolve, LAYOUT.load, LAYOUT.check_state_dict
 load_state_dict, save_state_dict = LAYOUT.load_state_dict, LAYOUT.save_state_dict
 random_state_dict = LAYOUT.random_state_dict

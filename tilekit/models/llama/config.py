@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tilekit.models import hf
+from tilekit import checkpoints
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -25,12 +25,12 @@ class RopeScaling:
     original_max_position_embeddings: int
 
     def __post_init__(self):
-        hf.check_number(self, "factor")
+        checkpoints.check_number(self, "factor")
         if self.factor < 1:
             raise ValueError(f"RopeScaling.factor must be >= 1, got {self.factor!r}")
-        hf.check_number(self, "low_freq_factor")
-        hf.check_number(self, "high_freq_factor", low=self.low_freq_factor)
-        hf.check_positive_ints(self, ("original_max_position_embeddings",))
+        checkpoints.check_number(self, "low_freq_factor")
+        checkpoints.check_number(self, "high_freq_factor", low=self.low_freq_factor)
+        checkpoints.check_positive_ints(self, ("original_max_position_embeddings",))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
@@ -51,12 +51,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
 
 
 def rope_problem(head_dim: int, theta: float, scaling: RopeScaling | None) -> str | None:
-    """Why these RoPE parameters cannot rotate, or None (hf.rotary_problem)."""
-    return hf.rotary_problem(rope_inv_freq(head_dim, theta, scaling), "head_dim", head_dim)
+    """Why these RoPE parameters cannot rotate, or None (checkpoints.rotary_problem)."""
+    return checkpoints.rotary_problem(rope_inv_freq(head_dim, theta, scaling), "head_dim", head_dim)
 
 
 @dataclass(frozen=True)
-class LlamaConfig(hf.HFConfig):
+class LlamaConfig(checkpoints.HFConfig):
     """Shape of a Llama model: nanoGPT names where GPT-2 has the same thing, Hugging Face names elsewhere.
 
     The defaults are Llama-3.2-1B's. head_dim defaults to n_embd // n_head; n_kv_head < n_head is grouped-query
@@ -80,7 +80,7 @@ class LlamaConfig(hf.HFConfig):
     eos_token_id: int | tuple[int, ...] | None = None
 
     def __post_init__(self):
-        hf.check_positive_ints(self, ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size",
+        checkpoints.check_positive_ints(self, ("n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "vocab_size",
                                    "max_position_embeddings"))
         if self.n_embd % self.n_head:  # transformers refuses such a config even with head_dim given
             raise ValueError(f"LlamaConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
@@ -88,11 +88,11 @@ class LlamaConfig(hf.HFConfig):
             raise ValueError(f"LlamaConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
-        hf.check_positive_ints(self, ("head_dim",))
+        checkpoints.check_positive_ints(self, ("head_dim",))
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim must be even (rotary embeddings pair its halves), "
                              f"got {self.head_dim}")
-        hf.check_rotary_config(self, RopeScaling, rope_problem, self.head_dim)
+        checkpoints.check_rotary_config(self, RopeScaling, rope_problem, self.head_dim)
 
     @property
     def block_size(self) -> int:
@@ -108,7 +108,7 @@ class LlamaConfig(hf.HFConfig):
             raise ValueError(f"unknown Llama preset {name!r}; choose from {sorted(PRESETS)}") from None
 
     @classmethod
-    def from_fields(cls, f: hf.Fields) -> "LlamaConfig":
+    def from_fields(cls, f: checkpoints.Fields) -> "LlamaConfig":
         """Read a Hugging Face LlamaConfig (config.json's fields, transformers 4 or 5 layout), each checked, absent
         ones taking transformers' defaults; variants this model does not compute are refused, naming the field."""
         f.choice("model_type", ("llama",), "llama")
@@ -119,19 +119,19 @@ class LlamaConfig(hf.HFConfig):
         f.variant("partial_rotary_factor", 1.0, lambda v: type(v) in (int, float) and v == 1)
         f.variant("layer_types", None, lambda v: v is None or (
             isinstance(v, list) and all(t == "full_attention" for t in v)))
-        n_head = f.integer("num_attention_heads", low=1, high=hf.MAX_SIZE)
-        n_embd = f.integer("hidden_size", low=1, high=hf.MAX_SIZE)
-        n_kv_head = f.integer("num_key_value_heads", None, low=1, high=hf.MAX_SIZE) or n_head
-        head_dim = f.integer("head_dim", None, low=1, high=hf.MAX_SIZE) or n_embd // n_head
+        n_head = f.integer("num_attention_heads", low=1, high=checkpoints.MAX_SIZE)
+        n_embd = f.integer("hidden_size", low=1, high=checkpoints.MAX_SIZE)
+        n_kv_head = f.integer("num_key_value_heads", None, low=1, high=checkpoints.MAX_SIZE) or n_head
+        head_dim = f.integer("head_dim", None, low=1, high=checkpoints.MAX_SIZE) or n_embd // n_head
         if n_embd % n_head:
             raise f.error("hidden_size", f"is {n_embd}, not a multiple of num_attention_heads ({n_head})")
         if n_head % n_kv_head:
             raise f.error("num_attention_heads", f"is {n_head}, not a multiple of num_key_value_heads ({n_kv_head})")
         if head_dim % 2:
             raise f.error("head_dim", f"is {head_dim}, expected an even number (RoPE pairs its halves)")
-        vocab = f.integer("vocab_size", low=1, high=hf.MAX_SIZE)
-        positions = f.integer("max_position_embeddings", 2048, low=1, high=hf.MAX_SIZE)
-        rope, kind, theta = hf.rope_fields(f, {"default": (), "llama3": LLAMA3_KEYS},
+        vocab = f.integer("vocab_size", low=1, high=checkpoints.MAX_SIZE)
+        positions = f.integer("max_position_embeddings", 2048, low=1, high=checkpoints.MAX_SIZE)
+        rope, kind, theta = checkpoints.rope_fields(f, {"default": (), "llama3": LLAMA3_KEYS},
                                            f.number("rope_theta", 10000.0, positive=True))
         scaling = None
         if kind == "llama3":
@@ -140,13 +140,13 @@ class LlamaConfig(hf.HFConfig):
             if high <= low:
                 raise rope.error("high_freq_factor", f"is {high}, expected > low_freq_factor ({low})")
             scaling = RopeScaling(rope.number("factor", low=1.0), low, high, rope.integer(
-                "original_max_position_embeddings", positions, low=1, high=hf.MAX_SIZE))
-        hf.refuse_rope_theta(f, rope, theta, rope_problem(head_dim, theta, scaling))
-        return f.build(cls, n_layer=f.integer("num_hidden_layers", low=1, high=hf.MAX_LAYERS), n_head=n_head,
+                "original_max_position_embeddings", positions, low=1, high=checkpoints.MAX_SIZE))
+        checkpoints.refuse_rope_theta(f, rope, theta, rope_problem(head_dim, theta, scaling))
+        return f.build(cls, n_layer=f.integer("num_hidden_layers", low=1, high=checkpoints.MAX_LAYERS), n_head=n_head,
                        n_kv_head=n_kv_head, n_embd=n_embd,
-                       intermediate_size=f.integer("intermediate_size", low=1, high=hf.MAX_SIZE), vocab_size=vocab,
+                       intermediate_size=f.integer("intermediate_size", low=1, high=checkpoints.MAX_SIZE), vocab_size=vocab,
                        max_position_embeddings=positions, head_dim=head_dim, rope_theta=theta, rope_scaling=scaling,
-                       **hf.common_fields(f, vocab))
+                       **checkpoints.common_fields(f, vocab))
 
     def to_hf_dict(self) -> dict:
         """A config.json that transformers' LlamaForCausalLM reads (the transformers 4 layout, as the hub has it)."""

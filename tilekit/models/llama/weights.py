@@ -2,7 +2,7 @@
 
 Tensor names are LlamaForCausalLM's ("model.layers.0.self_attn.q_proj.weight"), weights are nn.Linear's
 [out, in], and lm_head.weight exists unless the config ties it to model.embed_tokens.weight. A checkpoint may be
-single-file or sharded; tilekit.models.hf reads and writes the files, every one untrusted input.
+single-file or sharded; tilekit.checkpoints reads and writes the files, every one untrusted input.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from tilekit import parallel
-from tilekit.models import hf
+from tilekit import checkpoints
 from tilekit.models.llama.config import LlamaConfig
 
 HUB_ORGS = ("meta-llama",)                          # where a bare hub name ("Llama-3.2-1B") is also looked up
@@ -32,7 +32,7 @@ def layer_prefixes(config: LlamaConfig) -> list[str]:
 
 def state_dict_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a Llama of this config has (lm_head only when untied)."""
-    return hf.decoder_shapes(config, block_shapes, EMBEDDING)
+    return checkpoints.decoder_shapes(config, block_shapes, EMBEDDING)
 
 
 def weight_stats(config: LlamaConfig, name: str) -> tuple[float, float]:
@@ -62,7 +62,7 @@ def block_shapes(config: LlamaConfig, i: int) -> dict[str, tuple[int, ...]]:
 
 def shard_parts(config: LlamaConfig, rank: int, world: int) -> dict[str, tuple[int, int, int]]:
     """Name -> (axis, start, stop): the slice of each tensor that tensor-parallel rank `rank` of `world` holds
-    (hf.Target.part). Query heads split evenly, key/value heads too or, when fewer than the ranks, each rank holds
+    (checkpoints.Target.part). Query heads split evenly, key/value heads too or, when fewer than the ranks, each rank holds
     the one its query heads share; q, k, v, gate and up split by rows (column-parallel), o_proj and down_proj by
     columns (row-parallel); an untied LM head by vocabulary rows. The embedding and the norms stay whole: a lookup
     reads B rows of the table, so a whole one costs memory (1 GiB at Llama-3.1-8B, 2 GiB at 70B, bf16) but no
@@ -81,12 +81,12 @@ def shard_parts(config: LlamaConfig, rank: int, world: int) -> dict[str, tuple[i
                       p + "mlp.gate_proj.weight": (0, i0, i1), p + "mlp.up_proj.weight": (0, i0, i1),
                       p + "mlp.down_proj.weight": (1, i0, i1)})
     if not config.tie_word_embeddings:
-        parts[hf.LM_HEAD] = (0, *parallel.vocab_span(config.vocab_size, rank, world))
+        parts[checkpoints.LM_HEAD] = (0, *parallel.vocab_span(config.vocab_size, rank, world))
     return parts
 
 
 # The family's resolve / load / load_state_dict / save_state_dict / check_state_dict / random_state_dict
-LAYOUT = hf.CheckpointLayout(LlamaConfig, state_dict_shapes, weight_stats, EMBEDDING, PREFIX, BUFFER_SUFFIXES, HUB_ORGS)
+LAYOUT = checkpoints.CheckpointLayout(LlamaConfig, state_dict_shapes, weight_stats, EMBEDDING, PREFIX, BUFFER_SUFFIXES, HUB_ORGS)
 resolve, load, check_state_dict = LAYOUT.resolve, LAYOUT.load, LAYOUT.check_state_dict
 load_state_dict, save_state_dict = LAYOUT.load_state_dict, LAYOUT.save_state_dict
 random_state_dict = LAYOUT.random_state_dict

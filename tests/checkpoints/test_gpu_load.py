@@ -1,4 +1,4 @@
-"""The streaming loader on the GPU (tilekit.models.hf.CupyDevice): pinned staging buffers, copies queued on a
+"""The streaming loader on the GPU (tilekit.checkpoints.stream.CupyDevice): pinned staging buffers, copies queued on a
 stream while the next pieces are read, conversions in CuPy; against the host device's NumPy results bit for bit,
 into NaN-poisoned outputs; and host memory bounded by the staging buffers."""
 
@@ -8,9 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from tilekit.autotune.arrays import numpy_dtype
 from tilekit.kernels.checks import poisoned
-from tilekit.models import hf
-from tilekit.models.hf import CupyDevice, HostDevice, Target
+from tilekit import checkpoints as hf
+from tilekit.checkpoints import CupyDevice, HostDevice, Target
 
 cupy = pytest.importorskip("cupy")
 
@@ -43,7 +44,7 @@ def test_conversions_match_numpy(tmp_path, source):
     included (what a conversion would make infinite is refused: test_non_finite_values_are_refused_alike)."""
     for dtype in hf.CupyDevice.dtypes:
         with np.errstate(over="ignore"):
-            fit = SPECIAL[np.isfinite(SPECIAL.astype(hf.numpy_dtype(source)).astype(hf.numpy_dtype(dtype))
+            fit = SPECIAL[np.isfinite(SPECIAL.astype(numpy_dtype(source)).astype(numpy_dtype(dtype))
                                       .astype(np.float64))]
         values = np.concatenate([fit, np.random.default_rng(0).standard_normal(4099, np.float32)])
         hf.write_checkpoint(tmp_path / dtype, {}, {"x": values.reshape(-1, 1)}, dtype=source)
@@ -113,7 +114,7 @@ def test_many_pieces_through_the_ring(tmp_path, buffers, buffer_bytes):
                    buffers=buffers, buffer_bytes=buffer_bytes)
         for name, a in state.items():
             assert got[name] is outs[name]
-            assert same(got[name], a.astype(ml_dtypes.bfloat16).astype(hf.numpy_dtype(dtype))), (name, dtype)
+            assert same(got[name], a.astype(ml_dtypes.bfloat16).astype(numpy_dtype(dtype))), (name, dtype)
 
 
 def test_views_allocators_and_transforms(tmp_path):

@@ -1,4 +1,4 @@
-"""Hostile model files against tilekit.models.hf, one class per kind of hostility in issue #31.
+"""Hostile model files against tilekit.checkpoints, one class per kind of hostility in issue #31.
 
 Each case states its outcome exactly: the exception's type and whole message (naming the file and the field,
 control characters escaped), that the refusal allocated under a small bound (nothing large: tracemalloc's peak),
@@ -16,9 +16,10 @@ import pytest
 from safetensors.numpy import save_file
 
 from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
-from tilekit.models import GPT, Llama, families, hf
+from tilekit.models import GPT, Llama, families
+from tilekit import checkpoints as hf
 from tilekit.models.generation import GenerationSettings
-from tilekit.models.hf import Checkpoint, ModelFileError, Target
+from tilekit.checkpoints import Checkpoint, ModelFileError, Target
 from tilekit.models.text import load_tokenizer
 
 PLAN = {"w": Target((2, 3)), "n": Target((3,))}
@@ -237,8 +238,11 @@ class TestUserAndLongNames:
         monkeypatch.delenv("HF_HUB_CACHE", raising=False)
         monkeypatch.setenv("HF_HOME", "~nosuchuser_tilekit")
         monkeypatch.chdir(tmp_path)
-        refused(tmp_path, FileNotFoundError, "HF_HOME '~nosuchuser_tilekit': no user 'nosuchuser_tilekit'",
-                find("org/m"))
+        refused(tmp_path, FileNotFoundError, "no checkpoint 'org/m': the hub cache cannot be located: "
+                                             "HF_HOME '~nosuchuser_tilekit': no user 'nosuchuser_tilekit'", find("org/m"))
+        monkeypatch.setenv("HF_HUB_CACHE", "~nosuchuser/hub")      # the variable and the model asked for, both named
+        refused(tmp_path, FileNotFoundError, "no checkpoint 'org/m': the hub cache cannot be located: "
+                                             "HF_HUB_CACHE '~nosuchuser/hub': no user 'nosuchuser'", find("org/m"))
 
     @pytest.mark.parametrize("make", [lambda tmp: "x" * 5000, lambda tmp: f"{tmp}/{'a' * 300}/ck"])
     def test_a_name_too_long(self, tmp_path, make):

@@ -1,6 +1,6 @@
-"""tilekit.models.hf: finding checkpoints, typed config fields, safetensors headers, streaming loads (on the host
+"""tilekit.checkpoints: finding checkpoints, typed config fields, safetensors headers, streaming loads (on the host
 device, and on one whose copies land late, as a GPU's do), writing checkpoints, the progress bar.
-Hostile files are tests/models/test_hostile_model_files.py's."""
+Hostile files are tests/checkpoints/test_hostile_model_files.py's."""
 
 import contextlib
 import io
@@ -17,8 +17,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from tilekit.models import hf
-from tilekit.models.hf import Fields, HostDevice, ModelFileError, Target
+from tilekit.autotune.arrays import numpy_dtype
+from tilekit import checkpoints as hf
+from tilekit.checkpoints import Fields, HostDevice, ModelFileError, Target
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NP = {"BF16": BF16, "F16": np.dtype(np.float16), "F32": np.dtype(np.float32)}
@@ -176,9 +177,9 @@ SPECIAL = np.array([0.0, -0.0, 1.0, -1.5, 1 + 2 ** -8, 1 + 3 * 2 ** -9, 65504.0,
 @pytest.mark.parametrize("source", ["BF16", "F16", "F32"])
 def test_every_dtype_converts_as_numpy_casts(tmp_path, source):
     """Ties, the largest finite values, subnormals, signed zeros: each target holds what NumPy's cast gives (values
-    a cast makes infinite are refused: tests/models/test_hostile_model_files.py)."""
+    a cast makes infinite are refused: tests/checkpoints/test_hostile_model_files.py)."""
     for dtype in hf.TARGET_DTYPES:
-        target = np.dtype(hf.numpy_dtype(dtype))
+        target = np.dtype(numpy_dtype(dtype))
         with np.errstate(over="ignore"):
             fit = SPECIAL[np.isfinite(SPECIAL.astype(NP[source]).astype(target).astype(np.float64))]
         values = np.concatenate([fit, np.random.default_rng(4).standard_normal(50, np.float32)]).astype(NP[source])
@@ -231,15 +232,15 @@ def test_pieces_through_a_ring_of_staging_buffers(tmp_path, buffers, buffer_byte
                buffer_bytes=buffer_bytes)
     assert out.keys() == state.keys()
     for name, a in state.items():
-        assert np.array_equal(bits(out[name]), bits(a.astype(BF16).astype(hf.numpy_dtype(dtype)))), name
+        assert np.array_equal(bits(out[name]), bits(a.astype(BF16).astype(numpy_dtype(dtype)))), name
 
 
 def test_late_copies_catch_a_staging_buffer_reused_too_early(tmp_path, monkeypatch):
     """The check above can fail: reading without waiting for the copy out of the buffer garbles tensors."""
     state = fresh(6, SHAPES)
     ck = checkpoint(tmp_path, state)
-    read = hf._Stream.read
-    monkeypatch.setattr(hf._Stream, "read", lambda self, k, copied: read(self, k, None))
+    read = hf.LoadStream.read
+    monkeypatch.setattr(hf.LoadStream, "read", lambda self, k, copied: read(self, k, None))
     out = load(ck, {n: Target(s, "float32") for n, s in SHAPES.items()}, device=LateCopies(), buffers=2,
                buffer_bytes=64)
     assert not all(np.array_equal(out[n], a) for n, a in state.items())
@@ -364,7 +365,7 @@ def test_written_files_read_back_with_the_safetensors_library(tmp_path, dtype, c
         assert f.metadata() == {"format": "pt"} and list(f.keys()) == ["a", "b", "c"]
         for name, a in state.items():
             assert f.get_slice(name).get_dtype() == code
-            assert np.array_equal(bits(f.get_tensor(name)), bits(a.astype(hf.numpy_dtype(dtype))))
+            assert np.array_equal(bits(f.get_tensor(name)), bits(a.astype(numpy_dtype(dtype))))
     assert sorted(p.name for p in tmp_path.iterdir()) == [hf.CONFIG_NAME, hf.WEIGHTS_NAME]
 
 

@@ -1,0 +1,231 @@
+"""One load's data path: pieces of tensors read by worker threads into a bounded ring of staging buffers, copied to
+the device in order and converted there, every float tensor checked finite. The device is a GPU (CupyDevice:
+pinned staging, copies and conversions on its own stream) or the host (HostDevice: NumPy outputs)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from tilekit.autotune.arrays import numpy_dtype
+from tilekit.checkpoints.files import ModelFileError, TensorValueError
+from tilekit.checkpoints.plan import TARGET_DTYPES, Target, check_target, convert
+from tilekit.checkpoints.safetensors import DTYPES, TensorInfo
+from tilekit.untrusted import quoted
+
+# float dtype -> (the unsigned integer of its width, its exponent bits): all of them set is an infinity or a NaN
+# (FP8 e4m3, which has no infinity: exponent and mantissa bits all set, its NaN codes 0x7F and 0xFF)
+
+
+EXPONENT_BITS = {"bfloat16": ("uint16", 0x7F80), "float16": ("uint16", 0x7C00), "float32": ("uint32", 0x7F800000),
+                 "float64": ("uint64", 0x7FF0000000000000), "float8_e4m3fn": ("uint8", 0x7F)}
+FLOAT_BITS = {"F8_E4M3": "float8_e4m3fn"}     # a safetensors dtype DTYPES views as uint8 -> the float it holds
+
+
+class LoadStream:
+    """One load: pieces of tensors read into a ring of staging buffers by worker threads, copied to the device in
+    order, and converted there when a tensor's last piece has arrived. A staging buffer is read into again only
+    after the device has finished copying out of it."""
+
+    def __init__(self, jobs: list[tuple[TensorInfo, Target]], device, buffers: int, buffer_bytes: int, progress):
+        self.jobs, self.device, self.progress = jobs, device, progress
+        largest = max((info.nbytes for info, _ in jobs), default=0)
+        self.size = max(1, min(buffer_bytes, largest))
+        self.pieces = [(j, lo, min(lo + self.size, info.nbytes))
+                       for j, (info, _) in enumerate(jobs) for lo in range(0, max(info.nbytes, 1), self.size)]
+        self.ring = [device.staging(self.size) for _ in range(min(buffers, len(self.pieces)))]
+        self.scratch = None
+        self.out = {}
+        self.finite_checks = []          # (tensor, problem, device flag: whether it has that problem)
+
+    def read(self, k: int, copied) -> None:
+        """Piece k into its staging buffer, once `copied()` says the device is done with that buffer."""
+        if copied is not None:
+            copied()
+        j, lo, hi = self.pieces[k]
+        info = self.jobs[j][0]
+        info.file.readinto(memoryview(self.ring[k % len(self.ring)])[:hi - lo], info.start + lo)
+
+    def begin(self, info: TensorInfo, target: Target):
+        """The tensor's output array, the raw device bytes its pieces are copied into, and whether those are the
+        output itself (it needs no conversion) rather than a scratch buffer."""
+        device = self.device
+        with device.context():
+            out = target.out() if callable(target.out) else target.out
+            if out is None:
+                out = device.empty(target.shape, target.dtype)
+        check_target(info.name, target, out)
+        if (target.transform is None and DTYPES[info.dtype][1] == str(out.dtype) and out.flags.c_contiguous
+                and out.nbytes == info.nbytes):
+            return out, device.raw(out), True
+        if self.scratch is None or self.scratch.nbytes < info.nbytes:
+            self.scratch = device.empty((info.nbytes,), "uint8")
+        return out, self.scratch[:info.nbytes], False
+
+    def finish(self, info: TensorInfo, target: Target, out, raw) -> None:
+        """Convert or transform the tensor from scratch into its output (queued on the device after the copies)."""
+        src = raw.view(numpy_dtype(DTYPES[info.dtype][1])).reshape(info.shape)
+        with self.device.context():
+            try:
+                (target.transform or convert)(src, out)
+            except TensorValueError as e:
+                raise ModelFileError(info.file.path, f"tensor {quoted(info.name)} {e}") from None
+
+    def run(self) -> dict:
+        ring, device = self.ring, self.device
+        if not ring:
+            return self.out
+        copied = [None] * len(ring)
+        pool = ThreadPoolExecutor(len(ring), thread_name_prefix="tilekit-load")
+        try:
+            reads = deque(pool.submit(self.read, k, None) for k in range(len(ring)))
+            done, total = 0, sum(info.nbytes for info, _ in self.jobs)
+            for k, (j, lo, hi) in enumerate(self.pieces):
+                info, target = self.jobs[j]
+                if lo == 0:
+                    out, raw, direct = self.begin(info, target)
+                reads.popleft().result()
+                slot = k % len(ring)
+                if hi > lo:
+                    copied[slot] = device.upload(ring[slot][:hi - lo], raw[lo:hi])
+                if k + len(ring) < len(self.pieces):
+                    reads.append(pool.submit(self.read, k + len(ring), copied[slot]))
+                if hi == info.nbytes:
+                    self.check_finite(info, raw, "holds a value that is not finite",
+                                      FLOAT_BITS.get(info.dtype, DTYPES[info.dtype][1]))
+                    if not direct:
+                        self.finish(info, target, out, raw)
+                        if target.transform is None:       # (transforms check their own outputs)
+                            self.check_finite(info, out, f"holds a value too large for {out.dtype}")
+                    self.out[info.name] = out
+                done += hi - lo
+                self.progress.update(done, total)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            device.synchronize()
+            self.progress.close()
+        for info, problem, flag in self.finite_checks:      # the file's values before what conversion made
+            if bool(flag):
+                raise ModelFileError(info.file.path, f"tensor {quoted(info.name)} {problem}")
+        return self.out
+
+    def check_finite(self, info: TensorInfo, array, problem: str, dtype: str | None = None) -> None:
+        """Queue a check that `array` (bytes of float `dtype`, default its own) holds no infinity or NaN."""
+        dtype = dtype or str(array.dtype)
+        if dtype in EXPONENT_BITS:
+            with self.device.context():
+                self.finite_checks.append((info, problem, self.device.any_nonfinite(array, dtype)))
+
+
+class HostDevice:
+    """The loader's device played by host memory: NumPy outputs (references, tools, CPU tests). Its methods are
+    what load_tensors asks of a device; CupyDevice has the same."""
+
+    dtypes = TARGET_DTYPES
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
+
+    def empty(self, shape, dtype: str) -> np.ndarray:
+        return np.empty(shape, numpy_dtype(dtype))
+
+    def raw(self, array) -> np.ndarray:
+        """The bytes of a C-contiguous array, as a flat uint8 view."""
+        return array.reshape(-1).view(np.uint8)
+
+    def upload(self, host: np.ndarray, raw: np.ndarray) -> Callable[[], None] | None:
+        """Copy host bytes into raw device bytes; returns a function waiting until `host` may be reused."""
+        raw[...] = host
+        return None
+
+    def context(self):
+        """What conversions run under (the copy stream on a GPU)."""
+        return contextlib.nullcontext()
+
+    def any_nonfinite(self, array, dtype: str) -> bool:
+        """Whether `array`, the bytes of values of float `dtype`, holds an infinity or a NaN (CupyDevice: a device
+        flag, read after the load)."""
+        uint, bits = EXPONENT_BITS[dtype]
+        v = array.view(uint).reshape(-1) if array.ndim < 2 else array.view(uint)
+        rows = max(1, (1 << 14) // max(1, v[0].size)) if v.size else 1     # blocks of about 16K values: little memory
+        return any(((v[i:i + rows] & np.array(bits, uint)) == bits).any() for i in range(0, len(v), rows))
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CupyDevice:
+    """The loader's GPU side: pinned staging buffers, and copies and conversions queued on one stream of the
+    current device. No float64 targets: no GPU model computes in it, and on an H100 the conversions into it
+    from bf16 and fp32 files did not match NumPy's bit for bit (a subnormal among the values tested)."""
+
+    dtypes = ("bfloat16", "float16", "float32")
+
+    def __init__(self):
+        import cupy
+        self.cupy = cupy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.exponent_all_set = cupy.ReductionKernel("T x, T bits", "bool y", "(x & bits) == bits", "a || b",
+                                                     "y = a", "false", "tilekit_exponent_all_set")
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        cuda = self.cupy.cuda
+        return np.frombuffer(cuda.PinnedMemoryPointer(cuda.PinnedMemory(nbytes), 0), np.uint8, nbytes)
+
+    def empty(self, shape, dtype: str):
+        with self.stream:
+            return self.cupy.empty(shape, numpy_dtype(dtype))
+
+    def raw(self, array):
+        return self.cupy.ndarray((array.nbytes,), self.cupy.uint8, array.data)
+
+    def upload(self, host: np.ndarray, raw):
+        runtime = self.cupy.cuda.runtime
+        runtime.memcpyAsync(raw.data.ptr, host.ctypes.data, host.nbytes, runtime.memcpyHostToDevice, self.stream.ptr)
+        event = self.cupy.cuda.Event(disable_timing=True)
+        event.record(self.stream)
+        return event.synchronize
+
+    def context(self):
+        return self.stream
+
+    def any_nonfinite(self, array, dtype: str):
+        uint, bits = EXPONENT_BITS[dtype]
+        return self.exponent_all_set(array.view(uint), self.cupy.dtype(uint).type(bits))
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn once a load has run `after` seconds, only on a terminal."""
+
+    def __init__(self, label: str, enabled: bool = True, stream=None, after: float = 2.0, clock=time.monotonic):
+        self.stream = sys.stderr if stream is None else stream
+        self.on = enabled and bool(getattr(self.stream, "isatty", lambda: False)())
+        self.label, self.after, self.clock = label, after, clock
+        self.start, self.drawn = clock(), None
+
+    def update(self, done: int, total: int) -> None:
+        if not self.on:
+            return
+        now = self.clock()
+        if now - self.start < self.after or (self.drawn is not None and now - self.drawn < 0.1 and done < total):
+            return
+        rate = done / 1e9 / max(now - self.start, 1e-9)
+        self.stream.write(f"\r{self.label}: {100 * done // max(total, 1):3d}% {done / 1e9:.1f}/{total / 1e9:.1f} GB"
+                          f" {rate:.1f} GB/s ")
+        self.stream.flush()
+        self.drawn = now
+
+    def close(self) -> None:
+        if self.drawn is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn = None

@@ -86,8 +86,9 @@ def child(who: str, directory: str) -> None:
     else:
         import cupy
 
-        from tilekit.models import families, hf
-        cls = families.family_of_fields(hf.find_checkpoint(directory).config()).model_class   # imported now
+        from tilekit.models import families
+        from tilekit import checkpoints
+        cls = families.family_of_fields(checkpoints.find_checkpoint(directory).config()).model_class   # imported now
         cupy.zeros(1)
 
         def run():

@@ -62,7 +62,8 @@ def write_checkpoint(path: Path, config, log=print, quantize: str | None = None)
     (drawn_as_stored: Llama) is drawn a tensor at a time (drawn_tensors): a 70B model's
     fp8 weights fit an 80 GB GPU, with the whole model's draw buffers they did not. Any other model is drawn whole
     (seed 0) and saved by save_pretrained, which writes its family's layout."""
-    from tilekit.models import hf, quantization
+    from tilekit.models import quantization
+    from tilekit import checkpoints
     from tilekit.models.families import family_of_config
     if (path / "model.safetensors").exists() and json.loads((path / "config.json").read_text()).get(
             "num_hidden_layers") == config.n_layer:     # the weights file is renamed into place once whole
@@ -75,7 +76,7 @@ def write_checkpoint(path: Path, config, log=print, quantize: str | None = None)
         tensors, raw = drawn_tensors(weights, config, quantize)
         hf_config = dict(config.to_hf_dict(), torch_dtype="bfloat16", quantization_config=quantization.
                          compressed_tensors_config(quantization.Scheme(quantize)))
-        hf.write_checkpoint(path, hf_config, tensors, dtype="bfloat16", raw=raw)
+        checkpoints.write_checkpoint(path, hf_config, tensors, dtype="bfloat16", raw=raw)
     else:
         model = model_class(config, dtype="bfloat16", seed=0, **({"quantize": quantize} if quantize else {}))
         model.save_pretrained(path)
@@ -92,7 +93,7 @@ def drawn_as_stored(weights) -> bool:
 
 
 class Drawn:
-    """A checkpoint tensor drawn on the GPU only when hf.write_checkpoint reaches it (its shape and dtype known
+    """A checkpoint tensor drawn on the GPU only when checkpoints.write_checkpoint reaches it (its shape and dtype known
     before): a float weight, or the codes or the scales of a linear quantized per channel (`part`), the linear's
     draw shared by the two and dropped once both were taken."""
 

@@ -341,7 +341,7 @@ class TextGeneration:
     """What a model that generates offers besides generate() itself, shared by the GPU models (runtime.CausalLM)
     and the NumPy references: the checkpoint's defaults, one resolution of generate()'s arguments, text in and
     out with exact streaming, and chat through the checkpoint's template. A model sets `config` (vocab_size,
-    block_size, eos_token_id) and `checkpoint` (an hf.Checkpoint; None without one)."""
+    block_size, eos_token_id) and `checkpoint` (a checkpoints.Checkpoint; None without one)."""
 
     checkpoint: Checkpoint | None = None
     rope_positions: int | None = None     # positions the model's rotary tables cover (None: no tables)

@@ -457,7 +457,7 @@ class CausalLM(TextGeneration):
     @classmethod
     def loaded_scheme(cls, checkpoint, config, quantize: str | None = None,
                       quantize_head: bool = False) -> quantization.Scheme | None:
-        """The quantization a model of `config` loaded from `checkpoint` (an hf.Checkpoint) with `quantize` and
+        """The quantization a model of `config` loaded from `checkpoint` (a checkpoints.Checkpoint) with `quantize` and
         `quantize_head` holds, its LM head decided (a quantized checkpoint's: where its file stores codes, read from
         the safetensors headers), or None for float linears; the errors from_pretrained raises for it."""
         scheme = quantization.scheme_for(checkpoint, quantize, mixed=bool(getattr(cls.weights, "DEQUANTIZED", ())),
@@ -685,7 +685,7 @@ class CausalLM(TextGeneration):
     def from_pretrained(cls, path_or_name, *, dtype: str = "bfloat16", quantize: str | None = None,
                         quantize_head: bool = False, **kwargs) -> "CausalLM":
         """The model of a Hugging Face checkpoint: a directory (single-file or sharded safetensors), a model name
-        in the local hub cache, or an hf.Checkpoint. Its config.json is read field by field; once the
+        in the local hub cache, or a checkpoints.Checkpoint. Its config.json is read field by field; once the
         safetensors headers match the config, the model's device arrays are allocated and the tensors streamed
         into them in `dtype`, never the whole checkpoint on the host. An FP8 / INT8 checkpoint
         (tilekit.models.quantization) loads quantized (its LM head as the file stores it); quantize="int8" | "fp8"

@@ -1,6 +1,6 @@
 """Text around a model: a checkpoint's tokenizer and chat template, and incremental detokenization.
 
-Every file read here comes from a stranger's checkpoint and is opened through hf.Checkpoint: a regular file of
+Every file read here comes from a stranger's checkpoint and is opened through checkpoints.Checkpoint: a regular file of
 bounded size that stays inside the checkpoint directory; a bad one is a ValueError naming it.
 """
 
@@ -47,7 +47,7 @@ def tokenizer_failures(path, doing: str):
 
 
 def load_tokenizer(checkpoint):
-    """The `tokenizers.Tokenizer` of a checkpoint (an hf.Checkpoint or its directory): tokenizer.json, or else
+    """The `tokenizers.Tokenizer` of a checkpoint (a checkpoints.Checkpoint or its directory): tokenizer.json, or else
     vocab.json + merges.txt (GPT-2's byte-level BPE, with the special tokens tokenizer_config.json names
     registered as special)."""
     from tokenizers import AddedToken, Tokenizer
@@ -180,7 +180,7 @@ class ChatTemplate:
 
 
 def chat_template(checkpoint) -> ChatTemplate | None:
-    """The chat template of a checkpoint (an hf.Checkpoint or its directory), found as transformers finds it:
+    """The chat template of a checkpoint (a checkpoints.Checkpoint or its directory), found as transformers finds it:
     chat_template.jinja, else tokenizer_config.json's chat_template (a string, or a list of {"name", "template"}
     whose "default" is used); None if the checkpoint has none."""
     ck = Checkpoint.at(checkpoint)

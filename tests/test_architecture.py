@@ -152,3 +152,37 @@ def test_the_family_check_catches_each_kind_of_naming(source, found, tmp_path, m
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
     with pytest.raises(AssertionError, match=found):
         test_no_module_outside_the_families_names_one()
+
+
+# tilekit's layers, lowest first: a module imports only from its own layer or lower ones (the package's __init__,
+# which binds the public names, excepted).
+LAYERS = (("tilekit.untrusted", "tilekit.env", "tilekit.device"), ("tilekit.autotune",), ("tilekit.kernels",),
+          ("tilekit.parallel",), ("tilekit.checkpoints",), ("tilekit.models", "tilekit.patch"), ("tilekit.engine",),
+          ("tilekit.serve",), ("tilekit.cli", "tilekit.__main__"))
+
+
+def layer_of(module: str) -> int | None:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    return None
+
+
+def test_imports_point_downwards():
+    upward = [f"{name} imports {target}" for name, targets in import_graph().items() for target in sorted(targets)
+              if layer_of(name) is not None and layer_of(target) is not None and layer_of(target) > layer_of(name)]
+    assert not upward, "\n".join(upward)
+
+
+def test_models_never_import_the_engine():
+    """The engine runs models; a model only defines one (its generate() reaches the engine through
+    tilekit.models.running's registered runner)."""
+    graph = import_graph()
+    assert graph["tilekit.engine.static"] >= {"tilekit.models.base"}
+    offenders = [f"{name} imports {target}" for name, targets in graph.items() if name.startswith("tilekit.models")
+                 for target in targets if target == "tilekit.engine" or target.startswith("tilekit.engine.")]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_tilekit_module_has_a_layer():
+    assert [name for name in modules() if name.startswith("tilekit.") and layer_of(name) is None] == []

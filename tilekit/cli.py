@@ -160,7 +160,7 @@ def _model_problems(args) -> list:
     """The workload of --model with its --dtype, sizes, --quantize[-head] and --tp (tune, db explain); a quantized
     checkpoint's own scheme (FP8 block scales, its LM head as stored)."""
     from tilekit.models import families
-    from tilekit.models.workload import model_problems
+    from tilekit.engine.workload import model_problems
     config = _config_for(args.model)
     if args.model in families.preset_names():
         quantize, head = args.quantize, args.quantize_head
@@ -678,7 +678,7 @@ MAX_PROMPTS_BYTES = 16 << 20      # a prompts file of more is refused unread
 
 def _generation_options(args) -> dict:
     """generate()'s options from the command line, each checked (ValueError naming it) before any model loads."""
-    from tilekit.models.generation import GenerationSettings, SamplingParams
+    from tilekit.engine.sampling import GenerationSettings, SamplingParams
     sampling = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                                               "presence_penalty", "frequency_penalty")}
     settings = dict(min_new_tokens=args.min_new_tokens, stop_strings=args.stop or None, seed=args.seed)

@@ -235,7 +235,7 @@ def _decode_generation(model, batch: int):
     model.forget_graphs()
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, PROMPT))
     model.generate(prompt, NEW_TOKENS, temperature=0, eos_token_id=[])
-    (gen,) = model._generations.values()
+    (gen,) = model.runner._generations.values()
     return gen
 
 

@@ -367,8 +367,9 @@ def prefill_row(model, hf, preset: str, seq: int, log=print) -> dict:
 
 def cache_row(model, preset: str) -> dict:
     """The latent cache's values per token and layer, from a one-sequence cache of the model, against MHA's."""
-    from tilekit.models.runtime import Arrays
-    cache = model.new_cache(1, 16, Arrays())
+    from tilekit.engine.kv_cache import new_cache
+    from tilekit.models.base import Arrays
+    cache = new_cache(model, 1, 16, Arrays())
     values = cache_values_per_token_layer(cache, model.config, 1, 16)
     mha = mha_values(model.config)
     return dict(preset=preset, values_per_token_layer=values, bytes_per_token_layer=2 * values,

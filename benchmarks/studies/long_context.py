@@ -210,7 +210,9 @@ def tilekit_step_ms(model, context: int, kv_cache_dtype: str) -> float:
     import numpy as np
 
     from benchmarks.studies.breakdown import replay_ms
-    from tilekit.models.runtime import GREEDY, Generation, capacity_for
+    from tilekit.engine.graphs import Generation
+    from tilekit.engine.picker import GREEDY
+    from tilekit.engine.steps import capacity_for
     capacity = capacity_for(model, context, 64)[0]
     gen = Generation(model, 1, capacity, GREEDY, kv_cache_dtype)
     try:

@@ -39,7 +39,7 @@ def _timed_generation(model, prompt, options: dict, runs: int = 3):
         out = model.generate(prompt, NEW_TOKENS, eos_token_id=[], seed=1, **options)
         if i >= 2:
             times.append((time.perf_counter() - start) * 1e3 / NEW_TOKENS)
-    gen = next(reversed(model._generations.values()))      # the one this call used: kept last
+    gen = next(reversed(model.runner._generations.values()))      # the one this call used: kept last
     return float(np.median(times)), gen, np.stack(out)
 
 
@@ -59,7 +59,7 @@ def _us(kernels: dict) -> str:
 def run(preset: str, batch: int, variants: list[str], rounds: int = 5, reps: int = 100, log=print) -> list[dict]:
     import numpy as np
     model = decode_model(preset)
-    model.max_generations = 1 + len(variants)
+    model.runner.max_generations = 1 + len(variants)
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, (batch, PROMPT))
     greedy_ms, greedy_gen, _ = _timed_generation(model, prompt, dict(temperature=0))
     runs = {name: _timed_generation(model, prompt, OPTIONS[name]) for name in variants}

@@ -275,7 +275,7 @@ def rank_main(args) -> int:
         prompt = rng.integers(0, V, (B, PROMPT))
         out = model.generate(prompt, NEW, temperature=0, eos_token_id=[])
         tokens = tokens if tokens is not None else np.stack(out)[:, PROMPT:].tolist()
-        (gen,) = model._generations.values()
+        (gen,) = model.runner._generations.values()
         streams[B] = (gen.state.acts.x.shape, gen.state.acts.x.dtype)    # the residual stream the step all-reduces
         times = [replay_ms(gen, 50) for _ in range(3)]
         kv = cache_bytes(gen.state.cache) * (PROMPT + NEW / 2)           # what the mean step reads
@@ -287,7 +287,7 @@ def rank_main(args) -> int:
     ids = rng.integers(0, V, (8, 1024))
     for _ in range(2):       # a prompt length seen twice: its prefill is captured
         model.generate(ids, 2, temperature=0, eos_token_id=[])
-    (gen,) = model._generations.values()
+    (gen,) = model.runner._generations.values()
     buf = gen.prompts[1024]
     times = [graph_ms(buf.graph, gen.stream, 3) for _ in range(3)]
     rows.append(dict(kind="prefill", batch=8, tokens=1024, ms=float(np.median(times)), rounds=times))

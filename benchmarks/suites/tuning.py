@@ -64,7 +64,7 @@ def config_sources(config, batch: int, seq: int, *, prefill: bool) -> str:
     """'38 shipped, 2 default': where the cached mode's configs come from for a full-logits forward at
     (batch, seq), or for a greedy generation of NEW_TOKENS after a seq-token prompt."""
     from tilekit.device import device_info
-    from tilekit.models import workload
+    from tilekit.engine import workload
     device = device_info()
     problems = (workload.forward_problems(config, "bfloat16", batch, seq) if prefill else
                 workload.generate_problems(config, "bfloat16", batch, seq, NEW_TOKENS))

@@ -16,7 +16,7 @@ from tilekit.autotune.registry import registered_ops
 from tilekit.device import DeviceInfo
 from tilekit.models.gpt2.config import GPTConfig
 from tilekit.models import LLAMA_PRESETS
-from tilekit.models.workload import model_problems
+from tilekit.engine.workload import model_problems
 
 SHIPPED = Path(__file__).resolve().parents[2] / "tuning_db"
 FILES = sorted(p for p in SHIPPED.rglob("*") if p.is_file())

@@ -668,7 +668,7 @@ def test_config_sources_count_the_workload(monkeypatch):
     from types import SimpleNamespace
 
     import tilekit.device
-    from tilekit.models import workload
+    from tilekit.engine import workload
 
     class Op:
         def resolve(self, problem, device, mode):

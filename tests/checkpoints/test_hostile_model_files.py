@@ -18,9 +18,9 @@ from safetensors.numpy import save_file
 from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
 from tilekit.models import GPT, Llama, families
 from tilekit import checkpoints as hf
-from tilekit.models.generation import GenerationSettings
+from tilekit.engine.sampling import GenerationSettings
 from tilekit.checkpoints import Checkpoint, ModelFileError, Target
-from tilekit.models.text import load_tokenizer
+from tilekit.engine.text import load_tokenizer
 
 PLAN = {"w": Target((2, 3)), "n": Target((3,))}
 DTYPE_LIST = "BF16, BOOL, F16, F32, F64, F8_E4M3, F8_E5M2, I16, I32, I64, I8, U16, U32, U64, U8"

@@ -17,7 +17,7 @@ from tilekit.device import DeviceInfo, gpu_unavailable_reason
 from tilekit.kernels.layer_norm import LAYER_NORM
 from tilekit.kernels.linear import LINEAR
 from tilekit.models.gpt2.config import GPTConfig
-from tilekit.models.workload import model_problems
+from tilekit.engine.workload import model_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_GPU = gpu_unavailable_reason() is None

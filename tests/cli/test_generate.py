@@ -14,7 +14,7 @@ import tilekit
 from tilekit import cli
 from tests.cli.test_cli import misuse, run
 from tilekit.models import ReferenceGPT
-from tilekit.models.text import load_tokenizer
+from tilekit.engine.text import load_tokenizer
 
 TINY = Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny-gpt2"
 

@@ -4,11 +4,13 @@ forward()'s logits layout, and which linear launches use programmatic dependent 
 import pytest
 
 import tilekit.kernels  # noqa: F401  (declares the ops)
+from tilekit.engine.steps import logits
 from tilekit.autotune.arrays import MetaArray, check_rows, info
 from tilekit.kernels.linear import LINEAR
 from tilekit.models import GPT
 from tilekit.models.gpt2.config import GPTConfig
-from tilekit.models.runtime import LOGIT_ROW_ALIGN, META
+from tilekit.engine.steps import LOGIT_ROW_ALIGN
+from tilekit.models.base import META
 
 
 def meta_linear(out):
@@ -34,9 +36,9 @@ def test_rows_that_do_not_view_as_one_matrix_are_refused(out):
 
 def test_forward_logits_rows_are_padded():
     model = GPT(GPTConfig.preset("gpt2"), meta=True)
-    logits = model.logits(MetaArray((6, 768), "bfloat16"), META)
+    out = logits(model, MetaArray((6, 768), "bfloat16"), META)
     padded = -(-50257 // LOGIT_ROW_ALIGN) * LOGIT_ROW_ALIGN
-    assert logits.shape == (6, 50257) and logits.strides == (padded, 1) and padded % 64 == 0
+    assert out.shape == (6, 50257) and out.strides == (padded, 1) and padded % 64 == 0
 
 
 def test_persistent_linear_grids_launch_ordinarily():

@@ -3,7 +3,9 @@ on the CPU."""
 
 import numpy as np
 
-from tilekit.models.runtime import Arrays, PromptBuffers, capacity_for
+from tilekit.engine.kv_cache import new_cache
+from tilekit.engine.steps import PromptBuffers, capacity_for
+from tilekit.models.base import Arrays
 
 
 def decode_logits(model, prompts: np.ndarray, follow: np.ndarray, kv_cache_dtype: str = "auto") -> tuple:
@@ -13,7 +15,7 @@ def decode_logits(model, prompts: np.ndarray, follow: np.ndarray, kv_cache_dtype
     import cupy
     B, T = prompts.shape
     arrays = Arrays()
-    cache = model.new_cache(B, capacity_for(model, T, follow.shape[1] + 1)[0], arrays, kv_cache_dtype)
+    cache = new_cache(model, B, capacity_for(model, T, follow.shape[1] + 1)[0], arrays, kv_cache_dtype)
     buf = PromptBuffers(model, B, T, arrays)
     buf.ids[...] = cupy.asarray(prompts.reshape(-1).astype(np.int32))
     model.hidden(buf.acts, buf.ids, buf.positions, model.prefill_attend(cache, buf.zeros))

@@ -10,7 +10,7 @@ import pytest
 
 from tilekit.models import families
 from tilekit.models.families import FAMILIES
-from tilekit.models.runtime import CausalLM
+from tilekit.models.base import CausalLM
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

@@ -1,6 +1,8 @@
-"""Models on tilekit's GPU kernels, one folder per family (gpt2/, llama/, deepseek_v2/: config, weights, model, reference,
-patch rules) and what they share: families.py (the table of families), runtime.py (CUDA graphs, KV cache,
-generation), hf.py (Hugging Face checkpoint files), workload.py (the kernel problems a model runs).
+"""Models on tilekit's GPU kernels, one folder per family (gpt2/, llama/, deepseek_v2/: config, weights, model,
+reference, patch rules) and what they share: families.py (the table of families), base.py (weights, the shared
+plumbing of the math, the cache a model asks for), quantization.py (FP8 / INT8 linears), reference.py (the NumPy
+references), running.py (the calls into the engine that runs a model: tilekit.engine). Checkpoint files are
+tilekit.checkpoints'.
 
 The names below are imported on first use, so that importing tilekit.models (or tilekit.models.families)
 imports no GPU library.

@@ -11,11 +11,11 @@ from types import ModuleType
 
 import numpy as np
 
-from tilekit.models.generation import SamplingParams, TextGeneration, generate_by_recomputation
 from tilekit.checkpoints import float_dtype
+from tilekit.models.running import LanguageModel
 
 
-class ReferenceLM(TextGeneration):
+class ReferenceLM(LanguageModel):
     """What the NumPy reference models share: validated weights in one dtype, loading, validated ids, `forward`,
     and generation by recomputation (greedy, or sampled with the GPU models' options, text and chat included:
     slow, for checking). A model names its family's `weights` module (resolve, check_state_dict,
@@ -40,11 +40,11 @@ class ReferenceLM(TextGeneration):
 
     def forward(self, ids) -> np.ndarray:
         """Logits (B, T, vocab_size) for integer token ids (B, T)."""
-        return self._lm_head(self._hidden(self._check_ids(ids)))
+        return self._lm_head(self._hidden(self.check_ids(ids)))
 
     def generate_greedy(self, ids, max_new_tokens: int) -> np.ndarray:
         """Append `max_new_tokens` argmax tokens to each row of `ids`, recomputing the whole prefix each step."""
-        ids = self._check_ids(ids)
+        ids = self.check_ids(ids)
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if ids.shape[1] + max_new_tokens > self.config.block_size:
@@ -55,30 +55,13 @@ class ReferenceLM(TextGeneration):
             ids = np.concatenate([ids, logits.argmax(-1)[:, None]], axis=1)
         return ids
 
-    def generate(self, ids, max_new_tokens: int | None = None, *, sampling: list[SamplingParams] | None = None,
-                 on_token=None, **options) -> list[np.ndarray]:
-        """What the GPU model's generate() returns, by recomputing every prefix each step: prompts `ids` (a 2-D
-        array, or a list of token lists of different lengths), options as for generate() (temperature, top_k,
-        ..., eos_token_id, stop_strings, seed), each processed as the GPU does and sampled with NumPy's
-        generator (the same seed gives the same tokens here, not the GPU's)."""
-        if isinstance(ids, (list, tuple)) and ids and all(isinstance(p, (list, tuple, np.ndarray)) for p in ids):
-            prompts = [self._check_ids(np.asarray([p]))[0] for p in ids]
-        else:
-            prompts = list(self._check_ids(ids))
-        if "eos_token_id" in options:
-            options["eos_token_ids"] = options.pop("eos_token_id")
-        settings, rows, streams = self.generation_plan(prompts, max_new_tokens, sampling, **{
-            k: options.pop(k, None) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                                              "presence_penalty", "frequency_penalty", "min_new_tokens",
-                                              "eos_token_ids", "stop_strings", "seed")})
-        if options:
-            raise ValueError(f"unknown generation argument(s): {', '.join(sorted(options))}")
+    def next_logits(self, seqs) -> np.ndarray:
+        """(B, vocab_size) logits of each sequence's next token (its whole prefix recomputed): what generate()
+        samples from (tilekit.engine.recompute)."""
+        return np.stack([self._lm_head(self._hidden(np.array([s]))[:, -1])[0] for s in seqs])
 
-        def last_logits(seqs):
-            return np.stack([self._lm_head(self._hidden(np.array([s]))[:, -1])[0] for s in seqs])
-        return generate_by_recomputation(self, prompts, settings, rows, streams, last_logits, on_token)
-
-    def _check_ids(self, ids) -> np.ndarray:
+    def check_ids(self, ids) -> np.ndarray:
+        """Host int64 copy of (B, T) ids after checking dtype, shape, range and length."""
         ids = np.asarray(ids)
         if not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"ids must be an integer array, got dtype {ids.dtype}")

@@ -123,8 +123,9 @@ def quantize_fp8(x, codes, scale, *, group=None):
     codes[...], scale[...] = quantize_fp8_reference(x, group)
 
 
-# runtime.project's kernels (the quantized linears) go with them
-RUNTIME_KERNELS = ("linear", "quant_linear", "quantize_fp8")
+# base.project's kernels (the quantized linears) go with them, and the latent cache's (engine.kv_cache)
+BASE_KERNELS = ("linear", "quant_linear", "quantize_fp8")
+CACHE_KERNELS = ("write_kv", "mla_decode_attention")
 KERNELS = ("embedding", "fixed_cast", "rms_norm", "linear", "apply_rope", "write_kv", "mla_kv", "attention",
-           "head_linear", "mla_decode_attention", "moe_router", "moe_permute", "moe_gate_up", "moe_down_combine",
+           "head_linear", "moe_router", "moe_permute", "moe_gate_up", "moe_down_combine",
            "swiglu_linear")

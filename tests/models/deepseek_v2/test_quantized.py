@@ -20,7 +20,7 @@ from tilekit.models import DEEPSEEK_V2_PRESETS, DeepseekV2, DeepseekV2Config, qu
 from tilekit import checkpoints as hf
 from tilekit.models.deepseek_v2 import weights
 from tilekit.models.quantization import quantize_weight, scale_key
-from tilekit.models.runtime import W8A8_MIN_ROWS
+from tilekit.models.base import W8A8_MIN_ROWS
 
 # block-scaled weights need kv_lora_rank a multiple of 128 and each head's rotary rows inside one 128-row block
 CONFIG = DeepseekV2Config(n_layer=2, n_head=2, n_embd=160, vocab_size=64, intermediate_size=96,
@@ -118,7 +118,7 @@ def test_workload_runs_the_quantized_ops(kind):
 
 
 def test_tune_workload_records_the_quantized_shapes():
-    from tilekit.models.workload import model_problems
+    from tilekit.engine.workload import model_problems
     config = DEEPSEEK_V2_PRESETS["deepseek-v2-lite"]
     found = model_problems(config, batch_sizes=(1,), seq_lens=(128,), quantize="fp8")
     quant = {(p["M"], p["N"], p["K"], p["xq"]) for op, p in found if op.name == "quant_linear"}

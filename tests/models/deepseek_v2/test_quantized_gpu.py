@@ -15,7 +15,7 @@ from tests.models.deepseek_v2.test_quantized import CONFIG, LAYOUTS, LORA, write
 from tests.models.quantized_checks import W8A8_TOL, WEIGHT_ONLY_TOL, assert_near_bf16, logits  # noqa: E402
 from tilekit.models import DEEPSEEK_V2_PRESETS, DeepseekV2, ReferenceDeepseekV2  # noqa: E402
 from tilekit.models.deepseek_v2 import weights  # noqa: E402
-from tilekit.models.runtime import W8A8_MIN_ROWS  # noqa: E402
+from tilekit.models.base import W8A8_MIN_ROWS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -13,13 +13,17 @@ from safetensors import safe_open
 
 from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.models.deepseek_v2 import numpy_kernels
+from tilekit.engine.steps import logits
+from tilekit.engine.kv_cache import new_cache
 from tilekit.kernels.checks import rel_err
 from tilekit.models import DeepseekV2, DeepseekV2Config, families
 from tilekit.models.deepseek_v2 import model as model_module
 from tilekit.models.deepseek_v2 import patch as patch_rules
-from tilekit.models import runtime
-from tilekit.models.runtime import Arrays, PromptBuffers, capacity_for, forward_hidden
-from tilekit.models.workload import model_problems
+from tilekit.engine import kv_cache
+from tilekit.models import base
+from tilekit.engine.steps import capacity_for, forward_hidden, PromptBuffers
+from tilekit.models.base import Arrays
+from tilekit.engine.workload import model_problems
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 FIXTURES = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora"]   # V2-Lite-like with YaRN, hub layout; q_lora, tied, fused
@@ -29,7 +33,7 @@ FIXTURES = ["tiny-deepseek-v2", "tiny-deepseek-v2-qlora"]   # V2-Lite-like with 
 def cpu(numpy_cupy, monkeypatch):
     """The model's kernels as NumPy functions, its arrays NumPy's."""
     step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.KERNELS),
-                       (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
+                       (base, numpy_kernels, numpy_kernels.BASE_KERNELS), (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS))
 
 
 def forward(model, ids: np.ndarray) -> np.ndarray:
@@ -38,7 +42,7 @@ def forward(model, ids: np.ndarray) -> np.ndarray:
     buf = PromptBuffers(model, B, T, Arrays())
     buf.ids[...] = ids.reshape(-1)
     forward_hidden(model, buf)
-    return model.logits(buf.acts.h, Arrays()).reshape(B, T, -1)
+    return logits(model, buf.acts.h, Arrays()).reshape(B, T, -1)
 
 
 def greedy(model, prompts: list, new: int) -> list[list[int]]:
@@ -46,7 +50,7 @@ def greedy(model, prompts: list, new: int) -> list[list[int]]:
     (absorbed MLA) of each sequence's newest token at its own position."""
     B, lengths = len(prompts), np.array([len(p) for p in prompts], np.int32)
     capacity, T = capacity_for(model, int(lengths.max()), new)
-    cache = model.new_cache(B, capacity, Arrays())
+    cache = new_cache(model, B, capacity, Arrays())
     buf = PromptBuffers(model, B, T, Arrays())
     for b, p in enumerate(prompts):
         buf.ids[b * T:b * T + len(p)] = p
@@ -91,13 +95,13 @@ def test_the_step_writes_one_latent_entry_per_token(cpu):
     zero; the decode step's entry is the one a prefill of T + 1 tokens writes."""
     model = DeepseekV2.from_pretrained(DATA / "tiny-deepseek-v2-qlora", dtype="float32")
     ids = [3, 9, 27, 81, 243 % 259, 7]
-    cache = model.new_cache(1, 64, Arrays())
+    cache = new_cache(model, 1, 64, Arrays())
     buf = PromptBuffers(model, 1, 5, Arrays())
     buf.ids[...] = ids[:5]
     model.hidden(buf.acts, buf.ids, buf.positions, model.prefill_attend(cache, buf.zeros))
     acts, positions = model.activations(1, 1, Arrays()), np.array([5], np.int32)
     model.hidden(acts, np.array([ids[5]], np.int32), positions, model.decode_attend(cache, positions))
-    whole = model.new_cache(1, 64, Arrays())
+    whole = new_cache(model, 1, 64, Arrays())
     buf = PromptBuffers(model, 1, 6, Arrays())
     buf.ids[...] = ids
     model.hidden(buf.acts, buf.ids, buf.positions, model.prefill_attend(whole, buf.zeros))

@@ -14,13 +14,14 @@ from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
 from tests.models.deepseek_v2.test_step_code import cpu, forward, greedy  # noqa: F401  (cpu: a fixture)
 from tests.models.ranks import (ReadCounter, assert_a_failing_rank_stops_the_others, assert_seeded_models_refused,
                                 on_ranks)
+from tilekit.engine.kv_cache import new_cache
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
 from tilekit.models import DeepseekV2, DeepseekV2Config, families
 from tilekit import checkpoints as hf
 from tilekit.models.deepseek_v2 import weights
-from tilekit.models.runtime import Arrays
-from tilekit.models.workload import model_problems
+from tilekit.models.base import Arrays
+from tilekit.engine.workload import model_problems
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 # H 4, 8 routed + 2 shared experts of 32 columns, a dense first layer, untied, per-expert files (the hub's);
@@ -93,7 +94,7 @@ def test_each_rank_loads_its_slices(cpu):
                                       state["model.layers.0.mlp.down_proj.weight"][:, dense])
         v0, v1 = parallel.vocab_span(config.vocab_size, rank, 2)
         np.testing.assert_array_equal(model.head, state["lm_head.weight"][v0:v1])
-        cache = model.new_cache(2, 64, Arrays())       # the latent cache is per token: whole on every rank
+        cache = new_cache(model, 2, 64, Arrays())       # the latent cache is per token: whole on every rank
         assert cache.entries.shape == (config.n_layer, 2, 64, config.kv_lora_rank + config.qk_rope_head_dim)
 
 

@@ -75,10 +75,10 @@ def test_cuda_graph_decode_equals_eager_decode(dtype):
         graph = model.generate(prompts, 30, temperature=0)
         eager = model.generate(prompts, 30, temperature=0, use_graph=False)
         assert [s.tolist() for s in graph] == [s.tolist() for s in eager], call
-    (gen,) = model._generations.values()
+    (gen,) = model.runner._generations.values()
     assert gen.decode_graph is not None and gen.prompts[64].graph is not None
     model.forget_graphs()
-    assert not model._generations
+    assert not model.runner._generations
 
 
 def test_concurrent_generate_calls(small_fp32):
@@ -105,14 +105,14 @@ def test_graph_forward_equals_eager_forward(small_fp32):
     model, rng, V = small_fp32, np.random.default_rng(8), small_fp32.config.vocab_size
     shapes = [(2, 16), (1, 40), (3, 7)]
     model.forget_graphs()
-    old_max, model.max_prefill_graphs = model.max_prefill_graphs, 2
+    old_max, model.runner.max_prefill_graphs = model.runner.max_prefill_graphs, 2
     try:
         for round_ in range(2):                      # the second round replays or re-captures
             for B, T in shapes:
                 ids = rng.integers(0, V, (B, T))
                 eager = cupy.asnumpy(model(ids, use_graph=False))
                 assert rel_err(cupy.asnumpy(model(ids)), eager) < 1e-5, (round_, B, T)
-            assert len(model._graphs) == 2           # the least recently used graph was dropped
+            assert len(model.runner._graphs) == 2           # the least recently used graph was dropped
         side = cupy.cuda.Stream(non_blocking=True)
         ids = rng.integers(0, V, (2, 16))
         eager = cupy.asnumpy(model(ids, use_graph=False))
@@ -124,9 +124,9 @@ def test_graph_forward_equals_eager_forward(small_fp32):
         assert rel_err(cupy.asnumpy(first), eager) < 1e-5, "a later call overwrote an earlier result"
         assert rel_err(cupy.asnumpy(second), eager) > 1e-2
     finally:
-        model.max_prefill_graphs = old_max
+        model.runner.max_prefill_graphs = old_max
         model.forget_graphs()
-    assert not model._graphs
+    assert not model.runner._graphs
 
 
 def test_sampling(small_fp32):
@@ -197,7 +197,7 @@ def test_the_tuning_workload_is_what_forward_and_generate_request(small_fp32):
     """Every kernel problem that forward() and generate() launch (recorded from real calls) is one
     `tilekit tune --model` tunes, and nothing else: the workload is the same step code, dry-run."""
     from tilekit.autotune.op import recording
-    from tilekit.models.workload import model_problems
+    from tilekit.engine.workload import model_problems
 
     def problems(calls):
         return {(op.name, tuple(sorted(p.items()))) for op, p in calls}

@@ -15,7 +15,8 @@ from tests.models.llama import numpy_kernels as runtime_kernels
 from tests.models.ranks import on_ranks
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
-from tilekit.models import GPT, GPTConfig, runtime
+from tilekit.engine import kv_cache
+from tilekit.models import GPT, GPTConfig, base
 from tilekit.models.gpt2 import model as model_module
 from tilekit.models.gpt2 import weights
 
@@ -25,7 +26,7 @@ TINY = Path(__file__).resolve().parents[2] / "data" / "tiny-gpt2"      # 4 heads
 @pytest.fixture
 def cpu(numpy_cupy, monkeypatch):
     step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.KERNELS),
-                       (runtime, runtime_kernels, runtime_kernels.RUNTIME_KERNELS))
+                       (base, runtime_kernels, runtime_kernels.BASE_KERNELS), (kv_cache, runtime_kernels, runtime_kernels.CACHE_KERNELS))
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -43,4 +43,6 @@ def decode_attention(q, k_cache, v_cache, lengths, *, new_k, new_v, length_offse
 
 
 MODEL_KERNELS = ("embedding", "rms_norm", "apply_rope", "swiglu_linear")
-RUNTIME_KERNELS = ("attention", "decode_attention", "write_kv", "linear", "quant_linear", "quantize_fp8", "rms_norm")
+# what the shared model code (models.base) and the KV cache (engine.kv_cache) call
+BASE_KERNELS = ("attention", "linear", "quant_linear", "quantize_fp8", "rms_norm")
+CACHE_KERNELS = ("attention", "decode_attention", "write_kv")

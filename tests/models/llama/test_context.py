@@ -13,7 +13,7 @@ from tilekit.models import Llama, LlamaConfig, ReferenceLlama
 from tilekit.models.llama import model as llama_model
 from tilekit.models.llama.config import RopeScaling, rope_inv_freq
 from tilekit.models.llama.weights import random_state_dict
-from tilekit.models.runtime import capacity_for
+from tilekit.engine.steps import capacity_for
 
 CONFIG = LlamaConfig(n_layer=1, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96, vocab_size=1031,
                      max_position_embeddings=256)
@@ -25,7 +25,7 @@ def test_the_rotary_tables_bound_the_context(monkeypatch):
     assert model.context_length == 128
     with pytest.raises(ValueError, match=r"ids has 129 positions, more than the 128 positions of the rotary tables "
                                          r"\(block_size 256\)"):
-        model._check_range(np.zeros(129, np.int64), "ids")
+        model.runner.check_range(np.zeros(129, np.int64), "ids")
     assert capacity_for(model, 100, 100)[0] == 128
 
 
@@ -33,7 +33,7 @@ def test_block_size_bounds_the_context_when_the_tables_cover_it():
     model = Llama(CONFIG, meta=True)
     assert model.context_length == 256
     with pytest.raises(ValueError, match="ids has 257 positions, more than block_size 256"):
-        model._check_range(np.zeros(257, np.int64), "ids")
+        model.runner.check_range(np.zeros(257, np.int64), "ids")
 
 
 # Llama 3.1's scaling (factor 8, bands 1 / 4) over a 128-position original window, run to 8x past it

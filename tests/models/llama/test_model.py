@@ -197,7 +197,7 @@ def test_from_pretrained_holds_no_host_copy_of_the_checkpoint(tmp_path):
 def test_fp8_kv_cache_logits_stay_near_the_model_dtype_cache(dtype):
     """Random weights, a 300-token prompt and four decode steps: an FP8 cache (static scale) against the model's
     dtype's, within the bound measured on the CPU (tests/models/llama/test_kv_cache_fp8.py)."""
-    from tests.models.llama.test_kv_cache_fp8 import FP8_LOGITS_BOUND
+    from tests.engine.test_kv_cache_fp8 import FP8_LOGITS_BOUND
     from tests.models.steps import decode_logits
     config = LlamaConfig(n_layer=2, n_head=8, n_kv_head=2, n_embd=256, intermediate_size=688, vocab_size=1031,
                          max_position_embeddings=1024, bos_token_id=1, eos_token_id=2)
@@ -215,7 +215,7 @@ def test_a_checkpoints_kv_cache_scales_reach_the_fp8_cache(tmp_path):
     """A quantized checkpoint's per-layer KV-cache scales (calibrated here: each layer's key / value absmax / 448 in
     the model-dtype cache), saved and loaded back, are every head's scales of the FP8 cache, and its decode logits
     stay within the bound of tests/models/llama/test_kv_cache_fp8.py (which checks the same on the CPU)."""
-    from tests.models.llama.test_kv_cache_fp8 import FP8_LOGITS_BOUND
+    from tests.engine.test_kv_cache_fp8 import FP8_LOGITS_BOUND
     from tests.models.steps import decode_logits
     from tilekit.kernels.checks import host
     config = LlamaConfig(n_layer=2, n_head=8, n_kv_head=2, n_embd=256, intermediate_size=688, vocab_size=1031,

@@ -10,7 +10,7 @@ from tilekit.models import LLAMA_PRESETS, Llama, LlamaConfig, ReferenceLlama
 from tests.models.quantized_checks import W8A8_TOL, WEIGHT_ONLY_TOL, assert_near_bf16, logits
 from tests.models.test_quantization import EXTRAS, LAYOUTS, write_quantized
 from tilekit.models.quantization import Scheme
-from tilekit.models.runtime import W8A8_MIN_ROWS
+from tilekit.models.base import W8A8_MIN_ROWS
 from tilekit.models.llama.weights import random_state_dict, save_state_dict
 
 CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256, intermediate_size=384, vocab_size=1031,

@@ -15,7 +15,8 @@ from tests.models.ranks import ReadCounter, on_ranks
 from tests.models.test_quantization import EXTRAS, LAYOUTS, write_quantized
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
-from tilekit.models import Llama, LlamaConfig, runtime
+from tilekit.engine import kv_cache
+from tilekit.models import Llama, LlamaConfig, base
 from tilekit.models.llama import model as model_module
 from tilekit.models.llama.weights import random_state_dict, save_state_dict
 from tilekit.models.quantization import QBLOCK, Scheme, quantize_weight, scale_key
@@ -37,7 +38,7 @@ VS_FLOAT = {"int8": 0.025, "fp8": 0.08}      # either model against the unquanti
 @pytest.fixture
 def cpu(numpy_cupy, monkeypatch):
     step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
-                       (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
+                       (base, numpy_kernels, numpy_kernels.BASE_KERNELS), (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS))
 
 
 def _checkpoint(tmp_path, layout, config=CONFIG):
@@ -95,7 +96,7 @@ def test_sharded_w8a8_prefill(cpu, layout, tmp_path):
     which a rank's whole blocks keep (logits as TP=1's); per row with per-channel scales, which a row-parallel
     rank takes over its own slice of the row (finer than TP=1's, so the logits differ within the W8A8 bound)."""
     path = _checkpoint(tmp_path, layout)
-    ids = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (2, runtime.W8A8_MIN_ROWS // 2))
+    ids = np.random.default_rng(2).integers(0, CONFIG.vocab_size, (2, base.W8A8_MIN_ROWS // 2))
     whole = forward(Llama.from_pretrained(path, dtype="float32"), ids)
     per_rank = on_ranks(2, lambda comm: forward(Llama.from_pretrained(path, dtype="float32", comm=comm), ids))
     np.testing.assert_array_equal(per_rank[1], per_rank[0])

@@ -15,11 +15,12 @@ from tests.models.ranks import (assert_a_failing_rank_stops_the_others, assert_s
                                 on_ranks)
 from tilekit import parallel
 from tilekit.kernels.checks import rel_err
-from tilekit.models import Llama, LlamaConfig, runtime
+from tilekit.engine import kv_cache
+from tilekit.models import Llama, LlamaConfig, base
 from tilekit import checkpoints as hf
 from tilekit.models.llama import model as model_module
 from tilekit.models.llama import weights
-from tilekit.models.workload import model_problems
+from tilekit.engine.workload import model_problems
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 FIXTURES = ["tiny-llama", "tiny-llama-tied"]   # H 4, Hkv 2, untied, sharded files; H 4, Hkv 1 (MQA), tied
@@ -29,7 +30,7 @@ FIXTURES = ["tiny-llama", "tiny-llama-tied"]   # H 4, Hkv 2, untied, sharded fil
 def cpu(numpy_cupy, monkeypatch):
     """The model's kernels as NumPy functions, its arrays NumPy's."""
     step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
-                       (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
+                       (base, numpy_kernels, numpy_kernels.BASE_KERNELS), (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS))
 
 
 def sharded_logits(path, ids, world: int) -> np.ndarray:

@@ -181,7 +181,7 @@ class DeepseekV2Config(checkpoints.HFConfig):
 
     @property
     def block_size(self) -> int:
-        """The longest sequence, by the name the shared runtime and references use."""
+        """The longest sequence, by the name the engine and the references use."""
         return self.max_position_embeddings
 
     @property

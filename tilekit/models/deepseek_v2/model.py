@@ -1,4 +1,4 @@
-"""DeepSeek-V2 on tilekit's cuTile kernels: the weights and the math; runtime.CausalLM runs it.
+"""DeepSeek-V2 on tilekit's cuTile kernels: the weights and the math; tilekit.engine runs it.
 
 The residual stream is fixed point (int64, kernels/tiles.py) at every length: the MoE down projection adds the
 router-weighted expert outputs into it with integer atomics (same bits every run), and so do the dense layers'
@@ -60,9 +60,8 @@ import numpy as np
 
 from tilekit import parallel
 from tilekit.autotune.arrays import MetaArray
-from tilekit.kernels import (apply_rope, attention, embedding, fixed_cast, head_linear, linear, mla_decode_attention,
-                             mla_kv, moe_down_combine, moe_gate_up, moe_permute, moe_router, rms_norm, swiglu_linear,
-                             write_kv)
+from tilekit.kernels import (apply_rope, attention, embedding, fixed_cast, head_linear, linear, mla_kv,
+                             moe_down_combine, moe_gate_up, moe_permute, moe_router, rms_norm, swiglu_linear, write_kv)
 from tilekit.kernels.apply_rope import rope_tables
 from tilekit.kernels.quant_linear import QBLOCK
 from tilekit.kernels.tiles import FIXED_DTYPE
@@ -70,7 +69,7 @@ from tilekit.models import quantization
 from tilekit.models.deepseek_v2 import weights
 from tilekit.models.deepseek_v2.config import LORA_NORM_EPS, DeepseekV2Config, rope_inv_freq
 from tilekit.models.deepseek_v2.weights import EMBEDDING
-from tilekit.models.runtime import DTYPES, Arrays, CausalLM
+from tilekit.models.base import DTYPES, Arrays, CausalLM, LatentSpec
 
 ROPE_TABLE_LIMIT = 1 << 18      # rotary tables cover min(context, this) positions (DeepSeek-V2: 160K)
 
@@ -112,28 +111,6 @@ def chunk(config: DeepseekV2Config) -> int:
     return math.gcd(config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim)
 
 
-class LatentCache:
-    """MLA's KV cache: each token's latent entry [c, k_pe] per layer, for B sequences of up to `capacity`
-    positions, zeroed (decode attention multiplies whole tiles, unwritten slots included, by probabilities that
-    are 0 there, and 0 x NaN from stale memory would be NaN)."""
-
-    def __init__(self, config: DeepseekV2Config, batch: int, capacity: int, dtype: str, arrays: Arrays):
-        R, P, g = config.kv_lora_rank, config.qk_rope_head_dim, chunk(config)
-        self.entries = arrays.zeros((config.n_layer, batch, capacity, R + P), dtype)
-        self.chunks = self.entries.reshape(config.n_layer, batch, capacity, (R + P) // g, g)
-        self.capacity, self.R, self.Rg = capacity, R, R // g
-
-    def latent(self, layer: int):
-        """(B, capacity, R) latents and (B, capacity, P) rotary keys of one layer (views)."""
-        e = self.entries[layer]
-        return e[:, :, :self.R], e[:, :, self.R:]
-
-    def latent_chunks(self, layer: int):
-        """The same as (B, R/g, capacity, g) and (B, P/g, capacity, g) heads (write_kv's layout)."""
-        e = self.chunks[layer]
-        return e[:, :, :self.Rg].transpose(0, 2, 1, 3), e[:, :, self.Rg:].transpose(0, 2, 1, 3)
-
-
 class Activations:
     """The blocks' working buffers for B sequences of T tokens (M = B*T rows), allocated once; the routing
     constants of the one-expert (dense down projection) and one-expert-per-head (attention output) combines.
@@ -146,7 +123,7 @@ class Activations:
         """shard: (attention heads, dense MLP columns, columns of each expert) of this rank (default: the config's,
         all of them)."""
         c = config
-        self.fp8 = fp8          # FP8 activations (W8A8, runtime.FP8Activations) or None
+        self.fp8 = fp8          # FP8 activations (W8A8, base.FP8Activations) or None
         H, J, I = shard or (c.n_head, c.intermediate_size, c.moe_intermediate_size)
         M, C, R, P = batch * tokens, c.n_embd, c.kv_lora_rank, c.qk_rope_head_dim
         dn, dv, dq = c.qk_nope_head_dim, c.v_head_dim, c.qk_head_dim
@@ -252,7 +229,6 @@ class DeepseekV2(CausalLM):
         self.check_quantized_config(config, self.quant)
         self.widest_input = max(config.n_embd, config.q_lora_rank or 0)
         self._init_shard(comm, state is not None or empty or meta)
-        self._init_runtime()
         fused = self._allocate()
         self._init_weights(state, seed, empty)
         c, w = config, self.params
@@ -289,14 +265,14 @@ class DeepseekV2(CausalLM):
             self.cos, self.sin = (cupy.asarray(t * np.float32(factor)) for t in rope_tables(positions, inv_freq))
 
     def _init_shard(self, comm: parallel.Communicator | None, weights_given: bool) -> None:
-        """runtime's _init_comm, and self.shard: this rank's attention heads, dense MLP columns and columns of each
+        """base's _init_comm, and self.shard: this rank's attention heads, dense MLP columns and columns of each
         expert (the spans weights.shard_parts gives it)."""
         self._init_comm(comm, weights_given)       # shard_parts has refused any split that is not even
         world, c = 1 if self.comm is None else self.comm.world_size, self.config
         self.shard = (c.n_head // world, c.intermediate_size // world, c.moe_intermediate_size // world)
 
     def _allocate(self) -> list:
-        """self.params (runtime's _allocate_params); without query compression and unquantized, a layer's
+        """self.params (base's _allocate_params); without query compression and unquantized, a layer's
         kv_a_proj_with_mqa and q_proj are row views of one matrix (latent rows, rotary rows, query rows), so that
         one GEMM makes the latent, the rotary key and the queries; quantized, the dense layer's gate and up are row
         views of one [gate; up]. Returns each layer's fused (matrix, scales), or None."""
@@ -338,38 +314,33 @@ class DeepseekV2(CausalLM):
         return Activations(self.config, batch, tokens, self.dtype, arrays,
                            self.fp8_activations(batch * tokens, arrays), self.shard)
 
-    def new_cache(self, batch: int, capacity: int, arrays: Arrays, dtype: str = "auto") -> LatentCache:
-        if dtype != "auto":
-            raise ValueError(f"DeepSeek-V2's latent cache is kept in the model's dtype (kv_cache_dtype {dtype!r})")
-        return LatentCache(self.config, batch, capacity, self.dtype, arrays)
+    def cache_spec(self) -> LatentSpec:
+        """The latent cache: each token's [c, k_pe] per layer, whole on every tensor-parallel rank."""
+        c = self.config
+        return LatentSpec(c.n_layer, c.kv_lora_rank + c.qk_rope_head_dim, c.kv_lora_rank, chunk(c), self.dtype)
 
     def forward_attend(self):
         """Plain MLA over whole prompts, no cache."""
         return self._prompt_attention
 
-    def prefill_attend(self, cache: LatentCache, start):
-        """Plain MLA over the prompts, their latent entries written into the cache at `start`."""
+    def prefill_attend(self, cache, start):
+        """Plain MLA over the prompts, their latent entries written into the cache at `start` (cache.write)."""
         def attend(i, blk, acts):
-            c, pe = cache.latent_chunks(i)           # one array as keys and values: a row copy
-            write_kv(acts.c_chunks, acts.c_chunks, c, c, start)
-            write_kv(acts.pe_chunks, acts.pe_chunks, pe, pe, start)
+            cache.write(i, acts.c_chunks, acts.pe_chunks, start)
             return self._prompt_attention(i, blk, acts)
         return attend
 
-    def decode_attend(self, cache: LatentCache, positions):
-        """Absorbed MLA of each sequence's newest token over its latent cache, the token's entry written at
-        `positions`."""
+    def decode_attend(self, cache, positions):
+        """Absorbed MLA of each sequence's newest token over its latent cache (cache.decode), the token's entry
+        written at `positions`."""
         cfg = self.config
 
         def attend(i, blk, acts):
-            c, pe = cache.latent(i)
             B, R = acts.heads.shape[0], cfg.kv_lora_rank
             M, H = acts.q_nope.shape[:2]
             head_linear(acts.q_nope, blk.w_uk, out=acts.q_c.reshape(M, H, R), weight_layout="kn")
-            mla_decode_attention(acts.q_c.transpose(0, 2, 1, 3), acts.q_pe, c, pe, positions,
-                                 scale=cfg.softmax_scale, new_c=acts.cn.reshape(B, 1, R),
-                                 new_pe=acts.k_pe_heads[:, 0], length_offset=1,
-                                 out=acts.latent_out.transpose(0, 2, 1, 3))
+            cache.decode(i, acts.q_c.transpose(0, 2, 1, 3), acts.q_pe, acts.cn.reshape(B, 1, R), acts.k_pe_heads[:, 0],
+                         positions, cfg.softmax_scale, acts.latent_out.transpose(0, 2, 1, 3))
             head_linear(acts.latent_out.reshape(M, H, R), blk.w_uv, out=acts.y, weight_layout="nk")
         return attend
 

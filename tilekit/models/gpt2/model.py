@@ -1,4 +1,4 @@
-"""GPT-2 on tilekit's cuTile kernels: the weights and the math; runtime.CausalLM runs it.
+"""GPT-2 on tilekit's cuTile kernels: the weights and the math; tilekit.engine runs it.
 
 Every op of the forward pass is a tilekit kernel dispatched with the config the tuning database
 holds for this GPU and shape; CuPy only allocates memory and moves data. Names follow the Hugging
@@ -28,7 +28,7 @@ from tilekit.kernels import embedding, layer_norm, linear, residual_linear
 from tilekit.kernels.tiles import FIXED_DTYPE
 from tilekit.models.gpt2 import weights
 from tilekit.models.gpt2.config import GPTConfig
-from tilekit.models.runtime import DTYPES, Arrays, CausalLM
+from tilekit.models.base import DTYPES, Arrays, CausalLM
 
 
 # A block's tensors under their Hugging Face names, in Block's field order.
@@ -99,7 +99,6 @@ class GPT(CausalLM):
         if allow_tf32 and dtype != "float32":
             raise ValueError("allow_tf32 applies to dtype='float32' only")
         self.config, self.dtype, self.allow_tf32, self.meta = config, dtype, allow_tf32, meta
-        self._init_runtime()
         self._init_comm(comm, state is not None or empty or meta)
         self.ranks = 1 if self.comm is None else self.comm.world_size
         new = Arrays(meta).empty

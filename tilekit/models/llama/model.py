@@ -1,4 +1,4 @@
-"""Llama on tilekit's cuTile kernels: the weights and the math; runtime.CausalLM runs it.
+"""Llama on tilekit's cuTile kernels: the weights and the math; tilekit.engine runs it.
 
 A block is RMSNorm -> one fused QKV projection -> RoPE on the query and key heads (in place) ->
 grouped-query attention -> output projection with the residual add in its epilogue -> RMSNorm ->
@@ -10,7 +10,7 @@ all three. Names follow Hugging Face's LlamaForCausalLM.
 Quantized (`quantize=`, or an FP8 / INT8 checkpoint; tilekit.models.quantization), the seven linears of a block
 (and an untied LM head quantized at load, or stored as codes) hold 8-bit codes and fp32 scales and run on
 kernels.quant_linear: the gate and up projections as one [gate; up]
-matrix with the SwiGLU in the kernel's epilogue; with FP8 weights and at least runtime.W8A8_MIN_ROWS rows (prefill) the
+matrix with the SwiGLU in the kernel's epilogue; with FP8 weights and at least base.W8A8_MIN_ROWS rows (prefill) the
 activations are quantized per token (per 128-column group with block scales) and multiplied in FP8.
 
 Tensor-parallel (`comm=`, a tilekit.parallel.Communicator of world size N; weights.shard_parts says what each rank
@@ -36,7 +36,7 @@ from tilekit.models import quantization
 from tilekit.models.llama import weights
 from tilekit.models.llama.config import LlamaConfig, rope_inv_freq
 from tilekit.models.llama.weights import EMBEDDING
-from tilekit.models.runtime import DTYPES, Arrays, CausalLM
+from tilekit.models.base import DTYPES, Arrays, CausalLM
 
 ROPE_TABLE_LIMIT = 1 << 17      # rotary tables cover min(context, this) positions (128K, Llama 3.1's context)
 
@@ -76,7 +76,7 @@ class Activations:
         heads = self.qkv.reshape(batch, tokens, H + 2 * Hkv, D).transpose(0, 2, 1, 3)
         self.q, self.k, self.v, self.qk = heads[:, :H], heads[:, H:H + Hkv], heads[:, H + Hkv:], heads[:, :H + Hkv]
         self.heads = self.y.reshape(batch, tokens, H, D).transpose(0, 2, 1, 3)
-        self.fp8 = fp8          # FP8 activations (W8A8, runtime.FP8Activations) or None
+        self.fp8 = fp8          # FP8 activations (W8A8, base.FP8Activations) or None
 
 
 class Llama(CausalLM):
@@ -103,7 +103,6 @@ class Llama(CausalLM):
         self._init_quant(quantize, empty or meta)
         self.widest_input = max(config.n_embd, config.n_head * config.head_dim, config.intermediate_size)
         self._init_shard(comm, state is not None or empty or meta)
-        self._init_runtime()
         qkv = self._allocate()
         self._init_weights(state, seed, empty)
         w = self.params
@@ -132,7 +131,7 @@ class Llama(CausalLM):
             self.cos, self.sin = (cupy.asarray(t) for t in rope_tables(positions, inv_freq))
 
     def _init_shard(self, comm: parallel.Communicator | None, weights_given: bool) -> None:
-        """runtime's _init_comm, and this rank's query head, key/value head and MLP column counts."""
+        """base's _init_comm, and this rank's query head, key/value head and MLP column counts."""
         rank = self._init_comm(comm, weights_given)
         world, C = 1 if self.comm is None else self.comm.world_size, self.config
         h0, h1 = parallel.even_span(C.n_head, rank, world, "n_head")
@@ -141,7 +140,7 @@ class Llama(CausalLM):
         self.heads = (h1 - h0, g1 - g0, i1 - i0)
 
     def _allocate(self) -> list:
-        """self.params (runtime's _allocate_params): q, k and v of a layer row views of one fused matrix, and
+        """self.params (base's _allocate_params): q, k and v of a layer row views of one fused matrix, and
         quantized also gate and up; returns each layer's (qkv, its scales, [gate; up], its scales)."""
         groups, halves = [], []
         for i in range(self.config.n_layer):

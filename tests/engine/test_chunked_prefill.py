@@ -1,4 +1,4 @@
-"""Chunked prefill (runtime.prefill_pieces): a prompt longer than the model's prefill_chunk prefills in chunks whose
+"""Chunked prefill (engine.steps.prefill_pieces): a prompt longer than the model's prefill_chunk prefills in chunks whose
 queries attend over the cached keys and values of the earlier ones. On the CPU (NumPy standing in for CuPy and for
 each kernel): the cache and the decode logits after a chunked prefill equal those after a whole one, for a ragged
 batch; the pieces, the recorded workload and the refusals."""
@@ -12,18 +12,22 @@ from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (num
 from tests.models.llama import numpy_kernels
 from tests.models.steps import decode_logits
 from tilekit.kernels.checks import rel_err
-from tilekit.models import DeepseekV2, DeepseekV2Config, Llama, runtime
+from tilekit.engine import kv_cache
+from tilekit.models import DeepseekV2, DeepseekV2Config, Llama, base
 from tilekit.models.llama import model as model_module
 from tilekit.models.llama.config import PRESETS
-from tilekit.models.runtime import GREEDY, Arrays, DecodeState, KVCache, PromptBuffers, capacity_for, prefill_pieces
+from tilekit.engine.kv_cache import new_cache
+from tilekit.engine.picker import GREEDY
+from tilekit.engine.steps import capacity_for, DecodeState, prefill_pieces, PromptBuffers
+from tilekit.models.base import Arrays
 
-DATA = Path(__file__).resolve().parents[2] / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture
 def cpu(numpy_cupy, monkeypatch):
     step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
-                       (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
+                       (base, numpy_kernels, numpy_kernels.BASE_KERNELS), (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS))
 
 
 def chunked_decode_logits(model, prompts: np.ndarray, lengths: np.ndarray, follow: np.ndarray):
@@ -73,7 +77,7 @@ def test_a_chunked_prefill_gives_the_whole_prefills_cache_and_logits(cpu):
 
 def test_pieces():
     model = Llama(PRESETS["llama-3.2-1b"], meta=True)
-    cache = KVCache(model, 1, 32768, Arrays(meta=True))
+    cache = new_cache(model, 1, 32768, Arrays(meta=True))
     assert model.prefill_chunk == 8192
     assert prefill_pieces(model, 8192, 8191, cache) == [(0, 8192)]             # no longer than a chunk: whole
     assert prefill_pieces(model, 20032, 20000, cache) == [(0, 8192), (8192, 8192), (16384, 3584), (19968, 64)]
@@ -81,11 +85,11 @@ def test_pieces():
     # a ragged batch: chunks up to the shortest prompt's newest token, then every row's rest in one pass
     assert prefill_pieces(model, 20032, 9000, cache) == [(0, 8192), (8192, 768), (8960, 11072)]
     assert prefill_pieces(model, 20032, 40, cache) == [(0, 20032)]             # nothing before the first block
-    fp8 = KVCache(model, 1, 32768, Arrays(meta=True), "fp8")                    # earlier chunks' keys are FP8 codes
+    fp8 = new_cache(model, 1, 32768, Arrays(meta=True), "fp8")                   # earlier chunks' keys are FP8 codes
     assert prefill_pieces(model, 20032, 20000, fp8) == [(0, 20032)]
     latent = DeepseekV2(DeepseekV2Config.preset("deepseek-v2-lite"), meta=True)
     assert latent.prefill_chunk == 0
-    assert prefill_pieces(latent, 20032, 20000, latent.new_cache(1, 20096, Arrays(meta=True))) == [(0, 20032)]
+    assert prefill_pieces(latent, 20032, 20000, new_cache(latent, 1, 20096, Arrays(meta=True))) == [(0, 20032)]
     for bad in (100, -64, 64.0, True, "8192"):
         model.prefill_chunk = bad
         with pytest.raises(ValueError, match=f"prefill_chunk must be 0 .off. or a positive multiple of 64, got "):

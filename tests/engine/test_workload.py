@@ -4,7 +4,7 @@ import pytest
 
 from tilekit.autotune.arrays import MetaArray
 from tilekit.models import GPT, GPTConfig
-from tilekit.models.workload import forward_problems, generate_problems, model_problems
+from tilekit.engine.workload import forward_problems, generate_problems, model_problems
 
 
 def keys(calls):

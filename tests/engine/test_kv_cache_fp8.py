@@ -11,13 +11,15 @@ import pytest
 from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.models.llama import numpy_kernels
 from tests.models.steps import decode_logits
+from tilekit.engine.kv_cache import new_cache
 from tilekit.kernels.checks import rel_err
 from tilekit.kernels.quantize_fp8 import fp8_values
-from tilekit.models import DeepseekV2, DeepseekV2Config, Llama, runtime
+from tilekit.engine import kv_cache
+from tilekit.models import DeepseekV2, DeepseekV2Config, Llama, base
 from tilekit.models.llama import model as model_module
-from tilekit.models.runtime import Arrays
+from tilekit.models.base import Arrays
 
-DATA = Path(__file__).resolve().parents[2] / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 # e4m3 keeps 3 significant bits (a normal code within 1/16 of its value; the cached keys' relative error measured
 # 0.026 here): after attention's averaging, the tiny random-weight models' decode logits moved by 0.004-0.006
 # (relative error, three prompts each); the bounds leave room
@@ -28,7 +30,7 @@ FP8_CACHE_BOUND = 0.04
 @pytest.fixture
 def cpu(numpy_cupy, monkeypatch):
     step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
-                       (runtime, numpy_kernels, numpy_kernels.RUNTIME_KERNELS))
+                       (base, numpy_kernels, numpy_kernels.BASE_KERNELS), (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS))
 
 
 def test_fp8_cache_logits_stay_near_the_model_dtype_cache(cpu):
@@ -50,12 +52,12 @@ def test_fp8_cache_logits_stay_near_the_model_dtype_cache(cpu):
 def test_bad_kv_cache_dtypes_are_refused(cpu):
     model = Llama.from_pretrained(DATA / "tiny-llama", dtype="float32")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, got 'int8'"):
-        model.new_cache(1, 64, Arrays(), "int8")
+        new_cache(model, 1, 64, Arrays(), "int8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, got 'bf16'"):
         model.generate([[1, 2]], 2, kv_cache_dtype="bf16")
     latent = DeepseekV2(DeepseekV2Config.preset("deepseek-v2-lite"), meta=True)
     with pytest.raises(ValueError, match="latent cache is kept in the model's dtype"):
-        latent.new_cache(1, 64, Arrays(meta=True), "fp8")
+        new_cache(latent, 1, 64, Arrays(meta=True), "fp8")
 
 
 def test_a_checkpoints_kv_cache_scales_scale_the_fp8_cache_and_save_back(cpu, tmp_path):
@@ -98,7 +100,7 @@ def test_kv_scales_set_by_hand_are_checked_where_they_are_used(cpu, tmp_path):
                           (np.ones(layers), r"kv_scales must be \(key scales, value scales\)")]:
         model.kv_scales = scales
         with pytest.raises(ValueError, match=match):
-            model.new_cache(1, 64, Arrays(), "fp8")
+            new_cache(model, 1, 64, Arrays(), "fp8")
         with pytest.raises(ValueError, match=match):
             model.save_pretrained(tmp_path / "q")
     plain = Llama.from_pretrained(DATA / "tiny-llama", dtype="float32")

@@ -1,4 +1,4 @@
-"""tilekit.models.generation: parameters, generation_config.json, the float64 reference sampler, stop rules.
+"""tilekit.engine.sampling and stops: parameters, generation_config.json, the float64 reference sampler, stop rules.
 
 The reference is held against brute-force restatements of Hugging Face's processors (sort-based, one row at a
 time) on fresh random, tie-free logits; ties are tested on their own.
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests._threads import run_briefly
-from tilekit.models.generation import (GenerationSettings, SamplingParams, StopChecker, kept_mask, param_arrays,
-                                       per_row, probabilities, process_logits, sample_reference, token_counts)
+from tilekit.engine.sampling import GenerationSettings, kept_mask, param_arrays, per_row, probabilities, process_logits, sample_reference, SamplingParams, token_counts
+from tilekit.engine.stops import StopChecker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data")

@@ -1,4 +1,4 @@
-"""tilekit.models.text: tokenizer files, exact incremental detokenization, chat templates.
+"""tilekit.engine.text: tokenizer files, exact incremental detokenization, chat templates.
 
 Tokenizers are built here with `tokenizers` (no network): a byte-level BPE (GPT-2 / Llama-3 style), a
 SentencePiece-style BPE with byte fallback (Llama-2 style: "▁" for spaces, <0xXX> byte tokens, one leading space
@@ -16,8 +16,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from tests._threads import run_briefly
 from tilekit.checkpoints import Checkpoint
-from tilekit.models.text import (ChatTemplate, TextStream, chat_template, load_tokenizer, render_chat,
-                                 special_tokens)
+from tilekit.engine.text import ChatTemplate, TextStream, chat_template, load_tokenizer, render_chat, special_tokens
 
 CORPUS = ["Héllo wörld, ça va? Ünïcödé façade naïve résumé crème brûlée",
           "東京は日本の首都です。中文字符测试，你好世界",

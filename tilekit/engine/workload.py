@@ -1,6 +1,6 @@
 """The kernel problems a model runs: what `tilekit tune --model` tunes and `db explain` reports.
 
-Recorded from the model's own step code run on MetaArrays (CausalLM.kernel_problems), so every key
+Recorded from the engine's own step code run on a model with MetaArray weights (kernel_problems), so every key
 tuned here is, by construction, a key that forward() or generate() asks for.
 """
 
@@ -9,10 +9,35 @@ from __future__ import annotations
 import inspect
 
 from tilekit import parallel
+from tilekit.autotune.op import recording
+from tilekit.engine.picker import WORKLOAD_PICKERS
+from tilekit.engine.steps import DecodeState, PromptBuffers, capacity_for, forward_hidden, logits, prefill_pieces
 from tilekit.models import quantization
+from tilekit.models.base import META
 from tilekit.models.families import family_of_config
 
 NEW_TOKENS = 128       # generate()'s continuation length in the tuning workload
+
+
+def kernel_problems(model, batch: int, seq_len: int, new_tokens: int | None = None) -> list[tuple]:
+    """(op, problem) of every kernel call of forward() on (batch, seq_len) ids, or, with new_tokens, of generate()
+    continuing batch prompts of seq_len tokens by new_tokens (its prompt prefill and a decode step, greedy and with
+    Hugging Face's default sampling: WORKLOAD_PICKERS): the very step code, run on `model`'s meta twin."""
+    if not model.meta:
+        model = model.meta_twin()
+    with recording() as calls:
+        if new_tokens is None:
+            buf = PromptBuffers(model, batch, seq_len, META)
+            forward_hidden(model, buf)
+            logits(model, buf.acts.h, META)
+        else:
+            capacity, padded = capacity_for(model, seq_len, new_tokens)
+            for picker in WORKLOAD_PICKERS:
+                state = DecodeState(model, batch, capacity, META, picker)
+                for start, n in prefill_pieces(model, padded, seq_len - 1, state.cache):
+                    state.prefill(PromptBuffers(model, batch, n, META), start, final=start + n == padded)
+                state.step()
+    return calls
 
 
 def meta_model(config, dtype: str, quantize: str | quantization.Scheme | None = None, rank: int = 0, tp: int = 1,
@@ -43,12 +68,12 @@ def meta_model(config, dtype: str, quantize: str | quantization.Scheme | None = 
 
 def forward_problems(config, dtype: str, batch: int, seq: int) -> list[tuple]:
     """(op, problem) of forward() on (batch, seq) ids: full logits."""
-    return meta_model(config, dtype).kernel_problems(batch, seq)
+    return kernel_problems(meta_model(config, dtype), batch, seq)
 
 
 def generate_problems(config, dtype: str, batch: int, prompt_len: int, new_tokens: int) -> list[tuple]:
     """(op, problem) of greedy generate() continuing batch prompts of prompt_len tokens by new_tokens."""
-    return meta_model(config, dtype).kernel_problems(batch, prompt_len, new_tokens)
+    return kernel_problems(meta_model(config, dtype), batch, prompt_len, new_tokens)
 
 
 def model_problems(config, dtype: str = "bfloat16", batch_sizes=(1, 8), seq_lens=(128, 1024),
@@ -67,9 +92,9 @@ def model_problems(config, dtype: str = "bfloat16", batch_sizes=(1, 8), seq_lens
         for B in batch_sizes:
             for T in seq_lens:
                 T = min(T, P)
-                calls = model.kernel_problems(B, T)
+                calls = kernel_problems(model, B, T)
                 new = min(new_tokens, P - 1)
-                calls += model.kernel_problems(B, max(1, min(T, P - new)), new)
+                calls += kernel_problems(model, B, max(1, min(T, P - new)), new)
                 for op, problem in calls:
                     found.setdefault((op.name, op.problem_key(problem)[1]), (op, problem))
     return list(found.values())

@@ -1,8 +1,8 @@
-"""What a generate call is asked to do, and the float64 reference of how each next token is chosen.
+"""What a generate call or a request is asked to do, and the float64 reference of how each next token is chosen.
 
-SamplingParams (per batch row) and GenerationSettings (a call's lengths, stop rules, seed and sampling, with a
-checkpoint's generation_config.json as defaults); process_logits / sample_reference, the NumPy float64
-reference of logit processing and sampling that the GPU sampler is tested against; StopChecker, the stop rules.
+SamplingParams (per batch row or request) and GenerationSettings (a call's lengths, stop rules, seed and sampling,
+with a checkpoint's generation_config.json as defaults); process_logits / sample_reference, the NumPy float64
+reference of logit processing and sampling that the GPU sampler (kernels.next_token) is tested against.
 
 The logit processing follows Hugging Face's order (GenerationMixin._get_logits_processor) for one row of
 scores given the tokens seen so far:
@@ -27,14 +27,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from tilekit.kernels.next_token import next_token_reference
 from tilekit.checkpoints import CONFIG_NAME, Checkpoint, Fields, ModelFileError
+from tilekit.kernels.next_token import next_token_reference
 from tilekit.untrusted import quoted
-from tilekit.models.text import TextStream, tokenizer_failures
 
 GENERATION_CONFIG = "generation_config.json"
 MAX_EOS_IDS = 1024
@@ -289,220 +288,3 @@ def sample_reference(processed: np.ndarray, rng: np.random.Generator) -> np.ndar
     u = rng.random(len(prob)) * cdf[:, -1]
     last_kept = prob.shape[1] - 1 - np.argmax(prob[:, ::-1] > 0, axis=1)   # where u rounds up to the total
     return np.minimum((cdf <= u[:, None]).sum(axis=1), last_kept).astype(np.int64)
-
-
-# -- stopping ------------------------------------------------------------------------------------------
-
-class StopChecker:
-    """Which rows of a batch have stopped, fed each step's new tokens (and their decoded text).
-
-    A row stops after the token that (a) is one of the eos ids, (b) completes a stop string in the row's
-    decoded continuation, or (c) is its max_new_tokens-th; that token is kept. Rows stop independently and
-    tokens given for a stopped row are ignored. As in HF, min_new_tokens is not a stop rule: process_logits
-    keeps eos from being generated before it. Stop strings follow HF's StopStringCriteria: a match is the
-    string occurring in the text, ending within the newest token's text (so a token running past the string,
-    "st" + "opped" for "stop", also stops), but here only the continuation's text is searched, never the prompt.
-    """
-
-    def __init__(self, batch: int, settings: GenerationSettings):
-        if settings.max_new_tokens is None:
-            raise ValueError("max_new_tokens must be set to check stops")
-        self.settings = settings
-        self.eos = np.array(settings.eos_token_ids, np.int64)
-        self.lengths = np.zeros(batch, np.int64)       # tokens each row keeps
-        self.done = np.full(batch, settings.max_new_tokens == 0)
-        self.tails = [""] * batch        # the last characters of each row's text that a stop string can span
-        self.keep = max(map(len, settings.stop_strings), default=1) - 1
-
-    def update(self, tokens: Sequence[int], pieces: Sequence[str] | None = None) -> None:
-        """Take one step's (B,) new tokens and, with stop strings, the text each one printed (TextStream.push)."""
-        tokens = np.asarray(tokens, np.int64)
-        if tokens.shape != self.done.shape:
-            raise ValueError(f"tokens must have shape {self.done.shape}, got {tokens.shape}")
-        if self.settings.stop_strings and (pieces is None or len(pieces) != len(tokens)):
-            raise ValueError("stop strings need each row's decoded text piece")
-        for b in np.flatnonzero(~self.done):
-            self.lengths[b] += 1
-            stop = self.lengths[b] == self.settings.max_new_tokens or bool(np.isin(tokens[b], self.eos))
-            if self.settings.stop_strings:
-                text = self.tails[b] + pieces[b]
-                stop |= any(s in text for s in self.settings.stop_strings)
-                self.tails[b] = text[-self.keep:] if self.keep else ""
-            self.done[b] = stop
-
-    @property
-    def all_done(self) -> bool:
-        return bool(self.done.all())
-
-
-# -- the generation API every model shares ---------------------------------------------------------
-
-class TextGeneration:
-    """What a model that generates offers besides generate() itself, shared by the GPU models (runtime.CausalLM)
-    and the NumPy references: the checkpoint's defaults, one resolution of generate()'s arguments, text in and
-    out with exact streaming, and chat through the checkpoint's template. A model sets `config` (vocab_size,
-    block_size, eos_token_id) and `checkpoint` (a checkpoints.Checkpoint; None without one)."""
-
-    checkpoint: Checkpoint | None = None
-    rope_positions: int | None = None     # positions the model's rotary tables cover (None: no tables)
-
-    @property
-    def context_length(self) -> int:
-        """The longest sequence the model runs: block_size, or fewer where its rotary tables stop."""
-        return min(self.config.block_size, self.rope_positions or self.config.block_size)
-
-    def context_limit_message(self) -> str:
-        """How the context length is set, for errors."""
-        if self.context_length == self.config.block_size:
-            return f"block_size {self.config.block_size}"
-        return f"the {self.context_length} positions of the rotary tables (block_size {self.config.block_size})"
-
-    def generation_defaults(self) -> GenerationSettings:
-        """What generate() does unless told otherwise: the checkpoint's generation_config.json read as Hugging
-        Face reads it (greedy unless it says do_sample), with config.json's eos ids; greedy for a model
-        without a checkpoint directory."""
-        eos = getattr(self.config, "eos_token_id", None)
-        if self.checkpoint is not None:
-            return GenerationSettings.from_generation_config(self.checkpoint, config_eos=eos,
-                                                             vocab_size=self.config.vocab_size)
-        return GenerationSettings(eos_token_ids=() if eos is None else eos, sampling=SamplingParams(temperature=0.0))
-
-    def generation_plan(self, prompts: Sequence[np.ndarray], max_new_tokens: int | None,
-                        sampling: Sequence[SamplingParams] | None, **explicit):
-        """(settings, one SamplingParams per row, one TextStream per row when stop strings need the text, else
-        None) of a generate() call on `prompts`: explicit arguments over generation_defaults(), every one
-        checked (ValueError naming it) before anything runs."""
-        scalars = {k: explicit[k] for k in SAMPLING_FIELDS}
-        if sampling is not None and any(v is not None for v in scalars.values()):
-            raise ValueError("pass sampling= (one SamplingParams per row) or the scalar sampling arguments, not both")
-        settings = self.generation_defaults().override(max_new_tokens=max_new_tokens, **explicit)
-        rows = per_row(settings.sampling if sampling is None else list(sampling), len(prompts))
-        if settings.max_new_tokens is None:
-            raise ValueError("max_new_tokens must be given (the checkpoint's generation_config.json sets none)")
-        V, longest = self.config.vocab_size, max(len(p) for p in prompts)
-        if any(e >= V for e in settings.eos_token_ids):
-            raise ValueError(f"eos_token_id must lie in [0, {V}), got {list(settings.eos_token_ids)}")
-        if longest + settings.max_new_tokens > self.context_length:
-            given = "" if max_new_tokens is not None else " (generation_config.json's)"
-            raise ValueError(f"prompt length {longest} + max_new_tokens {settings.max_new_tokens}{given} "
-                             f"exceeds {self.context_limit_message()}")
-        streams = None
-        if settings.stop_strings:
-            tokenizer, source = self.tokenizer(), self._tokenizer_file()
-            streams = [TextStream(tokenizer, context=[int(t) for t in p], source=source) for p in prompts]
-        return settings, rows, streams
-
-    def tokenizer(self):
-        """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt), read as untrusted."""
-        from tilekit.models.text import load_tokenizer
-        if self.checkpoint is None:
-            raise ValueError("this model has no checkpoint directory to read a tokenizer from (load it with "
-                             "from_pretrained)")
-        return load_tokenizer(self.checkpoint)
-
-    def generate_text(self, prompt: str | Sequence[str], max_new_tokens: int | None = None, *,
-                      stream_to: Callable[[str], None] | None = None, chat: bool = False,
-                      **kwargs) -> str | list[str]:
-        """Tokenize `prompt` (or a list of prompts, one batch) with the checkpoint's tokenizer, generate
-        (kwargs as for generate()), and return the continuation's text; stream_to(piece) receives it
-        piece by piece as it is made (one prompt only): the pieces concatenate to exactly the returned
-        text, characters that span tokens included. chat=True sends each prompt as one user message
-        through the checkpoint's chat template (see chat())."""
-        single = isinstance(prompt, str)
-        texts = [prompt] if single else list(prompt)
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise ValueError("prompt must be a string or a non-empty list of strings")
-        if stream_to is not None and not single:
-            raise ValueError("stream_to streams one prompt; pass a string, or no stream_to for a batch")
-        if chat:
-            ids = [self._chat_ids([{"role": "user", "content": t}]) for t in texts]
-        else:
-            ids = [self._encoded(t) for t in texts]
-        out = self._continue_text(ids, max_new_tokens, stream_to, kwargs)
-        return out[0] if single else out
-
-    def chat(self, messages: Sequence[dict], max_new_tokens: int | None = None, *,
-             stream_to: Callable[[str], None] | None = None, **kwargs) -> str:
-        """The assistant's reply to `messages` ([{"role": "system" | "user" | "assistant" | "tool",
-        "content": ...}, ...]), the conversation rendered with the checkpoint's chat template as Hugging
-        Face's apply_chat_template renders it; kwargs as for generate()."""
-        return self._continue_text([self._chat_ids(messages)], max_new_tokens, stream_to, kwargs)[0]
-
-    def chat_template(self):
-        """The checkpoint's chat template (chat_template.jinja or tokenizer_config.json's chat_template);
-        ValueError when it has none."""
-        from tilekit.models.text import chat_template
-        template = None if self.checkpoint is None else chat_template(self.checkpoint)
-        if template is None:
-            raise ValueError("this checkpoint has no chat template (tokenizer_config.json's chat_template or "
-                             "chat_template.jinja)")
-        return template
-
-    def _chat_ids(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of `messages` rendered with the chat template (which writes its own special tokens)."""
-        return self._encoded(self.chat_template().render(messages), add_special_tokens=False)
-
-    def _encoded(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text` by the checkpoint's tokenizer; a tokenizer that fails on it, or makes an id past the
-        model's vocabulary, is a ModelFileError naming the checkpoint's tokenizer (its file is untrusted)."""
-        tokenizer = self.tokenizer()
-        with tokenizer_failures(self._tokenizer_file(), "cannot encode the prompt"):
-            ids = tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        V = self.config.vocab_size
-        if any(i >= V for i in ids):
-            raise ModelFileError(self._tokenizer_file(), f"makes token id {max(ids)}, past the model's vocabulary "
-                                                         f"of {V} (config.json's vocab_size)")
-        return ids
-
-    def _tokenizer_file(self):
-        """The file the checkpoint's tokenizer was read from (tokenizer.json, else vocab.json): what errors name."""
-        return self.checkpoint.directory / ("tokenizer.json" if self.checkpoint.has("tokenizer.json") else
-                                            "vocab.json")
-
-    def _continue_text(self, ids: list[list[int]], max_new_tokens: int | None, stream_to, kwargs) -> list[str]:
-        """The decoded continuations of prompts `ids`, row 0's streamed to stream_to as it is made."""
-        if not all(ids):
-            raise ValueError("prompt encodes to no tokens")
-        tokenizer, source = self.tokenizer(), self._tokenizer_file()
-        streams = [TextStream(tokenizer, context=i, source=source) for i in ids]
-        on_token = None
-        if stream_to is not None:
-            def on_token(tokens):
-                piece = streams[0].push(tokens[0])
-                if piece:
-                    stream_to(piece)
-        seqs = self.generate(ids, max_new_tokens, on_token=on_token, **kwargs)
-        for b, (stream, seq) in enumerate(zip(streams, seqs)):
-            if stream_to is None or b > 0:
-                for t in seq[len(ids[b]):]:
-                    stream.push(t)
-            rest = stream.flush()
-            if stream_to is not None and b == 0 and rest:
-                stream_to(rest)
-        return [s.printed for s in streams]
-
-
-def generate_by_recomputation(model, prompts: Sequence[np.ndarray], settings: GenerationSettings,
-                              rows: Sequence[SamplingParams], streams, step_logits: Callable,
-                              on_token: Callable | None) -> list[np.ndarray]:
-    """generate() without a KV cache or a GPU, for the NumPy references: each step's logits come from
-    step_logits(sequences) (recomputing every prefix), are processed by process_logits and sampled by
-    sample_reference with one generator seeded from settings.seed; the stop rules as on the GPU."""
-    B, V = len(prompts), model.config.vocab_size
-    seqs = [list(int(t) for t in p) for p in prompts]
-    rng = np.random.default_rng(settings.seed)
-    stops = StopChecker(B, settings)
-    pad = settings.eos_token_ids[0] if settings.eos_token_ids else 0
-    for step in range(settings.max_new_tokens):
-        outputs = [s[len(p):] for s, p in zip(seqs, prompts)]
-        processed = process_logits(step_logits(seqs), token_counts(seqs, V), token_counts(outputs, V), rows, step,
-                                   eos_token_ids=settings.eos_token_ids, min_new_tokens=settings.min_new_tokens)
-        tokens = np.where(stops.done, pad, sample_reference(processed, rng))
-        for s, t in zip(seqs, tokens):
-            s.append(int(t))
-        stops.update(tokens, None if streams is None else [st.push(t) for st, t in zip(streams, tokens)])
-        if on_token is not None:
-            on_token(tokens)
-        if stops.all_done:
-            break
-    return [np.asarray(s[:len(p) + n], np.int64) for s, p, n in zip(seqs, prompts, stops.lengths)]

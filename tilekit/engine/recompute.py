@@ -1,0 +1,65 @@
+"""generate() without a KV cache or a GPU, for the NumPy reference models: every step recomputes each whole prefix
+(model.next_logits), its logits processed by the float64 reference and sampled with NumPy's generator; the stop
+rules as on the GPU. Slow, for checking: the oracle the GPU runners are compared against."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tilekit.engine.runner import Runner
+from tilekit.engine.sampling import GenerationSettings, SamplingParams, process_logits, sample_reference, token_counts
+from tilekit.engine.stops import StopChecker
+
+OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+           "min_new_tokens", "eos_token_ids", "stop_strings", "seed")
+
+
+class RecomputeRunner(Runner):
+    """The runner of a NumPy reference model (tilekit.models.reference.ReferenceLM)."""
+
+    def generate(self, ids, max_new_tokens: int | None = None, *, sampling: list[SamplingParams] | None = None,
+                 on_token=None, **options) -> list[np.ndarray]:
+        """What the GPU model's generate() returns, by recomputing every prefix each step: prompts `ids` (a 2-D
+        array, or a list of token lists of different lengths), options as for generate() (temperature, top_k,
+        ..., eos_token_id, stop_strings, seed), each processed as the GPU does and sampled with NumPy's
+        generator (the same seed gives the same tokens here, not the GPU's)."""
+        model = self.model
+        if isinstance(ids, (list, tuple)) and ids and all(isinstance(p, (list, tuple, np.ndarray)) for p in ids):
+            prompts = [model.check_ids(np.asarray([p]))[0] for p in ids]
+        else:
+            prompts = list(model.check_ids(ids))
+        if "eos_token_id" in options:
+            options["eos_token_ids"] = options.pop("eos_token_id")
+        settings, rows, streams = self.generation_plan(prompts, max_new_tokens, sampling,
+                                                       **{k: options.pop(k, None) for k in OPTIONS})
+        if options:
+            raise ValueError(f"unknown generation argument(s): {', '.join(sorted(options))}")
+        return generate_by_recomputation(model, prompts, settings, rows, streams, model.next_logits, on_token)
+
+
+def generate_by_recomputation(model, prompts: Sequence[np.ndarray], settings: GenerationSettings,
+                              rows: Sequence[SamplingParams], streams, step_logits: Callable,
+                              on_token: Callable | None) -> list[np.ndarray]:
+    """generate() without a KV cache or a GPU, for the NumPy references: each step's logits come from
+    step_logits(sequences) (recomputing every prefix), are processed by process_logits and sampled by
+    sample_reference with one generator seeded from settings.seed; the stop rules as on the GPU."""
+    B, V = len(prompts), model.config.vocab_size
+    seqs = [list(int(t) for t in p) for p in prompts]
+    rng = np.random.default_rng(settings.seed)
+    stops = StopChecker(B, settings)
+    pad = settings.eos_token_ids[0] if settings.eos_token_ids else 0
+    for step in range(settings.max_new_tokens):
+        outputs = [s[len(p):] for s, p in zip(seqs, prompts)]
+        processed = process_logits(step_logits(seqs), token_counts(seqs, V), token_counts(outputs, V), rows, step,
+                                   eos_token_ids=settings.eos_token_ids, min_new_tokens=settings.min_new_tokens)
+        tokens = np.where(stops.done, pad, sample_reference(processed, rng))
+        for s, t in zip(seqs, tokens):
+            s.append(int(t))
+        stops.update(tokens, None if streams is None else [st.push(t) for st, t in zip(streams, tokens)])
+        if on_token is not None:
+            on_token(tokens)
+        if stops.all_done:
+            break
+    return [np.asarray(s[:len(p) + n], np.int64) for s, p, n in zip(seqs, prompts, stops.lengths)]

@@ -89,7 +89,7 @@ def write_checkpoint(path: Path, config, log=print, quantize: str | None = None)
 def drawn_as_stored(weights) -> bool:
     """Whether a family's checkpoints hold its tensors as the model does (no LAYOUT.to_file) with every linear of
     weights.QUANTIZED quantized (no DEQUANTIZED ones): then drawn_tensors writes a checkpoint it loads."""
-    return weights.LAYOUT.to_file is None and not getattr(weights, "DEQUANTIZED", ())
+    return weights.LAYOUT.to_file is None and not weights.QUANTIZATION.dequantized
 
 
 class Drawn:

@@ -150,7 +150,7 @@ class CausalLM(LanguageModel):
         """The quantization a model of `config` loaded from `checkpoint` (a checkpoints.Checkpoint) with `quantize` and
         `quantize_head` holds, its LM head decided (a quantized checkpoint's: where its file stores codes, read from
         the safetensors headers), or None for float linears; the errors from_pretrained raises for it."""
-        scheme = quantization.scheme_for(checkpoint, quantize, mixed=bool(getattr(cls.weights, "DEQUANTIZED", ())),
+        scheme = quantization.scheme_for(checkpoint, quantize, mixed=bool(cls.weights.QUANTIZATION.dequantized),
                                          quantize_head=quantize_head)
         quantization.check_head(cls, config, scheme)
         try:
@@ -159,7 +159,7 @@ class CausalLM(LanguageModel):
             raise ModelFileError(checkpoint.directory / CONFIG_NAME, str(e)) from None
         if scheme is None:
             return None
-        if getattr(cls.weights, "QUANTIZED", None) is None:
+        if not cls.weights.QUANTIZATION.linears:
             raise ValueError(f"{cls.__name__} has no quantized linears ({scheme.source})")
         if scheme.source != quantization.LOAD_TIME:
             name = cls.weights.PREFIX + LM_HEAD
@@ -256,7 +256,7 @@ class CausalLM(LanguageModel):
         self.quant = quantize
         if quantize:
             self.quantized = quantization.linear_names(self.weights.state_dict_shapes(self.config),
-                                                       self.weights.QUANTIZED)
+                                                       self.weights.QUANTIZATION.linears)
             if quantization.head_quantized(self.weights, self.config, quantize):
                 self.quantized += (LM_HEAD,)
 
@@ -370,7 +370,7 @@ class CausalLM(LanguageModel):
         into them in `dtype`, never the whole checkpoint on the host. An FP8 / INT8 checkpoint
         (tilekit.models.quantization) loads quantized (its LM head as the file stores it); quantize="int8" | "fp8"
         quantizes a float one per channel as it streams in, with quantize_head=True its untied LM head too (a
-        family with weights.QUANTIZED_HEAD); linears the family keeps in its dtype (weights.DEQUANTIZED) are
+        family whose weights.QUANTIZATION.head allows it); linears the family keeps in its dtype (its dequantized) are
         dequantized as they load; a quantized checkpoint's static FP8 KV-cache scales (quantization.read_kv_scales)
         become kv_scales, the FP8 KV cache's. kwargs go to the constructor; with a tensor-parallel `comm` among them, only this
         rank's slices of the tensors are read (the family's weights.shard_parts), of a quantized linear its codes
@@ -387,9 +387,10 @@ class CausalLM(LanguageModel):
         checkpoint = cls.weights.resolve(path_or_name)
         config = cls.config_class.from_fields(checkpoint.config())
         scheme = cls.loaded_scheme(checkpoint, config, quantize, quantize_head)
-        dequantized = getattr(cls.weights, "DEQUANTIZED", ())
+        rules = cls.weights.QUANTIZATION
+        dequantized = rules.dequantized
         linears = () if scheme is None else quantization.linear_names(cls.weights.state_dict_shapes(config),
-                                                                      cls.weights.QUANTIZED)
+                                                                      rules.linears)
         comm = kwargs.get("comm")
         parts = None
         if comm is not None and comm.world_size > 1:
@@ -412,9 +413,8 @@ class CausalLM(LanguageModel):
             return made[0].params
         options = {} if parts is None else {"parts": parts}
         kv_scales = None            # read first: a bad one is refused before the weights stream in
-        if scheme is not None and scheme.kv_scales and hasattr(cls.weights, "KV_SCALES"):
-            kv_scales = quantization.read_kv_scales(checkpoint, cls.weights.layer_prefixes(config),
-                                                    cls.weights.KV_SCALES)
+        if scheme is not None and scheme.kv_scales and rules.kv_scales is not None:
+            kv_scales = quantization.read_kv_scales(checkpoint, cls.weights.layer_prefixes(config), rules.kv_scales)
         cls.weights.load(checkpoint, config, dtype=dtype, outs=allocate, ignore=scheme.ignored if scheme else (),
                          rewrite=scheme and rewrite, **options)
         made[0].checkpoint, made[0].kv_scales = checkpoint, kv_scales
@@ -448,18 +448,18 @@ class CausalLM(LanguageModel):
         tensors, raw = quantization.file_tensors(self.params, self.quantized, self.quant)
         if self.weights.LAYOUT.to_file is not None:
             tensors = self.weights.LAYOUT.to_file(self.config, tensors)
-        dequantized = getattr(self.weights, "DEQUANTIZED", ())
+        dequantized = self.weights.QUANTIZATION.dequantized
         hf_config = dict(self.config.to_hf_dict(), torch_dtype=self.dtype,
                          quantization_config=quantization.compressed_tensors_config(
                              self.quant, dequantized, LM_HEAD in self.quantized, self.kv_scales is not None))
         prefix = self.weights.PREFIX
         tensors, raw = {prefix + n: a for n, a in tensors.items()}, {prefix + n: code for n, code in raw.items()}
         if self.kv_scales is not None:      # compressed-tensors' names (checkpoint names: the prefix is in them)
-            if not hasattr(self.weights, "KV_SCALES"):
+            if self.weights.QUANTIZATION.kv_scales is None:
                 raise ValueError(f"kv_scales: {type(self).__name__} checkpoints keep no KV-cache scales")
             layers = self.weights.layer_prefixes(self.config)
             for layer, k, v in zip(layers, *quantization.checked_kv_scales(self.kv_scales, len(layers))):
-                for (suffix, *_), value in zip(self.weights.KV_SCALES, (k, v)):
+                for (suffix, *_), value in zip(self.weights.QUANTIZATION.kv_scales, (k, v)):
                     tensors[layer + suffix], raw[layer + suffix] = np.float32(value).reshape(()), "F32"
         write_checkpoint(directory, hf_config, tensors, dtype=self.dtype, raw=raw)
 

@@ -68,7 +68,7 @@ class Scheme:
     and, for a checkpoint, how its files store them: `file_scale` (channel | tensor | block) with `scale_shape`
     ("out1": [out, 1], "one": [1], "scalar": [], "blocks"), the scale tensor's suffix, and suffixes of
     per-linear tensors read past. `source` names the format (messages). `head`: an untied LM head is quantized too,
-    in a family whose weights.QUANTIZED_HEAD says it can be (head_quantized): at load where asked (quantize_head;
+    in a family whose weights.QUANTIZATION.head says it can be (head_quantized): at load where asked (quantize_head;
     gpt-fast's int8 quantizes every linear, vLLM's FP8 keeps the head), or where a checkpoint stores it as codes.
     `float_head`: the config field listing the LM head unquantized, as a ModelFileError's (path, field), or None.
     `kv_scales`: the checkpoint declares static FP8 KV-cache scales, one per attention layer for keys and one for
@@ -426,15 +426,15 @@ def scheme_for(checkpoint: checkpoints.Checkpoint, quantize: str | None, mixed: 
 
 def head_quantized(weights, config, scheme: Scheme | None) -> bool:
     """Whether a model of this family (its weights module) and config holds its LM head quantized under `scheme`:
-    the scheme's `head`, a family that quantizes its head (weights.QUANTIZED_HEAD) and an untied head."""
-    return bool(scheme and scheme.head and getattr(weights, "QUANTIZED_HEAD", False)
+    the scheme's `head`, a family that quantizes its head (weights.QUANTIZATION.head) and an untied head."""
+    return bool(scheme and scheme.head and weights.QUANTIZATION.head
                 and not getattr(config, "tie_word_embeddings", True))
 
 
 def check_head(model_class, config, scheme: Scheme | None) -> None:
     """ValueError where `scheme` asks for a quantized LM head that this family (or a tied head) keeps in its dtype."""
     if scheme and scheme.head and not head_quantized(model_class.weights, config, scheme):
-        tied = " (tied to the token embedding)" if getattr(model_class.weights, "QUANTIZED_HEAD", False) else ""
+        tied = " (tied to the token embedding)" if model_class.weights.QUANTIZATION.head else ""
         raise ValueError(f"quantize_head=True: {model_class.__name__} keeps its LM head in its dtype{tied}")
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from tilekit import parallel
 from tilekit import checkpoints
+from tilekit.models.quantizable import Quantizable
 from tilekit.models.deepseek_v2.config import DeepseekV2Config
 
 HUB_ORGS = ("deepseek-ai",)
@@ -34,6 +35,7 @@ QUANTIZED_HEAD = True     # an untied LM head too, with quantize_head or stored 
 # strided per-head views by head_linear and mla_kv, no 8-bit variant either), and the router
 DEQUANTIZED = (r"self_attn\.kv_b_proj", r"self_attn\.o_proj", r"mlp\.down_proj", r"mlp\.gate",
                r"mlp\.shared_experts\.(?:gate|up|down)_proj", r"mlp\.experts\.\d+\.(?:gate|up|down)_proj")
+QUANTIZATION = Quantizable(QUANTIZED, DEQUANTIZED, head=QUANTIZED_HEAD)
 
 
 def state_dict_shapes(config: DeepseekV2Config) -> dict[str, tuple[int, ...]]:

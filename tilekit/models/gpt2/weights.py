@@ -11,12 +11,14 @@ import math
 
 from tilekit import parallel
 from tilekit import checkpoints
+from tilekit.models.quantizable import Quantizable
 from tilekit.models.gpt2.config import GPTConfig
 
 HUB_ORGS = ("openai-community",)     # where a bare hub name ("gpt2") is also looked up
 PREFIX = "transformer."  # what GPT2LMHeadModel puts before GPT2Model's names
 EMBEDDING = "wte.weight"
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers that old checkpoints carry
+QUANTIZATION = Quantizable()      # no quantized linears (tilekit.models.quantization)
 
 
 def state_dict_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:

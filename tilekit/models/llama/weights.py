@@ -11,6 +11,7 @@ import math
 
 from tilekit import parallel
 from tilekit import checkpoints
+from tilekit.models.quantizable import Quantizable
 from tilekit.models.llama.config import LlamaConfig
 
 HUB_ORGS = ("meta-llama",)                          # where a bare hub name ("Llama-3.2-1B") is also looked up
@@ -23,6 +24,7 @@ QUANTIZED_HEAD = True     # and an untied LM head, quantized at load or stored a
 # a quantized checkpoint's static FP8 KV-cache scales, each layer's under one of these suffixes (keys', values'):
 # compressed-tensors' names, then ModelOpt's (quantization.read_kv_scales)
 KV_SCALES = (("self_attn.k_scale", "self_attn.k_proj.k_scale"), ("self_attn.v_scale", "self_attn.v_proj.v_scale"))
+QUANTIZATION = Quantizable(QUANTIZED, head=QUANTIZED_HEAD, kv_scales=KV_SCALES)
 
 
 def layer_prefixes(config: LlamaConfig) -> list[str]:

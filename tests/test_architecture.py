@@ -186,3 +186,11 @@ def test_models_never_import_the_engine():
 
 def test_every_tilekit_module_has_a_layer():
     assert [name for name in modules() if name.startswith("tilekit.") and layer_of(name) is None] == []
+
+
+def test_every_package_is_packaged():
+    """pyproject.toml lists the packages by name: a new one left out would be missing from an installed wheel."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "tilekit").rglob("__init__.py")}
+    assert found - listed == set()

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import tilekit.kernels  # noqa: F401  (declares the ops)
     from tilekit.autotune.registry import registered_ops
-    from tilekit.cli import UsageError, _parse_shape
+    from tilekit.cli.common import UsageError, _parse_shape
     ops = registered_ops()
     if args.kernel not in ops:
         parser.error(f"--kernel must be one of {', '.join(sorted(ops))}, got {args.kernel!r}")

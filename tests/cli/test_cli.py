@@ -11,6 +11,7 @@ import pytest
 
 from tests._autotune_fakes import H100, H200, admitted_config, entry, run_together
 from tilekit import cli
+from tilekit.autotune import jobs
 from tilekit.autotune import store
 from tilekit.autotune.db import TuningDB, TuningDBWarning
 from tilekit.device import DeviceInfo, gpu_unavailable_reason
@@ -140,7 +141,7 @@ def test_a_rank_error_is_one_line_and_the_peer_lost_status(monkeypatch, capsys):
 
     def rendezvous_fails(args):
         raise parallel.RankError("rank 1: rank 0: rank 1 has WORLD_SIZE=3\x1b[2J but rank 0 has WORLD_SIZE=2\n")
-    monkeypatch.setattr(cli, "cmd_generate", rendezvous_fails)
+    monkeypatch.setattr(cli.generate, "run", rendezvous_fails)
     assert cli.main(["generate", "--model", "gpt2"]) == parallel.EXIT_PEER_LOST
     err = capsys.readouterr().err
     assert err == ("tilekit: rank 1: rank 0: rank 1 has WORLD_SIZE=3\\x1b[2J but rank 0 has WORLD_SIZE=2\\n\n")
@@ -412,7 +413,7 @@ def test_a_tuning_write_into_a_cache_path_that_is_a_file_is_one_line(tmp_path, m
     monkeypatch.setenv("TILEKIT_CACHE_DIR", str(tmp_path / "cachefile"))
     store.reset()
     key = LINEAR.problem_key(linear_problem())[1]
-    monkeypatch.setattr(cli, "cmd_tune",
+    monkeypatch.setattr(cli.tune, "run",
                         lambda args: store.user_db().store(H100, {key: entry(LINEAR, linear_config())}))
     path = tmp_path / "cachefile" / "tuning" / "sm_90" / "NVIDIA_H100_80GB_HBM3.json"
     assert misuse(["tune", "--model", "gpt2"], capsys) == \
@@ -616,39 +617,39 @@ def test_explain_names_each_rule_and_the_entry_it_borrowed(capsys):
 # -- tune --devices: the plan of worker processes (the GPU run itself is in the closing notes) -----
 
 def test_devices_are_parsed_and_checked():
-    assert cli._parse_devices("all", 3) == [0, 1, 2]
-    assert cli._parse_devices("2,0,2", 3) == [0, 2]
+    assert jobs.parse_devices("all", 3) == [0, 1, 2]
+    assert jobs.parse_devices("2,0,2", 3) == [0, 2]
     for bad in ("3", "x", "", "-1"):
-        with pytest.raises(cli.UsageError, match="--devices"):
-            cli._parse_devices(bad, 3)
+        with pytest.raises(ValueError, match="--devices"):
+            jobs.parse_devices(bad, 3)
 
 
 def test_same_gpus_split_the_shapes_and_different_gpus_each_tune_all():
-    assert cli._shard_jobs({0: "NVIDIA H200", 1: "NVIDIA H200"}) == [(0, "0/2"), (1, "1/2")]
-    mixed = cli._shard_jobs({0: "NVIDIA H200", 1: "NVIDIA H100", 2: "NVIDIA H200"})
+    assert jobs.shard_jobs({0: "NVIDIA H200", 1: "NVIDIA H200"}) == [(0, "0/2"), (1, "1/2")]
+    mixed = jobs.shard_jobs({0: "NVIDIA H200", 1: "NVIDIA H100", 2: "NVIDIA H200"})
     assert sorted(mixed) == [(0, "0/2"), (1, "0/1"), (2, "1/2")]
 
 
 def test_worker_command_line():
     argv = ["tune", "--model", "gpt2", "--devices", "all", "--budget", "5"]
-    assert cli._child_argv(argv, "1/2", 7) == ["tune", "--model", "gpt2", "--budget", "5",
+    assert jobs.child_argv(argv, "1/2", 7) == ["tune", "--model", "gpt2", "--budget", "5",
                                                "--workers", "7", "--shard", "1/2"]
-    assert cli._child_argv(["tune", "--devices=0,1", "--workers", "3"], "0/2", 7) == [
+    assert jobs.child_argv(["tune", "--devices=0,1", "--workers", "3"], "0/2", 7) == [
         "tune", "--workers", "3", "--shard", "0/2"]
 
 
 def test_shards_cover_every_shape_once():
     items = list(range(57))
-    shards = [cli._shard_items(items, f"{i}/3") for i in range(3)]
+    shards = [jobs.shard_items(items, f"{i}/3") for i in range(3)]
     assert sorted(x for s in shards for x in s) == items
 
 
 def test_worker_exit_status_and_visible_devices():
-    assert cli._exit_status([0, 0]) == 0
-    assert cli._exit_status([0, 1]) == 1
-    assert cli._exit_status([0, -9]) == 137          # a worker killed by SIGKILL is a failure
-    assert cli._visible_device(1, None) == "1"
-    assert cli._visible_device(1, "4, 5") == "5"     # indices are relative to the parent's GPUs
+    assert jobs.exit_status([0, 0]) == 0
+    assert jobs.exit_status([0, 1]) == 1
+    assert jobs.exit_status([0, -9]) == 137          # a worker killed by SIGKILL is a failure
+    assert jobs.visible_device(1, None) == "1"
+    assert jobs.visible_device(1, "4, 5") == "5"     # indices are relative to the parent's GPUs
 
 
 def test_abbreviated_options_are_refused(capsys):
@@ -670,9 +671,9 @@ def test_tune_stale_selects_exactly_the_stale_entries(monkeypatch):
                                  stale: entry(LINEAR, linear_config(M=128), H100, kernel_hash="0" * 16)})
     store.user_db().store(H200, {other_gpu: entry(LINEAR, linear_config(M=1024), H200, kernel_hash="0" * 16)})
     monkeypatch.setattr(tilekit.device, "device_info", lambda index=None: H100)
-    items = cli._stale_items("user")
+    items = jobs.stale_items("user")
     assert [(op.name, op.problem_key(p)[1]) for op, p in items] == [("linear", stale)]
-    assert cli._stale_items("shipped") == []
+    assert jobs.stale_items("shipped") == []
 
 
 def test_tune_like_takes_the_shapes_another_gpus_shipped_file_holds(monkeypatch, tmp_path):
@@ -688,10 +689,10 @@ def test_tune_like_takes_the_shapes_another_gpus_shipped_file_holds(monkeypatch,
     monkeypatch.setenv("TILEKIT_SHIPPED_DB", str(tmp_path / "shipped"))
     store.reset()
     keys = lambda items: sorted(op.problem_key(p)[1] for op, p in items)      # noqa: E731
-    assert keys(cli._like_items(H200.name, None)) == sorted([linear, norm])   # stale there: still a shape to tune
-    assert keys(cli._like_items(H200.name, "layer_norm")) == [norm]
-    with pytest.raises(cli.UsageError, match="NVIDIA H100 80GB HBM3, NVIDIA H200.*'NVIDIA H20'"):
-        cli._like_items("NVIDIA H20", None)
+    assert keys(jobs.like_items(H200.name, None)) == sorted([linear, norm])   # stale there: still a shape to tune
+    assert keys(jobs.like_items(H200.name, "layer_norm")) == [norm]
+    with pytest.raises(ValueError, match="NVIDIA H100 80GB HBM3, NVIDIA H200.*'NVIDIA H20'"):
+        jobs.like_items("NVIDIA H20", None)
 
 
 def test_db_export_refuses_links_and_special_files(tmp_path, capsys):

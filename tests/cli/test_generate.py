@@ -79,7 +79,7 @@ def test_generation_options_carry_the_kv_cache_dtype_past_the_settings_check():
     """The options checked before loading keep --kv-cache-dtype for generate() (not a GenerationSettings field)."""
     args = cli.build_parser().parse_args(["generate", "--model", str(TINY), "--prompt", "x", "--device", "cuda",
                                           "--kv-cache-dtype", "fp8", "--seed", "3", "--temperature", "0.5"])
-    options = cli._generation_options(args)
+    options = cli.generate._generation_options(args)
     assert (options["kv_cache_dtype"], options["seed"], options["temperature"]) == ("fp8", 3, 0.5)
 
 

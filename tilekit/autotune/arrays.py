@@ -389,6 +389,12 @@ def release_scratch(stream: int) -> None:
         _scratch.pop(key, None)
 
 
+def release_all_scratch() -> None:
+    """Forget every stream's work arrays and the placeholders (at exit, before CuPy and cuTile are torn down)."""
+    _scratch.clear()
+    placeholder.cache_clear()
+
+
 @functools.cache
 def placeholder(device: int, dtype: str, ndim: int):
     """A tiny array passed where an optional kernel argument is absent (never read)."""

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tilekit.engine import lifecycle
 from tilekit.engine.graphs import Generation, PrefillGraph
 from tilekit.engine.kv_cache import check_kv_cache_dtype
 from tilekit.engine.picker import Picker
@@ -52,6 +53,7 @@ class StaticRunner(Runner):
         self._graphs: OrderedDict[tuple, PrefillGraph] = OrderedDict()
         self._generations: OrderedDict[tuple, Generation] = OrderedDict()
         self._graphs_lock = threading.Lock()
+        lifecycle.track(self)
 
     def forward(self, ids, *, use_graph: bool = True):
         """Logits (B, T, vocab_size) for token ids (B, T) (host or device integers).
@@ -117,6 +119,10 @@ class StaticRunner(Runner):
             for gen in self._generations.values():
                 gen.release()
             self._generations.clear()
+
+    def release(self) -> None:
+        """What lifecycle.release_all calls at exit: every graph and kept generation dropped."""
+        self.forget_graphs()
 
     def generate(self, ids, max_new_tokens: int | None = None, *, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,

@@ -1,10 +1,11 @@
 """How a process that ran a model ends (issue #59): each way of ending in a fresh subprocess, its exit status and
-whether stderr holds "Fatal Python error", and, for the variants that isolate a cause, which objects alive at
-interpreter shutdown make it crash.
+whether stderr holds "Fatal Python error". The "unhooked" variants take tilekit.engine.lifecycle's atexit handler
+away again (the shutdown of the code before it) and release one kind of object by hand, to isolate which objects
+alive at interpreter shutdown make it crash.
 
     python diag/exit_paths.py [--model DIR] [--out DIR] [--backtrace]
 
---backtrace also runs the plain script under cuda-gdb (batch mode) and keeps its native backtrace.
+--backtrace also runs the unhooked script under cuda-gdb (batch mode) and keeps its native backtrace.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import argparse
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 PROLOGUE = """
-import gc, os, signal, sys, threading
+import atexit, gc, os, signal, sys, threading
 import numpy as np
+from tilekit.autotune import arrays, store
+from tilekit.engine import lifecycle
 from tilekit.models import load_model
 model = load_model({model!r}, dtype={dtype!r})
 ids = np.arange(1, 9, dtype=np.int64)[None] % model.config.vocab_size
@@ -40,6 +44,12 @@ ENDINGS = {
     "del-gc": "model.generate(ids, 8); model(ids); del model; gc.collect()",
     "store-reset": "model.generate(ids, 8); from tilekit.autotune import store; store.reset()",
     "thread": "t = threading.Thread(target=lambda: model.generate(ids, 8)); t.start(); t.join()",
+    "unhooked": "model.generate(ids, 8); model(ids); atexit.unregister(lifecycle.release_all)",
+    "unhooked-forget-graphs": "model.generate(ids, 8); model(ids); model.forget_graphs(); "
+                              "atexit.unregister(lifecycle.release_all)",
+    "unhooked-store-reset": "model.generate(ids, 8); model(ids); store.reset(); atexit.unregister(lifecycle.release_all)",
+    "unhooked-scratch": "model.generate(ids, 8); model(ids); arrays.release_all_scratch(); "
+                        "atexit.unregister(lifecycle.release_all)",
     "sigint-in-decode": textwrap.dedent("""
         import time
         def interrupt(tokens):
@@ -58,11 +68,16 @@ ENDINGS = {
 }
 
 
+SCRIPTS = Path(tempfile.mkdtemp(prefix="exit-paths-"))
+
+
 def run(name: str, code: str, env: dict, out: Path, timeout: float = 240) -> tuple[int, bool]:
-    script = out / f"exit-{name}.py"
+    """Run one ending's script; its status and output are appended to out/exit-paths.log."""
+    script = SCRIPTS / f"exit-{name}.py"
     script.write_text(code)
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=timeout)
-    (out / f"exit-{name}.log").write_text(f"rc {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}")
+    with open(out / "exit-paths.log", "a") as log:
+        log.write(f"=== {name}: rc {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr[-4000:]}\n")
     return p.returncode, "Fatal Python error" in p.stderr
 
 
@@ -86,7 +101,7 @@ def main() -> int:
         rows.append((name, rc, fatal))
         print(f"{name:18s} rc {rc:4d} {'FATAL' if fatal else ''}", flush=True)
     if args.backtrace:
-        script = out / "exit-generate.py"
+        script = SCRIPTS / "exit-unhooked.py"
         gdb = subprocess.run(["cuda-gdb", "-batch", "-ex", "set pagination off", "-ex", "run", "-ex", "bt 40",
                               "-ex", "info sharedlibrary", "--args", sys.executable, str(script)],
                              capture_output=True, text=True, env=env, timeout=300)

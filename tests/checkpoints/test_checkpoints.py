@@ -190,8 +190,9 @@ def test_every_dtype_converts_as_numpy_casts(tmp_path, source):
 
 
 class LateCopies(HostDevice):
-    """Copies land only when waited for, before a conversion, or at synchronize, as a GPU's complete late: a
-    staging buffer read into again before its copy finished shows as wrong data."""
+    """Copies land only when waited for, before the work queued behind them (a conversion, a finite check), or at
+    synchronize, as a GPU's complete late: a staging buffer read into again before its copy finished shows as wrong
+    data."""
 
     def __init__(self):
         self.pending, self.lock, self.queued, self.landed = deque(), threading.Lock(), 0, 0
@@ -210,7 +211,7 @@ class LateCopies(HostDevice):
                 raw[...] = host
                 self.landed += 1
 
-    def context(self):
+    def after_copies(self):      # the work behind the copies waits for them
         self.land()
         return contextlib.nullcontext()
 

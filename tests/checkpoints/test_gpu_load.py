@@ -168,3 +168,29 @@ def test_host_memory_is_the_staging_buffers(tmp_path):
     assert peak < (64 + 100) << 10, peak                           # KiB: the staging buffers and a little
     assert after < 32 << 10, after
     assert (cupy.asnumpy(outs["w15"][0, :8]) == first).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
+def test_the_finite_check_flags_exactly_the_tensors_with_a_nonfinite_value(dtype):
+    """CupyDevice.flag_nonfinite against HostDevice's, on fresh random values of every width, in 8-byte words (a
+    contiguous, aligned array) and one value at a time (odd sizes, offset and strided views), a planted infinity or
+    NaN at a random place in every other array (the flags start clear: only a set flag says anything)."""
+    rng = np.random.default_rng()
+    uint, bits = hf.stream.EXPONENT_BITS[dtype]
+    mask = np.array(bits, uint)
+    cases = []
+    for n, view in [(4096, slice(None)), (4099, slice(None)), (4099, slice(1, None)), (4100, slice(None, None, 3)),
+                    (8, slice(None)), (1, slice(None))] * 2:
+        values = rng.integers(0, np.iinfo(uint).max, n, dtype=np.uint64).astype(uint) & ~mask
+        if len(cases) % 2:
+            values[rng.integers(0, n)] |= mask
+        cases.append((values, view))
+    bad = [bool(((values[view] & mask) == mask).any()) for values, view in cases]
+    assert any(bad) and not all(bad)
+    gpu, cpu = CupyDevice(), HostDevice()
+    flags, expected = gpu.flags(len(cases)), cpu.flags(len(cases))
+    for slot, (values, view) in enumerate(cases):
+        gpu.flag_nonfinite(cupy.asarray(values)[view], dtype, flags, slot)
+        cpu.flag_nonfinite(values[view], dtype, expected, slot)
+    gpu.synchronize()
+    assert gpu.read_flags(flags) == cpu.read_flags(expected) == bad

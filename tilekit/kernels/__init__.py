@@ -16,6 +16,9 @@ from tilekit.kernels.moe_gate_up import moe_gate_up
 from tilekit.kernels.moe_permute import moe_permute
 from tilekit.kernels.moe_router import moe_router
 from tilekit.kernels.next_token import next_token
+from tilekit.kernels.paged_decode_attention import paged_decode_attention
+from tilekit.kernels.paged_prefill_attention import paged_prefill_attention
+from tilekit.kernels.paged_write_kv import paged_write_kv
 from tilekit.kernels.quant_linear import quant_linear
 from tilekit.kernels.quantize_fp8 import quantize_fp8
 from tilekit.kernels.residual_linear import residual_linear
@@ -25,4 +28,4 @@ from tilekit.kernels.write_kv import write_kv
 
 __all__ = ["apply_rope", "attention", "decode_attention", "embedding", "fixed_cast", "gelu", "head_linear", "layer_norm",
            "linear", "mla_decode_attention", "mla_kv", "moe_down_combine", "moe_gate_up", "moe_permute", "moe_router",
-           "next_token", "quant_linear", "quantize_fp8", "residual_linear", "rms_norm", "swiglu_linear", "write_kv"]
+           "next_token", "paged_decode_attention", "paged_prefill_attention", "paged_write_kv", "quant_linear", "quantize_fp8", "residual_linear", "rms_norm", "swiglu_linear", "write_kv"]

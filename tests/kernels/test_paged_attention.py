@@ -94,8 +94,11 @@ def test_paged_decode_attention_splits_a_long_context_over_programs():
     ref, _, _ = paged_decode_attention_reference(host(q), host(kp), host(vp), table, lengths)
     problem = dict(dtype="bfloat16", B=B, H=H, Hkv=Hkv, nq=1, capacity=width * block, D=D, new_kv=0, fp8=0,
                    block=block)
-    for config in (dict(BN=64, PROGRAMS=4096, occupancy=1), dict(BN=64, PROGRAMS=1, occupancy=4)):
-        assert PAGED_DECODE_ATTENTION.space.admits(config, PAGED_DECODE_ATTENTION.tuning_problem(problem))
+    candidates = [c for c in PAGED_DECODE_ATTENTION.space.candidates(PAGED_DECODE_ATTENTION.tuning_problem(problem))
+                  if c["BN"] == 64 and c["occupancy"] == 1]
+    shortest, whole = max(candidates, key=lambda c: c["PROGRAMS"]), min(candidates, key=lambda c: c["PROGRAMS"])
+    assert whole["PROGRAMS"] == 1 and shortest["PROGRAMS"] >= 256
+    for config in (shortest, whole):
         with PAGED_DECODE_ATTENTION.pinned(config):
             out = poisoned((B, H, 1, D), "bfloat16")
             paged_decode_attention(q, kp, vp, cupy.asarray(table), cupy.asarray(lengths), out=out)

@@ -140,8 +140,9 @@ def paged_write_kv(k, v, k_pool, v_pool, slots, *, k_scale=None, v_scale=None) -
 
 def paged_write_kv_reference(k, v, k_pool, v_pool, slots, *, k_scale=None, v_scale=None) -> tuple:
     """NumPy copies of the pools with the new keys and values written in (an FP8 pool: as uint8 codes)."""
-    if k_scale is not None:
-        k, v = fp8_codes(k, k_scale), fp8_codes(v, v_scale)
+    if k_scale is not None:        # fp8_codes takes (B, H, T, D): the tokens as T of one sequence
+        k = fp8_codes(np.asarray(k).transpose(1, 0, 2)[None], k_scale)[0].transpose(1, 0, 2)
+        v = fp8_codes(np.asarray(v).transpose(1, 0, 2)[None], v_scale)[0].transpose(1, 0, 2)
     kp, vp = np.array(k_pool), np.array(v_pool)
     if k_scale is None:
         kp, vp = kp.astype(np.float64), vp.astype(np.float64)

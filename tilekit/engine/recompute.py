@@ -63,3 +63,32 @@ def generate_by_recomputation(model, prompts: Sequence[np.ndarray], settings: Ge
         if stops.all_done:
             break
     return [np.asarray(s[:len(p) + n], np.int64) for s, p, n in zip(seqs, prompts, stops.lengths)]
+
+
+class RecomputeExecutor:
+    """Continuous batching's executor for a NumPy reference model (tilekit.engine.llm; the server on the CPU): each
+    step's picks come from recomputing each picked request's whole sequence, processed as the GPU does and sampled
+    with a generator seeded by (the request's seed, the position), so a request's tokens do not depend on what it
+    was batched with. No KV cache is kept: the scheduler's blocks are bookkeeping only."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def forget(self, request) -> None:
+        """A request has finished or was aborted (nothing kept for it here)."""
+
+    def execute(self, step) -> dict:
+        picked = {}
+        for request in step.picks:
+            seq = request.tokens
+            output = request.output
+            V = self.model.config.vocab_size
+            processed = process_logits(self.model.next_logits([seq]), token_counts([seq], V),
+                                       token_counts([output], V), [request.sampling], len(output),
+                                       eos_token_ids=request.eos_token_ids, min_new_tokens=request.min_new_tokens)
+            rng = np.random.default_rng([request.seed, len(seq)])
+            picked[request.id] = int(sample_reference(processed, rng)[0])
+        return picked
+
+    def release(self) -> None:
+        """Nothing captured."""

@@ -11,6 +11,12 @@
     text.py         tokenizers, incremental detokenization, chat templates
     recompute.py    RecomputeRunner: generate() of the NumPy reference models, by recomputation
     workload.py     the kernel problems a model runs (what `tilekit tune --model` tunes)
+    lifecycle.py    what runners captured, released before interpreter shutdown
+  continuous batching:
+    llm.py          LLMEngine (requests in, tokens and text out as each is made) and AsyncEngine (for a server)
+    scheduler.py    each step's plan: decodes first, chunked prefill, FCFS admission, preemption by recompute
+    blocks.py       the paged KV cache's block pool and prefix cache
+    paged.py        PagedExecutor: a step's one forward over the paged KV cache on the GPU, CUDA graphs
 
 A model's generate(), forward(), generate_text() and chat() are thin calls into the runner made here for it
 (tilekit.models.running): importing this package registers the factory; it imports nothing heavy itself.

@@ -191,6 +191,7 @@ class LLMEngine:
                 text = full[:min(hit)][len(track.sent):] if min(hit) >= len(track.sent) else ""
             reason = "stop" if (hit or token in request.eos_token_ids) else "length"
             self.scheduler.finish(request, reason)
+            self.executor.forget(request)
             self.tracks.pop(request.id)
             self.counters["finished"] += 1
             track.pending = ""
@@ -203,16 +204,18 @@ class LLMEngine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int | None = None, *,
                  sampling: Sequence[dict] | None = None, **options) -> list[dict]:
-        """Offline: every prompt (text or ids) through the engine together, each with `options` (or its own dict of
-        options in `sampling`); returns, in the prompts' order, {"token_ids", "text", "finish_reason",
+        """Offline: every prompt (text or ids) through the engine together, each with `options` updated by its own
+        dict in `sampling` (max_new_tokens included); returns, in the prompts' order, {"token_ids", "text", "finish_reason",
         "cached_tokens"} of each continuation."""
         if self.has_unfinished:
             raise RuntimeError("generate() runs the engine until its own prompts finish; requests added with "
                                "add_request() are still running (step() them, or abort them)")
         if sampling is not None and len(sampling) != len(prompts):
             raise ValueError(f"sampling must give one dict of options per prompt ({len(prompts)}), got {len(sampling)}")
-        requests = [self.add_request(p, max_new_tokens, **(options if sampling is None else {**options, **s}))
-                    for p, s in zip(prompts, sampling or [{}] * len(prompts))]
+        requests = []
+        for p, own in zip(prompts, sampling or [{}] * len(prompts)):
+            merged = {**options, **own}
+            requests.append(self.add_request(p, merged.pop("max_new_tokens", max_new_tokens), **merged))
         texts = {r.id: [] for r in requests}
         done = {}
         while len(done) < len(requests):

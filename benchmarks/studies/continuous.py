@@ -1,0 +1,140 @@
+"""Offline throughput of continuous batching (tilekit.engine.LLMEngine over the paged KV cache) against tilekit's
+own static batching (model.generate over batches of requests in arrival order, each batch running to its longest
+request), same random weights, same requests, same process, greedy with eos ignored.
+
+    python -m benchmarks.studies.continuous --preset llama-3.2-1b [--requests 256] [--input 256 2048]
+        [--output 64 512] [--shared-prefix 1024] [--static-batch 64] [--max-running 64] [--out DIR]
+
+Rows: output tokens/s and total (prompt + output) tokens/s of each side, the engine's start-up (buffers, warm-up,
+graph captures), its first request's time to first token after start-up against a static generate of a new
+prompt length, prefix-cache hit rate and preemptions. Check: the first 16 requests' engine tokens equal their
+static-batch tokens (a row whose check fails is marked failed). Results as JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def workload(n: int, inputs: tuple[int, int], outputs: tuple[int, int], shared: int, vocab: int, seed: int = 0):
+    """n requests: (prompt token ids, output length), lengths uniform in the ranges; `shared` leading tokens common
+    to every prompt (a system prompt), counted within its input length."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    system = [int(t) for t in rng.integers(0, vocab, shared)]
+    reqs = []
+    for _ in range(n):
+        length = int(rng.integers(inputs[0], inputs[1] + 1))
+        own = [int(t) for t in rng.integers(0, vocab, max(1, length - shared))]
+        reqs.append((system + own, int(rng.integers(outputs[0], outputs[1] + 1))))
+    return reqs
+
+
+def synchronize():
+    import cupy
+    cupy.cuda.runtime.deviceSynchronize()
+
+
+def run_static(model, reqs, batch: int) -> tuple[float, list[list[int]]]:
+    """Seconds for every request through generate() in batches of `batch` (each to its batch's longest output)."""
+    outs = []
+    synchronize()
+    start = time.perf_counter()
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        seqs = model.generate([p for p, _ in chunk], max(n for _, n in chunk), temperature=0, eos_token_id=[])
+        outs += [[int(t) for t in s[len(p):len(p) + n]] for s, (p, n) in zip(seqs, chunk)]
+    synchronize()
+    return time.perf_counter() - start, outs
+
+
+def run_engine(engine, reqs) -> tuple[float, list[list[int]]]:
+    synchronize()
+    start = time.perf_counter()
+    outs = engine.generate([p for p, _ in reqs], None, sampling=[dict(max_new_tokens=n) for _, n in reqs],
+                           temperature=0, ignore_eos=True)
+    synchronize()
+    return time.perf_counter() - start, [o["token_ids"] for o in outs]
+
+
+def first_token_seconds(engine, prompt) -> float:
+    """Time to the first token of one request on an idle engine."""
+    start = time.perf_counter()
+    request = engine.add_request(prompt, 1, temperature=0, ignore_eos=True)
+    while engine.has_unfinished:
+        engine.step()
+    assert len(request.output) == 1
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.continuous", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama-3.2-1b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--input", type=int, nargs=2, default=(256, 2048), metavar=("MIN", "MAX"))
+    parser.add_argument("--output", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
+    parser.add_argument("--shared-prefix", type=int, default=0)
+    parser.add_argument("--static-batch", type=int, default=64)
+    parser.add_argument("--max-running", type=int, default=64)
+    parser.add_argument("--token-budget", type=int, default=2048)
+    parser.add_argument("--no-static", action="store_true", help="skip the static-batching side")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    from tilekit.engine.llm import LLMEngine
+    from tilekit.models.families import family_of_config, preset_config
+    config = preset_config(args.preset)
+    model = family_of_config(config).model_class(config, dtype=args.dtype, seed=0)
+    reqs = workload(args.requests, tuple(args.input), tuple(args.output), args.shared_prefix, config.vocab_size)
+    max_len = min(model.context_length, args.input[1] + args.output[1])
+    t0 = time.perf_counter()
+    engine = LLMEngine(model, max_running=args.max_running, token_budget=args.token_budget, max_len=max_len,
+                       gpu_memory_utilization=0.5)
+    startup = time.perf_counter() - t0
+    ttft = first_token_seconds(engine, reqs[0][0])
+    engine.pool.queried_tokens = engine.pool.hit_tokens = 0
+    engine_s, engine_out = run_engine(engine, reqs)
+    stats = engine.stats()
+    prompt_tokens = sum(len(p) for p, _ in reqs)
+    output_tokens = sum(n for _, n in reqs)
+    rows = [dict(side="engine", seconds=engine_s, output_tps=output_tokens / engine_s,
+                 total_tps=(prompt_tokens + output_tokens) / engine_s, startup_s=startup, ttft_first_s=ttft,
+                 prefix_hit_rate=stats["prefix_hit_rate"], preemptions=stats["preemptions"],
+                 blocks=stats["blocks_total"])]
+    if not args.no_static:
+        t0 = time.perf_counter()
+        model.generate([reqs[1][0][:len(reqs[1][0]) // 2]], 1, temperature=0)     # a new prompt length, cold
+        static_cold = time.perf_counter() - t0
+        static_s, static_out = run_static(model, reqs, args.static_batch)
+        same = [engine_out[i] == static_out[i] for i in range(min(16, len(reqs)))]
+        rows.append(dict(side="static", seconds=static_s, output_tps=output_tokens / static_s,
+                         total_tps=(prompt_tokens + output_tokens) / static_s, first_new_length_s=static_cold))
+        rows[0]["check"] = "ok" if all(same) else f"FAILED: {sum(same)} of {len(same)} requests' tokens agree"
+        rows[0]["speedup_vs_static"] = static_s / engine_s
+    engine.close()
+    print(f"{args.preset} {args.dtype}: {args.requests} requests, input {args.input[0]}-{args.input[1]}, output "
+          f"{args.output[0]}-{args.output[1]}, shared prefix {args.shared_prefix}; {prompt_tokens} prompt + "
+          f"{output_tokens} output tokens")
+    for r in rows:
+        extra = (f"start-up {r['startup_s']:.1f} s, first token {1e3 * r['ttft_first_s']:.1f} ms, prefix hits "
+                 f"{100 * r['prefix_hit_rate']:.0f}%, preemptions {r['preemptions']}, {r.get('check', '')}"
+                 f"{', %.2fx static' % r['speedup_vs_static'] if 'speedup_vs_static' in r else ''}"
+                 if r["side"] == "engine" else f"first generate of a new length {r['first_new_length_s']:.2f} s")
+        print(f"  {r['side']:7s} {r['seconds']:7.2f} s  {r['output_tps']:9.0f} output tok/s  {r['total_tps']:9.0f} "
+              f"total tok/s  {extra}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"continuous-{args.preset}-{args.requests}-prefix{args.shared_prefix}.json"
+        (args.out / name).write_text(json.dumps(dict(argv=sys.argv, args={k: str(v) for k, v in vars(args).items()},
+                                                     rows=rows), indent=1))
+    return 0 if all(r.get("check", "ok") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

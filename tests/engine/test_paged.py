@@ -1,0 +1,159 @@
+"""engine.paged's PagedExecutor on the CPU: the GPU executor's own step code (slots, flattened decode + prefill
+rows, block tables, write slots, query tiles, the final norm's rows) with NumPy standing in for CuPy and each kernel
+(the paged ops from their float64 references, next_token greedy), driven by LLMEngine; every greedy output equals
+the float64 reference model's, with ragged arrivals, chunked prefill, preemption and prefix hits."""
+
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
+from tests.models.llama import numpy_kernels
+from tilekit.engine import kv_cache, paged
+from tilekit.engine.llm import LLMEngine
+from tilekit.kernels.paged_decode_attention import paged_decode_attention_reference
+from tilekit.kernels.paged_prefill_attention import paged_prefill_attention_reference
+from tilekit.kernels.paged_write_kv import paged_write_kv_reference
+from tilekit.models import Llama, base
+from tilekit.models.llama import model as model_module
+from tilekit.models.llama.reference import ReferenceLlama
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "tiny-llama"
+
+
+class PagedKernels:
+    """The kernels engine.paged calls, as NumPy functions writing into the given views."""
+
+    calls = {"decode": 0, "prefill": 0}
+
+    @staticmethod
+    def paged_write_kv(k, v, k_pool, v_pool, slots, k_scale=None, v_scale=None):
+        kp, vp = paged_write_kv_reference(k, v, k_pool, v_pool, slots, k_scale=k_scale, v_scale=v_scale)
+        k_pool[...], v_pool[...] = kp, vp
+
+    @classmethod
+    def paged_decode_attention(cls, q, k_pool, v_pool, table, lengths, *, new_k, new_v, length_offset, out,
+                               k_scale=None, v_scale=None):
+        cls.calls["decode"] += 1
+        o, kp, vp = paged_decode_attention_reference(q, k_pool, v_pool, np.asarray(table), np.asarray(lengths),
+                                                     new_k=new_k, new_v=new_v, length_offset=length_offset,
+                                                     k_scale=k_scale, v_scale=v_scale)
+        k_pool[...], v_pool[...], out[...] = kp, vp, o
+
+    @classmethod
+    def paged_prefill_attention(cls, q, k_pool, v_pool, table, tiles, *, out, k_scale=None, v_scale=None):
+        cls.calls["prefill"] += 1
+        tiles = np.asarray(tiles)
+        live = tiles[tiles[:, 2] > 0]
+        if not len(live):
+            return
+        requests = sorted(set(live[:, 0]))
+        assert requests == list(range(len(requests)))       # requests stacked in order from row 0
+        lengths = [int(live[live[:, 0] == r, 2].sum()) for r in requests]
+        starts = [int(live[live[:, 0] == r, 3].min()) for r in requests]
+        assert list(live[:, 1]) == sorted(live[:, 1]) and live[0, 1] == 0
+        o = paged_prefill_attention_reference(q[:sum(lengths)], k_pool, v_pool, np.asarray(table), lengths, starts,
+                                              k_scale=k_scale, v_scale=v_scale)
+        out[:sum(lengths)] = o
+
+    @staticmethod
+    def next_token(logits, fparams, iparams, eos, tokens, positions, history, finished, *, seen=None,
+                   out_counts=None, slots=0, check=False, pad=0):
+        x = np.array(logits, np.float64)
+        banned = np.asarray(positions) < np.asarray(iparams)[:, 2]
+        for e in np.asarray(eos):
+            if e >= 0:
+                x[banned, e] = -np.inf
+        picked = x.argmax(-1).astype(np.int32)
+        tokens[...] = picked
+        for b, (t, p) in enumerate(zip(picked, np.asarray(positions))):
+            history[b, p + 1] = t
+            if seen is not None:
+                seen[b, t] += 1
+                out_counts[b, t] += 1
+        positions += 1
+
+
+class FakeStream:
+    ptr = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def cpu(numpy_cupy, monkeypatch):
+    step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
+                       (base, numpy_kernels, numpy_kernels.BASE_KERNELS),
+                       (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS),
+                       (paged, PagedKernels, ("paged_write_kv", "paged_decode_attention", "paged_prefill_attention",
+                                              "next_token")))
+    numpy_cupy.lib = np.lib
+    numpy_cupy.cuda = types.SimpleNamespace(Stream=lambda non_blocking=True: FakeStream())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return ReferenceLlama.from_pretrained(DATA)
+
+
+def expected(reference, prompt, n):
+    return [int(t) for t in reference.generate([prompt], n, temperature=0, eos_token_id=[])[0][len(prompt):]]
+
+
+@pytest.mark.parametrize("num_blocks,every", [(40, 3), (5, 1)])
+def test_greedy_outputs_equal_the_reference(cpu, reference, num_blocks, every):
+    model = Llama.from_pretrained(DATA, dtype="float32")
+    engine = LLMEngine(model, max_running=3, token_budget=40, block=16, num_blocks=num_blocks, max_len=64,
+                       use_graphs=False)
+    rng = np.random.default_rng(0)
+    shared = [int(t) for t in rng.integers(0, 256, 33)]                # two full blocks and a bit
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 50, 17, 2)] + [shared + [1], shared + [2]]
+    lengths = [6, 4, 9, 12, 5, 7] if every > 1 else [20, 10, 30, 25, 12, 20]
+    reqs = []
+    before = dict(PagedKernels.calls)
+    for step in range(300):
+        if step % every == 0 and len(reqs) < len(prompts):
+            i = len(reqs)
+            reqs.append(engine.add_request(prompts[i], lengths[i], temperature=0, ignore_eos=True))
+        engine.step()
+        if len(reqs) == len(prompts) and not engine.has_unfinished:
+            break
+    for r, p, n in zip(reqs, prompts, lengths):
+        assert r.output == expected(reference, p, n), r.id
+    assert engine.pool.used == 0 and not engine.executor.slot_of
+    assert PagedKernels.calls["decode"] > before["decode"] and PagedKernels.calls["prefill"] > before["prefill"]
+    if num_blocks == 5:
+        assert engine.counters["preemptions"] > 0
+    else:
+        assert reqs[-1].cached_tokens == 32
+
+
+def test_min_new_tokens_bans_eos_for_its_request_only(cpu, reference):
+    model = Llama.from_pretrained(DATA, dtype="float32")
+    engine = LLMEngine(model, max_running=2, token_budget=32, block=16, num_blocks=12, max_len=64, use_graphs=False)
+    prompt = [3, 4, 5]
+    free = expected(reference, prompt, 6)
+    out = engine.generate([prompt, prompt], 6, sampling=[dict(stop_token_ids=[free[1]]),
+                                                         dict(stop_token_ids=[free[1]], min_new_tokens=4)],
+                          temperature=0, ignore_eos=True)
+    assert out[0]["token_ids"] == free[:free.index(free[1]) + 1] and out[0]["finish_reason"] == "stop"
+    assert free[1] not in out[1]["token_ids"][:4]
+
+
+def test_latent_caches_and_tensor_parallel_models_are_refused(cpu):
+    from tilekit.models import DeepseekV2
+    model = DeepseekV2.from_pretrained(DATA.parent / "tiny-deepseek-v2", dtype="float32")
+    with pytest.raises(ValueError, match="latent KV cache is not paged"):
+        LLMEngine(model, num_blocks=8, use_graphs=False)
+    llama = Llama.from_pretrained(DATA, dtype="float32")
+    with pytest.raises(ValueError, match="block must be one of"):
+        LLMEngine(llama, block=48, num_blocks=8, use_graphs=False)

@@ -1,0 +1,294 @@
+"""Continuous batching's GPU executor: one forward per scheduler step over a paged KV cache.
+
+The cache is one pool of blocks per layer, keys and values (layers, blocks, kv heads, BLOCK, head_dim), in the model's
+dtype or FP8 codes with the static KVCache scales, block 0 never handed out (padded rows write there). Each running
+request holds a slot (0 .. max_running - 1) for its decode state: its sampling parameters, seed, token counts for
+penalties and the next-token kernel's bookkeeping. A step's tokens are one flattened batch: the first R rows are the
+decode tokens of slots 0 .. R-1 (a slot that does not decode this step is a padded row), the prefill chunks follow
+from row R. Each layer's attention runs paged_decode_attention on the decode rows (writing their new keys and values
+into their blocks) and paged_write_kv + paged_prefill_attention on the chunks; the final norm takes each picked
+request's newest row into its slot's row, and next_token picks every slot's token on the GPU. Every per-step input
+(ids, positions, block tables, write slots, rows, query tiles) goes up in one copy, the picked tokens come back in
+another.
+
+Start-up sizes every buffer, runs each shape a step can take once (so every kernel is compiled and its plan chosen)
+and captures the decode-only steps as CUDA graphs for R in powers of two up to max_running, greedy and sampling
+picks: serving never compiles or captures. Steps with prefill chunks run eagerly at the prefill sizes warmed up
+(powers of two from 64 to the token budget). Dense KV caches only: DeepSeek-V2's latent cache and tensor-parallel
+models are refused (see issue #64's note).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tilekit.autotune.arrays import numpy_dtype, release_scratch
+from tilekit.engine import lifecycle
+from tilekit.engine.graphs import capture
+from tilekit.engine.kv_cache import check_kv_cache_dtype, fp8_scales
+from tilekit.engine.picker import Picker
+from tilekit.engine.sampling import param_arrays, token_counts
+from tilekit.kernels import next_token, paged_decode_attention, paged_prefill_attention, paged_write_kv
+from tilekit.kernels.next_token import MAX_EOS, MAX_SLOTS, pack_params
+from tilekit.kernels.paged_prefill_attention import TILE_ROWS, tile_list
+from tilekit.models.base import Arrays, LatentSpec
+
+BLOCKS = (16, 32, 64, 128, 256)      # block sizes the paged kernels take
+PREFILL_PAD = 64                    # a step's prefill rows pad to a power of two from this
+GREEDY = Picker()
+SAMPLING = Picker(penalties=True, slots=MAX_SLOTS, check=True)    # any mix of sampled and penalised rows
+
+
+def pow2_at_least(n: int, low: int = 1) -> int:
+    p = low
+    while p < n:
+        p *= 2
+    return p
+
+
+def one_token_rows(x, start: int, n: int):
+    """(n, H, 1, D) of tokens start .. start+n-1 of a (1, H, tokens, D) view: each token a sequence of one."""
+    import cupy
+    rows = x[0, :, start:start + n]
+    s = rows.strides
+    return cupy.lib.stride_tricks.as_strided(rows, (n, rows.shape[0], 1, rows.shape[2]), (s[1], s[0], s[1], s[2]))
+
+
+def token_rows(x, start: int, n: int):
+    """(n, H, D) rows of tokens start .. start+n-1 of a (1, H, tokens, D) view."""
+    return x[0, :, start:start + n].transpose(1, 0, 2)
+
+
+class PagedExecutor:
+    """Runs scheduler steps of `model` (a GPU CausalLM) over a paged KV cache (see the module doc). num_blocks: the
+    pool's blocks (default: gpu_memory_utilization of the memory free once the rest is allocated)."""
+
+    def __init__(self, model, *, max_running: int, token_budget: int, block: int, num_blocks: int | None,
+                 gpu_memory_utilization: float, kv_cache_dtype: str, max_len: int, use_graphs: bool = True):
+        import cupy
+        spec = model.cache_spec()
+        if isinstance(spec, LatentSpec):
+            raise ValueError(f"{type(model).__name__}'s latent KV cache is not paged yet: continuous batching takes "
+                             "models with per-head keys and values (GPT-2, Llama); use generate() for this one")
+        if model.comm is not None:
+            raise ValueError("continuous batching runs one GPU; a tensor-parallel model uses generate()")
+        check_kv_cache_dtype(kv_cache_dtype)
+        if block not in BLOCKS:
+            raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 2):
+            raise ValueError(f"num_blocks must be an int >= 2, got {num_blocks!r}")
+        if not (isinstance(gpu_memory_utilization, float) and 0 < gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
+        self.model, self.spec, self.block = model, spec, block
+        self.S, self.max_len = max_running, max_len
+        self.W = -(-max_len // block)                                  # a block table's width
+        self.decode_sizes = [1 << i for i in range(max_running.bit_length()) if 1 << i < max_running] + [max_running]
+        self.prefill_sizes = []
+        p = PREFILL_PAD
+        while True:
+            self.prefill_sizes.append(p)
+            if p >= token_budget:
+                break
+            p *= 2
+        self.n_tiles = -(-self.prefill_sizes[-1] // TILE_ROWS) + max_running
+        arrays, S, V, W = Arrays(), max_running, model.config.vocab_size, self.W
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self.acts = {n: model.activations(1, n, arrays) for n in self.decode_sizes}
+            self.acts.update({S + p: model.activations(1, S + p, arrays) for p in self.prefill_sizes})
+            N = S + self.prefill_sizes[-1]
+            sizes = dict(ids=N, positions=N, slots=N, rows=S, newest=S, eos=MAX_EOS, dtable=S * W, ptable=S * W,
+                         tiles=self.n_tiles * 4)
+            self.host = np.zeros(sum(sizes.values()), np.int32)
+            self.inputs = arrays.zeros(self.host.shape, "int32")
+            self.views, self.host_views, at = {}, {}, 0
+            for name, n in sizes.items():
+                self.views[name], self.host_views[name] = self.inputs[at:at + n], self.host[at:at + n]
+                at += n
+            self.dtable = self.views["dtable"].reshape(S, W)
+            self.ptable = self.views["ptable"].reshape(S, W)
+            self.tiles = self.views["tiles"].reshape(self.n_tiles, 4)
+            self.h = arrays.empty((S, model.config.n_embd), model.dtype)
+            self.logits = arrays.empty((S, V), model.dtype)
+            self.tokens = arrays.zeros((S,), "int32")
+            self.finished = arrays.zeros((S,), "int32")
+            self.history = arrays.zeros((S, max_len + 1), "int32")
+            self.fparams = arrays.zeros((S, 6), "float32")
+            self.iparams = arrays.zeros((S, 4), "int32")
+            self.seen = arrays.zeros((S, V), "int32")
+            self.out_counts = arrays.zeros((S, V), "int32")
+            codes = "uint8" if kv_cache_dtype == "fp8" else spec.dtype
+            per_block = 2 * spec.layers * spec.kv_heads * block * spec.head_dim * np.dtype(numpy_dtype(codes)).itemsize
+            if num_blocks is None:
+                self.stream.synchronize()
+                pool = cupy.get_default_memory_pool()
+                free = cupy.cuda.runtime.memGetInfo()[0] + pool.free_bytes()
+                num_blocks = min(int(free * gpu_memory_utilization) // per_block, (1 << 31) // block - 1)
+                if num_blocks < 2:
+                    raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization} of {free >> 20} MiB free "
+                                     f"leaves no room for KV blocks of {per_block >> 10} KiB")
+            self.num_blocks = num_blocks
+            shape = (spec.layers, num_blocks, spec.kv_heads, block, spec.head_dim)
+            # zeroed: decode attention multiplies whole key tiles, never-written slots included, by probabilities
+            # that are 0 there, and 0 x NaN from stale memory would be NaN
+            self.k, self.v = arrays.zeros(shape, codes), arrays.zeros(shape, codes)
+            self.scales = None
+            if kv_cache_dtype == "fp8":
+                k, v = fp8_scales(model.kv_scales, spec.layers, spec.kv_heads)
+                self.scales = (cupy.asarray(k), cupy.asarray(v))
+        self.slot_of: dict[str, int] = {}
+        self.free_slots = list(range(S - 1, -1, -1))
+        self.params: dict[str, tuple] = {}          # request id -> (fparams row, iparams row, picker, eos, banned to)
+        self.graphs: dict[tuple, object] = {}
+        self.use_graphs = use_graphs
+        self.warm = False
+        lifecycle.track(self)
+        self.warm_up()
+
+    # -- one step -----------------------------------------------------------------------------
+    def forget(self, request) -> None:
+        """A request finished, was aborted or preempted: its slot is free."""
+        slot = self.slot_of.pop(request.id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        self.params.pop(request.id, None)
+
+    def execute(self, step) -> dict:
+        """Run one scheduler Step; {request id: the token picked} for its picks."""
+        for request in step.preempted:
+            self.forget(request)
+        for request in step.decodes + [c.request for c in step.chunks]:
+            if request.id not in self.slot_of:
+                self.slot_of[request.id] = self.free_slots.pop()
+        picks = step.picks
+        import cupy
+        P = sum(c.n for c in step.chunks)
+        if P:
+            R, padded = self.S, pow2_at_least(P, PREFILL_PAD)
+        else:
+            R, padded = next(r for r in self.decode_sizes if r > max(self.slot_of[q.id] for q in picks)), 0
+        with self.stream:
+            for chunk in step.chunks:
+                if chunk.final:
+                    self._start_slot(chunk.request)
+            picker = SAMPLING if any(self.params[q.id][2] is SAMPLING for q in picks) else GREEDY
+            self._fill_inputs(step, R)
+            self.inputs[...] = cupy.asarray(self.host)
+            graph = None if padded else self.graphs.get((R, picker))
+            if graph is not None:
+                graph.launch(self.stream)
+            else:
+                self._run(R, padded, picker)
+            tokens = cupy.asnumpy(self.tokens[:R])
+        return {q.id: int(tokens[self.slot_of[q.id]]) for q in picks}
+
+    def _start_slot(self, request) -> None:
+        """A request's first pick is this step: its slot's sampling parameters, seed and token counts."""
+        import cupy
+        sp = request.sampling
+        fp, ip = pack_params(param_arrays([sp]), [len(request.prompt) + request.min_new_tokens - 1], [request.seed])
+        penalties = sp.repetition_penalty != 1 or sp.presence_penalty or sp.frequency_penalty
+        picker = GREEDY if sp.greedy and not penalties else SAMPLING
+        s = self.slot_of[request.id]
+        self.fparams[s] = cupy.asarray(fp[0])
+        self.iparams[s] = cupy.asarray(ip[0])
+        if penalties:
+            V = self.model.config.vocab_size
+            self.seen[s] = cupy.asarray(token_counts([request.tokens], V)[0].astype(np.int32))
+            self.out_counts[s] = cupy.asarray(token_counts([request.output], V)[0].astype(np.int32))
+        self.params[request.id] = (fp, ip, picker, request.eos_token_ids,
+                                   len(request.prompt) + request.min_new_tokens - 1)
+
+    def _fill_inputs(self, step, R: int) -> None:
+        """The host copy of every per-step input (module doc)."""
+        h, B = self.host_views, self.block
+        for name in ("ids", "positions", "rows", "newest"):
+            h[name][:] = 0
+        h["slots"][:] = -1
+        h["tiles"][:] = 0
+        dtable, ptable = h["dtable"].reshape(self.S, self.W), h["ptable"].reshape(self.S, self.W)
+        dtable[:R] = 0
+        h["rows"][:R] = np.arange(R)
+        for request in step.decodes:
+            s, pos = self.slot_of[request.id], len(request.tokens) - 1
+            h["ids"][s], h["positions"][s], h["newest"][s] = request.tokens[-1], pos, pos
+            dtable[s, :len(request.blocks)] = request.blocks
+        row, lengths, starts = R, [], []
+        for r, chunk in enumerate(step.chunks):
+            request, n = chunk.request, chunk.n
+            positions = np.arange(chunk.start, chunk.start + n)
+            blocks = np.asarray(request.blocks, np.int32)
+            h["ids"][row:row + n] = request.tokens[chunk.start:chunk.start + n]
+            h["positions"][row:row + n] = positions
+            h["slots"][row:row + n] = blocks[positions // B] * B + positions % B
+            ptable[r, :len(blocks)] = blocks
+            if chunk.final:
+                s = self.slot_of[request.id]
+                h["rows"][s], h["newest"][s] = row + n - 1, len(request.tokens) - 1
+            lengths.append(n)
+            starts.append(chunk.start)
+            row += n
+        if step.chunks:
+            h["tiles"][:] = tile_list(lengths, starts, capacity=self.n_tiles).reshape(-1)    # rows from R
+        eos = set()          # eos ids banned this step: those of the picks still short of their min_new_tokens
+        for request in step.picks:
+            _, _, _, ids, banned_below = self.params[request.id]
+            if len(request.tokens) - 1 < banned_below:
+                eos.update(ids)
+        h["eos"][:] = -1
+        h["eos"][:len(eos)] = sorted(eos)[:MAX_EOS]
+
+    def _run(self, R: int, padded: int, picker: Picker) -> None:
+        """The step's kernels on the executor's stream: R decode rows, `padded` prefill rows after them."""
+        model, N = self.model, R + padded
+        acts = self.acts[N]
+        v = self.views
+        self.finished.fill(0)
+        x = model.hidden(acts, v["ids"][:N], v["positions"][:N], self._attend(R, padded))
+        model.final_norm(x, self.h[:R], rows=v["rows"][:R])
+        model.lm_head(self.h[:R], out=self.logits[:R])
+        pen = picker.penalties
+        next_token(self.logits[:R], self.fparams[:R], self.iparams[:R], v["eos"], self.tokens[:R], v["newest"][:R],
+                   self.history[:R], self.finished[:R], seen=self.seen[:R] if pen else None,
+                   out_counts=self.out_counts[:R] if pen else None, slots=picker.slots, check=picker.check, pad=0)
+
+    def _attend(self, R: int, padded: int):
+        v = self.views
+
+        def attend(i, q, k, vv, out):
+            scales = {} if self.scales is None else dict(k_scale=self.scales[0][i], v_scale=self.scales[1][i])
+            paged_decode_attention(one_token_rows(q, 0, R), self.k[i], self.v[i], self.dtable[:R], v["newest"][:R],
+                                   new_k=one_token_rows(k, 0, R), new_v=one_token_rows(vv, 0, R), length_offset=1,
+                                   out=one_token_rows(out, 0, R), **scales)
+            if padded:
+                paged_write_kv(token_rows(k, R, padded), token_rows(vv, R, padded), self.k[i], self.v[i],
+                               v["slots"][R:R + padded], **scales)
+                paged_prefill_attention(token_rows(q, R, padded), self.k[i], self.v[i], self.ptable, self.tiles,
+                                        out=token_rows(out, R, padded), **scales)
+        return attend
+
+    # -- start-up and shutdown ----------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Every step shape once with padded rows only (kernels compiled, plans chosen), and the decode-only steps
+        captured as CUDA graphs."""
+        self.host[:] = 0
+        self.host_views["slots"][:] = -1
+        self.host_views["eos"][:] = -1
+        import cupy
+        with self.stream:
+            self.inputs[...] = cupy.asarray(self.host)
+            for R in self.decode_sizes:
+                for picker in (GREEDY, SAMPLING):
+                    self._run(R, 0, picker)
+                    if self.use_graphs:
+                        self.graphs[(R, picker)] = capture(self.stream, lambda: self._run(R, 0, picker))
+            for p in self.prefill_sizes:
+                self._run(self.S, p, GREEDY)
+            self.stream.synchronize()
+        self.warm = True
+
+    def release(self) -> None:
+        """Drop the graphs and the stream's work arrays (what lifecycle.release_all calls at exit)."""
+        self.stream.synchronize()
+        self.graphs.clear()
+        release_scratch(self.stream.ptr)

@@ -1,8 +1,9 @@
 """The environment variables tilekit reads, each read here and checked: a bad value is an error naming the
 variable. TILEKIT_AUTOTUNE, TILEKIT_DEPENDENT_LAUNCH, TILEKIT_CACHE_DIR and TILEKIT_SHIPPED_DB for the kernels'
 tuning; HF_HUB_CACHE, HF_HOME and XDG_CACHE_HOME for the Hugging Face hub cache; RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT (torchrun's, also set by Slurm or mpirun wrappers) for tensor parallelism. check() reads
-them all, for a command line to refuse a bad environment before doing anything."""
+MASTER_ADDR and MASTER_PORT (torchrun's, also set by Slurm or mpirun wrappers) for tensor parallelism;
+TILEKIT_API_KEY for `tilekit serve`. check() reads them all, for a command line to refuse a bad environment before
+doing anything."""
 
 from __future__ import annotations
 
@@ -200,9 +201,22 @@ def host(name: str) -> str:
     raise ValueError(f"{name}={quoted(raw)} is not a host name or address")
 
 
+def api_key() -> str | None:
+    """TILEKIT_API_KEY: the bearer token `tilekit serve` requires (None: unset or empty). It must be 1 to 512
+    printable ASCII characters, no blanks; a bad one is a ValueError naming the variable, never showing the value."""
+    raw = os.environ.get("TILEKIT_API_KEY", "")
+    if not raw:
+        return None
+    if len(raw) > 512 or not raw.isascii() or not raw.isprintable() or any(c.isspace() for c in raw):
+        raise ValueError("TILEKIT_API_KEY must be 1 to 512 printable ASCII characters without blanks (its value is "
+                         "not shown)")
+    return raw
+
+
 def check() -> None:
     """Read every variable above; the first bad one raises (ValueError or FileNotFoundError, naming it)."""
     autotune_mode()
+    api_key()
     dependent_launch()
     peer_all_reduce_bytes()
     cache_dir()

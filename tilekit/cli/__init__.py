@@ -1,4 +1,4 @@
-"""The `tilekit` command, one module per subcommand (tune, db, generate, chat), each adding its parser and running
+"""The `tilekit` command, one module per subcommand (tune, db, generate, chat, serve), each adding its parser and running
 it; common.py holds what they share. No library logic lives here.
 
 The benchmark suite lives in the source checkout: `python -m benchmarks` from its root."""
@@ -9,11 +9,11 @@ import argparse
 import os
 import sys
 
-from tilekit.cli import chat, db, generate, tune
+from tilekit.cli import chat, db, generate, serve, tune
 from tilekit.cli.common import UsageError, _Parser, _shown, _version
 from tilekit.untrusted import shown
 
-SUBCOMMANDS = {module.__name__.rpartition(".")[2]: module for module in (tune, db, generate, chat)}
+SUBCOMMANDS = {module.__name__.rpartition(".")[2]: module for module in (tune, db, generate, chat, serve)}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ pick the first new token).
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -45,6 +46,7 @@ class Request:
     keys: list[bytes] = field(default_factory=list)    # the prefix-cache keys of its first full blocks
     finish_reason: str | None = None
     preemptions: int = 0
+    started: float | None = None    # time.monotonic() when it first left the waiting queue (queue time)
 
     def __post_init__(self):
         self.tokens = list(self.prompt) + list(self.tokens)
@@ -198,6 +200,8 @@ class Scheduler:
             request.blocks, request.computed = [], 0
             return False
         request.status = RUNNING
+        if request.started is None:
+            request.started = time.monotonic()
         return True
 
     def _preempt(self, exclude: Request) -> Request | None:

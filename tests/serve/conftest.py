@@ -1,0 +1,96 @@
+"""A server on a tiny random GPT-2 (the NumPy reference through the continuous-batching engine): a checkpoint with a
+chat template, and the server running in a thread of this process (uvicorn on a free port), its engine's steps
+slowed down where a test needs requests to stay in flight."""
+
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "tiny-gpt2"
+TEMPLATE = ('{"chat_template": "{% for m in messages %}{{ m[\'role\'] }}: {{ m[\'content\'] }}\\n{% endfor %}'
+            '{% if add_generation_prompt %}assistant:{% endif %}"}')
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chat-gpt2") / "tiny-chat-gpt2"
+    shutil.copytree(DATA, d)
+    (d / "tokenizer_config.json").write_text(TEMPLATE)
+    return d
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SlowExecutor:
+    """An executor whose steps take at least `delay` seconds (requests stay in flight long enough to disconnect)."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay = inner, delay
+
+    def execute(self, step):
+        start = time.monotonic()
+        out = self.inner.execute(step)
+        time.sleep(max(0.0, self.delay - (time.monotonic() - start)))
+        return out
+
+    def forget(self, request):
+        self.inner.forget(request)
+
+    def release(self):
+        self.inner.release()
+
+
+class Running:
+    def __init__(self, url, engine, server):
+        self.url, self.engine, self.server = url, engine, server
+
+    def client(self, **kw):
+        from openai import OpenAI
+        return OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "test-key"), max_retries=0, **kw)
+
+
+@pytest.fixture
+def serve(checkpoint):
+    """serve(delay=0, **Server kwargs) -> Running; every server started is stopped at the test's end."""
+    import uvicorn
+
+    from tilekit.engine.llm import AsyncEngine, LLMEngine
+    from tilekit.models.gpt2.reference import ReferenceGPT
+    from tilekit.serve.app import Server, build_app
+    started = []
+
+    def start(delay: float = 0.0, max_running: int = 8, **kwargs):
+        llm = LLMEngine(ReferenceGPT.from_pretrained(checkpoint, dtype="float32"), max_running=max_running,
+                        token_budget=64, block=4)
+        if delay:
+            llm.executor = SlowExecutor(llm.executor, delay)
+        engine = AsyncEngine(llm)
+        kwargs.setdefault("api_key", "test-key")
+        server = Server(engine, "tiny", **kwargs)
+        port = free_port()
+        uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=uv.run, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        started.append((uv, thread, engine))
+        return Running(url, engine, server)
+    yield start
+    for uv, thread, engine in started:
+        uv.should_exit = True
+        thread.join(10)
+        engine.shutdown(timeout=5)

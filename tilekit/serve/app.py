@@ -238,7 +238,7 @@ class Server:
                         yield chunk(choice, None, "abort")
                 elif isinstance(item, Exception):
                     yield f"data: {json.dumps(APIError(500, f'the engine failed: {item}').body())}\n\n"
-                elif item.text or item.finished:
+                else:               # one event a token (its text may be empty: a character still incomplete)
                     yield chunk(choice, item.text, item.finish_reason if item.finished else None)
             if include_usage:
                 final = envelope(kind, rid, self.model_name, [], self.total_usage(prompts, choices))

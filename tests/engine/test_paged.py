@@ -96,7 +96,7 @@ def cpu(numpy_cupy, monkeypatch):
                        (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS),
                        (paged, PagedKernels, ("paged_write_kv", "paged_decode_attention", "paged_prefill_attention",
                                               "next_token")))
-    numpy_cupy.lib = np.lib
+    numpy_cupy.lib, numpy_cupy.copyto = np.lib, np.copyto
     numpy_cupy.cuda = types.SimpleNamespace(Stream=lambda non_blocking=True: FakeStream())
 
 

@@ -1,21 +1,23 @@
-"""Continuous batching's GPU executor: one forward per scheduler step over a paged KV cache.
+"""Continuous batching's GPU executor: a scheduler step's forwards over a paged KV cache.
 
 The cache is one pool of blocks per layer, keys and values (layers, blocks, kv heads, BLOCK, head_dim), in the model's
 dtype or FP8 codes with the static KVCache scales, block 0 never handed out (padded rows write there). Each running
 request holds a slot (0 .. max_running - 1) for its decode state: its sampling parameters, seed, token counts for
-penalties and the next-token kernel's bookkeeping. A step's tokens are one flattened batch: the first R rows are the
-decode tokens of slots 0 .. R-1 (a slot that does not decode this step is a padded row), the prefill chunks follow
-from row R. Each layer's attention runs paged_decode_attention on the decode rows (writing their new keys and values
-into their blocks) and paged_write_kv + paged_prefill_attention on the chunks; the final norm takes each picked
-request's newest row into its slot's row, and next_token picks every slot's token on the GPU. Every per-step input
+penalties and the next-token kernel's bookkeeping. A step runs up to two forwards: the decode rows (row s: slot s's
+newest token; a slot that does not decode is a padded row), each layer's attention one paged_decode_attention that
+also writes their keys and values, into logits row s; then the prefill chunks flattened (paged_write_kv +
+paged_prefill_attention per layer), whose final chunks' newest rows go through the final norm and LM head into their
+slots' logits rows. next_token then picks every slot's token on the GPU. Decode and prefill rows stay in passes of
+their own so that each token is computed as generate() computes it (a model may choose its arithmetic by the rows of
+a pass: GPT-2's fixed-point residual stream for small ones, FP8 activations for large ones). Every per-step input
 (ids, positions, block tables, write slots, rows, query tiles) goes up in one copy, the picked tokens come back in
 another.
 
-Start-up sizes every buffer, runs each shape a step can take once (so every kernel is compiled and its plan chosen)
-and captures the decode-only steps as CUDA graphs for R in powers of two up to max_running, greedy and sampling
-picks: serving never compiles or captures. Steps with prefill chunks run eagerly at the prefill sizes warmed up
-(powers of two from 64 to the token budget). Dense KV caches only: DeepSeek-V2's latent cache and tensor-parallel
-models are refused (see issue #64's note).
+Start-up sizes every buffer, runs each shape a step can take once (every kernel compiled and its plan chosen) and
+captures the decode-only steps as CUDA graphs for R in powers of two up to max_running, greedy and sampling picks:
+serving never compiles or captures. Steps with prefill chunks run eagerly at the prefill sizes warmed up (powers of
+two from 64 to the token budget). Dense KV caches only: DeepSeek-V2's latent cache and tensor-parallel models are
+refused.
 """
 
 from __future__ import annotations
@@ -94,11 +96,11 @@ class PagedExecutor:
         arrays, S, V, W = Arrays(), max_running, model.config.vocab_size, self.W
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with self.stream:
-            self.acts = {n: model.activations(1, n, arrays) for n in self.decode_sizes}
-            self.acts.update({S + p: model.activations(1, S + p, arrays) for p in self.prefill_sizes})
-            N = S + self.prefill_sizes[-1]
-            sizes = dict(ids=N, positions=N, slots=N, rows=S, newest=S, eos=MAX_EOS, dtable=S * W, ptable=S * W,
-                         tiles=self.n_tiles * 4)
+            self.decode_acts = {n: model.activations(1, n, arrays) for n in self.decode_sizes}
+            self.prefill_acts = {p: model.activations(1, p, arrays) for p in self.prefill_sizes}
+            N = S + self.prefill_sizes[-1]          # decode rows from 0, prefill rows from S
+            sizes = dict(ids=N, positions=N, slots=N, lengths=S, newest=S, rows=S, finals=S, eos=MAX_EOS,
+                         dtable=S * W, ptable=S * W, tiles=self.n_tiles * 4)
             self.host = np.zeros(sum(sizes.values()), np.int32)
             self.inputs = arrays.zeros(self.host.shape, "int32")
             self.views, self.host_views, at = {}, {}, 0
@@ -110,6 +112,8 @@ class PagedExecutor:
             self.tiles = self.views["tiles"].reshape(self.n_tiles, 4)
             self.h = arrays.empty((S, model.config.n_embd), model.dtype)
             self.logits = arrays.empty((S, V), model.dtype)
+            self.prefill_h = arrays.empty((S, model.config.n_embd), model.dtype)
+            self.prefill_logits = arrays.empty((S, V), model.dtype)
             self.tokens = arrays.zeros((S,), "int32")
             self.finished = arrays.zeros((S,), "int32")
             self.history = arrays.zeros((S, max_len + 1), "int32")
@@ -163,24 +167,35 @@ class PagedExecutor:
         picks = step.picks
         import cupy
         P = sum(c.n for c in step.chunks)
-        if P:
-            R, padded = self.S, pow2_at_least(P, PREFILL_PAD)
-        else:
-            R, padded = next(r for r in self.decode_sizes if r > max(self.slot_of[q.id] for q in picks)), 0
+        R = self._size(step.decodes)
+        picks_R = self._size(picks)
         with self.stream:
             for chunk in step.chunks:
                 if chunk.final:
                     self._start_slot(chunk.request)
             picker = SAMPLING if any(self.params[q.id][2] is SAMPLING for q in picks) else GREEDY
-            self._fill_inputs(step, R)
+            self._fill_inputs(step)
             self.inputs[...] = cupy.asarray(self.host)
-            graph = None if padded else self.graphs.get((R, picker))
+            graph = None if P else self.graphs.get((R, picker))
             if graph is not None:
                 graph.launch(self.stream)
+            elif not P:
+                self._decode(R, picker)
             else:
-                self._run(R, padded, picker)
-            tokens = cupy.asnumpy(self.tokens[:R])
+                if R:
+                    self._decode(R, None)
+                self._prefill(pow2_at_least(P, PREFILL_PAD), any(c.final for c in step.chunks))
+                if picks:
+                    self._pick(picks_R, picker)
+            tokens = cupy.asnumpy(self.tokens[:max(R, picks_R)])
         return {q.id: int(tokens[self.slot_of[q.id]]) for q in picks}
+
+    def _size(self, requests) -> int:
+        """The decode size (rows 0 .. R-1) that covers these requests' slots; 0 for none."""
+        if not requests:
+            return 0
+        top = max(self.slot_of[q.id] for q in requests)
+        return next(r for r in self.decode_sizes if r > top)
 
     def _start_slot(self, request) -> None:
         """A request's first pick is this step: its slot's sampling parameters, seed and token counts."""
@@ -199,37 +214,37 @@ class PagedExecutor:
         self.params[request.id] = (fp, ip, picker, request.eos_token_ids,
                                    len(request.prompt) + request.min_new_tokens - 1)
 
-    def _fill_inputs(self, step, R: int) -> None:
-        """The host copy of every per-step input (module doc)."""
-        h, B = self.host_views, self.block
-        for name in ("ids", "positions", "rows", "newest"):
+    def _fill_inputs(self, step) -> None:
+        """The host copy of every per-step input (module doc): decode rows from row 0 (by slot), prefill rows from
+        row S; each slot's newest position for the pick; the prefill rows whose hidden state each final chunk's
+        slot takes (rows) and those slots (finals)."""
+        h, B, S = self.host_views, self.block, self.S
+        for name in ("ids", "positions", "lengths", "newest", "rows", "finals", "tiles", "dtable", "ptable"):
             h[name][:] = 0
         h["slots"][:] = -1
-        h["tiles"][:] = 0
-        dtable, ptable = h["dtable"].reshape(self.S, self.W), h["ptable"].reshape(self.S, self.W)
-        dtable[:R] = 0
-        h["rows"][:R] = np.arange(R)
+        dtable, ptable = h["dtable"].reshape(S, self.W), h["ptable"].reshape(S, self.W)
         for request in step.decodes:
             s, pos = self.slot_of[request.id], len(request.tokens) - 1
-            h["ids"][s], h["positions"][s], h["newest"][s] = request.tokens[-1], pos, pos
+            h["ids"][s], h["positions"][s], h["lengths"][s], h["newest"][s] = request.tokens[-1], pos, pos, pos
             dtable[s, :len(request.blocks)] = request.blocks
-        row, lengths, starts = R, [], []
+        row, lengths, starts = 0, [], []
         for r, chunk in enumerate(step.chunks):
             request, n = chunk.request, chunk.n
             positions = np.arange(chunk.start, chunk.start + n)
             blocks = np.asarray(request.blocks, np.int32)
-            h["ids"][row:row + n] = request.tokens[chunk.start:chunk.start + n]
-            h["positions"][row:row + n] = positions
-            h["slots"][row:row + n] = blocks[positions // B] * B + positions % B
+            at = S + row
+            h["ids"][at:at + n] = request.tokens[chunk.start:chunk.start + n]
+            h["positions"][at:at + n] = positions
+            h["slots"][at:at + n] = blocks[positions // B] * B + positions % B
             ptable[r, :len(blocks)] = blocks
             if chunk.final:
                 s = self.slot_of[request.id]
-                h["rows"][s], h["newest"][s] = row + n - 1, len(request.tokens) - 1
+                h["rows"][s], h["finals"][s], h["newest"][s] = row + n - 1, 1, len(request.tokens) - 1
             lengths.append(n)
             starts.append(chunk.start)
             row += n
         if step.chunks:
-            h["tiles"][:] = tile_list(lengths, starts, capacity=self.n_tiles).reshape(-1)    # rows from R
+            h["tiles"][:] = tile_list(lengths, starts, capacity=self.n_tiles).reshape(-1)
         eos = set()          # eos ids banned this step: those of the picks still short of their min_new_tokens
         for request in step.picks:
             _, _, _, ids, banned_below = self.params[request.id]
@@ -238,33 +253,53 @@ class PagedExecutor:
         h["eos"][:] = -1
         h["eos"][:len(eos)] = sorted(eos)[:MAX_EOS]
 
-    def _run(self, R: int, padded: int, picker: Picker) -> None:
-        """The step's kernels on the executor's stream: R decode rows, `padded` prefill rows after them."""
-        model, N = self.model, R + padded
-        acts = self.acts[N]
-        v = self.views
-        self.finished.fill(0)
-        x = model.hidden(acts, v["ids"][:N], v["positions"][:N], self._attend(R, padded))
-        model.final_norm(x, self.h[:R], rows=v["rows"][:R])
+    def _decode(self, R: int, picker: Picker | None) -> None:
+        """The decode forward of rows 0 .. R-1 into logits[:R] and, given a picker, the pick (a captured step)."""
+        model, v = self.model, self.views
+        x = model.hidden(self.decode_acts[R], v["ids"][:R], v["positions"][:R], self._decode_attend(R))
+        model.final_norm(x, self.h[:R])
         model.lm_head(self.h[:R], out=self.logits[:R])
-        pen = picker.penalties
+        if picker is not None:
+            self._pick(R, picker)
+
+    def _prefill(self, P: int, head: bool) -> None:
+        """The prefill forward of rows S .. S+P-1; with `head`, each final chunk's logits into its slot's row."""
+        import cupy
+        model, v, S = self.model, self.views, self.S
+        x = model.hidden(self.prefill_acts[P], v["ids"][S:S + P], v["positions"][S:S + P], self._prefill_attend(P))
+        if head:
+            model.final_norm(x, self.prefill_h, rows=v["rows"])
+            model.lm_head(self.prefill_h, out=self.prefill_logits)
+            cupy.copyto(self.logits, self.prefill_logits, where=v["finals"][:, None] > 0)
+
+    def _pick(self, R: int, picker: Picker) -> None:
+        """next_token for slots 0 .. R-1 from logits[:R]."""
+        v, pen = self.views, picker.penalties
+        self.finished.fill(0)
         next_token(self.logits[:R], self.fparams[:R], self.iparams[:R], v["eos"], self.tokens[:R], v["newest"][:R],
                    self.history[:R], self.finished[:R], seen=self.seen[:R] if pen else None,
                    out_counts=self.out_counts[:R] if pen else None, slots=picker.slots, check=picker.check, pad=0)
 
-    def _attend(self, R: int, padded: int):
+    def _scales(self, i: int) -> dict:
+        return {} if self.scales is None else dict(k_scale=self.scales[0][i], v_scale=self.scales[1][i])
+
+    def _decode_attend(self, R: int):
         v = self.views
 
         def attend(i, q, k, vv, out):
-            scales = {} if self.scales is None else dict(k_scale=self.scales[0][i], v_scale=self.scales[1][i])
-            paged_decode_attention(one_token_rows(q, 0, R), self.k[i], self.v[i], self.dtable[:R], v["newest"][:R],
+            paged_decode_attention(one_token_rows(q, 0, R), self.k[i], self.v[i], self.dtable[:R], v["lengths"][:R],
                                    new_k=one_token_rows(k, 0, R), new_v=one_token_rows(vv, 0, R), length_offset=1,
-                                   out=one_token_rows(out, 0, R), **scales)
-            if padded:
-                paged_write_kv(token_rows(k, R, padded), token_rows(vv, R, padded), self.k[i], self.v[i],
-                               v["slots"][R:R + padded], **scales)
-                paged_prefill_attention(token_rows(q, R, padded), self.k[i], self.v[i], self.ptable, self.tiles,
-                                        out=token_rows(out, R, padded), **scales)
+                                   out=one_token_rows(out, 0, R), **self._scales(i))
+        return attend
+
+    def _prefill_attend(self, P: int):
+        v, S = self.views, self.S
+
+        def attend(i, q, k, vv, out):
+            paged_write_kv(token_rows(k, 0, P), token_rows(vv, 0, P), self.k[i], self.v[i], v["slots"][S:S + P],
+                           **self._scales(i))
+            paged_prefill_attention(token_rows(q, 0, P), self.k[i], self.v[i], self.ptable, self.tiles,
+                                    out=token_rows(out, 0, P), **self._scales(i))
         return attend
 
     # -- start-up and shutdown ----------------------------------------------------------------
@@ -279,11 +314,11 @@ class PagedExecutor:
             self.inputs[...] = cupy.asarray(self.host)
             for R in self.decode_sizes:
                 for picker in (GREEDY, SAMPLING):
-                    self._run(R, 0, picker)
+                    self._decode(R, picker)
                     if self.use_graphs:
-                        self.graphs[(R, picker)] = capture(self.stream, lambda: self._run(R, 0, picker))
+                        self.graphs[(R, picker)] = capture(self.stream, lambda: self._decode(R, picker))
             for p in self.prefill_sizes:
-                self._run(self.S, p, GREEDY)
+                self._prefill(p, head=True)
             self.stream.synchronize()
         self.warm = True
 

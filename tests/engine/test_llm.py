@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from tests.engine.arrivals import run_ragged
 from tilekit.engine.llm import AsyncEngine, LLMEngine
 from tilekit.models.gpt2.reference import ReferenceGPT
 
@@ -33,14 +34,7 @@ def test_greedy_outputs_equal_each_request_run_alone(model, num_blocks):
     engine = LLMEngine(model, max_running=4, token_budget=8, block=4, num_blocks=num_blocks)
     ps = prompts(7) + [[5, 6, 7, 8, 9, 10, 11, 12, 1]] * 2          # the last two share two full blocks
     lengths = [3, 11, 6, 1, 9, 4, 8, 5, 5]
-    reqs = []
-    for step in range(200):                                         # ragged arrivals, one every other step
-        if step % 2 == 0 and len(reqs) < len(ps):
-            i = len(reqs)
-            reqs.append(engine.add_request(ps[i], lengths[i], temperature=0, ignore_eos=True))
-        engine.step()
-        if len(reqs) == len(ps) and not engine.has_unfinished:
-            break
+    reqs = run_ragged(engine, ps, lengths, 2, temperature=0, ignore_eos=True)     # one arrival every other step
     for r, p, n in zip(reqs, ps, lengths):
         assert r.output == alone(model, p, n, temperature=0, eos_token_id=[]), r.id
     stats = engine.stats()

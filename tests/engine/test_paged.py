@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
+from tests.engine.arrivals import run_ragged
 from tests.models.llama import numpy_kernels
 from tilekit.engine import kv_cache, paged
 from tilekit.engine.llm import LLMEngine
@@ -118,15 +119,8 @@ def test_greedy_outputs_equal_the_reference(cpu, reference, num_blocks, every):
     shared = [int(t) for t in rng.integers(0, 256, 33)]                # two full blocks and a bit
     prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in (5, 50, 17, 2)] + [shared + [1], shared + [2]]
     lengths = [6, 4, 9, 12, 5, 7] if every > 1 else [20, 10, 30, 25, 12, 20]
-    reqs = []
     before = dict(PagedKernels.calls)
-    for step in range(300):
-        if step % every == 0 and len(reqs) < len(prompts):
-            i = len(reqs)
-            reqs.append(engine.add_request(prompts[i], lengths[i], temperature=0, ignore_eos=True))
-        engine.step()
-        if len(reqs) == len(prompts) and not engine.has_unfinished:
-            break
+    reqs = run_ragged(engine, prompts, lengths, every, temperature=0, ignore_eos=True)
     for r, p, n in zip(reqs, prompts, lengths):
         assert r.output == expected(reference, p, n), r.id
     assert engine.pool.used == 0 and not engine.executor.slot_of

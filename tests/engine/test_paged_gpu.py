@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.engine.arrivals import run_ragged
+
 pytestmark = pytest.mark.gpu
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -24,18 +26,6 @@ def new_engine(model, **kw):
     """An LLMEngine whose default pool takes 2% of the free memory (the suite's workers share the GPU)."""
     from tilekit.engine.llm import LLMEngine
     return LLMEngine(model, gpu_memory_utilization=0.02, **kw)
-
-
-def run_ragged(engine, prompts, lengths, every, **options):
-    reqs = []
-    for step in range(10_000):
-        if step % every == 0 and len(reqs) < len(prompts):
-            i = len(reqs)
-            reqs.append(engine.add_request(prompts[i], lengths[i], **options))
-        engine.step()
-        if len(reqs) == len(prompts) and not engine.has_unfinished:
-            return reqs
-    raise AssertionError("the engine did not finish")
 
 
 @pytest.mark.parametrize("name,dtype,quantize", CASES)

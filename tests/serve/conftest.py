@@ -30,6 +30,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, seconds: float = 30.0) -> None:
+    """Until the server at `url` answers /health with 200 (at most `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{url} did not become healthy in {seconds} s")
+
+
 class SlowExecutor:
     """An executor whose steps take at least `delay` seconds (requests stay in flight long enough to disconnect)."""
 
@@ -81,12 +94,7 @@ def serve(checkpoint):
         thread = threading.Thread(target=uv.run, daemon=True)
         thread.start()
         url = f"http://127.0.0.1:{port}"
-        for _ in range(200):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.05)
+        wait_healthy(url)
         started.append((uv, thread, engine))
         return Running(url, engine, server)
     yield start

@@ -14,10 +14,9 @@ import sys
 import time
 
 import httpx
-import numpy as np
 import pytest
 
-from tests.serve.conftest import free_port
+from tests.serve.conftest import free_port, wait_healthy
 
 openai = pytest.importorskip("openai")
 
@@ -198,12 +197,7 @@ def test_the_serve_command_ends_cleanly_on_sigterm(checkpoint):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(url)
         client = openai.OpenAI(base_url=url + "/v1", api_key="secret-key-123", max_retries=0)
         stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=40, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})

@@ -11,13 +11,16 @@ import pytest
 
 from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.engine.arrivals import run_ragged
+from tests.models.gpt2 import numpy_kernels as gpt2_kernels
 from tests.models.llama import numpy_kernels
 from tilekit.engine import kv_cache, paged
 from tilekit.engine.llm import LLMEngine
 from tilekit.kernels.paged_decode_attention import paged_decode_attention_reference
 from tilekit.kernels.paged_prefill_attention import paged_prefill_attention_reference
 from tilekit.kernels.paged_write_kv import paged_write_kv_reference
-from tilekit.models import Llama, base
+from tilekit.models import GPT, Llama, base
+from tilekit.models.gpt2 import model as gpt2_module
+from tilekit.models.gpt2.reference import ReferenceGPT
 from tilekit.models.llama import model as model_module
 from tilekit.models.llama.reference import ReferenceLlama
 
@@ -95,6 +98,7 @@ def cpu(numpy_cupy, monkeypatch):
     step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
                        (base, numpy_kernels, numpy_kernels.BASE_KERNELS),
                        (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS),
+                       (gpt2_module, gpt2_kernels, gpt2_kernels.KERNELS),
                        (paged, PagedKernels, ("paged_write_kv", "paged_decode_attention", "paged_prefill_attention",
                                               "next_token")))
     numpy_cupy.lib, numpy_cupy.copyto = np.lib, np.copyto
@@ -129,6 +133,21 @@ def test_greedy_outputs_equal_the_reference(cpu, reference, num_blocks, every):
         assert engine.counters["preemptions"] > 0
     else:
         assert reqs[-1].cached_tokens == 32
+
+
+def test_gpt2_greedy_outputs_equal_the_reference(cpu):
+    """GPT-2's decode passes keep their fixed-point residual stream (passes of <= 16 rows), its prefill passes the
+    model's dtype: each in a pass of its own, as generate() computes them."""
+    model = GPT.from_pretrained(DATA.parent / "tiny-gpt2", dtype="float32")
+    reference = ReferenceGPT.from_pretrained(DATA.parent / "tiny-gpt2")
+    engine = LLMEngine(model, max_running=3, token_budget=40, block=16, num_blocks=12, max_len=64, use_graphs=False)
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(0, 1000, n)] for n in (5, 30, 12, 3)]
+    lengths = [9, 6, 12, 20]
+    reqs = run_ragged(engine, prompts, lengths, 2, temperature=0, ignore_eos=True)
+    for r, p, n in zip(reqs, prompts, lengths):
+        assert r.output == expected(reference, p, n), r.id
+    assert engine.executor.decode_acts[1].fixed and not engine.executor.prefill_acts[64].fixed
 
 
 def test_min_new_tokens_bans_eos_for_its_request_only(cpu, reference):

@@ -77,6 +77,9 @@ def run(args) -> int:
     args.quantize_head = False
     args.command = "serve"
     model = _load(args)
+    if args.device == "cuda":
+        print("tilekit: starting the engine: every step shape is compiled and the decode steps captured now (minutes on "
+              "a cold kernel cache, seconds once cached)", file=sys.stderr, flush=True)
     from tilekit.engine.llm import AsyncEngine, LLMEngine
     engine = AsyncEngine(LLMEngine(model, max_running=args.max_running, token_budget=args.token_budget,
                                    max_len=args.max_len, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -73,7 +73,8 @@ class Running:
 
 @pytest.fixture
 def serve(checkpoint):
-    """serve(delay=0, **Server kwargs) -> Running; every server started is stopped at the test's end."""
+    """serve(delay=0, max_running=8, gpu=False, **Server kwargs) -> Running (gpu: the GPU model, else the NumPy
+    reference); every server started is stopped at the test's end."""
     import uvicorn
 
     from tilekit.engine.llm import AsyncEngine, LLMEngine
@@ -81,9 +82,14 @@ def serve(checkpoint):
     from tilekit.serve.app import Server, build_app
     started = []
 
-    def start(delay: float = 0.0, max_running: int = 8, **kwargs):
-        llm = LLMEngine(ReferenceGPT.from_pretrained(checkpoint, dtype="float32"), max_running=max_running,
-                        token_budget=64, block=4)
+    def start(delay: float = 0.0, max_running: int = 8, gpu: bool = False, **kwargs):
+        if gpu:         # tilekit's GPU model through the PagedExecutor (its pool: 2% of the free memory)
+            from tilekit.models import load_model
+            llm = LLMEngine(load_model(checkpoint, dtype="float32"), max_running=max_running, token_budget=64,
+                            block=16, gpu_memory_utilization=0.02)
+        else:
+            llm = LLMEngine(ReferenceGPT.from_pretrained(checkpoint, dtype="float32"), max_running=max_running,
+                            token_budget=64, block=4)
         if delay:
             llm.executor = SlowExecutor(llm.executor, delay)
         engine = AsyncEngine(llm)

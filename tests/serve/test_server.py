@@ -30,7 +30,12 @@ def greedy_text(running, prompt: str, n: int) -> str:
 
 
 def test_completions_with_the_openai_client(serve):
-    running = serve()
+    check_completions(serve())
+
+
+def check_completions(running):
+    """The completions endpoint through the openai client: strings, lists, token ids, streamed; greedy text equal to
+    the model's own generate()."""
     client = running.client()
     r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -50,7 +55,11 @@ def test_completions_with_the_openai_client(serve):
 
 
 def test_chat_with_the_openai_client(serve):
-    running = serve()
+    check_chat(serve())
+
+
+def check_chat(running):
+    """The chat endpoint through the openai client: the chat template, streaming with usage, n with a seed."""
     client = running.client()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi"}]
     r = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=6, temperature=0,

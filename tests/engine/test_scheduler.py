@@ -151,3 +151,12 @@ def test_requests_that_cannot_fit_are_refused_when_added():
         sched.add(Request([], 3))
     with pytest.raises(ValueError, match="token_budget"):
         Scheduler(BlockPool(3, 4), max_running=8, token_budget=4, max_len=12)
+
+
+def test_a_preempted_request_resuming_is_no_prefix_hit():
+    pool = BlockPool(5, 4)
+    sched = Scheduler(pool, max_running=2, token_budget=32, max_len=16)
+    a, b = Request([1] * 6, 8), Request([2] * 6, 8)
+    run(sched, [a, b])
+    assert b.preemptions >= 1
+    assert pool.queried_tokens == 12 and pool.hit_tokens == 0 and b.cached_tokens == 0

@@ -74,10 +74,12 @@ class BlockPool:
             taken.append(b)
         return taken
 
-    def lookup(self, keys: Sequence[bytes], tokens: int) -> list[int]:
+    def lookup(self, keys: Sequence[bytes], tokens: int, counted: bool = True) -> list[int]:
         """The cached blocks of the longest prefix of `keys` (a prompt's full blocks), each taken (reference count
-        + 1, out of the free queue); `tokens`: the prompt's length, for the hit rate."""
-        self.queried_tokens += tokens
+        + 1, out of the free queue); `tokens`: the prompt's length, for the hit rate (counted: a request's first
+        start; a preempted one resuming finds its own blocks, which is no prefix hit)."""
+        if counted:
+            self.queried_tokens += tokens
         found = []
         if not self.prefix_caching:
             return found
@@ -89,7 +91,8 @@ class BlockPool:
                 del self.free_queue[b]
             self.refs[b] += 1
             found.append(b)
-        self.hit_tokens += len(found) * self.block
+        if counted:
+            self.hit_tokens += min(len(found) * self.block, tokens)
         return found
 
     def cache(self, b: int, key: bytes) -> None:

@@ -42,7 +42,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     computed: int = 0
     blocks: list[int] = field(default_factory=list)
-    cached_tokens: int = 0          # prompt tokens found in the prefix cache when it started (the last start)
+    cached_tokens: int = 0          # prompt tokens found in the prefix cache when it first started
     keys: list[bytes] = field(default_factory=list)    # the prefix-cache keys of its first full blocks
     finish_reason: str | None = None
     preemptions: int = 0
@@ -192,9 +192,11 @@ class Scheduler:
         """A waiting request's start: its cached prefix found (never the whole prompt: its last token is computed
         for the first pick) and the blocks of its first position after it."""
         request.keys = block_hashes(request.tokens[:len(request.tokens) - 1], self.block)
-        found = self.pool.lookup(request.keys, len(request.prompt))
+        first = request.started is None
+        found = self.pool.lookup(request.keys, len(request.prompt), counted=first)
         request.blocks, request.computed = found, len(found) * self.block
-        request.cached_tokens = min(request.computed, len(request.prompt))
+        if first:
+            request.cached_tokens = min(request.computed, len(request.prompt))
         if not self._room(request, 1):
             self.pool.release(request.blocks)
             request.blocks, request.computed = [], 0

@@ -33,6 +33,8 @@ def run(scheduler: Scheduler, requests, arrivals=None, check=None):
         assert len(scheduler.running) <= scheduler.max_running
         for r in step.decodes:
             assert r.computed == len(r.tokens) - 1
+        for r in step.decodes + [c.request for c in step.chunks]:
+            assert r.status == RUNNING and r not in step.preempted
         for c in step.chunks:
             assert c.start == c.request.computed and c.n > 0
             assert len(c.request.blocks) * scheduler.block >= c.start + c.n
@@ -160,3 +162,15 @@ def test_a_preempted_request_resuming_is_no_prefix_hit():
     run(sched, [a, b])
     assert b.preemptions >= 1
     assert pool.queried_tokens == 12 and pool.hit_tokens == 0 and b.cached_tokens == 0
+
+
+def test_prefilling_requests_that_fill_the_pool_do_not_deadlock():
+    """Every running request prefilling in chunks and no block free: the later ones are preempted for the first."""
+    pool = BlockPool(7, 4)                      # 6 usable blocks: 24 positions
+    sched = Scheduler(pool, max_running=3, token_budget=6, max_len=24, chunk=4)
+    reqs = [Request([i + 1] * 18, 2) for i in range(3)]      # 20 positions each: one fits at a time
+    steps = run(sched, reqs)
+    assert steps < 200
+    for r in reqs:
+        assert r.output == alone(r.prompt, 2)
+    assert sum(r.preemptions for r in reqs) > 0 and pool.used == 0

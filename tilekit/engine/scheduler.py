@@ -2,8 +2,8 @@
 
 Each step has a token budget. The running requests that decode come first, one token each (in the order they were
 admitted); a request whose next position needs a new block takes one, and when none is free the most recently
-admitted running request is preempted: its blocks go back and it returns to the front of the waiting queue, to be
-recomputed from its tokens when it runs again (its output is unchanged: greedy picks are, and sampled ones come from
+admitted running request is preempted (and so for a prefilling request that finds no block for its next chunk): its
+blocks go back and it returns to the front of the waiting queue, to be recomputed from its tokens when it runs again (its output is unchanged: greedy picks are, and sampled ones come from
 noise keyed by its seed and the position). Then the requests still prefilling, then the waiting ones in arrival
 order (first come, first served: a request that cannot start holds back those behind it, so none starves), each
 taking the budget's rest in a chunk of its prompt. A request starting looks its prompt's full blocks up in the
@@ -150,9 +150,15 @@ class Scheduler:
                 decodes.append(request)
         decodes = [r for r in decodes if r.status == RUNNING]      # a later one's preemption may take an earlier
         budget = self.token_budget - len(decodes)
-        for request in self.running:
+        for request in list(self.running):
             if request.status == RUNNING and not request.decoding and budget > 0:
                 n = self._chunk(request, budget)
+                while not n:            # no block for its next chunk: later requests make room (the earlier
+                    victim = self._preempt(exclude=request, later_only=True)      # ones have planned work)
+                    if victim is None:
+                        break
+                    preempted.append(victim)
+                    n = self._chunk(request, budget)
                 if n:
                     chunks.append(Chunk.of(request, n))
                     budget -= n
@@ -167,7 +173,7 @@ class Scheduler:
                 break
             chunks.append(Chunk.of(request, n))
             budget -= n
-        return Step(decodes, chunks, preempted)
+        return Step([r for r in decodes if r.status == RUNNING], chunks, preempted)
 
     def _chunk(self, request: Request, budget: int) -> int:
         """Tokens of a prefilling request this step: its rest, the budget's rest or a chunk, whichever is least,
@@ -206,10 +212,11 @@ class Scheduler:
             request.started = time.monotonic()
         return True
 
-    def _preempt(self, exclude: Request) -> Request | None:
-        """The most recently admitted running request other than `exclude`, stopped: its blocks released, back at the
-        front of the waiting queue, to recompute what it had."""
-        for victim in reversed(self.running):
+    def _preempt(self, exclude: Request, later_only: bool = False) -> Request | None:
+        """The most recently admitted running request other than `exclude` (later_only: admitted after it), stopped:
+        its blocks released, back at the front of the waiting queue, to recompute what it had."""
+        first = self.running.index(exclude) + 1 if later_only else 0
+        for victim in reversed(self.running[first:]):
             if victim is not exclude and victim.status == RUNNING:
                 self.running.remove(victim)
                 self.pool.release(victim.blocks)

@@ -161,6 +161,9 @@ class LLMEngine:
         step = self.scheduler.schedule()
         self.counters["preemptions"] += len(step.preempted)
         if not step.decodes and not step.chunks:
+            if self.scheduler.unfinished and not step.preempted:       # never a silent hang
+                raise RuntimeError(f"the scheduler planned nothing with {len(self.scheduler.running)} running and "
+                                   f"{len(self.scheduler.waiting)} waiting requests ({self.pool.free} free blocks)")
             return []
         picked = self.executor.execute(step)
         self.scheduler.advance(step, picked)

@@ -61,6 +61,15 @@ def token_rows(x, start: int, n: int):
     return x[0, :, start:start + n].transpose(1, 0, 2)
 
 
+def zeroed(acts):
+    """A pass's activations zeroed once: the attention output of a padded prefill row is never written (no query tile
+    lists it), and stays finite."""
+    for value in vars(acts).values():
+        if hasattr(value, "fill") and hasattr(value, "shape"):
+            value.fill(0)
+    return acts
+
+
 class PagedExecutor:
     """Runs scheduler steps of `model` (a GPU CausalLM) over a paged KV cache (see the module doc). num_blocks: the
     pool's blocks (default: gpu_memory_utilization of the memory free once the rest is allocated)."""
@@ -97,7 +106,7 @@ class PagedExecutor:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with self.stream:
             self.decode_acts = {n: model.activations(1, n, arrays) for n in self.decode_sizes}
-            self.prefill_acts = {p: model.activations(1, p, arrays) for p in self.prefill_sizes}
+            self.prefill_acts = {p: zeroed(model.activations(1, p, arrays)) for p in self.prefill_sizes}
             N = S + self.prefill_sizes[-1]          # decode rows from 0, prefill rows from S
             sizes = dict(ids=N, positions=N, slots=N, lengths=S, newest=S, rows=S, finals=S, eos=MAX_EOS,
                          dtable=S * W, ptable=S * W, tiles=self.n_tiles * 4)

@@ -32,12 +32,13 @@ def test_a_cached_prefix_is_shared_and_counted():
     first = pool.allocate(3)
     for b, k in zip(first, keys):
         pool.cache(b, k)
-    found = pool.lookup(keys[:2], tokens=9)
+    found = pool.lookup(keys[:2])
     assert found == first[:2] and pool.refs[first[0]] == 2
+    pool.record_start(9, 8)
     assert pool.hit_rate == pytest.approx(8 / 9)
     pool.release(first)
     assert pool.refs[first[0]] == 1 and pool.refs[first[2]] == 0
-    assert pool.lookup(keys, tokens=12) == first              # a freed block keeps its key until reused
+    assert pool.lookup(keys) == first              # a freed block keeps its key until reused
 
 
 def test_eviction_is_least_recently_freed_first_and_drops_the_key():
@@ -50,8 +51,8 @@ def test_eviction_is_least_recently_freed_first_and_drops_the_key():
     pool.release([b, c])                                       # freed in reverse: c, then b
     assert list(pool.free_queue) == [a, c, b]
     (reused,) = pool.allocate(1)
-    assert reused == a and pool.lookup([ka], tokens=2) == []   # a's key went with it
-    assert pool.lookup(block_hashes([9, 9], 2), tokens=2) == []
+    assert reused == a and pool.lookup([ka]) == []   # a's key went with it
+    assert pool.lookup(block_hashes([9, 9], 2)) == []
 
 
 def test_prefix_caching_off_finds_nothing():
@@ -60,7 +61,7 @@ def test_prefix_caching_off_finds_nothing():
     (key,) = block_hashes([1, 2], 2)
     pool.cache(a, key)
     pool.release([a])
-    assert pool.lookup([key], tokens=2) == []
+    assert pool.lookup([key]) == []
 
 
 def test_double_release_and_bad_arguments_are_errors():

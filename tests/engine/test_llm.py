@@ -139,3 +139,48 @@ def test_the_async_engine_streams_and_aborts_a_consumer_that_leaves(model):
     finally:
         engine.shutdown(timeout=5)
     assert not engine.thread.is_alive()
+
+
+def test_shutdown_lets_running_requests_finish(model):
+    engine = AsyncEngine(LLMEngine(model, max_running=2, token_budget=8, block=4))
+    got = []
+
+    async def main():
+        request, outputs = await engine.submit([1, 2, 3], 30, temperature=0, ignore_eos=True)
+        consumer = asyncio.ensure_future(_collect(outputs, got))
+        await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.shutdown, None)
+        await consumer
+        return request
+    request = asyncio.run(main())
+    assert len(got) == 30 and got[-1].finish_reason == "length" and request.finish_reason == "length"
+
+
+async def _collect(outputs, into):
+    async for out in outputs:
+        into.append(out)
+
+
+def test_a_failed_engine_answers_every_request_and_refuses_new_ones(model):
+    llm = LLMEngine(model, max_running=2, token_budget=8, block=4)
+
+    def broken(step):
+        raise RuntimeError("boom")
+    llm.executor.execute = broken
+    engine = AsyncEngine(llm)
+
+    async def main():
+        request, outputs = await engine.submit([1, 2, 3], 5, temperature=0)
+        with pytest.raises(RuntimeError, match="boom"):
+            async for _ in outputs:
+                pass
+        with pytest.raises(RuntimeError, match="the engine failed: boom"):
+            await asyncio.wait_for(engine.submit([1, 2, 3], 5, temperature=0), 5)
+    asyncio.run(main())
+    engine.shutdown(timeout=1)
+
+
+def test_more_eos_ids_than_the_pick_takes_are_refused(model):
+    engine = LLMEngine(model, max_running=2, token_budget=8, block=4)
+    with pytest.raises(ValueError, match="at most 32 ids"):
+        engine.add_request([1], 4, stop_token_ids=list(range(40)))

@@ -170,3 +170,35 @@ def test_latent_caches_and_tensor_parallel_models_are_refused(cpu):
     llama = Llama.from_pretrained(DATA, dtype="float32")
     with pytest.raises(ValueError, match="block must be one of"):
         LLMEngine(llama, block=48, num_blocks=8, use_graphs=False)
+
+
+def test_one_requests_eos_ban_is_its_own(cpu, reference):
+    """A request below its min_new_tokens has its own eos ids banned in its row, not another request's."""
+    model = Llama.from_pretrained(DATA, dtype="float32")
+    prompt = [3, 4, 5]
+    other_stop = expected(reference, prompt, 6)[1]
+
+    def first(with_other: bool):
+        engine = LLMEngine(model, max_running=2, token_budget=32, block=16, num_blocks=12, max_len=64, use_graphs=False)
+        prompts, sampling = [prompt], [dict(min_new_tokens=4)]
+        if with_other:
+            prompts.append([7, 8, 9])
+            sampling.append(dict(stop_token_ids=[other_stop], min_new_tokens=4))
+        return engine.generate(prompts, 6, sampling=sampling, temperature=0, ignore_eos=True)[0]["token_ids"]
+    assert first(True) == first(False) == expected(reference, prompt, 6)
+
+
+def test_a_resumed_request_whose_recompute_ends_in_a_decode(cpu, reference):
+    """Preempted, a request recomputes its tokens in chunks; when they stop one short, its next pick is a decode
+    whose slot must be set up as a first pick's is."""
+    model = Llama.from_pretrained(DATA, dtype="float32")
+    engine = LLMEngine(model, max_running=3, token_budget=19, block=16, num_blocks=7, max_len=64, chunk=8,
+                       use_graphs=False)
+    rng = np.random.default_rng(5)
+    base = [int(t) for t in rng.integers(0, 256, 64)]
+    prompts = [[int(t) for t in rng.integers(0, 256, 46)], base[:47], base[:23]]
+    lengths = [12, 10, 14]
+    reqs = run_ragged(engine, prompts, lengths, 1, temperature=0, ignore_eos=True)
+    for r, p, n in zip(reqs, prompts, lengths):
+        assert r.output == expected(reference, p, n), r.id
+    assert engine.counters["preemptions"] > 0

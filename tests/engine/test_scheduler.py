@@ -164,6 +164,14 @@ def test_a_preempted_request_resuming_is_no_prefix_hit():
     assert pool.queried_tokens == 12 and pool.hit_tokens == 0 and b.cached_tokens == 0
 
 
+def test_a_request_waiting_for_blocks_is_counted_once():
+    pool = BlockPool(4, 4)
+    sched = Scheduler(pool, max_running=2, token_budget=4, max_len=12)
+    a, b = Request([1] * 8, 4), Request([2] * 3, 2)
+    run(sched, [a, b])
+    assert pool.queried_tokens == 11
+
+
 def test_prefilling_requests_that_fill_the_pool_do_not_deadlock():
     """Every running request prefilling in chunks and no block free: the later ones are preempted for the first."""
     pool = BlockPool(7, 4)                      # 6 usable blocks: 24 positions

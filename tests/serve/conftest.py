@@ -82,14 +82,14 @@ def serve(checkpoint):
     from tilekit.serve.app import Server, build_app
     started = []
 
-    def start(delay: float = 0.0, max_running: int = 8, gpu: bool = False, **kwargs):
+    def start(delay: float = 0.0, max_running: int = 8, gpu: bool = False, num_blocks: int | None = None, **kwargs):
         if gpu:         # tilekit's GPU model through the PagedExecutor (its pool: 2% of the free memory)
             from tilekit.models import load_model
             llm = LLMEngine(load_model(checkpoint, dtype="float32"), max_running=max_running, token_budget=64,
                             block=16, gpu_memory_utilization=0.02)
         else:
             llm = LLMEngine(ReferenceGPT.from_pretrained(checkpoint, dtype="float32"), max_running=max_running,
-                            token_budget=64, block=4)
+                            token_budget=64, block=4, num_blocks=num_blocks)
         if delay:
             llm.executor = SlowExecutor(llm.executor, delay)
         engine = AsyncEngine(llm)

@@ -127,10 +127,25 @@ def test_errors_have_the_openai_shape(serve, checkpoint):
     err = error(post("/v1/completions", {"prompt": "x", "max_tokens": 500}), 400, "context is 64 tokens")
     assert "max_tokens is 500" in err["message"] and err["param"] == "max_tokens"
     error(post("/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404, "does not exist")
+    error(post("/v1/completions", b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}"), 400, "finite number")
+    error(post("/v1/completions", {"prompt": ["x"] * 20, "n": 16, "temperature": 1}), 400, "more than this server")
     error(post("/v1/completions", b"{" + b" " * (5 << 20) + b"}"), 413, "over")
     error(httpx.get(url + "/v1/completions", headers=auth), 405, "")
     error(httpx.get(url + "/nowhere", headers=auth), 404, "")
     assert httpx.get(url + "/health").status_code == 200                  # still serving
+
+
+def test_a_refused_prompt_aborts_the_ones_queued_before_it(serve):
+    running = serve(delay=0.02, num_blocks=9)          # 8 blocks of 4: 32 positions
+    body = {"model": "tiny", "prompt": [[1, 2, 3], [5] * 40], "max_tokens": 20, "ignore_eos": True}
+    resp = httpx.post(running.url + "/v1/completions", json=body, headers={"Authorization": "Bearer test-key"})
+    assert resp.status_code == 400 and "more blocks than the KV cache has" in resp.json()["error"]["message"]
+    llm = running.engine.engine
+    for _ in range(100):
+        if not llm.has_unfinished:
+            break
+        time.sleep(0.02)
+    assert not llm.has_unfinished and llm.pool.used == 0 and llm.counters["generation_tokens"] < 20
 
 
 def test_a_client_that_disconnects_is_aborted_and_its_blocks_return(serve):

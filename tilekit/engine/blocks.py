@@ -74,12 +74,9 @@ class BlockPool:
             taken.append(b)
         return taken
 
-    def lookup(self, keys: Sequence[bytes], tokens: int, counted: bool = True) -> list[int]:
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of `keys` (a prompt's full blocks), each taken (reference count
-        + 1, out of the free queue); `tokens`: the prompt's length, for the hit rate (counted: a request's first
-        start; a preempted one resuming finds its own blocks, which is no prefix hit)."""
-        if counted:
-            self.queried_tokens += tokens
+        + 1, out of the free queue)."""
         found = []
         if not self.prefix_caching:
             return found
@@ -91,9 +88,13 @@ class BlockPool:
                 del self.free_queue[b]
             self.refs[b] += 1
             found.append(b)
-        if counted:
-            self.hit_tokens += min(len(found) * self.block, tokens)
         return found
+
+    def record_start(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request's first start found cached_tokens of its prompt_tokens: the hit rate's counts (a request that
+        could not start yet, or a preempted one resuming on its own blocks, is not counted)."""
+        self.queried_tokens += prompt_tokens
+        self.hit_tokens += cached_tokens
 
     def cache(self, b: int, key: bytes) -> None:
         """Block b now holds the full block `key`: later lookups find it (unless another block holds that key)."""

@@ -27,6 +27,7 @@ from tilekit.engine.sampling import GenerationSettings
 from tilekit.engine.scheduler import Request, Scheduler
 from tilekit.engine.stops import StopChecker
 from tilekit.engine.text import TextStream
+from tilekit.kernels.next_token import MAX_EOS
 
 _ids = itertools.count()
 
@@ -117,6 +118,8 @@ class LLMEngine:
         if any(not 0 <= t < V for t in (*settings.eos_token_ids, *extra)):
             raise ValueError(f"eos_token_id and stop_token_ids must lie in [0, {V})")
         eos = extra if ignore_eos else tuple(dict.fromkeys(settings.eos_token_ids + extra))
+        if len(eos) > MAX_EOS:
+            raise ValueError(f"eos_token_id and stop_token_ids must be at most {MAX_EOS} ids together, got {len(eos)}")
         seed = settings.seed if settings.seed is not None else int(np.random.SeedSequence().entropy % (1 << 31))
         request = Request(ids, settings.max_new_tokens, settings.sampling, min_new_tokens=settings.min_new_tokens,
                           eos_token_ids=eos, stop_strings=settings.stop_strings, seed=seed,
@@ -267,7 +270,7 @@ class AsyncEngine:
                 with self.lock:
                     while not self.inbox and not engine.has_unfinished and not self.stopping:
                         self.lock.wait()
-                    if self.stopping and not self.inbox:
+                    if self.stopping and not self.inbox and not engine.has_unfinished:
                         break
                     inbox, self.inbox = self.inbox, []
                 for item in inbox:
@@ -293,10 +296,15 @@ class AsyncEngine:
                             if out.finished:
                                 self.listeners.pop(out.request_id)
         except BaseException as e:      # noqa: BLE001 - reported to every waiting request, then to shutdown()
-            self.error = e
+            with self.lock:
+                self.error = e
+                inbox, self.inbox = self.inbox, []
             for listener in self.listeners.values():
                 self._send(listener, e)
             self.listeners.clear()
+            for item in inbox:               # adds nobody will take now
+                if item[0] == "add":
+                    self._send(item[3], RuntimeError(f"the engine failed: {e}"))
         finally:
             for request_id in list(engine.tracks):
                 engine.abort(request_id)
@@ -317,7 +325,9 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         listener = (asyncio.get_running_loop(), queue)
         with self.lock:
-            if self.stopping:
+            if self.error is not None:
+                raise RuntimeError(f"the engine failed: {self.error}")
+            if self.stopping or not self.thread.is_alive():
                 raise RuntimeError("the engine is shutting down")
             self.inbox.append(("add", args, kwargs, listener))
             self.lock.notify()

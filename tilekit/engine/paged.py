@@ -22,6 +22,8 @@ refused.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from tilekit.autotune.arrays import numpy_dtype, release_scratch
@@ -109,6 +111,7 @@ class PagedExecutor:
             self.prefill_acts = {p: zeroed(model.activations(1, p, arrays)) for p in self.prefill_sizes}
             N = S + self.prefill_sizes[-1]          # decode rows from 0, prefill rows from S
             sizes = dict(ids=N, positions=N, slots=N, lengths=S, newest=S, rows=S, finals=S, eos=MAX_EOS,
+                         ban_rows=S * MAX_EOS, ban_tokens=S * MAX_EOS,
                          dtable=S * W, ptable=S * W, tiles=self.n_tiles * 4)
             self.host = np.zeros(sum(sizes.values()), np.int32)
             self.inputs = arrays.zeros(self.host.shape, "int32")
@@ -120,7 +123,8 @@ class PagedExecutor:
             self.ptable = self.views["ptable"].reshape(S, W)
             self.tiles = self.views["tiles"].reshape(self.n_tiles, 4)
             self.h = arrays.empty((S, model.config.n_embd), model.dtype)
-            self.logits = arrays.empty((S, V), model.dtype)
+            self.logits_and_sink = arrays.empty((S + 1, V), model.dtype)    # row S: where unused bans go
+            self.logits = self.logits_and_sink[:S]
             self.prefill_h = arrays.empty((S, model.config.n_embd), model.dtype)
             self.prefill_logits = arrays.empty((S, V), model.dtype)
             self.tokens = arrays.zeros((S,), "int32")
@@ -179,9 +183,9 @@ class PagedExecutor:
         R = self._size(step.decodes)
         picks_R = self._size(picks)
         with self.stream:
-            for chunk in step.chunks:
-                if chunk.final:
-                    self._start_slot(chunk.request)
+            for request in picks:      # a first pick (a final chunk, or a resumed request's first decode)
+                if request.id not in self.params:
+                    self._start_slot(request)
             picker = SAMPLING if any(self.params[q.id][2] is SAMPLING for q in picks) else GREEDY
             self._fill_inputs(step)
             self.inputs[...] = cupy.asarray(self.host)
@@ -254,13 +258,18 @@ class PagedExecutor:
             row += n
         if step.chunks:
             h["tiles"][:] = tile_list(lengths, starts, capacity=self.n_tiles).reshape(-1)
-        eos = set()          # eos ids banned this step: those of the picks still short of their min_new_tokens
+        # each pick still short of its min_new_tokens has its own eos ids banned in its row (the kernel's eos list,
+        # one for every row, stays empty); unused entries point at the sink row
+        h["eos"][:] = -1
+        h["ban_rows"][:] = S
+        h["ban_tokens"][:] = 0
+        at = 0
         for request in step.picks:
             _, _, _, ids, banned_below = self.params[request.id]
             if len(request.tokens) - 1 < banned_below:
-                eos.update(ids)
-        h["eos"][:] = -1
-        h["eos"][:len(eos)] = sorted(eos)[:MAX_EOS]
+                h["ban_rows"][at:at + len(ids)] = self.slot_of[request.id]
+                h["ban_tokens"][at:at + len(ids)] = ids
+                at += len(ids)
 
     def _decode(self, R: int, picker: Picker | None) -> None:
         """The decode forward of rows 0 .. R-1 into logits[:R] and, given a picker, the pick (a captured step)."""
@@ -285,6 +294,7 @@ class PagedExecutor:
         """next_token for slots 0 .. R-1 from logits[:R]."""
         v, pen = self.views, picker.penalties
         self.finished.fill(0)
+        self.logits_and_sink[v["ban_rows"], v["ban_tokens"]] = -math.inf
         next_token(self.logits[:R], self.fparams[:R], self.iparams[:R], v["eos"], self.tokens[:R], v["newest"][:R],
                    self.history[:R], self.finished[:R], seen=self.seen[:R] if pen else None,
                    out_counts=self.out_counts[:R] if pen else None, slots=picker.slots, check=picker.check, pad=0)

@@ -162,9 +162,10 @@ class Scheduler:
                 if n:
                     chunks.append(Chunk.of(request, n))
                     budget -= n
+        decodes = [r for r in decodes if r.status == RUNNING]
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
-            if not self._start(request):
+            if any(request is p for p in preempted) or not self._start(request):   # preempted now: next step
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -173,7 +174,7 @@ class Scheduler:
                 break
             chunks.append(Chunk.of(request, n))
             budget -= n
-        return Step([r for r in decodes if r.status == RUNNING], chunks, preempted)
+        return Step(decodes, chunks, preempted)
 
     def _chunk(self, request: Request, budget: int) -> int:
         """Tokens of a prefilling request this step: its rest, the budget's rest or a chunk, whichever is least,
@@ -198,18 +199,17 @@ class Scheduler:
         """A waiting request's start: its cached prefix found (never the whole prompt: its last token is computed
         for the first pick) and the blocks of its first position after it."""
         request.keys = block_hashes(request.tokens[:len(request.tokens) - 1], self.block)
-        first = request.started is None
-        found = self.pool.lookup(request.keys, len(request.prompt), counted=first)
+        found = self.pool.lookup(request.keys)
         request.blocks, request.computed = found, len(found) * self.block
-        if first:
-            request.cached_tokens = min(request.computed, len(request.prompt))
         if not self._room(request, 1):
             self.pool.release(request.blocks)
             request.blocks, request.computed = [], 0
             return False
         request.status = RUNNING
-        if request.started is None:
+        if request.started is None:            # its first start: the prefix cache's hits are counted
             request.started = time.monotonic()
+            request.cached_tokens = min(request.computed, len(request.prompt))
+            self.pool.record_start(len(request.prompt), request.cached_tokens)
         return True
 
     def _preempt(self, exclude: Request, later_only: bool = False) -> Request | None:

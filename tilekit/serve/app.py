@@ -128,31 +128,38 @@ class Server:
                 raise APIError(400, f"this model's context is {self.max_len} tokens; the prompt has {len(ids)} tokens "
                                     f"and max_tokens is {wanted}: together they exceed it", param="max_tokens")
         count = len(prompts) * sampling.n
+        if count > self.max_waiting:
+            raise APIError(400, f"{len(prompts)} prompts x n={sampling.n} is {count} requests, more than this server "
+                                f"queues ({self.max_waiting}): send fewer", param="n")
         if self.engine.queue_depth + count > self.max_waiting:
             raise APIError(503, f"the server is at its limit of {self.max_waiting} waiting requests; retry later",
                            code="overloaded")
         arrived = time.monotonic()
-        choices: list[_Choice] = []
-        try:
-            for p, ids in enumerate(prompts):
-                for j in range(sampling.n):
-                    options = dict(sampling.options)
-                    if "seed" in options and sampling.n > 1:
-                        options["seed"] = (options["seed"] + j) % (1 << 31)
-                    wanted = sampling.max_tokens if sampling.max_tokens is not None else self.max_len - len(ids)
-                    request, outputs = await self.engine.submit(ids, wanted, **options)
-                    choices.append(_Choice(p * sampling.n + j, request, outputs, arrived))
-        except (ValueError, TypeError) as e:
+        submits = []                    # every choice queued at once: the engine takes them in one step
+        for ids in prompts:
+            wanted = sampling.max_tokens if sampling.max_tokens is not None else self.max_len - len(ids)
+            for j in range(sampling.n):
+                options = dict(sampling.options)
+                if "seed" in options and sampling.n > 1:
+                    options["seed"] = (options["seed"] + j) % (1 << 31)
+                submits.append(self.engine.submit(ids, wanted, **options))
+        results = await asyncio.gather(*submits, return_exceptions=True)
+        choices = [_Choice(i, *r, arrived) for i, r in enumerate(results) if not isinstance(r, BaseException)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
             await self.close(choices)
-            raise APIError(400, str(e)) from None
-        except RuntimeError as e:          # shutting down
-            await self.close(choices)
-            raise APIError(503, str(e), code="shutting_down") from None
+            if isinstance(failed[0], (ValueError, TypeError)):
+                raise APIError(400, str(failed[0]))
+            if isinstance(failed[0], RuntimeError):          # shutting down, or the engine failed
+                raise APIError(503, str(failed[0]), code="shutting_down")
+            raise failed[0]
         return choices
 
-    @staticmethod
-    async def close(choices: list[_Choice]) -> None:
+    async def close(self, choices: list[_Choice]) -> None:
+        """Abort choices already queued (their output streams may never have started, so closing them is not
+        enough)."""
         for c in choices:
+            self.engine.abort(c.request.id)
             await c.outputs.aclose()
 
     async def drain(self, choice: _Choice) -> None:

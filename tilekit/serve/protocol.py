@@ -57,12 +57,19 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:                  # an integer past float's range
+        return False
+
+
 def _number(body: dict, name: str, low: float, high: float, *, low_open: bool = False):
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad(name, f"must be a number, got {json.dumps(value)[:40]}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise bad(name, f"must be a finite number, got {json.dumps(value)[:40]}")
     if value < low or value > high or (low_open and value == low):
         raise bad(name, f"must lie in {'(' if low_open else '['}{low}, {high}], got {value}")
     return float(value)

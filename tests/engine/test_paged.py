@@ -63,6 +63,10 @@ class PagedKernels:
         out[:sum(lengths)] = o
 
     @staticmethod
+    def mask_tokens(logits, flat_index, dtype):
+        logits.reshape(-1)[np.asarray(flat_index)] = -np.inf
+
+    @staticmethod
     def next_token(logits, fparams, iparams, eos, tokens, positions, history, finished, *, seen=None,
                    out_counts=None, slots=0, check=False, pad=0):
         x = np.array(logits, np.float64)
@@ -100,7 +104,7 @@ def cpu(numpy_cupy, monkeypatch):
                        (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS),
                        (gpt2_module, gpt2_kernels, gpt2_kernels.KERNELS),
                        (paged, PagedKernels, ("paged_write_kv", "paged_decode_attention", "paged_prefill_attention",
-                                              "next_token")))
+                                              "next_token", "mask_tokens")))
     numpy_cupy.lib, numpy_cupy.copyto = np.lib, np.copyto
     numpy_cupy.cuda = types.SimpleNamespace(Stream=lambda non_blocking=True: FakeStream())
 

@@ -22,8 +22,6 @@ refused.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from tilekit.autotune.arrays import numpy_dtype, release_scratch
@@ -61,6 +59,26 @@ def one_token_rows(x, start: int, n: int):
 def token_rows(x, start: int, n: int):
     """(n, H, D) rows of tokens start .. start+n-1 of a (1, H, tokens, D) view."""
     return x[0, :, start:start + n].transpose(1, 0, 2)
+
+
+NEG_INF_BITS = {"bfloat16": 0xFF80, "float16": 0xFC00, "float32": 0xFF800000}
+_MASK_KERNEL = None
+
+
+def bits(x):
+    """x's elements as unsigned integers of their size (copies and masks need no float arithmetic of its dtype)."""
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+def mask_tokens(logits, flat_index, dtype: str) -> None:
+    """logits.flat[flat_index] = -inf: one elementwise kernel that allocates nothing (it runs inside the captured
+    decode step)."""
+    global _MASK_KERNEL
+    import cupy
+    if _MASK_KERNEL is None:
+        _MASK_KERNEL = cupy.ElementwiseKernel("int32 i, U pattern", "raw U x", "x[i] = pattern", "tilekit_mask_tokens")
+    flat = bits(logits).reshape(-1)
+    _MASK_KERNEL(flat_index, flat.dtype.type(NEG_INF_BITS[dtype]), flat)
 
 
 def zeroed(acts):
@@ -111,7 +129,7 @@ class PagedExecutor:
             self.prefill_acts = {p: zeroed(model.activations(1, p, arrays)) for p in self.prefill_sizes}
             N = S + self.prefill_sizes[-1]          # decode rows from 0, prefill rows from S
             sizes = dict(ids=N, positions=N, slots=N, lengths=S, newest=S, rows=S, finals=S, eos=MAX_EOS,
-                         ban_rows=S * MAX_EOS, ban_tokens=S * MAX_EOS,
+                         banned=S * MAX_EOS,
                          dtable=S * W, ptable=S * W, tiles=self.n_tiles * 4)
             self.host = np.zeros(sum(sizes.values()), np.int32)
             self.inputs = arrays.zeros(self.host.shape, "int32")
@@ -261,14 +279,13 @@ class PagedExecutor:
         # each pick still short of its min_new_tokens has its own eos ids banned in its row (the kernel's eos list,
         # one for every row, stays empty); unused entries point at the sink row
         h["eos"][:] = -1
-        h["ban_rows"][:] = S
-        h["ban_tokens"][:] = 0
+        V = self.model.config.vocab_size
+        h["banned"][:] = S * V                    # flat indices into logits_and_sink
         at = 0
         for request in step.picks:
             _, _, _, ids, banned_below = self.params[request.id]
             if len(request.tokens) - 1 < banned_below:
-                h["ban_rows"][at:at + len(ids)] = self.slot_of[request.id]
-                h["ban_tokens"][at:at + len(ids)] = ids
+                h["banned"][at:at + len(ids)] = self.slot_of[request.id] * V + np.asarray(ids)
                 at += len(ids)
 
     def _decode(self, R: int, picker: Picker | None) -> None:
@@ -288,13 +305,13 @@ class PagedExecutor:
         if head:
             model.final_norm(x, self.prefill_h, rows=v["rows"])
             model.lm_head(self.prefill_h, out=self.prefill_logits)
-            cupy.copyto(self.logits, self.prefill_logits, where=v["finals"][:, None] > 0)
+            cupy.copyto(bits(self.logits), bits(self.prefill_logits), where=v["finals"][:, None] > 0)
 
     def _pick(self, R: int, picker: Picker) -> None:
         """next_token for slots 0 .. R-1 from logits[:R]."""
         v, pen = self.views, picker.penalties
         self.finished.fill(0)
-        self.logits_and_sink[v["ban_rows"], v["ban_tokens"]] = -math.inf
+        mask_tokens(self.logits_and_sink, v["banned"], self.model.dtype)
         next_token(self.logits[:R], self.fparams[:R], self.iparams[:R], v["eos"], self.tokens[:R], v["newest"][:R],
                    self.history[:R], self.finished[:R], seen=self.seen[:R] if pen else None,
                    out_counts=self.out_counts[:R] if pen else None, slots=picker.slots, check=picker.check, pad=0)

@@ -212,3 +212,40 @@ def test_a_compile_error_that_cannot_format_itself_is_still_reported():
 
     assert describe_error(Unprintable()) == "Unprintable: failed to compile Tile IR program"
     assert describe_error(ValueError("bad tile")) == "ValueError: bad tile"
+
+
+def test_collected_launches_compile_once_each_as_the_jit_sees_them(tmp_path, monkeypatch):
+    """precompile_launches (an engine's start-up): launches collected from plans, their device arrays described by
+    dtype, shape, strides and alignment, repeated launches compiled once, each into cuTile's cache."""
+    from tilekit.autotune.arrays import ArraySpec, MetaArray
+    from tilekit.autotune.compile import launch_job, precompile_launches, signature
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path / "cutile"))
+    ops = registered_ops()
+    collected = []
+    for name, problem in (("rms_norm", PROBLEMS["rms_norm"][3]), ("decode_attention", PROBLEMS["decode_attention"][3])):
+        op = ops[name]
+        config = op.default(op.complete(problem))
+        for kernel, args in op.compile_args(problem, config):
+            seen = tuple(MetaArray(a.shape, a.dtype, a.element_strides()) if isinstance(a, ArraySpec) else a
+                         for a in args)
+            job = launch_job(op, config, kernel, seen)
+            assert job[1] == name and job[3] == kernel._pyfunc.__name__
+            assert signature(kernel, job[4]) == signature(kernel, args)
+            collected += [(op, config, kernel, seen)] * 3          # every layer repeats its launches
+    distinct = len({repr(launch_job(*c)) for c in collected})
+    assert distinct == len(collected) // 3
+    count, errors = precompile_launches(collected, "sm_90", workers=2)
+    assert (count, errors) == (distinct, {})
+    assert any((tmp_path / "cutile").rglob("*")), "nothing reached cuTile's cache"
+
+
+def test_a_strided_view_keeps_its_strides_in_the_compiled_signature():
+    from tilekit.autotune.arrays import ArraySpec, MetaArray
+    from tilekit.autotune.compile import launch_job
+    op = registered_ops()["rms_norm"]
+    problem = PROBLEMS["rms_norm"][3]
+    config = op.default(op.complete(problem))
+    kernel, args = op.compile_args(problem, config)[0]
+    view = MetaArray((4, 8, 1, 64), "bfloat16", (64, 256, 64, 1))
+    described = launch_job(op, config, kernel, (view,) + args[1:])[4][0]
+    assert described == ArraySpec("bfloat16", (4, 8, 1, 64), (64, 256, 64, 1), aligned16=True)

@@ -26,7 +26,7 @@ import cuda.tile as ct
 from cuda.tile.compilation import (ArrayConstraint, CallingConvention, ConstantConstraint,
                                    KernelSignature, ScalarConstraint, export_kernel)
 
-from tilekit.autotune.arrays import ITEMSIZE, ArraySpec
+from tilekit.autotune.arrays import ITEMSIZE, ArraySpec, MetaArray, as_device_array, info
 
 _DTYPES = {"bfloat16": ct.bfloat16, "float16": ct.float16, "float32": ct.float32,
            "int32": ct.int32, "int64": ct.int64, "int8": ct.int8, "uint8": ct.uint8}
@@ -120,6 +120,57 @@ def _bare_main():
             sys.modules["__main__"] = main
 
 
+def compile_launch(module: str, op_name: str, config: dict, kernel_name: str, args: tuple, arch: str) -> float:
+    """Compile one collected launch (precompile_launches) to a cubin for `arch`: the op's kernel named
+    `kernel_name`, with the config's hints where that launch takes them; returns seconds."""
+    importlib.import_module(module)
+    from tilekit.autotune.registry import registered_ops
+    op = registered_ops()[op_name]
+    launch = next(launch for launch in op.launches if launch.kernel._pyfunc.__name__ == kernel_name)
+    kernel = op.hinted(config) if launch.hinted else launch.kernel
+    start = time.perf_counter()
+    export_kernel(kernel, [signature(kernel, args)], io.BytesIO(), gpu_code=arch, output_format="cubin")
+    return time.perf_counter() - start
+
+
+def _address(a) -> int:
+    if isinstance(a, MetaArray):
+        return 0
+    return a.data_ptr() if hasattr(a, "data_ptr") else a.data.ptr
+
+
+def launch_job(op, config: dict, kernel, args: tuple) -> tuple:
+    """The picklable (module, op name, config, kernel name, arguments) of one launch collected by
+    collecting_launches, each device array replaced by the ArraySpec the JIT would see of it."""
+    described = []
+    for a in args:
+        if a is None or isinstance(a, (bool, int, float, str)):
+            described.append(a)
+            continue
+        try:
+            i = info(as_device_array(a, "argument"), "argument")
+        except TypeError:             # a compile-time constant that is not an array
+            described.append(a)
+            continue
+        described.append(ArraySpec(i.dtype, tuple(i.shape), tuple(i.strides), aligned16=_address(a) % 16 == 0))
+    return (op.kernel._pyfunc.__module__, op.name, dict(config), kernel._pyfunc.__name__, tuple(described))
+
+
+def precompile_launches(collected, arch: str, *, workers: int | None = None) -> tuple[int, dict[int, str]]:
+    """Compile the distinct launches of collecting_launches() in parallel processes, so that running them next
+    finds every cubin in cuTile's cache. Returns (how many distinct launches, {index: error}); a launch that
+    failed here compiles on its first run as before."""
+    jobs, seen = [], set()
+    for op, config, kernel, args in collected:
+        job = launch_job(op, config, kernel, args)
+        key = repr(job)
+        if key not in seen:
+            seen.add(key)
+            jobs.append(job + (arch,))
+    _ok, errors = _run_pool(compile_launch, jobs, workers)
+    return len(jobs), errors
+
+
 def precompile(tasks: Sequence[tuple], arch: str, *, workers: int | None = None,
                deadline: float | None = None, progress=None) -> tuple[set[int], dict[int, str]]:
     """Compile (op, problem, config) tasks in parallel processes.
@@ -127,8 +178,14 @@ def precompile(tasks: Sequence[tuple], arch: str, *, workers: int | None = None,
     Returns (indices that compiled, {index: error}). Tasks unfinished at `deadline`
     (time.monotonic) are left out; `progress(index)` is called as each finishes.
     """
-    workers = workers or max(1, min(len(tasks), (os.cpu_count() or 2) - 1, 16))
     jobs = [(op.kernel._pyfunc.__module__, op.name, problem, config, arch) for op, problem, config in tasks]
+    return _run_pool(compile_config, jobs, workers, deadline, progress)
+
+
+def _run_pool(fn, jobs: list[tuple], workers: int | None, deadline: float | None = None,
+              progress=None) -> tuple[set[int], dict[int, str]]:
+    """fn(*job) for every job in spawned worker processes (in this one for workers=1)."""
+    workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 16))
     ok, errors = set(), {}
 
     def record(i, run):
@@ -144,11 +201,11 @@ def precompile(tasks: Sequence[tuple], arch: str, *, workers: int | None = None,
         for i, job in enumerate(jobs):
             if deadline is not None and time.monotonic() > deadline:
                 break
-            record(i, lambda: compile_config(*job))
+            record(i, lambda: fn(*job))
         return ok, errors
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         with _bare_main():                  # workers start as tasks are submitted
-            futures = {pool.submit(compile_config, *job): i for i, job in enumerate(jobs)}
+            futures = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
         try:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             for future in as_completed(futures, timeout=remaining):

@@ -105,6 +105,7 @@ class BenchCase:
 
 _ARRAY, _VIEW, _FIXED, _WORK, _SCALAR = range(5)
 _recording = threading.local()         # .calls: the list of the innermost recording() of this thread
+_collecting = threading.local()        # .launches: the list of the innermost collecting_launches() of this thread
 
 
 @contextlib.contextmanager
@@ -117,6 +118,19 @@ def recording():
         yield calls
     finally:
         _recording.calls = outer
+
+
+@contextlib.contextmanager
+def collecting_launches():
+    """Plans called by this thread in the block launch nothing: each launch is collected instead, as (op, config,
+    kernel, arguments), for tilekit.autotune.compile.precompile_launches (a start-up compiles all its kernels in
+    parallel, then runs them)."""
+    launches: list[tuple] = []
+    outer, _collecting.launches = getattr(_collecting, "launches", None), launches
+    try:
+        yield launches
+    finally:
+        _collecting.launches = outer
 
 
 class _Tuning:
@@ -166,12 +180,13 @@ class Plan:
     """A validated call signature with its config: the grid, constants and argument sources of each
     launch, the output allocator and the stream getter. Calling it launches."""
 
-    __slots__ = ("problem", "config", "launches", "alloc", "out_index", "returns", "stream", "work")
+    __slots__ = ("op", "problem", "config", "launches", "alloc", "out_index", "returns", "stream", "work")
 
     def __call__(self, arrays: tuple, scalars: tuple):
         if self.alloc is not None and arrays[self.out_index] is None:
             arrays = (*arrays[:self.out_index], self.alloc(), *arrays[self.out_index + 1:])
         if self.launches:
+            collected = getattr(_collecting, "launches", None)
             handle = self.stream()
             work = arr.scratch(self.work, handle) if self.work is not None else ()
             for kernel, grid, sources, constants, dependent in self.launches:
@@ -188,6 +203,9 @@ class Plan:
                     else:
                         value = scalars[a]
                         args.append(b if value is None else value)
+                if collected is not None:
+                    collected.append((self.op, self.config, kernel, (*args, *constants)))
+                    continue
                 ct_launch(handle, grid, kernel, (*args, *constants),
                           programmatic_dependent_launch=DEPENDENT_LAUNCH and dependent)
         return None if self.returns is None else arrays[self.returns]
@@ -348,7 +366,7 @@ class Op:
 
     def plan(self, problem: dict, config: Config, binding: Binding, kind: str, device: int) -> Plan:
         plan = Plan()
-        plan.problem, plan.config = problem, dict(config)
+        plan.op, plan.problem, plan.config = self, problem, dict(config)
         plan.stream = arr.stream_getter(kind, device)
         plan.out_index, plan.alloc = binding.output if binding.output else (None, None)
         plan.returns = binding.returns

@@ -25,6 +25,9 @@ from __future__ import annotations
 import numpy as np
 
 from tilekit.autotune.arrays import numpy_dtype, release_scratch
+from tilekit.autotune.compile import precompile_launches
+from tilekit.autotune.op import collecting_launches
+from tilekit.device import device_info
 from tilekit.engine import lifecycle
 from tilekit.engine.graphs import capture
 from tilekit.engine.kv_cache import check_kv_cache_dtype, fp8_scales
@@ -341,22 +344,31 @@ class PagedExecutor:
     # -- start-up and shutdown ----------------------------------------------------------------
     def warm_up(self) -> None:
         """Every step shape once with padded rows only (kernels compiled, plans chosen), and the decode-only steps
-        captured as CUDA graphs."""
+        captured as CUDA graphs. The shapes' kernels are collected first and compiled in parallel processes
+        (precompile_launches), so that a cold compile cache costs start-up seconds rather than minutes."""
+        import cupy
         self.host[:] = 0
         self.host_views["slots"][:] = -1
         self.host_views["eos"][:] = -1
-        import cupy
         with self.stream:
             self.inputs[...] = cupy.asarray(self.host)
-            for R in self.decode_sizes:
-                for picker in (GREEDY, SAMPLING):
-                    self._decode(R, picker)
-                    if self.use_graphs:
-                        self.graphs[(R, picker)] = capture(self.stream, lambda: self._decode(R, picker))
-            for p in self.prefill_sizes:
-                self._prefill(p, head=True)
+            with collecting_launches() as launches:
+                self._every_shape(capture_graphs=False)
+            self.stream.synchronize()
+        self.compiled = precompile_launches(launches, device_info().arch) if launches else (0, {})
+        with self.stream:
+            self._every_shape(capture_graphs=self.use_graphs)
             self.stream.synchronize()
         self.warm = True
+
+    def _every_shape(self, capture_graphs: bool) -> None:
+        for R in self.decode_sizes:
+            for picker in (GREEDY, SAMPLING):
+                self._decode(R, picker)
+                if capture_graphs:
+                    self.graphs[(R, picker)] = capture(self.stream, lambda: self._decode(R, picker))
+        for p in self.prefill_sizes:
+            self._prefill(p, head=True)
 
     def release(self) -> None:
         """Drop the graphs and the stream's work arrays (what lifecycle.release_all calls at exit)."""

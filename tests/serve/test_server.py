@@ -148,8 +148,9 @@ def test_a_refused_prompt_aborts_the_ones_queued_before_it(serve):
     assert not llm.has_unfinished and llm.pool.used == 0 and llm.counters["generation_tokens"] < 20
 
 
-def test_a_client_that_disconnects_is_aborted_and_its_blocks_return(serve):
-    running = serve(delay=0.05)
+def disconnect_after_first_event(running, polls: int = 100) -> None:
+    """Stream a 50-token completion, leave after its first event, and wait for the engine to drop the request;
+    asserts its blocks were in use and came back, and that it stopped short."""
     llm = running.engine.engine
     body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 50, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -159,17 +160,24 @@ def test_a_client_that_disconnects_is_aborted_and_its_blocks_return(serve):
             if line.startswith("data:"):
                 break
         assert llm.pool.used > 0
-    for _ in range(100):
+    for _ in range(polls):
         if not llm.has_unfinished and llm.pool.used == 0:
             break
         time.sleep(0.05)
     assert not llm.has_unfinished and llm.pool.used == 0
     assert llm.counters["generation_tokens"] < 50
 
+
+def test_a_client_that_disconnects_is_aborted_and_its_blocks_return(serve):
+    running = serve(delay=0.05)
+    disconnect_after_first_event(running)
+    llm = running.engine.engine
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 50, "temperature": 0, "ignore_eos": True}
+
     async def leave_early():         # not streamed: the client gives up while it waits
         async with httpx.AsyncClient() as client:
             with pytest.raises(httpx.ReadTimeout):
-                await client.post(running.url + "/v1/completions", json=dict(body, stream=False), timeout=0.5,
+                await client.post(running.url + "/v1/completions", json=body, timeout=0.5,
                                   headers={"Authorization": "Bearer test-key"})
     before = llm.counters["generation_tokens"]
     asyncio.run(leave_early())

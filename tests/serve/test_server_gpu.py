@@ -2,12 +2,9 @@
 the official openai client, greedy text equal to the GPU model's own generate(), and a disconnecting client's
 request aborted with its blocks returned."""
 
-import time
-
-import httpx
 import pytest
 
-from tests.serve.test_server import check_chat, check_completions
+from tests.serve.test_server import check_chat, check_completions, disconnect_after_first_event
 
 pytestmark = pytest.mark.gpu
 
@@ -19,17 +16,4 @@ def test_completions_and_chat_on_the_gpu_engine(serve):
 
 
 def test_a_disconnected_stream_returns_its_blocks_on_the_gpu(serve):
-    running = serve(gpu=True)
-    llm = running.engine.engine
-    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 50, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", running.url + "/v1/completions", json=body,
-                      headers={"Authorization": "Bearer test-key"}) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data:"):
-                break
-    for _ in range(200):
-        if not llm.has_unfinished and llm.pool.used == 0:
-            break
-        time.sleep(0.05)
-    assert not llm.has_unfinished and llm.pool.used == 0
+    disconnect_after_first_event(serve(gpu=True), polls=200)

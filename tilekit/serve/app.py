@@ -66,6 +66,7 @@ class Server:
                  max_body: int = MAX_BODY):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_waiting, self.max_body = max_waiting, max_body
+        self.admitting = 0      # choices let past max_waiting that the engine has not taken yet (on the safe side)
         llm = engine.engine
         self.runner, self.max_len, self.vocab = llm.runner, llm.max_len, llm.model.config.vocab_size
         self.metrics = Metrics(self._stats, model_name)
@@ -131,9 +132,10 @@ class Server:
         if count > self.max_waiting:
             raise APIError(400, f"{len(prompts)} prompts x n={sampling.n} is {count} requests, more than this server "
                                 f"queues ({self.max_waiting}): send fewer", param="n")
-        if self.engine.queue_depth + count > self.max_waiting:
+        if self.engine.queue_depth + self.admitting + count > self.max_waiting:
             raise APIError(503, f"the server is at its limit of {self.max_waiting} waiting requests; retry later",
                            code="overloaded")
+        self.admitting += count           # the submits below run later: a concurrent check must see these
         arrived = time.monotonic()
         submits = []                    # every choice queued at once: the engine takes them in one step
         for ids in prompts:
@@ -143,7 +145,10 @@ class Server:
                 if "seed" in options and sampling.n > 1:
                     options["seed"] = (options["seed"] + j) % (1 << 31)
                 submits.append(self.engine.submit(ids, wanted, **options))
-        results = await asyncio.gather(*submits, return_exceptions=True)
+        try:
+            results = await asyncio.gather(*submits, return_exceptions=True)
+        finally:
+            self.admitting -= count
         choices = [_Choice(i, *r, arrived) for i, r in enumerate(results) if not isinstance(r, BaseException)]
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:

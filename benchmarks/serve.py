@@ -1,5 +1,7 @@
 """A serving benchmark in the manner of vLLM's: random token-id prompts sent to an OpenAI-compatible server's
-/v1/completions, streamed, at a request rate (Poisson arrivals; inf: all at once) under a concurrency cap.
+/v1/completions, streamed, at a request rate (Poisson arrivals; inf: all at once) under a concurrency cap. The
+prompts are the continuous-batching study's workload (benchmarks.studies.continuous), so that its offline run of the
+same requests is the server's ceiling.
 
     python -m benchmarks.serve --base-url http://127.0.0.1:8000 --model NAME [--num-prompts 256]
         [--input-len 256 1024] [--output-len 128 128] [--max-concurrency 64] [--request-rate inf] [--out FILE]
@@ -21,11 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def dataset(n: int, inputs: tuple[int, int], outputs: tuple[int, int], vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    return [([int(t) for t in rng.integers(0, vocab, int(rng.integers(inputs[0], inputs[1] + 1)))],
-             int(rng.integers(outputs[0], outputs[1] + 1))) for _ in range(n)]
+from benchmarks.studies.continuous import workload
 
 
 async def one(client, url: str, model: str, prompt: list[int], n: int, headers: dict) -> dict:
@@ -108,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.max_concurrency < 1 or args.num_prompts < 1 or args.request_rate <= 0:
         p.error("--max-concurrency and --num-prompts must be positive, --request-rate above 0")
-    reqs = dataset(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.vocab_size)
+    reqs = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), 0, args.vocab_size)
     results, seconds = asyncio.run(run(args, reqs))
     s = summary(results, seconds)
     print(f"concurrency {args.max_concurrency}, rate {args.request_rate}: {s['completed']} ok, {s['failed']} failed "

@@ -63,6 +63,21 @@ def run_engine(engine, reqs) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, [o["token_ids"] for o in outs]
 
 
+def roofline_seconds(config, reqs, max_running: int, copy_gbs: float, peak_tflops: float, itemsize: int = 2) -> float:
+    """A floor for the engine's run of `reqs`: every prompt's prefill (its matrix FLOPs and causal attention) at the
+    measured bf16 matmul rate, plus, at the measured copy bandwidth, the weights read once per decode step (at the
+    least output tokens / max_running steps) and every decode token's keys and values once."""
+    from benchmarks.harness.report import kv_width, layer_matmul_params, streamed_params
+    L, matrices = config.n_layer, layer_matmul_params(config)
+    attention = 2.0 * L * config.n_head * config.head_dim            # per (query, key) pair: QK^T and PV
+    flops = sum(2.0 * len(p) * L * matrices + attention * len(p) * (len(p) + 1) / 2 for p, _ in reqs)
+    steps = -(-sum(n for _, n in reqs) // max_running)
+    kv_token = 2 * L * kv_width(config) * itemsize
+    kv = sum(kv_token * (n * len(p) + n * (n - 1) / 2) for p, n in reqs)
+    weights = steps * streamed_params(config, max_running) * itemsize
+    return flops / (peak_tflops * 1e12) + (weights + kv) / (copy_gbs * 1e9)
+
+
 def first_token_seconds(engine, prompt) -> float:
     """Time to the first token of one request on an idle engine."""
     start = time.perf_counter()
@@ -71,6 +86,17 @@ def first_token_seconds(engine, prompt) -> float:
         engine.step()
     assert len(request.output) == 1
     return time.perf_counter() - start
+
+
+def print_row(r: dict) -> None:
+    if r["side"] == "engine":
+        extra = (f"start-up {r['startup_s']:.1f} s ({r['kernels_precompiled']} launches precompiled), first token "
+                 f"{1e3 * r['ttft_first_s']:.1f} ms, prefix hits {100 * r['prefix_hit_rate']:.0f}%, preemptions "
+                 f"{r['preemptions']}, {r['pct_roofline']:.0f}% of roofline")
+    else:
+        extra = f"first generate of a new length {r['first_new_length_s']:.2f} s"
+    print(f"  {r['side']:7s} {r['seconds']:7.2f} s  {r['output_tps']:9.0f} output tok/s  {r['total_tps']:9.0f} "
+          f"total tok/s  {extra}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,10 +131,27 @@ def main(argv: list[str] | None = None) -> int:
     stats = engine.stats()
     prompt_tokens = sum(len(p) for p, _ in reqs)
     output_tokens = sum(n for _, n in reqs)
+    from benchmarks.harness.timing import copy_bandwidth, matmul_peak_tflops
+    copy_gbs, peak = copy_bandwidth()["gbs"], matmul_peak_tflops()
+    floor = roofline_seconds(config, reqs, args.max_running, copy_gbs, peak)
     rows = [dict(side="engine", seconds=engine_s, output_tps=output_tokens / engine_s,
                  total_tps=(prompt_tokens + output_tokens) / engine_s, startup_s=startup, ttft_first_s=ttft,
                  prefix_hit_rate=stats["prefix_hit_rate"], preemptions=stats["preemptions"],
-                 blocks=stats["blocks_total"])]
+                 blocks=stats["blocks_total"], roofline_s=floor, pct_roofline=100 * floor / engine_s,
+                 copy_gbs=copy_gbs, matmul_tflops=peak, kernels_precompiled=engine.executor.compiled[0])]
+    print(f"{args.preset} {args.dtype}: {args.requests} requests, input {args.input[0]}-{args.input[1]}, output "
+          f"{args.output[0]}-{args.output[1]}, shared prefix {args.shared_prefix}; {prompt_tokens} prompt + "
+          f"{output_tokens} output tokens; roofline {floor:.2f} s (copy {copy_gbs:.0f} GB/s, matmul {peak:.0f} "
+          f"TFLOP/s)")
+    print_row(rows[0])
+
+    def save():
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            name = f"continuous-{args.preset}-{args.requests}-prefix{args.shared_prefix}.json"
+            (args.out / name).write_text(json.dumps(dict(argv=sys.argv, rows=rows,
+                                                         args={k: str(v) for k, v in vars(args).items()}), indent=1))
+    save()                    # the engine's row stands even if the static side runs out of time
     if not args.no_static:
         t0 = time.perf_counter()
         model.generate([reqs[1][0][:len(reqs[1][0]) // 2]], 1, temperature=0)     # a new prompt length, cold
@@ -123,22 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         rows[0]["check"] = "ok" if sum(same) >= 0.75 * len(same) else \
             f"FAILED: {sum(same)} of {len(same)} requests' first 4 tokens agree with static batching"
         rows[0]["speedup_vs_static"] = static_s / engine_s
+        print_row(rows[1])
+        print(f"  engine {rows[0]['check']}, {rows[0]['speedup_vs_static']:.2f}x static")
     engine.close()
-    print(f"{args.preset} {args.dtype}: {args.requests} requests, input {args.input[0]}-{args.input[1]}, output "
-          f"{args.output[0]}-{args.output[1]}, shared prefix {args.shared_prefix}; {prompt_tokens} prompt + "
-          f"{output_tokens} output tokens")
-    for r in rows:
-        extra = (f"start-up {r['startup_s']:.1f} s, first token {1e3 * r['ttft_first_s']:.1f} ms, prefix hits "
-                 f"{100 * r['prefix_hit_rate']:.0f}%, preemptions {r['preemptions']}, {r.get('check', '')}"
-                 f"{', %.2fx static' % r['speedup_vs_static'] if 'speedup_vs_static' in r else ''}"
-                 if r["side"] == "engine" else f"first generate of a new length {r['first_new_length_s']:.2f} s")
-        print(f"  {r['side']:7s} {r['seconds']:7.2f} s  {r['output_tps']:9.0f} output tok/s  {r['total_tps']:9.0f} "
-              f"total tok/s  {extra}")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        name = f"continuous-{args.preset}-{args.requests}-prefix{args.shared_prefix}.json"
-        (args.out / name).write_text(json.dumps(dict(argv=sys.argv, args={k: str(v) for k, v in vars(args).items()},
-                                                     rows=rows), indent=1))
+    save()
     return 0 if all(r.get("check", "ok") == "ok" for r in rows) else 1
 
 

@@ -1,0 +1,26 @@
+"""The continuous-batching study's workload and roofline (CPU: arithmetic only)."""
+
+from benchmarks.harness.report import kv_width, layer_matmul_params, streamed_params
+from benchmarks.studies.continuous import roofline_seconds, workload
+from tilekit.models.families import preset_config
+
+
+def test_the_workload_keeps_its_ranges_and_shared_prefix():
+    reqs = workload(50, (20, 40), (3, 9), shared=16, vocab=1000, seed=3)
+    assert len(reqs) == 50
+    assert all(20 <= len(p) <= 40 and 3 <= n <= 9 for p, n in reqs)
+    assert len({tuple(p[:16]) for p, _ in reqs}) == 1 and len({tuple(p[16:]) for p, _ in reqs}) == 50
+
+
+def test_the_roofline_of_one_request_by_hand():
+    config = preset_config("llama-3.2-1b")
+    prompt, n, running, gbs, tflops = [1] * 100, 10, 4, 1000.0, 500.0
+    L = config.n_layer
+    flops = 2 * 100 * L * layer_matmul_params(config) + 2 * L * config.n_head * config.head_dim * 100 * 101 / 2
+    steps = 3                                                   # 10 tokens, at most 4 a step
+    kv = 2 * L * kv_width(config) * 2 * sum(100 + j for j in range(n))
+    expected = flops / 500e12 + (steps * streamed_params(config, running) * 2 + kv) / 1000e9
+    assert abs(roofline_seconds(config, [(prompt, n)], running, gbs, tflops) - expected) < 1e-12 * expected
+    # twice the requests at twice the running cap: the same weight reads, twice the FLOPs and KV
+    two = roofline_seconds(config, [(prompt, n)] * 2, 2 * running, gbs, tflops)
+    assert two > roofline_seconds(config, [(prompt, n)], running, gbs, tflops)

@@ -90,7 +90,9 @@ def first_token_seconds(engine, prompt) -> float:
 
 def print_row(r: dict) -> None:
     if r["side"] == "engine":
-        extra = (f"start-up {r['startup_s']:.1f} s ({r['kernels_precompiled']} launches precompiled), first token "
+        phases = r["startup_phases"]
+        extra = (f"start-up {r['startup_s']:.1f} s ({phases['launches']} launches precompiled in "
+                 f"{phases['precompile_s']:.1f} s), first token "
                  f"{1e3 * r['ttft_first_s']:.1f} ms, prefix hits {100 * r['prefix_hit_rate']:.0f}%, preemptions "
                  f"{r['preemptions']}, {r['pct_roofline']:.0f}% of roofline")
     else:
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                  total_tps=(prompt_tokens + output_tokens) / engine_s, startup_s=startup, ttft_first_s=ttft,
                  prefix_hit_rate=stats["prefix_hit_rate"], preemptions=stats["preemptions"],
                  blocks=stats["blocks_total"], roofline_s=floor, pct_roofline=100 * floor / engine_s,
-                 copy_gbs=copy_gbs, matmul_tflops=peak, kernels_precompiled=engine.executor.compiled[0])]
+                 copy_gbs=copy_gbs, matmul_tflops=peak, startup_phases=engine.executor.startup)]
     print(f"{args.preset} {args.dtype}: {args.requests} requests, input {args.input[0]}-{args.input[1]}, output "
           f"{args.output[0]}-{args.output[1]}, shared prefix {args.shared_prefix}; {prompt_tokens} prompt + "
           f"{output_tokens} output tokens; roofline {floor:.2f} s (copy {copy_gbs:.0f} GB/s, matmul {peak:.0f} "

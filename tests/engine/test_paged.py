@@ -174,6 +174,9 @@ def test_latent_caches_and_tensor_parallel_models_are_refused(cpu):
     llama = Llama.from_pretrained(DATA, dtype="float32")
     with pytest.raises(ValueError, match="block must be one of"):
         LLMEngine(llama, block=48, num_blocks=8, use_graphs=False)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="compile_workers must be a positive int"):
+            LLMEngine(llama, num_blocks=8, use_graphs=False, compile_workers=bad)
 
 
 def test_one_requests_eos_ban_is_its_own(cpu, reference):

@@ -23,9 +23,10 @@ def load(name, dtype, quantize=None):
 
 
 def new_engine(model, **kw):
-    """An LLMEngine whose default pool takes 2% of the free memory (the suite's workers share the GPU)."""
+    """An LLMEngine whose default pool takes 2% of the free memory and whose start-up compiles in 2 processes (the
+    suite's workers share the GPU and the cores)."""
     from tilekit.engine.llm import LLMEngine
-    return LLMEngine(model, gpu_memory_utilization=0.02, **kw)
+    return LLMEngine(model, gpu_memory_utilization=0.02, compile_workers=2, **kw)
 
 
 @pytest.mark.parametrize("name,dtype,quantize", CASES)

@@ -86,7 +86,7 @@ def serve(checkpoint):
         if gpu:         # tilekit's GPU model through the PagedExecutor (its pool: 2% of the free memory)
             from tilekit.models import load_model
             llm = LLMEngine(load_model(checkpoint, dtype="float32"), max_running=max_running, token_budget=64,
-                            block=16, gpu_memory_utilization=0.02)
+                            block=16, gpu_memory_utilization=0.02, compile_workers=2)
         else:
             llm = LLMEngine(ReferenceGPT.from_pretrained(checkpoint, dtype="float32"), max_running=max_running,
                             token_budget=64, block=4, num_blocks=num_blocks)

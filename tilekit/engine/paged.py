@@ -79,7 +79,7 @@ def mask_tokens(logits, flat_index, dtype: str) -> None:
     global _MASK_KERNEL
     import cupy
     if _MASK_KERNEL is None:
-        _MASK_KERNEL = cupy.ElementwiseKernel("int32 i, U pattern", "raw U x", "x[i] = pattern", "tilekit_mask_tokens")
+        _MASK_KERNEL = cupy.ElementwiseKernel("int32 at, U pattern", "raw U x", "x[at] = pattern", "tilekit_mask_tokens")
     flat = bits(logits).reshape(-1)
     _MASK_KERNEL(flat_index, flat.dtype.type(NEG_INF_BITS[dtype]), flat)
 
@@ -98,7 +98,8 @@ class PagedExecutor:
     pool's blocks (default: gpu_memory_utilization of the memory free once the rest is allocated)."""
 
     def __init__(self, model, *, max_running: int, token_budget: int, block: int, num_blocks: int | None,
-                 gpu_memory_utilization: float, kv_cache_dtype: str, max_len: int, use_graphs: bool = True):
+                 gpu_memory_utilization: float, kv_cache_dtype: str, max_len: int, use_graphs: bool = True,
+                 compile_workers: int | None = None):
         import cupy
         spec = model.cache_spec()
         if isinstance(spec, LatentSpec):
@@ -111,6 +112,9 @@ class PagedExecutor:
             raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
         if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 2):
             raise ValueError(f"num_blocks must be an int >= 2, got {num_blocks!r}")
+        if compile_workers is not None and (not isinstance(compile_workers, int) or isinstance(compile_workers, bool)
+                                            or compile_workers < 1):
+            raise ValueError(f"compile_workers must be a positive int, got {compile_workers!r}")
         if not (isinstance(gpu_memory_utilization, float) and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
         self.model, self.spec, self.block = model, spec, block
@@ -178,7 +182,7 @@ class PagedExecutor:
         self.free_slots = list(range(S - 1, -1, -1))
         self.params: dict[str, tuple] = {}          # request id -> (fparams row, iparams row, picker, eos, banned to)
         self.graphs: dict[tuple, object] = {}
-        self.use_graphs = use_graphs
+        self.use_graphs, self.compile_workers = use_graphs, compile_workers
         self.warm = False
         lifecycle.track(self)
         self.warm_up()
@@ -345,20 +349,29 @@ class PagedExecutor:
     def warm_up(self) -> None:
         """Every step shape once with padded rows only (kernels compiled, plans chosen), and the decode-only steps
         captured as CUDA graphs. The shapes' kernels are collected first and compiled in parallel processes
-        (precompile_launches), so that a cold compile cache costs start-up seconds rather than minutes."""
+        (precompile_launches), so that a cold compile cache costs start-up seconds rather than minutes. The phases'
+        seconds, the distinct launches and any that failed to precompile are kept in self.startup."""
+        import time
+
         import cupy
         self.host[:] = 0
         self.host_views["slots"][:] = -1
         self.host_views["eos"][:] = -1
+        t0 = time.perf_counter()
         with self.stream:
             self.inputs[...] = cupy.asarray(self.host)
             with collecting_launches() as launches:
                 self._every_shape(capture_graphs=False)
             self.stream.synchronize()
-        self.compiled = precompile_launches(launches, device_info().arch) if launches else (0, {})
+        t1 = time.perf_counter()
+        count, errors = (precompile_launches(launches, device_info().arch, workers=self.compile_workers) if launches
+                         else (0, {}))
+        t2 = time.perf_counter()
         with self.stream:
             self._every_shape(capture_graphs=self.use_graphs)
             self.stream.synchronize()
+        self.startup = dict(collect_s=t1 - t0, precompile_s=t2 - t1, run_s=time.perf_counter() - t2,
+                            launches=count, precompile_errors=sorted(set(errors.values())))
         self.warm = True
 
     def _every_shape(self, capture_graphs: bool) -> None:

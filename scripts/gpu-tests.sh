@@ -14,7 +14,9 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 gpus=$(nvidia-smi -L | grep -c "^GPU")
 [ "$gpus" -gt 1 ] && export TESTS_SPREAD_OVER_GPUS="$gpus"    # xdist workers take the GPUs in turn
-# -v logs each test's outcome as it finishes, so a run cut short by a time limit still names its failures.
+# -v logs each test's outcome as it finishes, and failures.txt each failure's report, so a run cut short by a time
+# limit still names its failures and says why.
+export TESTS_FAILURES_FILE="$out/failures.txt"
 python3 -m pytest -v -n "${WORKERS:-12}" -m gpu -p no:cacheprovider ${TEST_TIMEOUT:+--timeout="$TEST_TIMEOUT"} \
     "${@:-tests}" > "$out/gpu-tests.log" 2>&1
 status=$?

@@ -1,7 +1,9 @@
 """Shared test setup: every test gets its own empty user tuning cache, and tests marked `gpu` skip with the
 reason where no usable CUDA GPU is present. `no_hang`: a test that blocks for 20 s (a FIFO opened) fails.
 With TESTS_SPREAD_OVER_GPUS=N (scripts/gpu-tests.sh sets it on a host with N GPUs), pytest-xdist worker k runs on
-GPU k mod N; HOST_GPUS then says how many the host has (the processes a multi-GPU test starts may see them all)."""
+GPU k mod N; HOST_GPUS then says how many the host has (the processes a multi-GPU test starts may see them all).
+With TESTS_FAILURES_FILE=PATH each failure's report is appended there as it happens (a run cut short by a time
+limit keeps the messages that pytest prints only at its end)."""
 
 import os
 import signal
@@ -28,6 +30,13 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason=f"GPU test: {reason}")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("TESTS_FAILURES_FILE")
+    if path and report.failed and not _WORKER:         # once: where xdist runs, its controller writes it
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 @pytest.fixture(autouse=True)

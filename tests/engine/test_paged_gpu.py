@@ -51,6 +51,22 @@ def test_greedy_tokens_equal_generate_alone(name, dtype, quantize, num_blocks, e
     engine.close()
 
 
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_prompts_prefilled_together_then_decoded_equal_generate_alone(name):
+    """The simplest case: three prompts in one prefill pass, then decode-only (graph) steps; no preemption, no prefix
+    hit. The first differing token tells a prefill fault (token 0) from a decode one."""
+    model = load(name, "float32")
+    engine = new_engine(model, max_running=4, token_budget=64, block=16, max_len=64)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(0, model.config.vocab_size, n)] for n in (5, 17, 30)]
+    outs = engine.generate(prompts, 8, temperature=0, ignore_eos=True)
+    for p, o in zip(prompts, outs):
+        alone = [int(t) for t in model.generate([p], 8, temperature=0, eos_token_id=[])[0][len(p):]]
+        first = next((i for i, (a, b) in enumerate(zip(o["token_ids"], alone)) if a != b), None)
+        assert first is None, f"prompt of {len(p)} tokens: token {first} differs: {o['token_ids']} against {alone}"
+    engine.close()
+
+
 def test_fp8_kv_cache_tokens_equal_generate_with_it():
     model = load("tiny-llama", "bfloat16")
     engine = new_engine(model, max_running=4, token_budget=48, block=16, max_len=128, kv_cache_dtype="fp8")

@@ -40,7 +40,8 @@ def pools(blocks, heads, block, D, dtype, fp8, rng):
 @pytest.mark.parametrize("T,H,D,block,dtype,fp8", [(37, 4, 64, 16, "bfloat16", False), (300, 8, 128, 64, "float16",
                                                                                           False),
                                                     (5, 2, 80, 32, "float32", False), (64, 8, 128, 64, "bfloat16",
-                                                                                       True)])
+                                                                                       True),
+                                                    (40, 4, 16, 16, "float32", False)])       # tiny GPT-2's heads
 def test_paged_write_kv_writes_each_token_into_its_slot(T, H, D, block, dtype, fp8):
     rng = np.random.default_rng()
     blocks = -(-T // block) + 3
@@ -59,7 +60,8 @@ def test_paged_write_kv_writes_each_token_into_its_slot(T, H, D, block, dtype, f
 @pytest.mark.parametrize("B,H,Hkv,D,block,width,dtype,fp8", [
     (1, 32, 8, 128, 64, 64, "bfloat16", False), (5, 12, 12, 64, 64, 20, "bfloat16", False),
     (3, 8, 2, 64, 32, 10, "float32", False), (4, 32, 8, 128, 64, 40, "bfloat16", True),
-    (7, 16, 4, 128, 16, 300, "float16", False)])
+    (7, 16, 4, 128, 16, 300, "float16", False),
+    (3, 4, 4, 16, 16, 4, "float32", False), (4, 4, 2, 16, 16, 8, "bfloat16", False)])   # the tiny GPT-2 and Llama
 def test_paged_decode_attention_matches_the_reference(B, H, Hkv, D, block, width, dtype, fp8):
     """Lengths from 1 to the table's capacity; the new token's key and value (views of a fused QKV buffer) land in
     their blocks and nowhere else."""
@@ -108,7 +110,8 @@ def test_paged_decode_attention_splits_a_long_context_over_programs():
 @pytest.mark.parametrize("H,Hkv,D,block,dtype,fp8", [(32, 8, 128, 64, "bfloat16", False),
                                                       (12, 12, 64, 64, "bfloat16", False),
                                                       (4, 2, 64, 32, "float32", False),
-                                                      (16, 4, 128, 64, "bfloat16", True)])
+                                                      (16, 4, 128, 64, "bfloat16", True),
+                                                      (4, 4, 16, 16, "float32", False)])   # the tiny GPT-2
 def test_paged_prefill_attention_over_a_flattened_batch_with_cached_pasts(H, Hkv, D, block, dtype, fp8):
     """Requests of 1 to 300 new tokens, some with no past (a whole prompt), some continuing a cached past (a later
     chunk, a prefix hit) not ending on a block edge; their keys and values written by paged_write_kv, as the

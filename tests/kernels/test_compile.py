@@ -99,6 +99,7 @@ PROBLEMS = {
                                 dict(dtype="float32", T=70, H=2, Hkv=2, D=64, fp8=0, block=32),
                                 dict(dtype="bfloat16", T=256, H=32, Hkv=8, D=128, fp8=1, block=64),
                                 dict(dtype="float32", T=64, H=4, Hkv=4, D=16, fp8=0, block=16)],
+    "token_bitmask": [dict(dtype="bfloat16", R=64, V=128256), dict(dtype="float32", R=3, V=1031)],
     "mla_kv": [dict(dtype="bfloat16", M=8192, H=16, DN=128, DV=128, P=64),
                dict(dtype="float32", M=5, H=3, DN=16, DV=8, P=16)],
 }

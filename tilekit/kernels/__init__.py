@@ -24,8 +24,10 @@ from tilekit.kernels.quantize_fp8 import quantize_fp8
 from tilekit.kernels.residual_linear import residual_linear
 from tilekit.kernels.rms_norm import rms_norm
 from tilekit.kernels.swiglu_linear import swiglu_linear
+from tilekit.kernels.token_bitmask import token_bitmask
 from tilekit.kernels.write_kv import write_kv
 
 __all__ = ["apply_rope", "attention", "decode_attention", "embedding", "fixed_cast", "gelu", "head_linear", "layer_norm",
            "linear", "mla_decode_attention", "mla_kv", "moe_down_combine", "moe_gate_up", "moe_permute", "moe_router",
-           "next_token", "paged_decode_attention", "paged_prefill_attention", "paged_write_kv", "quant_linear", "quantize_fp8", "residual_linear", "rms_norm", "swiglu_linear", "write_kv"]
+           "next_token", "paged_decode_attention", "paged_prefill_attention", "paged_write_kv", "quant_linear", "quantize_fp8", "residual_linear", "rms_norm", "swiglu_linear",
+           "token_bitmask", "write_kv"]

@@ -18,6 +18,7 @@ from tilekit.engine.llm import LLMEngine
 from tilekit.kernels.paged_decode_attention import paged_decode_attention_reference
 from tilekit.kernels.paged_prefill_attention import paged_prefill_attention_reference
 from tilekit.kernels.paged_write_kv import paged_write_kv_reference
+from tilekit.kernels.token_bitmask import token_bitmask_reference
 from tilekit.models import GPT, Llama, base
 from tilekit.models.gpt2 import model as gpt2_module
 from tilekit.models.gpt2.reference import ReferenceGPT
@@ -63,6 +64,10 @@ class PagedKernels:
         out[:sum(lengths)] = o
 
     @staticmethod
+    def token_bitmask(logits, mask):
+        logits[...] = token_bitmask_reference(logits, mask)
+
+    @staticmethod
     def mask_tokens(logits, flat_index, dtype):
         logits.reshape(-1)[np.asarray(flat_index)] = -np.inf
 
@@ -104,7 +109,7 @@ def cpu(numpy_cupy, monkeypatch):
                        (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS),
                        (gpt2_module, gpt2_kernels, gpt2_kernels.KERNELS),
                        (paged, PagedKernels, ("paged_write_kv", "paged_decode_attention", "paged_prefill_attention",
-                                              "next_token", "mask_tokens")))
+                                              "next_token", "mask_tokens", "token_bitmask")))
     numpy_cupy.lib, numpy_cupy.copyto = np.lib, np.copyto
     numpy_cupy.cuda = types.SimpleNamespace(Stream=lambda non_blocking=True: FakeStream())
 

@@ -23,10 +23,11 @@ from typing import Sequence
 import numpy as np
 
 from tilekit.engine.blocks import BlockPool
+from tilekit.engine.grammar import Constraint, grammar_of, vocabulary
 from tilekit.engine.sampling import GenerationSettings
 from tilekit.engine.scheduler import Request, Scheduler
 from tilekit.engine.stops import StopChecker
-from tilekit.engine.text import TextStream
+from tilekit.engine.text import TextStream, tokenizer_failures
 from tilekit.kernels.next_token import MAX_EOS
 
 _ids = itertools.count()
@@ -102,11 +103,13 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
                     request_id: str | None = None, ignore_eos: bool = False, stop_token_ids: Sequence[int] = (),
-                    **options) -> Request:
+                    response_format: dict | None = None, **options) -> Request:
         """Queue one request: `prompt` text (the checkpoint's tokenizer encodes it) or token ids; options as for
         generate() (temperature, top_k, top_p, min_p, repetition / presence / frequency penalties, min_new_tokens,
         eos_token_id, stop_strings, seed), the checkpoint's generation_config.json filling in the rest;
-        stop_token_ids stop it too, and ignore_eos lets it run past the eos ids. Every argument is checked here."""
+        stop_token_ids stop it too, and ignore_eos lets it run past the eos ids; response_format constrains its
+        output (tilekit.engine.grammar: a JSON schema, any JSON object, a regex, a grammar, a choice) and it stops
+        when that is complete. Every argument is checked here."""
         ids = self.runner._encoded(prompt) if isinstance(prompt, str) else list(prompt)
         V = self.model.config.vocab_size
         if not ids or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < V
@@ -125,9 +128,10 @@ class LLMEngine:
         if len(eos) > MAX_EOS:
             raise ValueError(f"eos_token_id and stop_token_ids must be at most {MAX_EOS} ids together, got {len(eos)}")
         seed = settings.seed if settings.seed is not None else int(np.random.SeedSequence().entropy % (1 << 31))
+        constraint = self._constraint(response_format)
         request = Request(ids, settings.max_new_tokens, settings.sampling, min_new_tokens=settings.min_new_tokens,
                           eos_token_ids=eos, stop_strings=settings.stop_strings, seed=seed,
-                          id=request_id or f"req-{next(_ids)}")
+                          id=request_id or f"req-{next(_ids)}", constraint=constraint)
         if request.id in self.tracks:
             raise ValueError(f"request id {request.id!r} is already running")
         if settings.max_new_tokens == 0:
@@ -141,6 +145,19 @@ class LLMEngine:
         hold = max(map(len, settings.stop_strings), default=1) - 1
         self.tracks[request.id] = _Track(request, StopChecker(1, stop_settings), stream, hold)
         return request
+
+    def _constraint(self, response_format) -> Constraint | None:
+        """The matcher of a request's response_format over the checkpoint's vocabulary, or None for free text."""
+        grammar = grammar_of(response_format)
+        if grammar is None:
+            return None
+        if self._text_stream([0]) is None:
+            raise ValueError("response_format needs the checkpoint's tokenizer (tokenizer.json or vocab.json)")
+        source = self.runner._tokenizer_file()
+        with tokenizer_failures(source, "cannot give structured output's vocabulary"):
+            vocab = vocabulary(self.runner.tokenizer().to_str(), self.model.config.vocab_size,
+                               tuple(self.defaults.eos_token_ids))
+        return Constraint(vocab, grammar, self.model.config.vocab_size)
 
     def _text_stream(self, ids: list[int]) -> TextStream | None:
         """A request's incremental detokenizer, or None for a model without a checkpoint tokenizer (ids only)."""
@@ -172,7 +189,8 @@ class LLMEngine:
                 raise RuntimeError(f"the scheduler planned nothing with {len(self.scheduler.running)} running and "
                                    f"{len(self.scheduler.waiting)} waiting requests ({self.pool.free} free blocks)")
             return []
-        picked = self.executor.execute(step)
+        masks = {q.id: q.constraint.mask() for q in step.picks if q.constraint is not None}
+        picked = self.executor.execute(step, masks)
         self.scheduler.advance(step, picked)
         self.counters["prompt_tokens"] += sum(c.n for c in step.chunks)
         outputs = []
@@ -189,7 +207,11 @@ class LLMEngine:
         piece = track.stream.push(token) if track.stream is not None else ""
         track.stops.update([token], [piece] if request.stop_strings else None)
         text = track.pending + piece
-        finished = bool(track.stops.done[0])
+        complete = False
+        if request.constraint is not None:
+            request.constraint.accept(token)
+            complete = request.constraint.done
+        finished = bool(track.stops.done[0]) or complete
         reason = None
         if finished:
             if track.stream is not None:
@@ -199,7 +221,7 @@ class LLMEngine:
             hit = [i for i in hit if i >= 0]
             if hit:                                   # the stop string and what follows it are not returned
                 text = full[:min(hit)][len(track.sent):] if min(hit) >= len(track.sent) else ""
-            reason = "stop" if (hit or token in request.eos_token_ids) else "length"
+            reason = "stop" if (hit or complete or token in request.eos_token_ids) else "length"
             self.scheduler.finish(request, reason)
             self.executor.forget(request)
             self.tracks.pop(request.id)

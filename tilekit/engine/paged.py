@@ -33,9 +33,10 @@ from tilekit.engine.graphs import capture
 from tilekit.engine.kv_cache import check_kv_cache_dtype, fp8_scales
 from tilekit.engine.picker import Picker
 from tilekit.engine.sampling import param_arrays, token_counts
-from tilekit.kernels import next_token, paged_decode_attention, paged_prefill_attention, paged_write_kv
+from tilekit.kernels import next_token, paged_decode_attention, paged_prefill_attention, paged_write_kv, token_bitmask
 from tilekit.kernels.next_token import MAX_EOS, MAX_SLOTS, pack_params
 from tilekit.kernels.paged_prefill_attention import TILE_ROWS, tile_list
+from tilekit.kernels.token_bitmask import words
 from tilekit.models.base import Arrays, LatentSpec
 
 BLOCKS = (16, 32, 64, 128, 256)      # block sizes the paged kernels take
@@ -152,6 +153,9 @@ class PagedExecutor:
             self.logits = self.logits_and_sink[:S]
             self.prefill_h = arrays.empty((S, model.config.n_embd), model.dtype)
             self.prefill_logits = arrays.empty((S, V), model.dtype)
+            self.bitmask = arrays.zeros((S, words(V)), "int32")      # structured output's allowed tokens
+            self.bitmask.fill(-1)
+            self.host_bitmask = np.full((S, words(V)), -1, np.int32)
             self.tokens = arrays.zeros((S,), "int32")
             self.finished = arrays.zeros((S,), "int32")
             self.history = arrays.zeros((S, max_len + 1), "int32")
@@ -195,8 +199,9 @@ class PagedExecutor:
             self.free_slots.append(slot)
         self.params.pop(request.id, None)
 
-    def execute(self, step) -> dict:
-        """Run one scheduler Step; {request id: the token picked} for its picks."""
+    def execute(self, step, masks: dict | None = None) -> dict:
+        """Run one scheduler Step; {request id: the token picked} for its picks. masks: {request id: its
+        allowed-token bitmask row} for the constrained picks (structured output)."""
         for request in step.preempted:
             self.forget(request)
         for request in step.decodes + [c.request for c in step.chunks]:
@@ -214,17 +219,24 @@ class PagedExecutor:
             picker = SAMPLING if any(self.params[q.id][2] is SAMPLING for q in picks) else GREEDY
             self._fill_inputs(step)
             self.inputs[...] = cupy.asarray(self.host)
-            graph = None if P else self.graphs.get((R, picker))
+            masked = bool(masks)
+            if masked:                    # the rows the pick reads: the constrained ones', the rest all ones
+                rows = max(R, picks_R)
+                self.host_bitmask[:rows] = -1
+                for request_id, row in masks.items():
+                    self.host_bitmask[self.slot_of[request_id]] = row
+                self.bitmask[:rows] = cupy.asarray(self.host_bitmask[:rows])
+            graph = None if P else self.graphs.get((R, picker, masked))
             if graph is not None:
                 graph.launch(self.stream)
             elif not P:
-                self._decode(R, picker)
+                self._decode(R, picker, masked)
             else:
                 if R:
                     self._decode(R, None)
                 self._prefill(pow2_at_least(P, PREFILL_PAD), any(c.final for c in step.chunks))
                 if picks:
-                    self._pick(picks_R, picker)
+                    self._pick(picks_R, picker, masked)
             tokens = cupy.asnumpy(self.tokens[:max(R, picks_R)])
         return {q.id: int(tokens[self.slot_of[q.id]]) for q in picks}
 
@@ -295,14 +307,14 @@ class PagedExecutor:
                 h["banned"][at:at + len(ids)] = self.slot_of[request.id] * V + np.asarray(ids)
                 at += len(ids)
 
-    def _decode(self, R: int, picker: Picker | None) -> None:
+    def _decode(self, R: int, picker: Picker | None, masked: bool = False) -> None:
         """The decode forward of rows 0 .. R-1 into logits[:R] and, given a picker, the pick (a captured step)."""
         model, v = self.model, self.views
         x = model.hidden(self.decode_acts[R], v["ids"][:R], v["positions"][:R], self._decode_attend(R))
         model.final_norm(x, self.h[:R])
         model.lm_head(self.h[:R], out=self.logits[:R])
         if picker is not None:
-            self._pick(R, picker)
+            self._pick(R, picker, masked)
 
     def _prefill(self, P: int, head: bool) -> None:
         """The prefill forward of rows S .. S+P-1; with `head`, each final chunk's logits into its slot's row."""
@@ -314,9 +326,11 @@ class PagedExecutor:
             model.lm_head(self.prefill_h, out=self.prefill_logits)
             cupy.copyto(bits(self.logits), bits(self.prefill_logits), where=v["finals"][:, None] > 0)
 
-    def _pick(self, R: int, picker: Picker) -> None:
-        """next_token for slots 0 .. R-1 from logits[:R]."""
+    def _pick(self, R: int, picker: Picker, masked: bool = False) -> None:
+        """next_token for slots 0 .. R-1 from logits[:R] (masked: each row's bitmask applied first)."""
         v, pen = self.views, picker.penalties
+        if masked:
+            token_bitmask(self.logits[:R], self.bitmask[:R])
         self.finished.fill(0)
         mask_tokens(self.logits_and_sink, v["banned"], self.model.dtype)
         next_token(self.logits[:R], self.fparams[:R], self.iparams[:R], v["eos"], self.tokens[:R], v["newest"][:R],
@@ -377,9 +391,11 @@ class PagedExecutor:
     def _every_shape(self, capture_graphs: bool) -> None:
         for R in self.decode_sizes:
             for picker in (GREEDY, SAMPLING):
-                self._decode(R, picker)
-                if capture_graphs:
-                    self.graphs[(R, picker)] = capture(self.stream, lambda: self._decode(R, picker))
+                for masked in (False, True):
+                    self._decode(R, picker, masked)
+                    if capture_graphs:
+                        self.graphs[(R, picker, masked)] = capture(self.stream,
+                                                                   lambda: self._decode(R, picker, masked))
         for p in self.prefill_sizes:
             self._prefill(p, head=True)
 

@@ -11,6 +11,7 @@ import numpy as np
 from tilekit.engine.runner import Runner
 from tilekit.engine.sampling import GenerationSettings, SamplingParams, process_logits, sample_reference, token_counts
 from tilekit.engine.stops import StopChecker
+from tilekit.kernels.token_bitmask import token_bitmask_reference
 
 OPTIONS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
            "min_new_tokens", "eos_token_ids", "stop_strings", "seed")
@@ -77,13 +78,17 @@ class RecomputeExecutor:
     def forget(self, request) -> None:
         """A request has finished or was aborted (nothing kept for it here)."""
 
-    def execute(self, step) -> dict:
+    def execute(self, step, masks: dict | None = None) -> dict:
+        """{request id: token} of the step's picks; masks: {request id: its allowed-token bitmask row}."""
         picked = {}
         for request in step.picks:
             seq = request.tokens
             output = request.output
             V = self.model.config.vocab_size
-            processed = process_logits(self.model.next_logits([seq]), token_counts([seq], V),
+            logits = self.model.next_logits([seq])
+            if masks and request.id in masks:
+                logits = token_bitmask_reference(logits, masks[request.id][None])
+            processed = process_logits(logits, token_counts([seq], V),
                                        token_counts([output], V), [request.sampling], len(output),
                                        eos_token_ids=request.eos_token_ids, min_new_tokens=request.min_new_tokens)
             rng = np.random.default_rng([request.seed, len(seq)])

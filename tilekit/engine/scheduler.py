@@ -47,6 +47,7 @@ class Request:
     finish_reason: str | None = None
     preemptions: int = 0
     started: float | None = None    # time.monotonic() when it first left the waiting queue (queue time)
+    constraint: object | None = None    # structured output's matcher (tilekit.engine.grammar.Constraint), if any
 
     def __post_init__(self):
         self.tokens = list(self.prompt) + list(self.tokens)

@@ -154,7 +154,9 @@ class Server:
         if failed:
             await self.close(choices)
             if isinstance(failed[0], (ValueError, TypeError)):
-                raise APIError(400, str(failed[0]))
+                message = str(failed[0])
+                field = sampling.format_field if message.startswith("response_format") else None
+                raise APIError(400, message, param=field)
             if isinstance(failed[0], RuntimeError):          # shutting down, or the engine failed
                 raise APIError(503, str(failed[0]), code="shutting_down")
             raise failed[0]

@@ -105,6 +105,7 @@ class Sampling:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    format_field: str = "response_format"     # the field structured output came in (what its errors name)
 
 
 def parse_sampling(body: dict, vocab_size: int) -> Sampling:
@@ -158,12 +159,46 @@ def parse_sampling(body: dict, vocab_size: int) -> Sampling:
         s.include_usage = _boolean(options, "include_usage")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise bad("logprobs", "log probabilities are not returned by this server (its picks are made on the GPU)")
-    for name in ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice"):
-        value = body.get(name)
-        if value is not None and not (name == "response_format" and isinstance(value, dict)
-                                      and value.get("type") == "text"):
-            raise bad(name, "structured output is not supported yet")
+    response_format = parse_response_format(body)
+    if response_format is not None:
+        o["response_format"] = response_format
+        s.format_field = next(name for name in ("response_format", *GUIDED) if body.get(name) is not None)
     return s
+
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar",
+          "guided_choice": "choice"}
+
+
+def parse_response_format(body: dict) -> dict | None:
+    """The engine's response_format (tilekit.engine.grammar) from OpenAI's response_format or one of vLLM's guided_*
+    fields (at most one of them); None for free text. Its syntax is checked here, against the vocabulary when the
+    engine takes it."""
+    given = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
+    if len(given) > 1:
+        raise bad(given[1], f"give one of response_format and {', '.join(GUIDED)}, not {' and '.join(given)}")
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if name == "response_format":
+        if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+            raise bad(name, "must be an object whose type is text, json_object or json_schema")
+        fmt = value
+    elif name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad(name, "must be a JSON schema (an object, or its JSON text)") from None
+        fmt = {"type": "json_schema", "json_schema": {"schema": value}}
+    else:
+        fmt = {"type": GUIDED[name], GUIDED[name]: value}
+    from tilekit.engine.grammar import grammar_of
+    try:
+        grammar_of(fmt)
+    except ValueError as e:
+        raise bad(name, str(e)) from None
+    return None if fmt.get("type") == "text" else fmt
 
 
 def parse_messages(body: dict) -> list[dict]:

@@ -1,0 +1,158 @@
+"""Structured output through the engine (CPU): the tiny GPT-2 checkpoint (its byte-level tokenizer) through the NumPy
+reference executor and through the PagedExecutor's own step code on NumPy stand-ins. Every output that the grammar
+completed parses and validates against its schema; greedy constrained tokens equal a host-side loop that applies
+the same masks to the reference model's logits; sampled tokens are always ones the mask allowed; constrained and
+free requests share batches; bad formats are a ValueError naming response_format."""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.engine.test_paged import cpu  # noqa: F401  (a fixture)  # pyflakes: ignore
+from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
+from tilekit.engine.grammar import Constraint, grammar_of, vocabulary
+from tilekit.engine.llm import LLMEngine
+from tilekit.kernels.token_bitmask import allowed_tokens, token_bitmask_reference
+from tilekit.models.gpt2.reference import ReferenceGPT
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "tiny-gpt2"
+V, EOS = 1031, 1030
+PROMPT = [64, 290, 318]
+
+SCHEMAS = [
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"k": {"enum": ["x", "yz"]}},
+                                            "required": ["k"], "additionalProperties": False}},
+     "required": ["p"], "additionalProperties": False},                                         # nesting, an enum
+    {"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                                            "minItems": 1, "maxItems": 3},
+                                      "ok": {"type": "boolean"}},
+     "required": ["n", "ok"], "additionalProperties": False},                                   # arrays, numbers
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"}},
+     "required": ["code"], "additionalProperties": False},                                      # a string pattern
+    {"type": "array", "items": {"enum": [1, 2.5, "a"]}, "minItems": 2, "maxItems": 2},          # mixed enum values
+]
+
+
+def schema_format(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return ReferenceGPT.from_pretrained(DATA, dtype="float32")
+
+
+def tokenizer_text() -> str:
+    return (DATA / "tokenizer.json").read_text()
+
+
+def host_greedy(reference, prompt, fmt, n) -> list[int]:
+    """What a greedy constrained request must give: each step the reference model's logits, masked by a matcher of
+    its own, argmax, until the grammar completes (its end token taken) or n tokens."""
+    constraint = Constraint(vocabulary(tokenizer_text(), V, (EOS,)), grammar_of(fmt), V)
+    seq, out = list(prompt), []
+    for _ in range(n):
+        logits = token_bitmask_reference(reference.next_logits([seq]), constraint.mask()[None])
+        token = int(np.argmax(logits[0]))
+        constraint.accept(token)
+        seq.append(token)
+        out.append(token)
+        if constraint.done or token == EOS:
+            break
+    return out
+
+
+def text_of(engine, out) -> str:
+    return engine.runner.tokenizer().decode([t for t in out["token_ids"] if t != EOS])
+
+
+def test_greedy_schemas_validate_and_equal_the_host_loop(reference):
+    engine = LLMEngine(reference, max_running=4, token_budget=16, block=4)
+    n = 64 - len(PROMPT)
+    outs = engine.generate([PROMPT] * len(SCHEMAS), n, sampling=[dict(response_format=schema_format(s))
+                                                                 for s in SCHEMAS], temperature=0)
+    for schema, out in zip(SCHEMAS, outs):
+        assert out["token_ids"] == host_greedy(reference, PROMPT, schema_format(schema), n)
+        assert out["finish_reason"] == "stop", (schema, out)
+        jsonschema.validate(json.loads(text_of(engine, out)), schema)
+
+
+def test_sampled_tokens_are_always_allowed_and_complete_outputs_validate(reference):
+    engine = LLMEngine(reference, max_running=4, token_budget=16, block=4)
+    vocab = vocabulary(tokenizer_text(), V, (EOS,))
+    stopped = 0
+    for seed in range(6):
+        schema = SCHEMAS[seed % len(SCHEMAS)]
+        out = engine.generate([PROMPT], 64 - len(PROMPT), response_format=schema_format(schema), temperature=1.5,
+                              top_k=0, seed=seed)[0]
+        replay = Constraint(vocab, grammar_of(schema_format(schema)), V)
+        for token in out["token_ids"]:
+            assert allowed_tokens(replay.mask()[None], V)[0, token], (seed, token)
+            replay.accept(token)
+        if out["finish_reason"] == "stop":
+            stopped += 1
+            jsonschema.validate(json.loads(text_of(engine, out)), schema)
+    assert stopped >= 3
+
+
+def test_constrained_and_free_requests_share_a_batch(reference):
+    free = LLMEngine(reference, max_running=1, token_budget=16, block=4).generate([PROMPT], 12, temperature=0,
+                                                                                   ignore_eos=True)[0]
+    engine = LLMEngine(reference, max_running=3, token_budget=16, block=4)
+    outs = engine.generate([PROMPT, PROMPT, PROMPT], 12, temperature=0, ignore_eos=True,
+                           sampling=[{}, dict(response_format={"type": "regex", "regex": "[0-9]{3}-[a-z]{2}"}),
+                                     dict(response_format={"type": "choice", "choice": ["yes", "no"]})])
+    assert outs[0]["token_ids"] == free["token_ids"]
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text_of(engine, outs[1])) and outs[1]["finish_reason"] == "stop"
+    assert text_of(engine, outs[2]) in ("yes", "no") and outs[2]["finish_reason"] == "stop"
+
+
+def test_a_grammar_that_cannot_finish_in_time_ends_with_length(reference):
+    engine = LLMEngine(reference, max_running=2, token_budget=16, block=4)
+    out = engine.generate([PROMPT], 3, response_format={"type": "regex", "regex": "[0-9]{40}"}, temperature=0)[0]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 3
+    assert text_of(engine, out).isdigit()
+
+
+@pytest.mark.parametrize("fmt,message", [
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}, "response_format: .*nonsense"),
+    ({"type": "json_schema", "json_schema": {}}, r"response_format.json_schema.schema must be"),
+    ({"type": "regex", "regex": "([a-"}, "response_format: .*regex"),
+    ({"type": "grammar", "grammar": "start: missing_rule"}, "response_format: .*missing_rule"),
+    ({"type": "choice", "choice": []}, "response_format.choice must be"),
+    ({"type": "xml"}, "response_format.type must be one of"),
+    ("json", "response_format must be an object"),
+])
+def test_bad_formats_name_response_format(reference, fmt, message):
+    engine = LLMEngine(reference, max_running=2, token_budget=16, block=4)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(PROMPT, 5, response_format=fmt)
+    assert not engine.has_unfinished
+
+
+def test_a_gbnf_grammar_is_read_as_lark(reference):
+    engine = LLMEngine(reference, max_running=2, token_budget=16, block=4)
+    out = engine.generate([PROMPT], 20, response_format={"type": "grammar", "grammar": 'root ::= "x" [0-9] [0-9] "y"'},
+                          temperature=0)[0]
+    assert re.fullmatch("x[0-9]{2}y", text_of(engine, out)) and out["finish_reason"] == "stop"
+
+
+def test_the_paged_executor_masks_its_rows(cpu, reference):
+    """The PagedExecutor's own step code (NumPy stand-ins for its kernels): constrained greedy rows equal the host
+    loop, a free row in the same steps equals its free run."""
+    from tilekit.models import GPT
+    model = GPT.from_pretrained(DATA, dtype="float32")
+    engine = LLMEngine(model, max_running=3, token_budget=40, block=16, num_blocks=12, max_len=64, use_graphs=False)
+    fmt = schema_format(SCHEMAS[0])
+    outs = engine.generate([PROMPT, PROMPT], 30, sampling=[dict(response_format=fmt), {}], temperature=0,
+                           ignore_eos=True)
+    assert outs[0]["token_ids"] == host_greedy(reference, PROMPT, fmt, 30)
+    free = [int(t) for t in reference.generate([PROMPT], 30, temperature=0, eos_token_id=[])[0][len(PROMPT):]]
+    assert outs[1]["token_ids"] == free
+    jsonschema.validate(json.loads(text_of(engine, outs[0])), SCHEMAS[0])

@@ -1,0 +1,126 @@
+"""Structured output: a request's response_format compiled by llguidance into a matcher over the checkpoint's
+vocabulary; each step the matcher's allowed tokens become the request's row of a bitmask that
+tilekit.kernels.token_bitmask puts on the logits before penalties and the pick, and the picked token advances it.
+
+Formats (OpenAI's response_format, and the forms vLLM's guided_* fields map to):
+    {"type": "text"}                                  no constraint
+    {"type": "json_object"}                           any JSON object
+    {"type": "json_schema", "json_schema": {"schema": {...}, ...}}    (or {"type": "json_schema", "schema": {...}})
+    {"type": "regex", "regex": "..."}
+    {"type": "grammar", "grammar": "..."}             a Lark grammar (llguidance's), or GBNF (llama.cpp's, with ::=)
+    {"type": "choice", "choice": ["a", "b", ...]}
+
+llguidance rather than xgrammar: it installs with no dependencies (xgrammar needs torch, transformers and triton),
+covers JSON schema, regular expressions and Lark / GBNF grammars through one matcher, and computes a mask in tens of
+microseconds (its own measure; see docs/serving.md). The vocabulary is built once per tokenizer and cached.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+
+FORMATS = ("text", "json_object", "json_schema", "regex", "grammar", "choice")
+COMPACT = {"whitespace_flexible": False}    # JSON as OpenAI writes it: ", " and ": " only (a schema's x-guidance wins)
+_vocabularies: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError("response_format needs llguidance: pip install 'tilekit[structured]'") from None
+    return llguidance
+
+
+def grammar_of(response_format) -> str | None:
+    """The llguidance grammar of a response_format (module doc), None for plain text; a ValueError naming the field
+    for anything malformed."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise ValueError(f"response_format must be an object with a 'type' (one of {', '.join(FORMATS)}), got "
+                         f"{type(response_format).__name__}")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    matcher = _llguidance().LLMatcher
+    if kind == "json_object":
+        return matcher.grammar_from_json_schema({"type": "object"}, COMPACT)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema", response_format)
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema (an object or a boolean)")
+        try:
+            return matcher.grammar_from_json_schema(json.dumps(schema), COMPACT)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"response_format.json_schema.schema: {e}") from None
+    if kind == "regex":
+        pattern = response_format.get("regex")
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError("response_format.regex must be a non-empty string")
+        return matcher.grammar_from_regex(pattern)
+    if kind == "grammar":
+        text = response_format.get("grammar")
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("response_format.grammar must be a non-empty Lark or GBNF grammar")
+        if "::=" in text:
+            try:
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+                text = gbnf_to_lark(text)
+            except Exception as e:  # noqa: BLE001 - the converter's own parse errors
+                raise ValueError(f"response_format.grammar: not a GBNF grammar llguidance reads: {e}") from None
+        return matcher.grammar_from_lark(text)
+    if kind == "choice":
+        choices = response_format.get("choice")
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError("response_format.choice must be a non-empty list of non-empty strings")
+        return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices)))
+    raise ValueError(f"response_format.type must be one of {', '.join(FORMATS)}, got {kind!r}")
+
+
+def vocabulary(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """llguidance's view of a tokenizer (a tokenizer.json's text) over a model's vocab_size ids: built once
+    (about a second for a large vocabulary) and cached."""
+    key = (hash(tokenizer_json), len(tokenizer_json), vocab_size, eos_token_ids)
+    with _lock:
+        found = _vocabularies.get(key)
+        if found is None:
+            llg = _llguidance()
+            eos = list(eos_token_ids) if eos_token_ids else None
+            found = _vocabularies[key] = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+        return found
+
+
+class Constraint:
+    """One request's matcher: mask() its allowed next tokens, accept(token) the pick."""
+
+    def __init__(self, vocab, grammar: str, vocab_size: int):
+        llg = _llguidance()
+        error = llg.LLMatcher.validate_grammar(grammar, vocab)
+        if error:
+            raise ValueError(f"response_format: {error}")
+        self.matcher = llg.LLMatcher(vocab, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"response_format: {self.matcher.get_error()}")
+        self.words = -(-vocab_size // 32)
+
+    def mask(self) -> np.ndarray:
+        """The int32 bitmask row (vocab_size / 32 words) of the tokens the grammar allows next."""
+        row = np.zeros((1, self.words), np.int32)
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        return row[0]
+
+    def accept(self, token: int) -> None:
+        """Advance past the picked token (one the mask allowed)."""
+        if not self.matcher.consume_token(int(token)):
+            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: nothing but an end token may follow."""
+        return self.matcher.is_stopped()

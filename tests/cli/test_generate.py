@@ -75,6 +75,38 @@ def test_bad_generation_options_are_refused_before_loading(args, says, capsys, m
     assert says in line, line
 
 
+def test_structured_output_from_the_command_line(tmp_path, capsys):
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"k": {"enum": ["x", "yz"]}}, "required": ["k"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    base = ["generate", "--model", str(TINY), "--prompt", "the quick", "--device", "cpu", "--max-new-tokens", "30",
+            "--temperature", "0"]
+    rc, out, err = run(base + ["--json-schema", str(path)], capsys)
+    assert (rc, err) == (0, ""), err
+    assert out.startswith("the quick") and json.loads(out[len("the quick"):].strip()) in ({"k": "x"}, {"k": "yz"})
+    rc, out, err = run(base + ["--regex", "[0-9]{3}"], capsys)
+    assert (rc, err) == (0, "") and out[len("the quick"):].strip().isdigit() and len(out.strip()) == 12, out
+
+
+@pytest.mark.parametrize("make,says", [
+    (lambda d: ["--json-schema", str(d / "nowhere.json")], "cannot read --json-schema"),
+    (lambda d: ["--json-schema", str(d / "bad.json")], "is not JSON"),
+    (lambda d: ["--json-schema", str(d / "wrong.json")], "response_format.json_schema.schema must be"),
+    (lambda d: ["--grammar", str(d / "bad.json")], "bad.json"),
+    (lambda d: ["--regex", "a", "--json"], "give one of --json-schema, --json, --regex and --grammar"),
+])
+def test_bad_structured_output_options_are_refused_before_loading(make, says, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("llguidance")
+    from tilekit.models import families
+    monkeypatch.setattr(families, "load_reference", lambda *a, **k: pytest.fail("loaded a model"))
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "wrong.json").write_text("[1, 2]")
+    line = misuse(["generate", "--model", str(TINY), "--prompt", "x", "--device", "cpu", *make(tmp_path)], capsys)
+    assert says in line, line
+
+
 def test_generation_options_carry_the_kv_cache_dtype_past_the_settings_check():
     """The options checked before loading keep --kv-cache-dtype for generate() (not a GenerationSettings field)."""
     args = cli.build_parser().parse_args(["generate", "--model", str(TINY), "--prompt", "x", "--device", "cuda",

@@ -92,3 +92,30 @@ def test_sampled_tokens_do_not_depend_on_the_batch():
     assert [o["token_ids"] for o in mixed[:3]] == alone
     assert len(set(map(tuple, alone))) == 3
     many.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_structured_output_on_the_gpu_engine_and_generate(dtype):
+    """A JSON schema through the GPU engine (masked decode graphs) and through generate() (its masked decode step):
+    both parse and validate, and their greedy tokens agree with each other."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"k": {"enum": ["x", "yz"]}, "n": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 99}},
+              "required": ["k", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    model = load("tiny-gpt2", dtype)
+    engine = new_engine(model, max_running=4, token_budget=64, block=16, max_len=64)
+    prompts = [[64, 290, 318], [11, 12]]
+    outs = engine.generate(prompts, 40, sampling=[dict(response_format=fmt), {}], temperature=0)
+    tokenizer = model.runner.tokenizer()
+    engine_tokens = [t for t in outs[0]["token_ids"] if t != 1030]
+    jsonschema.validate(json.loads(tokenizer.decode(engine_tokens)), schema)
+    assert outs[0]["finish_reason"] == "stop"
+    seq = model.generate([prompts[0]], 40, temperature=0, response_format=fmt)[0]
+    static_tokens = [int(t) for t in seq[len(prompts[0]):] if t != 1030]
+    jsonschema.validate(json.loads(tokenizer.decode(static_tokens)), schema)
+    assert static_tokens == engine_tokens
+    engine.close()

@@ -156,3 +156,20 @@ def test_the_paged_executor_masks_its_rows(cpu, reference):
     free = [int(t) for t in reference.generate([PROMPT], 30, temperature=0, eos_token_id=[])[0][len(PROMPT):]]
     assert outs[1]["token_ids"] == free
     jsonschema.validate(json.loads(text_of(engine, outs[0])), SCHEMAS[0])
+
+
+def test_generate_and_generate_text_take_a_response_format(reference):
+    """generate() of the NumPy reference (the recompute runner): each row its own matcher, equal to the host loop;
+    generate_text's text validates; rows stop when their grammar completes (no eos ids given)."""
+    fmt = schema_format(SCHEMAS[1])
+    seqs = reference.generate([PROMPT, PROMPT[:2]], 40, temperature=0, response_format=fmt)
+    for prompt, seq in zip([PROMPT, PROMPT[:2]], seqs):
+        assert [int(t) for t in seq[len(prompt):]] == host_greedy(reference, prompt, fmt, 40)
+    text = reference.generate_text("The answer:", 40, temperature=0, response_format=fmt)
+    jsonschema.validate(json.loads(text), SCHEMAS[1])
+    rows = reference.generate([PROMPT, PROMPT[:1]], 12, temperature=0, eos_token_id=[],
+                              response_format={"type": "choice", "choice": ["no", "nope"]})
+    for prompt, seq in zip([PROMPT, PROMPT[:1]], rows):
+        assert reference.runner.tokenizer().decode([int(t) for t in seq[len(prompt):]]) in ("no", "nope")
+    with pytest.raises(ValueError, match="response_format.regex must be"):
+        reference.generate([PROMPT], 5, response_format={"type": "regex", "regex": ""})

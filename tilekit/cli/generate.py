@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
 
 
 MAX_PROMPTS_BYTES = 16 << 20      # a prompts file of more is refused unread
+MAX_FORMAT_BYTES = 1 << 20        # a JSON schema or grammar file of more is refused unread
 
 
 def _generation_options(args) -> dict:
@@ -41,7 +42,43 @@ def _generation_options(args) -> dict:
     checked = {k: v for k, v in options.items() if v is not None}
     SamplingParams(**{k: checked[k] for k in sampling if k in checked})
     GenerationSettings(max_new_tokens=args.max_new_tokens, **{k: checked[k] for k in settings if k in checked})
+    response_format = _response_format(args)
+    if response_format is not None:
+        options["response_format"] = response_format
     return options
+
+
+def _response_format(args) -> dict | None:
+    """Structured output from --json-schema FILE, --json, --regex R or --grammar FILE (at most one), its syntax checked
+    before any model loads."""
+    given = [(flag, value) for flag, value in (("--json-schema", args.json_schema), ("--json", args.json or None),
+                                               ("--regex", args.regex), ("--grammar", args.grammar))
+             if value is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise UsageError(f"give one of --json-schema, --json, --regex and --grammar, not {' and '.join(f for f, _ in given)}")
+    flag, value = given[0]
+    if flag == "--json-schema":
+        text = _read_text(value, flag, MAX_FORMAT_BYTES)
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise UsageError(f"{flag} {_shown(value)} is not JSON: {e}") from None
+        fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    elif flag == "--json":
+        fmt = {"type": "json_object"}
+    elif flag == "--regex":
+        fmt = {"type": "regex", "regex": value}
+    else:
+        fmt = {"type": "grammar", "grammar": _read_text(value, flag, MAX_FORMAT_BYTES)}
+    from tilekit.engine.grammar import grammar_of
+    try:
+        grammar_of(fmt)
+    except ValueError as e:
+        where = f"{flag} {_shown(value)}" if flag in ("--json-schema", "--grammar") else flag
+        raise UsageError(f"{where}: {e}") from None
+    return fmt
 
 
 def _prompts(args) -> list[str]:
@@ -140,6 +177,12 @@ def _generation_args(p) -> None:
     p.add_argument("--frequency-penalty", type=float, help="subtract this per time a token was generated (0: off)")
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop once the text contains TEXT (repeatable)")
     p.add_argument("--seed", type=_count, help="random seed, for repeatable samples")
+    p.add_argument("--json-schema", metavar="FILE", help="structured output: the text is JSON valid against the "
+                                                        "JSON schema in FILE")
+    p.add_argument("--json", action="store_true", help="structured output: the text is one JSON object")
+    p.add_argument("--regex", metavar="R", help="structured output: the text matches the regular expression R")
+    p.add_argument("--grammar", metavar="FILE", help="structured output: the text follows the Lark (or GBNF) grammar "
+                                                    "in FILE")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="auto (default): keys and values in the model's dtype; fp8: e4m3 codes with per-head scales, "
                         "half the bytes each decode step reads (GPT-2 and Llama families, --device cuda)")

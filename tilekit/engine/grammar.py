@@ -38,7 +38,16 @@ def _llguidance():
 
 def grammar_of(response_format) -> str | None:
     """The llguidance grammar of a response_format (module doc), None for plain text; a ValueError naming the field
-    for anything malformed."""
+    for anything malformed (the grammar's syntax checked too; Constraint checks it against the vocabulary)."""
+    grammar = _grammar(response_format)
+    if grammar is not None:
+        error = _llguidance().LLMatcher.validate_grammar(grammar)
+        if error:
+            raise ValueError(f"response_format: {error}")
+    return grammar
+
+
+def _grammar(response_format) -> str | None:
     if response_format is None:
         return None
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
@@ -124,3 +133,19 @@ class Constraint:
     def done(self) -> bool:
         """The grammar is complete: nothing but an end token may follow."""
         return self.matcher.is_stopped()
+
+
+def constraint_masks(constraints: list, done: np.ndarray) -> np.ndarray:
+    """(rows, words) bitmasks of generate()'s rows: each running row's allowed tokens, a stopped row's all ones."""
+    masks = np.full((len(constraints), constraints[0].words), -1, np.int32)
+    for b in np.flatnonzero(~done):
+        masks[b] = constraints[b].mask()
+    return masks
+
+
+def constraints_took(constraints: list, tokens, running: np.ndarray, stops) -> None:
+    """Each row that was running takes its new token; a row whose grammar is now complete stops (StopChecker)."""
+    for b in np.flatnonzero(running):
+        constraints[b].accept(int(tokens[b]))
+        if constraints[b].done:
+            stops.done[b] = True

@@ -23,11 +23,10 @@ from typing import Sequence
 import numpy as np
 
 from tilekit.engine.blocks import BlockPool
-from tilekit.engine.grammar import Constraint, grammar_of, vocabulary
 from tilekit.engine.sampling import GenerationSettings
 from tilekit.engine.scheduler import Request, Scheduler
 from tilekit.engine.stops import StopChecker
-from tilekit.engine.text import TextStream, tokenizer_failures
+from tilekit.engine.text import TextStream
 from tilekit.kernels.next_token import MAX_EOS
 
 _ids = itertools.count()
@@ -128,7 +127,7 @@ class LLMEngine:
         if len(eos) > MAX_EOS:
             raise ValueError(f"eos_token_id and stop_token_ids must be at most {MAX_EOS} ids together, got {len(eos)}")
         seed = settings.seed if settings.seed is not None else int(np.random.SeedSequence().entropy % (1 << 31))
-        constraint = self._constraint(response_format)
+        constraint = self.runner.constraint(response_format)
         request = Request(ids, settings.max_new_tokens, settings.sampling, min_new_tokens=settings.min_new_tokens,
                           eos_token_ids=eos, stop_strings=settings.stop_strings, seed=seed,
                           id=request_id or f"req-{next(_ids)}", constraint=constraint)
@@ -145,19 +144,6 @@ class LLMEngine:
         hold = max(map(len, settings.stop_strings), default=1) - 1
         self.tracks[request.id] = _Track(request, StopChecker(1, stop_settings), stream, hold)
         return request
-
-    def _constraint(self, response_format) -> Constraint | None:
-        """The matcher of a request's response_format over the checkpoint's vocabulary, or None for free text."""
-        grammar = grammar_of(response_format)
-        if grammar is None:
-            return None
-        if self._text_stream([0]) is None:
-            raise ValueError("response_format needs the checkpoint's tokenizer (tokenizer.json or vocab.json)")
-        source = self.runner._tokenizer_file()
-        with tokenizer_failures(source, "cannot give structured output's vocabulary"):
-            vocab = vocabulary(self.runner.tokenizer().to_str(), self.model.config.vocab_size,
-                               tuple(self.defaults.eos_token_ids))
-        return Constraint(vocab, grammar, self.model.config.vocab_size)
 
     def _text_stream(self, ids: list[int]) -> TextStream | None:
         """A request's incremental detokenizer, or None for a model without a checkpoint tokenizer (ids only)."""

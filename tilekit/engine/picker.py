@@ -14,21 +14,22 @@ from tilekit.kernels.next_token import candidate_slots
 class Picker:
     """What the captured next-token kernels of a generation are built for (its graphs hold them): token
     counts for penalties, candidate slots for top-k rows, the check pass of top-p rows without top-k, the
-    eos ids and the token a finished row emits."""
+    eos ids and the token a finished row emits; `masked`: structured output's bitmask put on the logits first."""
 
     penalties: bool = False
     slots: int = 0
     check: bool = False
     eos: tuple[int, ...] = ()
     pad: int = 0
+    masked: bool = False
 
     @classmethod
-    def for_rows(cls, rows: Sequence[SamplingParams], eos: Sequence[int]) -> "Picker":
+    def for_rows(cls, rows: Sequence[SamplingParams], eos: Sequence[int], masked: bool = False) -> "Picker":
         sampled = [r for r in rows if not r.greedy]
         return cls(penalties=any(r.repetition_penalty != 1 or r.presence_penalty or r.frequency_penalty for r in rows),
                    slots=candidate_slots(r.top_k for r in sampled),
                    check=any(r.top_k == 0 and r.top_p < 1 for r in sampled),
-                   eos=tuple(eos), pad=eos[0] if eos else 0)
+                   eos=tuple(eos), pad=eos[0] if eos else 0, masked=masked)
 
 
 GREEDY = Picker()

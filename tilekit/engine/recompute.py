@@ -10,6 +10,7 @@ import numpy as np
 
 from tilekit.engine.runner import Runner
 from tilekit.engine.sampling import GenerationSettings, SamplingParams, process_logits, sample_reference, token_counts
+from tilekit.engine.grammar import constraint_masks, constraints_took
 from tilekit.engine.stops import StopChecker
 from tilekit.kernels.token_bitmask import token_bitmask_reference
 
@@ -35,17 +36,20 @@ class RecomputeRunner(Runner):
             options["eos_token_ids"] = options.pop("eos_token_id")
         settings, rows, streams = self.generation_plan(prompts, max_new_tokens, sampling,
                                                        **{k: options.pop(k, None) for k in OPTIONS})
+        constraints = self.constraints(options.pop("response_format", None), len(prompts))
         if options:
             raise ValueError(f"unknown generation argument(s): {', '.join(sorted(options))}")
-        return generate_by_recomputation(model, prompts, settings, rows, streams, model.next_logits, on_token)
+        return generate_by_recomputation(model, prompts, settings, rows, streams, model.next_logits, on_token,
+                                         constraints)
 
 
 def generate_by_recomputation(model, prompts: Sequence[np.ndarray], settings: GenerationSettings,
                               rows: Sequence[SamplingParams], streams, step_logits: Callable,
-                              on_token: Callable | None) -> list[np.ndarray]:
+                              on_token: Callable | None, constraints: list | None = None) -> list[np.ndarray]:
     """generate() without a KV cache or a GPU, for the NumPy references: each step's logits come from
-    step_logits(sequences) (recomputing every prefix), are processed by process_logits and sampled by
-    sample_reference with one generator seeded from settings.seed; the stop rules as on the GPU."""
+    step_logits(sequences) (recomputing every prefix), masked by each row's constraint (structured output; the row
+    stops when it is complete), processed by process_logits and sampled by sample_reference with one generator
+    seeded from settings.seed; the stop rules as on the GPU."""
     B, V = len(prompts), model.config.vocab_size
     seqs = [list(int(t) for t in p) for p in prompts]
     rng = np.random.default_rng(settings.seed)
@@ -53,12 +57,18 @@ def generate_by_recomputation(model, prompts: Sequence[np.ndarray], settings: Ge
     pad = settings.eos_token_ids[0] if settings.eos_token_ids else 0
     for step in range(settings.max_new_tokens):
         outputs = [s[len(p):] for s, p in zip(seqs, prompts)]
-        processed = process_logits(step_logits(seqs), token_counts(seqs, V), token_counts(outputs, V), rows, step,
+        logits = step_logits(seqs)
+        if constraints:
+            logits = token_bitmask_reference(logits, constraint_masks(constraints, stops.done))
+        processed = process_logits(logits, token_counts(seqs, V), token_counts(outputs, V), rows, step,
                                    eos_token_ids=settings.eos_token_ids, min_new_tokens=settings.min_new_tokens)
         tokens = np.where(stops.done, pad, sample_reference(processed, rng))
         for s, t in zip(seqs, tokens):
             s.append(int(t))
+        running = ~stops.done
         stops.update(tokens, None if streams is None else [st.push(t) for st, t in zip(streams, tokens)])
+        if constraints:
+            constraints_took(constraints, tokens, running, stops)
         if on_token is not None:
             on_token(tokens)
         if stops.all_done:

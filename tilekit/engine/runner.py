@@ -60,6 +60,28 @@ class Runner:
             streams = [TextStream(tokenizer, context=[int(t) for t in p], source=source) for p in prompts]
         return settings, rows, streams
 
+    def constraint(self, response_format):
+        """Structured output's matcher (tilekit.engine.grammar.Constraint) of a response_format over the checkpoint's
+        vocabulary, or None for free text; a ValueError naming response_format for a malformed one."""
+        from tilekit.engine.grammar import Constraint, grammar_of, vocabulary
+        grammar = grammar_of(response_format)
+        if grammar is None:
+            return None
+        checkpoint = self.model.checkpoint
+        if checkpoint is None or not (checkpoint.has("tokenizer.json") or checkpoint.has("vocab.json")):
+            raise ValueError("response_format needs the checkpoint's tokenizer (tokenizer.json or vocab.json)")
+        V = self.model.config.vocab_size
+        with tokenizer_failures(self._tokenizer_file(), "cannot give structured output's vocabulary"):
+            vocab = vocabulary(self.tokenizer().to_str(), V, tuple(self.generation_defaults().eos_token_ids))
+        return Constraint(vocab, grammar, V)
+
+    def constraints(self, response_format, rows: int) -> list | None:
+        """One matcher a row for generate(), or None without a response_format."""
+        if response_format is None:
+            return None
+        first = self.constraint(response_format)
+        return None if first is None else [first] + [self.constraint(response_format) for _ in range(rows - 1)]
+
     def tokenizer(self):
         """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt), read as untrusted once and
         kept."""

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tilekit.engine import lifecycle
+from tilekit.engine.grammar import constraint_masks, constraints_took
 from tilekit.engine.graphs import Generation, PrefillGraph
 from tilekit.engine.kv_cache import check_kv_cache_dtype
 from tilekit.engine.picker import Picker
@@ -130,7 +131,8 @@ class StaticRunner(Runner):
                  frequency_penalty: float | None = None, sampling: Sequence[SamplingParams] | None = None,
                  min_new_tokens: int | None = None, eos_token_id: int | Sequence[int] | None = None,
                  stop_strings: str | Sequence[str] | None = None, seed: int | None = None, use_graph: bool = True,
-                 on_token: Callable[[np.ndarray], None] | None = None, kv_cache_dtype: str = "auto") -> list[np.ndarray]:
+                 on_token: Callable[[np.ndarray], None] | None = None, kv_cache_dtype: str = "auto",
+                 response_format: dict | None = None) -> list[np.ndarray]:
         """Continue each prompt by up to `max_new_tokens` tokens with a KV cache.
 
         ids: a 2-D integer array (B, T) of equal-length prompts, or a list of token lists of different
@@ -153,6 +155,9 @@ class StaticRunner(Runner):
         decode step is one CUDA graph replay, and so is the prompt prefill once a padded prompt length (a
         multiple of 64) repeats; use_graph=False runs every kernel one by one. kv_cache_dtype "fp8" keeps the
         KV cache as FP8 e4m3 with a static per-head scale (KVCache; a model with another cache refuses it).
+        response_format constrains every row's continuation (tilekit.engine.grammar: a JSON schema, any JSON
+        object, a regex, a grammar, a choice); a row stops when its constraint is complete. Each step then waits
+        for the host, which advances each row's matcher and puts its allowed tokens on the next step's logits.
         """
         check_kv_cache_dtype(kv_cache_dtype)
         prompts = self.check_prompts(ids)
@@ -161,6 +166,7 @@ class StaticRunner(Runner):
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, min_new_tokens=min_new_tokens, eos_token_ids=eos_token_id,
             stop_strings=stop_strings, seed=seed)
+        constraints = self.constraints(response_format, len(prompts))
         B, V, new, eos = len(prompts), self.model.config.vocab_size, settings.max_new_tokens, settings.eos_token_ids
         if len(eos) > MAX_EOS:
             raise ValueError(f"eos_token_id must be at most {MAX_EOS} ids, got {len(eos)}")
@@ -168,7 +174,7 @@ class StaticRunner(Runner):
         if new == 0:
             return [np.asarray(p, np.int64) for p in prompts]
         capacity, T = capacity_for(self.model, int(lengths.max()), new)
-        picker = Picker.for_rows(rows, eos)
+        picker = Picker.for_rows(rows, eos, masked=constraints is not None)
         seeds = np.random.SeedSequence(self.shared_seed(settings.seed)).generate_state(B)
         fparams, iparams = pack_params(param_arrays(rows), lengths + settings.min_new_tokens - 1, seeds)
         padded = np.zeros((B, T), np.int32)
@@ -178,19 +184,25 @@ class StaticRunner(Runner):
         history[:, :T] = padded
         seen = token_counts(prompts, V).astype(np.int32) if picker.penalties else None
         stops = StopChecker(B, settings)
-        watch = on_token is not None or streams is not None
+        watch = on_token is not None or streams is not None or constraints is not None
 
         with self._generation(B, capacity, picker, kv_cache_dtype) as gen, gen.stream:
             state = gen.state
             gen.start(history, lengths - 1, fparams, iparams, seen)
+            if constraints:
+                state.bitmask.set(constraint_masks(constraints, stops.done))
             gen.prefill(padded, lengths, use_graph)
             for produced in range(1, new + 1):
                 if watch:
                     tokens = state.tokens.get()
                     running = ~stops.done
                     stops.update(tokens, None if streams is None else [s.push(t) for s, t in zip(streams, tokens)])
+                    if constraints:
+                        constraints_took(constraints, tokens, running, stops)
+                        state.bitmask.set(constraint_masks(constraints, stops.done))
                     stopped = np.flatnonzero(running & stops.done)
-                    if len(stopped) and streams is not None:   # a stop string ends a row that emits no eos
+                    if len(stopped) and (streams is not None or constraints):
+                        # a stop string, or a complete grammar, ends a row that emits no eos
                         finished = state.finished.get()
                         finished[stopped] = 1
                         state.finished.set(finished)

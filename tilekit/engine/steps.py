@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from tilekit.engine.kv_cache import new_cache
 from tilekit.engine.picker import GREEDY, Picker
-from tilekit.kernels import next_token
+from tilekit.kernels import next_token, token_bitmask
 from tilekit.kernels.next_token import FLOAT_PARAMS, INT_PARAMS
+from tilekit.kernels.token_bitmask import words
 from tilekit.models.base import Arrays, CausalLM
 
 PAD = 64          # prompts pad to, and KV caches grow in, multiples of this many positions
@@ -51,6 +52,7 @@ class DecodeState:
         self.out_counts = arrays.zeros((batch, V), "int32") if picker.penalties else None
         self.acts = model.activations(batch, 1, arrays)
         self.logits = arrays.empty((batch, V), model.dtype)
+        self.bitmask = arrays.zeros((batch, words(V)), "int32") if picker.masked else None   # structured output
 
     def prefill(self, buf: PromptBuffers, start: int = 0, final: bool = True) -> None:
         """Fill the KV cache from padded prompts (their positions start.. of each sequence: a chunk of a longer
@@ -74,6 +76,8 @@ class DecodeState:
         self.model.final_norm(x, self.acts.h, rows=rows)
         self.model.lm_head(self.acts.h, out=self.logits)
         p = self.picker
+        if self.bitmask is not None:
+            token_bitmask(self.logits, self.bitmask)
         next_token(self.logits, self.fparams, self.iparams, self.eos, self.tokens, self.positions, self.history,
                    self.finished, seen=self.seen, out_counts=self.out_counts, slots=p.slots, check=p.check, pad=p.pad)
 

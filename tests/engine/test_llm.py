@@ -164,7 +164,7 @@ async def _collect(outputs, into):
 def test_a_failed_engine_answers_every_request_and_refuses_new_ones(model):
     llm = LLMEngine(model, max_running=2, token_budget=8, block=4)
 
-    def broken(step, masks):
+    def broken(step, constraints):
         raise RuntimeError("boom")
     llm.executor.execute = broken
     engine = AsyncEngine(llm)

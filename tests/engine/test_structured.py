@@ -143,15 +143,27 @@ def test_a_gbnf_grammar_is_read_as_lark(reference):
     assert re.fullmatch("x[0-9]{2}y", text_of(engine, out)) and out["finish_reason"] == "stop"
 
 
-def test_the_paged_executor_masks_its_rows(cpu, reference):
+def test_the_paged_executor_masks_its_rows(cpu, reference, monkeypatch):
     """The PagedExecutor's own step code (NumPy stand-ins for its kernels): constrained greedy rows equal the host
     loop, a free row in the same steps equals its free run."""
+    from tests.engine.test_paged import PagedKernels
+    from tilekit.engine import paged
     from tilekit.models import GPT
     model = GPT.from_pretrained(DATA, dtype="float32")
     engine = LLMEngine(model, max_running=3, token_budget=40, block=16, num_blocks=12, max_len=64, use_graphs=False)
     fmt = schema_format(SCHEMAS[0])
+    forwards_at_fill = []
+    fill = paged.fill_masks
+
+    def recording_fill(pairs, out):          # the masks are made once the step's forward is queued
+        forwards_at_fill.append(PagedKernels.calls["decode"] + PagedKernels.calls["prefill"])
+        fill(pairs, out)
+    monkeypatch.setattr(paged, "fill_masks", recording_fill)
+    before = PagedKernels.calls["decode"] + PagedKernels.calls["prefill"]
     outs = engine.generate([PROMPT, PROMPT], 30, sampling=[dict(response_format=fmt), {}], temperature=0,
                            ignore_eos=True)
+    assert forwards_at_fill and forwards_at_fill[0] > before
+    assert all(b > a for a, b in zip(forwards_at_fill, forwards_at_fill[1:]))
     assert outs[0]["token_ids"] == host_greedy(reference, PROMPT, fmt, 30)
     free = [int(t) for t in reference.generate([PROMPT], 30, temperature=0, eos_token_id=[])[0][len(PROMPT):]]
     assert outs[1]["token_ids"] == free

@@ -49,9 +49,9 @@ class SlowExecutor:
     def __init__(self, inner, delay: float):
         self.inner, self.delay = inner, delay
 
-    def execute(self, step, masks=None):
+    def execute(self, step, constraints=None):
         start = time.monotonic()
-        out = self.inner.execute(step, masks)
+        out = self.inner.execute(step, constraints)
         time.sleep(max(0.0, self.delay - (time.monotonic() - start)))
         return out
 

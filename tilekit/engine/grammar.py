@@ -105,6 +105,22 @@ def vocabulary(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, .
         return found
 
 
+_executor = None
+
+
+def fill_masks(pairs, out: np.ndarray) -> None:
+    """Row i of `out` (a C-contiguous (rows, words) int32 array) the allowed tokens of its Constraint, for each
+    (constraint, i) of `pairs`, computed in parallel on llguidance's threads."""
+    global _executor
+    if out.dtype != np.int32 or out.ndim != 2 or not out.flags["C_CONTIGUOUS"]:
+        raise ValueError("out must be a C-contiguous (rows, words) int32 array")
+    with _lock:
+        if _executor is None:
+            _executor = _llguidance().LLExecutor()
+    _executor.unsafe_compute_mask_ptr([(c.matcher, i) for c, i in pairs], out.ctypes.data, out.shape[1] * 4,
+                                      out.shape[0])
+
+
 class Constraint:
     """One request's matcher: mask() its allowed next tokens, accept(token) the pick."""
 

@@ -175,8 +175,8 @@ class LLMEngine:
                 raise RuntimeError(f"the scheduler planned nothing with {len(self.scheduler.running)} running and "
                                    f"{len(self.scheduler.waiting)} waiting requests ({self.pool.free} free blocks)")
             return []
-        masks = {q.id: q.constraint.mask() for q in step.picks if q.constraint is not None}
-        picked = self.executor.execute(step, masks)
+        constraints = {q.id: q.constraint for q in step.picks if q.constraint is not None}
+        picked = self.executor.execute(step, constraints)
         self.scheduler.advance(step, picked)
         self.counters["prompt_tokens"] += sum(c.n for c in step.chunks)
         outputs = []

@@ -16,8 +16,10 @@ another.
 Start-up sizes every buffer, runs each shape a step can take once (every kernel compiled and its plan chosen) and
 captures the decode-only steps as CUDA graphs for R in powers of two up to max_running, greedy and sampling picks:
 serving never compiles or captures. Steps with prefill chunks run eagerly at the prefill sizes warmed up (powers of
-two from 64 to the token budget). Dense KV caches only: DeepSeek-V2's latent cache and tensor-parallel models are
-refused.
+two from 64 to the token budget). A step with structured output runs its forward first (a graph of its own when it
+only decodes), computes the constrained requests' masks on the host meanwhile (tilekit.engine.grammar.fill_masks),
+then the masked pick (token_bitmask, then next_token; a graph too). Dense KV caches only: DeepSeek-V2's latent cache
+and tensor-parallel models are refused.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tilekit.autotune.compile import precompile_launches
 from tilekit.autotune.op import collecting_launches
 from tilekit.device import device_info
 from tilekit.engine import lifecycle
+from tilekit.engine.grammar import fill_masks
 from tilekit.engine.graphs import capture
 from tilekit.engine.kv_cache import check_kv_cache_dtype, fp8_scales
 from tilekit.engine.picker import Picker
@@ -199,9 +202,10 @@ class PagedExecutor:
             self.free_slots.append(slot)
         self.params.pop(request.id, None)
 
-    def execute(self, step, masks: dict | None = None) -> dict:
-        """Run one scheduler Step; {request id: the token picked} for its picks. masks: {request id: its
-        allowed-token bitmask row} for the constrained picks (structured output)."""
+    def execute(self, step, constraints: dict | None = None) -> dict:
+        """Run one scheduler Step; {request id: the token picked} for its picks. constraints: {request id: its
+        structured output's matcher} for the constrained picks, whose masks are computed on the host while the
+        step's forward runs on the GPU, then put on their logits rows before the pick."""
         for request in step.preempted:
             self.forget(request)
         for request in step.decodes + [c.request for c in step.chunks]:
@@ -219,26 +223,41 @@ class PagedExecutor:
             picker = SAMPLING if any(self.params[q.id][2] is SAMPLING for q in picks) else GREEDY
             self._fill_inputs(step)
             self.inputs[...] = cupy.asarray(self.host)
-            masked = bool(masks)
-            if masked:                    # the rows the pick reads: the constrained ones', the rest all ones
-                rows = max(R, picks_R)
-                self.host_bitmask[:rows] = -1
-                for request_id, row in masks.items():
-                    self.host_bitmask[self.slot_of[request_id]] = row
-                self.bitmask[:rows] = cupy.asarray(self.host_bitmask[:rows])
-            graph = None if P else self.graphs.get((R, picker, masked))
-            if graph is not None:
-                graph.launch(self.stream)
-            elif not P:
-                self._decode(R, picker, masked)
+            masked = bool(constraints)
+            if not P and not masked and (R, picker) in self.graphs:
+                self.graphs[(R, picker)].launch(self.stream)
             else:
-                if R:
-                    self._decode(R, None)
-                self._prefill(pow2_at_least(P, PREFILL_PAD), any(c.final for c in step.chunks))
+                self._forward(R, P, step)             # queued on the GPU: the masks are made meanwhile
+                if masked:
+                    self._upload_masks(constraints, max(R, picks_R))
                 if picks:
-                    self._pick(picks_R, picker, masked)
+                    self._pick_step(picks_R, picker, masked, graphs=not P)
             tokens = cupy.asnumpy(self.tokens[:max(R, picks_R)])
         return {q.id: int(tokens[self.slot_of[q.id]]) for q in picks}
+
+    def _forward(self, R: int, P: int, step) -> None:
+        """The step's forward passes without the pick: the decode rows (a captured graph when alone), the prefill."""
+        if not P and (R, None) in self.graphs:
+            self.graphs[(R, None)].launch(self.stream)
+            return
+        if R:
+            self._decode(R, None)
+        if P:
+            self._prefill(pow2_at_least(P, PREFILL_PAD), any(c.final for c in step.chunks))
+
+    def _pick_step(self, R: int, picker: Picker, masked: bool, graphs: bool) -> None:
+        graph = self.graphs.get(("pick", R, picker, masked)) if graphs else None
+        if graph is not None:
+            graph.launch(self.stream)
+        else:
+            self._pick(R, picker, masked)
+
+    def _upload_masks(self, constraints: dict, rows: int) -> None:
+        """The bitmask rows the pick reads: each constrained slot's allowed tokens, every other row all ones."""
+        import cupy
+        self.host_bitmask[:rows] = -1
+        fill_masks([(c, self.slot_of[request_id]) for request_id, c in constraints.items()], self.host_bitmask)
+        self.bitmask[:rows] = cupy.asarray(self.host_bitmask[:rows])
 
     def _size(self, requests) -> int:
         """The decode size (rows 0 .. R-1) that covers these requests' slots; 0 for none."""
@@ -307,14 +326,14 @@ class PagedExecutor:
                 h["banned"][at:at + len(ids)] = self.slot_of[request.id] * V + np.asarray(ids)
                 at += len(ids)
 
-    def _decode(self, R: int, picker: Picker | None, masked: bool = False) -> None:
+    def _decode(self, R: int, picker: Picker | None) -> None:
         """The decode forward of rows 0 .. R-1 into logits[:R] and, given a picker, the pick (a captured step)."""
         model, v = self.model, self.views
         x = model.hidden(self.decode_acts[R], v["ids"][:R], v["positions"][:R], self._decode_attend(R))
         model.final_norm(x, self.h[:R])
         model.lm_head(self.h[:R], out=self.logits[:R])
         if picker is not None:
-            self._pick(R, picker, masked)
+            self._pick(R, picker)
 
     def _prefill(self, P: int, head: bool) -> None:
         """The prefill forward of rows S .. S+P-1; with `head`, each final chunk's logits into its slot's row."""
@@ -389,13 +408,17 @@ class PagedExecutor:
         self.warm = True
 
     def _every_shape(self, capture_graphs: bool) -> None:
-        for R in self.decode_sizes:
+        for R in self.decode_sizes:         # whole decode steps; and forwards and picks apart, for masked steps
+            for picker in (GREEDY, SAMPLING, None):
+                self._decode(R, picker)
+                if capture_graphs:
+                    self.graphs[(R, picker)] = capture(self.stream, lambda: self._decode(R, picker))
             for picker in (GREEDY, SAMPLING):
                 for masked in (False, True):
-                    self._decode(R, picker, masked)
+                    self._pick(R, picker, masked)
                     if capture_graphs:
-                        self.graphs[(R, picker, masked)] = capture(self.stream,
-                                                                   lambda: self._decode(R, picker, masked))
+                        self.graphs[("pick", R, picker, masked)] = capture(self.stream,
+                                                                           lambda: self._pick(R, picker, masked))
         for p in self.prefill_sizes:
             self._prefill(p, head=True)
 

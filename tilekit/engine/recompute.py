@@ -88,16 +88,16 @@ class RecomputeExecutor:
     def forget(self, request) -> None:
         """A request has finished or was aborted (nothing kept for it here)."""
 
-    def execute(self, step, masks: dict | None = None) -> dict:
-        """{request id: token} of the step's picks; masks: {request id: its allowed-token bitmask row}."""
+    def execute(self, step, constraints: dict | None = None) -> dict:
+        """{request id: token} of the step's picks; constraints: {request id: its structured output's matcher}."""
         picked = {}
         for request in step.picks:
             seq = request.tokens
             output = request.output
             V = self.model.config.vocab_size
             logits = self.model.next_logits([seq])
-            if masks and request.id in masks:
-                logits = token_bitmask_reference(logits, masks[request.id][None])
+            if constraints and request.id in constraints:
+                logits = token_bitmask_reference(logits, constraints[request.id].mask()[None])
             processed = process_logits(logits, token_counts([seq], V),
                                        token_counts([output], V), [request.sampling], len(output),
                                        eos_token_ids=request.eos_token_ids, min_new_tokens=request.min_new_tokens)

@@ -1,0 +1,136 @@
+"""What structured output costs: decode ms/token with a JSON-schema constraint against the same run unconstrained,
+at batch 1 through generate() and at 64 concurrent requests through the engine; and the host's mask time per step.
+
+    python -m benchmarks.studies.structured [--preset gpt2] [--out DIR]
+
+The checkpoint is random weights at the preset's shapes with a byte-level BPE tokenizer trained here to the
+preset's vocabulary (no real tokenizer is needed, and none can be downloaded on the GPU hosts); the schema asks for
+a long string so that a random model makes enough tokens to time. Constrained rows are checked to parse and validate
+(jsonschema); a row that fails is a failed row, not a number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "minLength": 200, "maxLength": 240},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                    "maxItems": 4}},
+          "required": ["name", "n", "tags"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "study", "schema": SCHEMA}}
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer of vocab_size ids (id 0 its end token) trained on random words and JSON."""
+    import numpy as np
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    rng = np.random.default_rng(seed)
+    words = ["".join(chr(97 + c) for c in rng.integers(0, 26, rng.integers(2, 10)))
+             for _ in range(min(40000, 4 * vocab_size))]
+    texts = [" ".join(rng.choice(words, 200)) + ' {"name": "x", "n": 12, "tags": ["a", "b"]} 0123456789.'
+             for _ in range(min(4000, 200 + vocab_size // 12))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       special_tokens=["<|endoftext|>"]))
+    return tok
+
+
+def write_checkpoint(preset: str, directory: Path) -> None:
+    from tilekit.models.families import family_of_config, preset_config
+    config = preset_config(preset)
+    family_of_config(config).model_class(config, dtype="bfloat16", seed=0).save_pretrained(directory)
+    train_tokenizer(config.vocab_size).save(str(directory / "tokenizer.json"))
+    for name in ("config.json", "generation_config.json"):           # the trained tokenizer's end token is id 0
+        path = directory / name
+        if path.is_file():
+            fields = json.loads(path.read_text())
+            fields.update(eos_token_id=0, bos_token_id=0)
+            path.write_text(json.dumps(fields))
+
+
+def valid(text: str) -> bool:
+    import jsonschema
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def timed(fn):
+    import cupy
+    cupy.cuda.runtime.deviceSynchronize()
+    start = time.perf_counter()
+    out = fn()
+    cupy.cuda.runtime.deviceSynchronize()
+    return time.perf_counter() - start, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.structured", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt2")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/tilekit-structured"))
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    import numpy as np
+
+    from tilekit.engine.llm import LLMEngine
+    from tilekit.models import load_model
+    checkpoint = args.work / args.preset
+    if not (checkpoint / "tokenizer.json").is_file():
+        write_checkpoint(args.preset, checkpoint)
+    model = load_model(checkpoint, dtype="bfloat16")
+    tokenizer = model.runner.tokenizer()
+    prompt = [int(t) for t in np.random.default_rng(1).integers(1, model.config.vocab_size, 32)]
+    rows = []
+
+    def b1(fmt):
+        model.generate([prompt], 8, temperature=0, eos_token_id=[], response_format=fmt)       # warm-up
+        seconds, seqs = timed(lambda: model.generate([prompt], 256, temperature=0, eos_token_id=[],
+                                                     response_format=fmt))
+        out = [int(t) for t in seqs[0][len(prompt):]]
+        return seconds, out
+
+    free_s, free = b1(None)
+    json_s, constrained = b1(FORMAT)
+    ok = valid(tokenizer.decode([t for t in constrained if t != 0]))
+    rows.append(dict(case="generate B1", free_ms_per_token=1e3 * free_s / len(free),
+                     json_ms_per_token=1e3 * json_s / len(constrained), tokens=(len(free), len(constrained)),
+                     check="ok" if ok else "FAILED: the constrained output does not validate"))
+    engine = LLMEngine(model, max_running=args.requests, token_budget=2048, max_len=min(model.context_length, 512),
+                       gpu_memory_utilization=0.3)
+    prompts = [[int(t) for t in np.random.default_rng(2 + i).integers(1, model.config.vocab_size, 32)]
+               for i in range(args.requests)]
+    free_s, outs_free = timed(lambda: engine.generate(prompts, 256, temperature=0, ignore_eos=True))
+    json_s, outs_json = timed(lambda: engine.generate(prompts, 256, temperature=0, response_format=FORMAT))
+    n_free = sum(len(o["token_ids"]) for o in outs_free)
+    n_json = sum(len(o["token_ids"]) for o in outs_json)
+    bad = sum(not valid(tokenizer.decode([t for t in o["token_ids"] if t != 0])) for o in outs_json)
+    rows.append(dict(case=f"engine x{args.requests}", free_ms_per_token=1e3 * free_s / n_free * args.requests,
+                     json_ms_per_token=1e3 * json_s / n_json * args.requests, tokens=(n_free, n_json),
+                     check="ok" if not bad else f"FAILED: {bad} of {args.requests} outputs do not validate"))
+    engine.close()
+    print(f"{args.preset} bf16, a JSON schema with a 200-240 character string; decode ms per token per request")
+    print(f"  {'case':14s} {'free':>8s} {'json':>8s} {'ratio':>6s}  tokens (free, json)  check")
+    for r in rows:
+        r["ratio"] = r["json_ms_per_token"] / r["free_ms_per_token"]
+        print(f"  {r['case']:14s} {r['free_ms_per_token']:8.3f} {r['json_ms_per_token']:8.3f} {r['ratio']:6.2f}  "
+              f"{str(r['tokens']):19s} {r['check']}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"structured-{args.preset}.json").write_text(json.dumps(dict(argv=sys.argv, rows=rows), indent=1))
+    return 0 if all(r["check"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -125,11 +125,12 @@ def paged_decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Table, Le
 
 
 def _fits(c: dict, p: dict) -> bool:
-    """decode_attention's space, with key tiles that divide a block (one load each)."""
-    return c["BN"] <= p["block"] and p["block"] % c["BN"] == 0 and decode_fits(c, p)
+    """decode_attention's space, with key tiles that divide a block (one load each; 16-key ones for blocks of 16)."""
+    return (c["BN"] <= p["block"] and p["block"] % c["BN"] == 0 and (c["BN"] > 16 or p["block"] == 16)
+            and decode_fits(c, p))
 
 
-SPACE = SearchSpace(_fits, BN=(32, 64, 128, 256), PROGRAMS=PROGRAMS, occupancy=(1, 2, 4))
+SPACE = SearchSpace(_fits, BN=(16, 32, 64, 128, 256), PROGRAMS=PROGRAMS, occupancy=(1, 2, 4))
 
 
 def default_config(p: dict) -> dict:

@@ -98,16 +98,16 @@ def paged_prefill_attention_kernel(Q, K, V, KScale, VScale, Table, Tiles, O, qk_
 
 
 def _fits(c: dict, p: dict) -> bool:
-    """Key tiles that divide a block; tiles of at most 128 x 128; 4 programs an SM only with small query tiles.
-    Left out: fp32 with 32-key tiles beside 32- or 128-row query tiles, which tileiras 13.4 does not compile for
-    sm_90 ("Invalid use-def chain in LoopSchedule")."""
+    """Key tiles that divide a block (16-key ones for blocks of 16 only); tiles of at most 128 x 128; 4 programs an SM
+    only with small query tiles. Left out: fp32 with 16- or 32-key tiles beside 32- or 128-row query tiles, which
+    tileiras 13.4 does not compile for sm_90 ("Invalid use-def chain in LoopSchedule")."""
     d = pow2_ceil(p["D"])
-    return (c["BN"] <= p["block"] and p["block"] % c["BN"] == 0 and c["BM"] * d <= 128 * 128
-            and c["BN"] * d <= 128 * 128 and (c["occupancy"] <= 2 or c["BM"] <= 64)
-            and not (p["dtype"] == "float32" and c["BN"] == 32 and c["BM"] != 64))
+    return (c["BN"] <= p["block"] and p["block"] % c["BN"] == 0 and (c["BN"] > 16 or p["block"] == 16)
+            and c["BM"] * d <= 128 * 128 and c["BN"] * d <= 128 * 128 and (c["occupancy"] <= 2 or c["BM"] <= 64)
+            and not (p["dtype"] == "float32" and c["BN"] <= 32 and c["BM"] != 64))
 
 
-SPACE = SearchSpace(_fits, BM=(32, 64, 128), BN=(32, 64, 128), occupancy=(1, 2, 4))
+SPACE = SearchSpace(_fits, BM=(32, 64, 128), BN=(16, 32, 64, 128), occupancy=(1, 2, 4))
 
 
 def default_config(p: dict) -> dict:

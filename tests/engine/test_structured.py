@@ -185,3 +185,47 @@ def test_generate_and_generate_text_take_a_response_format(reference):
         assert reference.runner.tokenizer().decode([int(t) for t in seq[len(prompt):]]) in ("no", "nope")
     with pytest.raises(ValueError, match="response_format.regex must be"):
         reference.generate([PROMPT], 5, response_format={"type": "regex", "regex": ""})
+
+
+def test_a_failing_matcher_ends_its_request_alone(reference, monkeypatch):
+    """A matcher that refuses a token (a parser limit reached) ends that request with "abort"; the engine and the
+    other requests go on; a grammar whose only token is banned (min_new_tokens) takes its end instead of crashing."""
+    engine = LLMEngine(reference, max_running=3, token_budget=16, block=4)
+    free = LLMEngine(reference, max_running=1, token_budget=16, block=4).generate([PROMPT], 8, temperature=0,
+                                                                                   ignore_eos=True)[0]
+    doomed = engine.add_request(PROMPT, 20, temperature=0, response_format=schema_format(SCHEMAS[2]))
+    ended = engine.add_request(PROMPT, 20, temperature=0, min_new_tokens=5,
+                               response_format={"type": "regex", "regex": "()"})
+    plain = engine.add_request(PROMPT, 8, temperature=0, ignore_eos=True)
+    calls = {"n": 0}
+    accept = Constraint.accept
+
+    def refuse_the_third(self, token):
+        if self is doomed.constraint:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                return False
+        return accept(self, token)
+    monkeypatch.setattr(Constraint, "accept", refuse_the_third)
+    while engine.has_unfinished:
+        engine.step()
+    assert doomed.finish_reason == "abort" and len(doomed.output) == 3
+    assert ended.finish_reason == "stop" and ended.output == [EOS]
+    assert plain.output == free["token_ids"] and plain.finish_reason == "length"
+
+
+def test_a_boolean_schema():
+    assert grammar_of({"type": "json_schema", "json_schema": {"schema": True}}) is not None
+    with pytest.raises(ValueError, match="schema must be a JSON schema"):
+        grammar_of({"type": "json_schema", "json_schema": {"schema": False}})
+
+
+def test_the_paged_executor_lets_a_complete_grammar_end_below_min_new_tokens(cpu):
+    from tilekit.models import GPT
+    model = GPT.from_pretrained(DATA, dtype="float32")
+    engine = LLMEngine(model, max_running=2, token_budget=40, block=16, num_blocks=12, max_len=64, use_graphs=False)
+    out = engine.generate([PROMPT, PROMPT], 6, sampling=[dict(response_format={"type": "regex", "regex": "()"}),
+                                                         dict(response_format={"type": "regex", "regex": "a"})],
+                          temperature=0, min_new_tokens=3)
+    assert out[0]["token_ids"] == [EOS] and out[0]["finish_reason"] == "stop"
+    assert text_of(engine, out[1]) == "a" and out[1]["finish_reason"] == "stop"

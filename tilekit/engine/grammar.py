@@ -62,8 +62,10 @@ def _grammar(response_format) -> str | None:
     if kind == "json_schema":
         spec = response_format.get("json_schema", response_format)
         schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError("response_format.json_schema.schema must be a JSON schema (an object or a boolean)")
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema (an object, or true)")
         try:
             return matcher.grammar_from_json_schema(json.dumps(schema), COMPACT)
         except (ValueError, TypeError) as e:
@@ -124,15 +126,23 @@ def fill_masks(pairs, out: np.ndarray) -> None:
 class Constraint:
     """One request's matcher: mask() its allowed next tokens, accept(token) the pick."""
 
-    def __init__(self, vocab, grammar: str, vocab_size: int):
+    def __init__(self, vocab, grammar: str, vocab_size: int, matcher=None):
+        """The matcher of `grammar` (or a copy of another's, `matcher`) over `vocab`; a ValueError naming
+        response_format if the grammar does not fit the vocabulary."""
         llg = _llguidance()
-        error = llg.LLMatcher.validate_grammar(grammar, vocab)
-        if error:
-            raise ValueError(f"response_format: {error}")
-        self.matcher = llg.LLMatcher(vocab, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise ValueError(f"response_format: {self.matcher.get_error()}")
+        if matcher is None:
+            error = llg.LLMatcher.validate_grammar(grammar, vocab)
+            if error:
+                raise ValueError(f"response_format: {error}")
+            matcher = llg.LLMatcher(vocab, grammar, log_level=0)
+            if matcher.is_error():
+                raise ValueError(f"response_format: {matcher.get_error()}")
+        self.vocab, self.grammar, self.vocab_size, self.matcher = vocab, grammar, vocab_size, matcher
         self.words = -(-vocab_size // 32)
+
+    def copy(self) -> "Constraint":
+        """A fresh matcher in this one's state (no grammar compile)."""
+        return Constraint(self.vocab, self.grammar, self.vocab_size, self.matcher.deep_copy())
 
     def mask(self) -> np.ndarray:
         """The int32 bitmask row (vocab_size / 32 words) of the tokens the grammar allows next."""
@@ -140,15 +150,19 @@ class Constraint:
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         return row[0]
 
-    def accept(self, token: int) -> None:
-        """Advance past the picked token (one the mask allowed)."""
-        if not self.matcher.consume_token(int(token)):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+    def accept(self, token: int) -> bool:
+        """Advance past the picked token; False when the matcher refuses it (it is then in an error state: a parser
+        limit reached, or a token its mask did not allow), which ends only this request."""
+        return bool(self.matcher.consume_token(int(token)))
 
     @property
     def done(self) -> bool:
-        """The grammar is complete: nothing but an end token may follow."""
+        """The grammar is complete (nothing but an end token may follow), or the matcher failed."""
         return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
 
 
 def constraint_masks(constraints: list, done: np.ndarray) -> np.ndarray:
@@ -160,8 +174,15 @@ def constraint_masks(constraints: list, done: np.ndarray) -> np.ndarray:
 
 
 def constraints_took(constraints: list, tokens, running: np.ndarray, stops) -> None:
-    """Each row that was running takes its new token; a row whose grammar is now complete stops (StopChecker)."""
+    """Each row that was running takes its new token; a row whose grammar is now complete, or whose matcher refused
+    the token, stops (StopChecker)."""
     for b in np.flatnonzero(running):
-        constraints[b].accept(int(tokens[b]))
-        if constraints[b].done:
+        if not constraints[b].accept(int(tokens[b])) or constraints[b].done:
             stops.done[b] = True
+
+
+def ends_only(mask: np.ndarray, eos_token_ids) -> bool:
+    """Whether a bitmask row allows nothing but end tokens (its grammar complete): such a row is not held to
+    min_new_tokens, whose eos ban would leave it no token."""
+    allowed = np.flatnonzero(((mask.astype(np.int64)[:, None] >> np.arange(32)) & 1).reshape(-1))
+    return bool(len(allowed)) and set(allowed.tolist()) <= set(eos_token_ids)

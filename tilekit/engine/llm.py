@@ -23,6 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from tilekit.engine.blocks import BlockPool
+from tilekit.engine.grammar import Constraint
 from tilekit.engine.sampling import GenerationSettings
 from tilekit.engine.scheduler import Request, Scheduler
 from tilekit.engine.stops import StopChecker
@@ -102,13 +103,14 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], max_new_tokens: int | None = None, *,
                     request_id: str | None = None, ignore_eos: bool = False, stop_token_ids: Sequence[int] = (),
-                    response_format: dict | None = None, **options) -> Request:
+                    response_format: dict | Constraint | None = None, **options) -> Request:
         """Queue one request: `prompt` text (the checkpoint's tokenizer encodes it) or token ids; options as for
         generate() (temperature, top_k, top_p, min_p, repetition / presence / frequency penalties, min_new_tokens,
         eos_token_id, stop_strings, seed), the checkpoint's generation_config.json filling in the rest;
         stop_token_ids stop it too, and ignore_eos lets it run past the eos ids; response_format constrains its
-        output (tilekit.engine.grammar: a JSON schema, any JSON object, a regex, a grammar, a choice) and it stops
-        when that is complete. Every argument is checked here."""
+        output (tilekit.engine.grammar: a JSON schema, any JSON object, a regex, a grammar, a choice; or a Constraint
+        built from one by Runner.constraint, off the engine's thread) and it stops when that is complete (a matcher
+        that fails ends it with "abort"). Every argument is checked here."""
         ids = self.runner._encoded(prompt) if isinstance(prompt, str) else list(prompt)
         V = self.model.config.vocab_size
         if not ids or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < V
@@ -127,7 +129,8 @@ class LLMEngine:
         if len(eos) > MAX_EOS:
             raise ValueError(f"eos_token_id and stop_token_ids must be at most {MAX_EOS} ids together, got {len(eos)}")
         seed = settings.seed if settings.seed is not None else int(np.random.SeedSequence().entropy % (1 << 31))
-        constraint = self.runner.constraint(response_format)
+        constraint = response_format if isinstance(response_format, Constraint) else \
+            self.runner.constraint(response_format)
         request = Request(ids, settings.max_new_tokens, settings.sampling, min_new_tokens=settings.min_new_tokens,
                           eos_token_ids=eos, stop_strings=settings.stop_strings, seed=seed,
                           id=request_id or f"req-{next(_ids)}", constraint=constraint)
@@ -193,11 +196,11 @@ class LLMEngine:
         piece = track.stream.push(token) if track.stream is not None else ""
         track.stops.update([token], [piece] if request.stop_strings else None)
         text = track.pending + piece
-        complete = False
-        if request.constraint is not None:
-            request.constraint.accept(token)
+        complete = refused = False
+        if request.constraint is not None:    # a matcher that refuses the token ends this request alone
+            refused = not request.constraint.accept(token)
             complete = request.constraint.done
-        finished = bool(track.stops.done[0]) or complete
+        finished = bool(track.stops.done[0]) or complete or refused
         reason = None
         if finished:
             if track.stream is not None:
@@ -207,7 +210,8 @@ class LLMEngine:
             hit = [i for i in hit if i >= 0]
             if hit:                                   # the stop string and what follows it are not returned
                 text = full[:min(hit)][len(track.sent):] if min(hit) >= len(track.sent) else ""
-            reason = "stop" if (hit or complete or token in request.eos_token_ids) else "length"
+            reason = "abort" if refused else "stop" if (hit or complete or token in request.eos_token_ids) \
+                else "length"
             self.scheduler.finish(request, reason)
             self.executor.forget(request)
             self.tracks.pop(request.id)
@@ -334,6 +338,10 @@ class AsyncEngine:
     async def submit(self, *args, **kwargs):
         """Queue a request (add_request's arguments); an async iterator of its Outputs, the last one finished. A
         ValueError from add_request is raised here, before the first output."""
+        return await self.started(self.enqueue(*args, **kwargs))
+
+    def enqueue(self, *args, **kwargs) -> asyncio.Queue:
+        """Queue a request now (it counts in queue_depth on return); await started() on what this returns."""
         queue: asyncio.Queue = asyncio.Queue()
         listener = (asyncio.get_running_loop(), queue)
         with self.lock:
@@ -343,6 +351,10 @@ class AsyncEngine:
                 raise RuntimeError("the engine is shutting down")
             self.inbox.append(("add", args, kwargs, listener))
             self.lock.notify()
+        return queue
+
+    async def started(self, queue: asyncio.Queue):
+        """(its first Output, an async iterator of the rest) of an enqueued request."""
         first = await queue.get()
         if isinstance(first, BaseException):
             raise first

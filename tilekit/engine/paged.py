@@ -31,7 +31,7 @@ from tilekit.autotune.compile import precompile_launches
 from tilekit.autotune.op import collecting_launches
 from tilekit.device import device_info
 from tilekit.engine import lifecycle
-from tilekit.engine.grammar import fill_masks
+from tilekit.engine.grammar import ends_only, fill_masks
 from tilekit.engine.graphs import capture
 from tilekit.engine.kv_cache import check_kv_cache_dtype, fp8_scales
 from tilekit.engine.picker import Picker
@@ -231,7 +231,7 @@ class PagedExecutor:
                 if masked:
                     self._upload_masks(constraints, max(R, picks_R))
                 if picks:
-                    self._pick_step(picks_R, picker, masked, graphs=not P)
+                    self._pick_step(picks_R, picker, masked)
             tokens = cupy.asnumpy(self.tokens[:max(R, picks_R)])
         return {q.id: int(tokens[self.slot_of[q.id]]) for q in picks}
 
@@ -245,19 +245,31 @@ class PagedExecutor:
         if P:
             self._prefill(pow2_at_least(P, PREFILL_PAD), any(c.final for c in step.chunks))
 
-    def _pick_step(self, R: int, picker: Picker, masked: bool, graphs: bool) -> None:
-        graph = self.graphs.get(("pick", R, picker, masked)) if graphs else None
+    def _pick_step(self, R: int, picker: Picker, masked: bool) -> None:
+        """The pick of a step that ran its forward apart: a masked pick's graph, else eagerly."""
+        graph = self.graphs.get(("pick", R, picker)) if masked else None
         if graph is not None:
             graph.launch(self.stream)
         else:
             self._pick(R, picker, masked)
 
     def _upload_masks(self, constraints: dict, rows: int) -> None:
-        """The bitmask rows the pick reads: each constrained slot's allowed tokens, every other row all ones."""
+        """The bitmask rows the pick reads: each constrained slot's allowed tokens, every other row all ones. A slot
+        whose grammar allows nothing but its end has its eos ban (min_new_tokens) lifted, so that it can end."""
         import cupy
         self.host_bitmask[:rows] = -1
         fill_masks([(c, self.slot_of[request_id]) for request_id, c in constraints.items()], self.host_bitmask)
         self.bitmask[:rows] = cupy.asarray(self.host_bitmask[:rows])
+        banned, V = self.host_views["banned"], self.model.config.vocab_size
+        lifted = False
+        for request_id in constraints:
+            s = self.slot_of[request_id]
+            own = (banned >= s * V) & (banned < (s + 1) * V)
+            if own.any() and ends_only(self.host_bitmask[s], self.params[request_id][3]):
+                banned[own] = self.S * V                 # the sink row
+                lifted = True
+        if lifted:
+            self.views["banned"][...] = cupy.asarray(banned)
 
     def _size(self, requests) -> int:
         """The decode size (rows 0 .. R-1) that covers these requests' slots; 0 for none."""
@@ -414,11 +426,9 @@ class PagedExecutor:
                 if capture_graphs:
                     self.graphs[(R, picker)] = capture(self.stream, lambda: self._decode(R, picker))
             for picker in (GREEDY, SAMPLING):
-                for masked in (False, True):
-                    self._pick(R, picker, masked)
-                    if capture_graphs:
-                        self.graphs[("pick", R, picker, masked)] = capture(self.stream,
-                                                                           lambda: self._pick(R, picker, masked))
+                self._pick(R, picker, masked=True)
+                if capture_graphs:
+                    self.graphs[("pick", R, picker)] = capture(self.stream, lambda: self._pick(R, picker, True))
         for p in self.prefill_sizes:
             self._prefill(p, head=True)
 

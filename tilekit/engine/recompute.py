@@ -10,7 +10,7 @@ import numpy as np
 
 from tilekit.engine.runner import Runner
 from tilekit.engine.sampling import GenerationSettings, SamplingParams, process_logits, sample_reference, token_counts
-from tilekit.engine.grammar import constraint_masks, constraints_took
+from tilekit.engine.grammar import constraint_masks, constraints_took, ends_only
 from tilekit.engine.stops import StopChecker
 from tilekit.kernels.token_bitmask import token_bitmask_reference
 
@@ -58,10 +58,18 @@ def generate_by_recomputation(model, prompts: Sequence[np.ndarray], settings: Ge
     for step in range(settings.max_new_tokens):
         outputs = [s[len(p):] for s, p in zip(seqs, prompts)]
         logits = step_logits(seqs)
+        counts, output_counts = token_counts(seqs, V), token_counts(outputs, V)
+        eos = settings.eos_token_ids
         if constraints:
-            logits = token_bitmask_reference(logits, constraint_masks(constraints, stops.done))
-        processed = process_logits(logits, token_counts(seqs, V), token_counts(outputs, V), rows, step,
-                                   eos_token_ids=settings.eos_token_ids, min_new_tokens=settings.min_new_tokens)
+            masks = constraint_masks(constraints, stops.done)
+            logits = token_bitmask_reference(logits, masks)
+            held = [0 if ends_only(m, eos) else settings.min_new_tokens for m in masks]   # a complete grammar ends
+            processed = np.concatenate([process_logits(logits[b:b + 1], counts[b:b + 1], output_counts[b:b + 1],
+                                                       rows[b:b + 1], step, eos_token_ids=eos, min_new_tokens=h)
+                                        for b, h in enumerate(held)])
+        else:
+            processed = process_logits(logits, counts, output_counts, rows, step, eos_token_ids=eos,
+                                       min_new_tokens=settings.min_new_tokens)
         tokens = np.where(stops.done, pad, sample_reference(processed, rng))
         for s, t in zip(seqs, tokens):
             s.append(int(t))
@@ -96,11 +104,13 @@ class RecomputeExecutor:
             output = request.output
             V = self.model.config.vocab_size
             logits = self.model.next_logits([seq])
-            if constraints and request.id in constraints:
-                logits = token_bitmask_reference(logits, constraints[request.id].mask()[None])
+            mask = constraints[request.id].mask() if constraints and request.id in constraints else None
+            if mask is not None:
+                logits = token_bitmask_reference(logits, mask[None])
+            held = 0 if mask is not None and ends_only(mask, request.eos_token_ids) else request.min_new_tokens
             processed = process_logits(logits, token_counts([seq], V),
                                        token_counts([output], V), [request.sampling], len(output),
-                                       eos_token_ids=request.eos_token_ids, min_new_tokens=request.min_new_tokens)
+                                       eos_token_ids=request.eos_token_ids, min_new_tokens=held)
             rng = np.random.default_rng([request.seed, len(seq)])
             picked[request.id] = int(sample_reference(processed, rng)[0])
         return picked

@@ -21,6 +21,7 @@ class Runner:
     def __init__(self, model):
         self.model = model
         self._tokenizer = None
+        self._vocabulary = None
 
     def generate(self, ids, max_new_tokens: int | None = None, **options) -> list[np.ndarray]:
         raise NotImplementedError
@@ -71,16 +72,16 @@ class Runner:
         if checkpoint is None or not (checkpoint.has("tokenizer.json") or checkpoint.has("vocab.json")):
             raise ValueError("response_format needs the checkpoint's tokenizer (tokenizer.json or vocab.json)")
         V = self.model.config.vocab_size
-        with tokenizer_failures(self._tokenizer_file(), "cannot give structured output's vocabulary"):
-            vocab = vocabulary(self.tokenizer().to_str(), V, tuple(self.generation_defaults().eos_token_ids))
-        return Constraint(vocab, grammar, V)
+        if self._vocabulary is None:        # built once a runner (tilekit.engine.grammar.vocabulary caches it too)
+            with tokenizer_failures(self._tokenizer_file(), "cannot give structured output's vocabulary"):
+                self._vocabulary = vocabulary(self.tokenizer().to_str(), V,
+                                              tuple(self.generation_defaults().eos_token_ids))
+        return Constraint(self._vocabulary, grammar, V)
 
     def constraints(self, response_format, rows: int) -> list | None:
-        """One matcher a row for generate(), or None without a response_format."""
-        if response_format is None:
-            return None
-        first = self.constraint(response_format)
-        return None if first is None else [first] + [self.constraint(response_format) for _ in range(rows - 1)]
+        """One matcher a row for generate() (copies of one compile), or None without a response_format."""
+        first = self.constraint(response_format) if response_format is not None else None
+        return None if first is None else [first] + [first.copy() for _ in range(rows - 1)]
 
     def tokenizer(self):
         """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt), read as untrusted once and

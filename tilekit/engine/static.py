@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tilekit.engine import lifecycle
-from tilekit.engine.grammar import constraint_masks, constraints_took
+from tilekit.engine.grammar import constraint_masks, constraints_took, ends_only
 from tilekit.engine.graphs import Generation, PrefillGraph
 from tilekit.engine.kv_cache import check_kv_cache_dtype
 from tilekit.engine.picker import Picker
@@ -190,7 +190,7 @@ class StaticRunner(Runner):
             state = gen.state
             gen.start(history, lengths - 1, fparams, iparams, seen)
             if constraints:
-                state.bitmask.set(constraint_masks(constraints, stops.done))
+                self._put_masks(state, constraints, stops, iparams, eos)
             gen.prefill(padded, lengths, use_graph)
             for produced in range(1, new + 1):
                 if watch:
@@ -199,7 +199,7 @@ class StaticRunner(Runner):
                     stops.update(tokens, None if streams is None else [s.push(t) for s, t in zip(streams, tokens)])
                     if constraints:
                         constraints_took(constraints, tokens, running, stops)
-                        state.bitmask.set(constraint_masks(constraints, stops.done))
+                        self._put_masks(state, constraints, stops, iparams, eos)
                     stopped = np.flatnonzero(running & stops.done)
                     if len(stopped) and (streams is not None or constraints):
                         # a stop string, or a complete grammar, ends a row that emits no eos
@@ -221,6 +221,17 @@ class StaticRunner(Runner):
                     break
                 stops.update(history[np.arange(B), lengths + i])
         return [history[b, :lengths[b] + stops.lengths[b]].astype(np.int64) for b in range(B)]
+
+    @staticmethod
+    def _put_masks(state, constraints: list, stops, iparams: np.ndarray, eos) -> None:
+        """The rows' structured-output masks for the next pick; a row whose grammar allows nothing but its end has
+        its eos ban (min_new_tokens) lifted, so that it can end."""
+        masks = constraint_masks(constraints, stops.done)
+        state.bitmask.set(masks)
+        lift = [b for b in np.flatnonzero(~stops.done) if iparams[b, 2] > 0 and ends_only(masks[b], eos)]
+        if lift:
+            iparams[lift, 2] = 0
+            state.iparams.set(iparams)
 
     def shared_seed(self, seed: int | None) -> int | None:
         """The seed generate() samples with; tensor-parallel and unseeded, rank 0 draws one and the others

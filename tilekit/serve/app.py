@@ -66,7 +66,6 @@ class Server:
                  max_body: int = MAX_BODY):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_waiting, self.max_body = max_waiting, max_body
-        self.admitting = 0      # choices let past max_waiting that the engine has not taken yet (on the safe side)
         llm = engine.engine
         self.runner, self.max_len, self.vocab = llm.runner, llm.max_len, llm.model.config.vocab_size
         self.metrics = Metrics(self._stats, model_name)
@@ -132,23 +131,32 @@ class Server:
         if count > self.max_waiting:
             raise APIError(400, f"{len(prompts)} prompts x n={sampling.n} is {count} requests, more than this server "
                                 f"queues ({self.max_waiting}): send fewer", param="n")
-        if self.engine.queue_depth + self.admitting + count > self.max_waiting:
+        fmt = sampling.options.get("response_format")
+        constraints = []                # built off the event loop and the engine's thread (a grammar compile)
+        if fmt is not None:
+            try:
+                first = await asyncio.to_thread(self.runner.constraint, fmt)
+            except ValueError as e:
+                raise APIError(400, str(e), param=sampling.format_field) from None
+            constraints = [first] + [first.copy() for _ in range(count - 1)]
+        if self.engine.queue_depth + count > self.max_waiting:
             raise APIError(503, f"the server is at its limit of {self.max_waiting} waiting requests; retry later",
                            code="overloaded")
-        self.admitting += count           # the submits below run later: a concurrent check must see these
         arrived = time.monotonic()
-        submits = []                    # every choice queued at once: the engine takes them in one step
+        queued = []                     # every choice queued at once, counted in queue_depth before any await
         for ids in prompts:
             wanted = sampling.max_tokens if sampling.max_tokens is not None else self.max_len - len(ids)
             for j in range(sampling.n):
                 options = dict(sampling.options)
                 if "seed" in options and sampling.n > 1:
                     options["seed"] = (options["seed"] + j) % (1 << 31)
-                submits.append(self.engine.submit(ids, wanted, **options))
-        try:
-            results = await asyncio.gather(*submits, return_exceptions=True)
-        finally:
-            self.admitting -= count
+                if constraints:
+                    options["response_format"] = constraints[len(queued)]
+                try:
+                    queued.append(self.engine.enqueue(ids, wanted, **options))
+                except RuntimeError as e:        # shutting down, or the engine failed: the rest are not queued
+                    queued.append(e)
+        results = await asyncio.gather(*(self._started(q) for q in queued), return_exceptions=True)
         choices = [_Choice(i, *r, arrived) for i, r in enumerate(results) if not isinstance(r, BaseException)]
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -161,6 +169,11 @@ class Server:
                 raise APIError(503, str(failed[0]), code="shutting_down")
             raise failed[0]
         return choices
+
+    async def _started(self, queued):
+        if isinstance(queued, BaseException):
+            raise queued
+        return await self.engine.started(queued)
 
     async def close(self, choices: list[_Choice]) -> None:
         """Abort choices already queued (their output streams may never have started, so closing them is not

@@ -4,11 +4,16 @@ request), same random weights, same requests, same process, greedy with eos igno
 
     python -m benchmarks.studies.continuous --preset llama-3.2-1b [--requests 256] [--input 256 2048]
         [--output 64 512] [--shared-prefix 1024] [--static-batch 64] [--max-running 64] [--out DIR]
+    python -m benchmarks.studies.continuous --input 256 1024 --output 128 128 --transformers
+
+With --transformers, transformers' own continuous batching (generate_batch with paged attention, greedy, eos off)
+runs the same requests on the same weights (tilekit's model is built from its state dict) after the engine: it
+takes one output length, so --output must give one.
 
 Rows: output tokens/s and total (prompt + output) tokens/s of each side, the engine's start-up (buffers, warm-up,
 graph captures), its first request's time to first token after start-up against a static generate of a new
-prompt length, prefix-cache hit rate and preemptions. Check: of the first 16 requests, at least 12 whose first 4
-engine tokens equal their static-batch tokens (bf16 kernels of different batch shapes round differently and a
+prompt length, prefix-cache hit rate, preemptions and a roofline estimate. Check: of the first 16 requests, at least
+12 whose first 4 engine tokens equal their static-batch (or transformers') tokens (bf16 kernels of different batch shapes round differently and a
 random-weight model's logits are close, so later tokens may part; each one's leading agreement is recorded); a row
 whose check fails is marked failed. Results as JSON under --out.
 """
@@ -78,6 +83,51 @@ def roofline_seconds(config, reqs, max_running: int, copy_gbs: float, peak_tflop
     return flops / (peak_tflops * 1e12) + (weights + kv) / (copy_gbs * 1e9)
 
 
+HF_ATTENTION = ("paged|sdpa", "sdpa_paged", "sdpa")     # the first one this transformers builds is used
+
+
+def transformers_model(config, dtype: str):
+    """transformers' model of `config` with random weights (seed 0) and paged attention, and the name of its
+    attention implementation."""
+    from benchmarks.suites.model import build_hf
+    errors = []
+    for impl in HF_ATTENTION:
+        try:
+            return build_hf(config, impl, dtype=dtype, seed=0), impl
+        except Exception as e:  # noqa: BLE001 - the next implementation name
+            errors.append(f"{impl}: {type(e).__name__}: {e}")
+    raise RuntimeError("transformers built none of " + "; ".join(errors))
+
+
+def run_transformers(hf, reqs) -> tuple[float, list[list[int]]]:
+    """Seconds for transformers' continuous batching (generate_batch, greedy, eos off) of every request; its one
+    generation config takes one output length, so the requests must share theirs."""
+    from transformers.generation import GenerationConfig
+    new = reqs[0][1]
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None,
+                              pad_token_id=hf.generation_config.pad_token_id)
+    hf.generate_batch(inputs=[p for p, _ in reqs[:4]], generation_config=config, progress_bar=False)  # warm-up
+    synchronize()
+    start = time.perf_counter()
+    out = hf.generate_batch(inputs=[p for p, _ in reqs], generation_config=config, progress_bar=False)
+    synchronize()
+    seconds = time.perf_counter() - start
+    by_prompt = {}
+    for result in out.values():
+        by_prompt.setdefault(tuple(result.prompt_ids), []).append([int(t) for t in result.generated_tokens])
+    return seconds, [by_prompt[tuple(p)].pop() for p, _ in reqs]
+
+
+def leading_agreement(ours: list[list[int]], theirs: list[list[int]], count: int = 16) -> tuple[list[int], str]:
+    """The first tokens on which each of the first `count` requests agree, and "ok" when at least 3 in 4 agree on
+    their first 4 tokens (random weights in bf16 tie often enough that a few requests part early)."""
+    leading = [next((j for j, (a, b) in enumerate(zip(ours[i], theirs[i])) if a != b), len(theirs[i]))
+               for i in range(min(count, len(ours)))]
+    same = [n >= min(4, len(theirs[i])) for i, n in enumerate(leading)]
+    return leading, ("ok" if sum(same) >= 0.75 * len(same) else
+                     f"FAILED: {sum(same)} of {len(same)} requests' first 4 tokens agree")
+
+
 def first_token_seconds(engine, prompt) -> float:
     """Time to the first token of one request on an idle engine."""
     start = time.perf_counter()
@@ -114,13 +164,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-running", type=int, default=64)
     parser.add_argument("--token-budget", type=int, default=2048)
     parser.add_argument("--no-static", action="store_true", help="skip the static-batching side")
+    parser.add_argument("--transformers", action="store_true",
+                        help="also run transformers' generate_batch on the same weights (needs one output length)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.transformers and args.output[0] != args.output[1]:
+        parser.error("--transformers needs one output length (--output N N): generate_batch takes one")
 
     from tilekit.engine.llm import LLMEngine
     from tilekit.models.families import family_of_config, preset_config
     config = preset_config(args.preset)
-    model = family_of_config(config).model_class(config, dtype=args.dtype, seed=0)
+    hf, anchor_failure = None, None
+    if args.transformers:             # tilekit's model from transformers' weights: the same model on both sides
+        from benchmarks.suites.model import tilekit_state
+        try:
+            hf, impl = transformers_model(config, args.dtype)
+        except Exception as e:  # noqa: BLE001 - reported as the anchor's failed row; the engine still runs
+            anchor_failure = f"FAILED: {type(e).__name__}: {e}"
+    if hf is not None:
+        model = family_of_config(config).model_class(config, dtype=args.dtype, state=tilekit_state(hf, config))
+    else:
+        model = family_of_config(config).model_class(config, dtype=args.dtype, seed=0)
     reqs = workload(args.requests, tuple(args.input), tuple(args.output), args.shared_prefix, config.vocab_size)
     max_len = min(model.context_length, args.input[1] + args.output[1])
     t0 = time.perf_counter()
@@ -159,19 +223,31 @@ def main(argv: list[str] | None = None) -> int:
         model.generate([reqs[1][0][:len(reqs[1][0]) // 2]], 1, temperature=0)     # a new prompt length, cold
         static_cold = time.perf_counter() - t0
         static_s, static_out = run_static(model, reqs, args.static_batch)
-        leading = [next((j for j, (a, b) in enumerate(zip(engine_out[i], static_out[i])) if a != b),
-                        len(static_out[i])) for i in range(min(16, len(reqs)))]
-        same = [n >= min(4, len(static_out[i])) for i, n in enumerate(leading)]
         rows.append(dict(side="static", seconds=static_s, output_tps=output_tokens / static_s,
                          total_tps=(prompt_tokens + output_tokens) / static_s, first_new_length_s=static_cold))
-        rows[0]["leading_tokens_agreeing"] = leading
-        rows[0]["check"] = "ok" if sum(same) >= 0.75 * len(same) else \
-            f"FAILED: {sum(same)} of {len(same)} requests' first 4 tokens agree with static batching"
+        rows[0]["leading_tokens_agreeing"], rows[0]["check"] = leading_agreement(engine_out, static_out)
         rows[0]["speedup_vs_static"] = static_s / engine_s
         print_row(rows[1])
         print(f"  engine {rows[0]['check']}, {rows[0]['speedup_vs_static']:.2f}x static")
     engine.close()
     save()
+    if anchor_failure:
+        rows.append(dict(side="transformers generate_batch", check=anchor_failure))
+        print(f"  transformers {anchor_failure}", flush=True)
+        save()
+    if hf is not None:
+        try:
+            hf_s, hf_out = run_transformers(hf, reqs)
+            leading, check = leading_agreement(engine_out, hf_out)
+            rows.append(dict(side=f"transformers generate_batch ({impl})", seconds=hf_s,
+                             output_tps=output_tokens / hf_s, total_tps=(prompt_tokens + output_tokens) / hf_s,
+                             leading_tokens_agreeing=leading, check=check, engine_speedup=hf_s / engine_s))
+            print(f"  transformers {hf_s:7.2f} s  {output_tokens / hf_s:9.0f} output tok/s  "
+                  f"({impl}); engine {hf_s / engine_s:.1f}x; engine against it: {check}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a failed anchor is a failed row, not a number
+            rows.append(dict(side="transformers generate_batch", check=f"FAILED: {type(e).__name__}: {e}"))
+            print(f"  transformers FAILED: {type(e).__name__}: {e}", flush=True)
+        save()
     return 0 if all(r.get("check", "ok") == "ok" for r in rows) else 1
 
 

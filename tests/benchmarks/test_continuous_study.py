@@ -24,3 +24,22 @@ def test_the_roofline_of_one_request_by_hand():
     # twice the requests at twice the running cap: the same weight reads, twice the FLOPs and KV
     two = roofline_seconds(config, [(prompt, n)] * 2, 2 * running, gbs, tflops)
     assert two > roofline_seconds(config, [(prompt, n)], running, gbs, tflops)
+
+
+def test_the_leading_agreement_check():
+    from benchmarks.studies.continuous import leading_agreement
+    ours = [[1, 2, 3, 4, 5]] * 8
+    close = [[1, 2, 3, 4, 9]] * 6 + [[7, 2, 3, 4, 5]] * 2          # 6 of 8 agree on their first 4 tokens
+    leading, check = leading_agreement(ours, close)
+    assert leading == [4] * 6 + [0] * 2 and check == "ok"
+    leading, check = leading_agreement(ours, [[1, 9, 3, 4, 5]] * 8)
+    assert leading == [1] * 8 and check.startswith("FAILED: 0 of 8")
+
+
+def test_the_transformers_anchor_needs_one_output_length(capsys):
+    import pytest
+
+    from benchmarks.studies.continuous import main
+    with pytest.raises(SystemExit):
+        main(["--transformers", "--output", "64", "512"])
+    assert "--transformers needs one output length" in capsys.readouterr().err

@@ -241,6 +241,7 @@ def test_collected_launches_compile_once_each_as_the_jit_sees_them(tmp_path, mon
     count, errors = precompile_launches(collected, "sm_90", workers=2)
     assert (count, errors) == (distinct, {})
     assert any((tmp_path / "cutile").rglob("*")), "nothing reached cuTile's cache"
+    assert precompile_launches(collected, "sm_90", workers=2) == (0, {})      # compiled ahead already: no pool
 
 
 def test_a_strided_view_keeps_its_strides_in_the_compiled_signature():

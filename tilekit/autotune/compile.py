@@ -156,18 +156,26 @@ def launch_job(op, config: dict, kernel, args: tuple) -> tuple:
     return (op.kernel._pyfunc.__module__, op.name, dict(config), kernel._pyfunc.__name__, tuple(described))
 
 
+_precompiled: set[str] = set()       # launches this process compiled ahead already (their cubins are cached)
+
+
 def precompile_launches(collected, arch: str, *, workers: int | None = None) -> tuple[int, dict[int, str]]:
     """Compile the distinct launches of collecting_launches() in parallel processes, so that running them next
-    finds every cubin in cuTile's cache. Returns (how many distinct launches, {index: error}); a launch that
-    failed here compiles on its first run as before."""
-    jobs, seen = [], set()
+    finds every cubin in cuTile's cache; launches this process compiled ahead before are skipped (no pool starts
+    when none is left). Returns (how many launches it compiled, {index: error}); a launch that failed here compiles
+    on its first run as before."""
+    jobs, keys, seen = [], [], set(_precompiled)
     for op, config, kernel, args in collected:
-        job = launch_job(op, config, kernel, args)
-        key = repr(job)
+        job = launch_job(op, config, kernel, args) + (arch,)
+        key = repr((job, os.environ.get("CUDA_TILE_CACHE_DIR")))      # the cache the workers fill
         if key not in seen:
             seen.add(key)
-            jobs.append(job + (arch,))
-    _ok, errors = _run_pool(compile_launch, jobs, workers)
+            jobs.append(job)
+            keys.append(key)
+    if not jobs:
+        return 0, {}
+    ok, errors = _run_pool(compile_launch, jobs, workers)
+    _precompiled.update(keys[i] for i in ok)
     return len(jobs), errors
 
 

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.studies.continuous import synchronize
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "minLength": 200, "maxLength": 240},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
@@ -66,11 +68,10 @@ def valid(text: str) -> bool:
 
 
 def timed(fn):
-    import cupy
-    cupy.cuda.runtime.deviceSynchronize()
+    synchronize()
     start = time.perf_counter()
     out = fn()
-    cupy.cuda.runtime.deviceSynchronize()
+    synchronize()
     return time.perf_counter() - start, out
 
 

@@ -12,7 +12,7 @@ Formats (OpenAI's response_format, and the forms vLLM's guided_* fields map to):
 
 llguidance rather than xgrammar: it installs with no dependencies (xgrammar needs torch, transformers and triton),
 covers JSON schema, regular expressions and Lark / GBNF grammars through one matcher, and computes a mask in tens of
-microseconds (its own measure; see docs/serving.md). The vocabulary is built once per tokenizer and cached.
+microseconds (its own measure; see docs/serving.md). A runner builds its vocabulary once (Runner.constraint).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import threading
 
 import numpy as np
 
+from tilekit.kernels.token_bitmask import allowed_tokens, words
+
 FORMATS = ("text", "json_object", "json_schema", "regex", "grammar", "choice")
 COMPACT = {"whitespace_flexible": False}    # JSON as OpenAI writes it: ", " and ": " only (a schema's x-guidance wins)
-_vocabularies: dict[tuple, object] = {}
 _lock = threading.Lock()
 
 
@@ -36,11 +37,12 @@ def _llguidance():
     return llguidance
 
 
-def grammar_of(response_format) -> str | None:
+def grammar_of(response_format, check: bool = True) -> str | None:
     """The llguidance grammar of a response_format (module doc), None for plain text; a ValueError naming the field
-    for anything malformed (the grammar's syntax checked too; Constraint checks it against the vocabulary)."""
+    for anything malformed, and with `check` for a grammar whose syntax llguidance refuses (Constraint checks it
+    against the vocabulary, which covers the syntax too)."""
     grammar = _grammar(response_format)
-    if grammar is not None:
+    if check and grammar is not None:
         error = _llguidance().LLMatcher.validate_grammar(grammar)
         if error:
             raise ValueError(f"response_format: {error}")
@@ -95,16 +97,10 @@ def _grammar(response_format) -> str | None:
 
 
 def vocabulary(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
-    """llguidance's view of a tokenizer (a tokenizer.json's text) over a model's vocab_size ids: built once
-    (about a second for a large vocabulary) and cached."""
-    key = (hash(tokenizer_json), len(tokenizer_json), vocab_size, eos_token_ids)
-    with _lock:
-        found = _vocabularies.get(key)
-        if found is None:
-            llg = _llguidance()
-            eos = list(eos_token_ids) if eos_token_ids else None
-            found = _vocabularies[key] = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
-        return found
+    """llguidance's view of a tokenizer (a tokenizer.json's text) over a model's vocab_size ids (up to about a second
+    for a large vocabulary: build it once)."""
+    eos = list(eos_token_ids) if eos_token_ids else None
+    return _llguidance().LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
 
 
 _executor = None
@@ -138,7 +134,7 @@ class Constraint:
             if matcher.is_error():
                 raise ValueError(f"response_format: {matcher.get_error()}")
         self.vocab, self.grammar, self.vocab_size, self.matcher = vocab, grammar, vocab_size, matcher
-        self.words = -(-vocab_size // 32)
+        self.words = words(vocab_size)
 
     def copy(self) -> "Constraint":
         """A fresh matcher in this one's state (no grammar compile)."""
@@ -160,16 +156,11 @@ class Constraint:
         """The grammar is complete (nothing but an end token may follow), or the matcher failed."""
         return self.matcher.is_stopped()
 
-    @property
-    def error(self) -> str:
-        return self.matcher.get_error()
-
 
 def constraint_masks(constraints: list, done: np.ndarray) -> np.ndarray:
     """(rows, words) bitmasks of generate()'s rows: each running row's allowed tokens, a stopped row's all ones."""
     masks = np.full((len(constraints), constraints[0].words), -1, np.int32)
-    for b in np.flatnonzero(~done):
-        masks[b] = constraints[b].mask()
+    fill_masks([(constraints[b], b) for b in np.flatnonzero(~done)], masks)
     return masks
 
 
@@ -184,5 +175,5 @@ def constraints_took(constraints: list, tokens, running: np.ndarray, stops) -> N
 def ends_only(mask: np.ndarray, eos_token_ids) -> bool:
     """Whether a bitmask row allows nothing but end tokens (its grammar complete): such a row is not held to
     min_new_tokens, whose eos ban would leave it no token."""
-    allowed = np.flatnonzero(((mask.astype(np.int64)[:, None] >> np.arange(32)) & 1).reshape(-1))
+    allowed = np.flatnonzero(allowed_tokens(mask[None], 32 * len(mask))[0])
     return bool(len(allowed)) and set(allowed.tolist()) <= set(eos_token_ids)

@@ -150,8 +150,7 @@ class LLMEngine:
 
     def _text_stream(self, ids: list[int]) -> TextStream | None:
         """A request's incremental detokenizer, or None for a model without a checkpoint tokenizer (ids only)."""
-        checkpoint = self.model.checkpoint
-        if checkpoint is None or not (checkpoint.has("tokenizer.json") or checkpoint.has("vocab.json")):
+        if not self.runner.has_tokenizer():
             return None
         return TextStream(self.runner.tokenizer(), context=ids, source=self.runner._tokenizer_file())
 

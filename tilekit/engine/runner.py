@@ -65,14 +65,13 @@ class Runner:
         """Structured output's matcher (tilekit.engine.grammar.Constraint) of a response_format over the checkpoint's
         vocabulary, or None for free text; a ValueError naming response_format for a malformed one."""
         from tilekit.engine.grammar import Constraint, grammar_of, vocabulary
-        grammar = grammar_of(response_format)
+        grammar = grammar_of(response_format, check=False)        # Constraint checks it against the vocabulary
         if grammar is None:
             return None
-        checkpoint = self.model.checkpoint
-        if checkpoint is None or not (checkpoint.has("tokenizer.json") or checkpoint.has("vocab.json")):
+        if not self.has_tokenizer():
             raise ValueError("response_format needs the checkpoint's tokenizer (tokenizer.json or vocab.json)")
         V = self.model.config.vocab_size
-        if self._vocabulary is None:        # built once a runner (tilekit.engine.grammar.vocabulary caches it too)
+        if self._vocabulary is None:        # built once a runner
             with tokenizer_failures(self._tokenizer_file(), "cannot give structured output's vocabulary"):
                 self._vocabulary = vocabulary(self.tokenizer().to_str(), V,
                                               tuple(self.generation_defaults().eos_token_ids))
@@ -82,6 +81,11 @@ class Runner:
         """One matcher a row for generate() (copies of one compile), or None without a response_format."""
         first = self.constraint(response_format) if response_format is not None else None
         return None if first is None else [first] + [first.copy() for _ in range(rows - 1)]
+
+    def has_tokenizer(self) -> bool:
+        """Whether the checkpoint has a tokenizer (tokenizer.json, or vocab.json + merges.txt)."""
+        checkpoint = self.model.checkpoint
+        return checkpoint is not None and (checkpoint.has("tokenizer.json") or checkpoint.has("vocab.json"))
 
     def tokenizer(self):
         """The checkpoint's tokenizer (tokenizer.json, or GPT-2's vocab.json + merges.txt), read as untrusted once and

@@ -162,9 +162,7 @@ class Server:
         if failed:
             await self.close(choices)
             if isinstance(failed[0], (ValueError, TypeError)):
-                message = str(failed[0])
-                field = sampling.format_field if message.startswith("response_format") else None
-                raise APIError(400, message, param=field)
+                raise APIError(400, str(failed[0]))
             if isinstance(failed[0], RuntimeError):          # shutting down, or the engine failed
                 raise APIError(503, str(failed[0]), code="shutting_down")
             raise failed[0]

@@ -159,10 +159,9 @@ def parse_sampling(body: dict, vocab_size: int) -> Sampling:
         s.include_usage = _boolean(options, "include_usage")
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise bad("logprobs", "log probabilities are not returned by this server (its picks are made on the GPU)")
-    response_format = parse_response_format(body)
+    response_format, field = parse_response_format(body)
     if response_format is not None:
-        o["response_format"] = response_format
-        s.format_field = next(name for name in ("response_format", *GUIDED) if body.get(name) is not None)
+        o["response_format"], s.format_field = response_format, field
     return s
 
 
@@ -170,15 +169,15 @@ GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar
           "guided_choice": "choice"}
 
 
-def parse_response_format(body: dict) -> dict | None:
-    """The engine's response_format (tilekit.engine.grammar) from OpenAI's response_format or one of vLLM's guided_*
-    fields (at most one of them); None for free text. Its syntax is checked here, against the vocabulary when the
-    engine takes it."""
+def parse_response_format(body: dict) -> tuple[dict | None, str | None]:
+    """(the engine's response_format (tilekit.engine.grammar), the field it came in) from OpenAI's response_format
+    or one of vLLM's guided_* fields (at most one of them); (None, None) for free text. Its grammar is compiled, and
+    checked, when the server builds the request's matcher (Runner.constraint)."""
     given = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
     if len(given) > 1:
         raise bad(given[1], f"give one of response_format and {', '.join(GUIDED)}, not {' and '.join(given)}")
     if not given:
-        return None
+        return None, None
     name, value = given[0], body[given[0]]
     if name == "response_format":
         if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
@@ -193,12 +192,7 @@ def parse_response_format(body: dict) -> dict | None:
         fmt = {"type": "json_schema", "json_schema": {"schema": value}}
     else:
         fmt = {"type": GUIDED[name], GUIDED[name]: value}
-    from tilekit.engine.grammar import grammar_of
-    try:
-        grammar_of(fmt)
-    except ValueError as e:
-        raise bad(name, str(e)) from None
-    return None if fmt.get("type") == "text" else fmt
+    return (None, None) if fmt.get("type") == "text" else (fmt, name)
 
 
 def parse_messages(body: dict) -> list[dict]:

@@ -65,9 +65,10 @@ def run_child(tree: Path, checkpoint: Path) -> dict:
     done = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint)], cwd=tree, env=env, capture_output=True,
                           text=True, timeout=600)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if done.returncode or line is None:
+    if line is None:
         raise RuntimeError(f"{tree}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    # a tree from before the clean-exit fix (3779ce9) dies at exit (SIGSEGV) after its result: kept, its status noted
+    return dict(json.loads(line[len("RESULT "):]), exit=done.returncode)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, tree in trees.items():
                 runs[name].append(run_child(tree, checkpoint))
         same = all(r["tokens"] == runs["before"][0]["tokens"] for rs in runs.values() for r in rs)
-        row = dict(preset=preset, layers=args.layers, tokens_identical=same)
+        row = dict(preset=preset, layers=args.layers, tokens_identical=same,
+                   exits={name: sorted({r["exit"] for r in rs}) for name, rs in runs.items()})
         for name, rs in runs.items():
             row[f"{name}_decode_ms"] = float(np.median([r["decode_ms"] for r in rs]))
             row[f"{name}_prefill_ms"] = float(np.median([r["prefill_ms"] for r in rs]))
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{preset:18s} greedy tokens {'identical' if same else 'DIFFER'}  decode B1 {row['before_decode_ms']:.3f}"
               f" -> {row['after_decode_ms']:.3f} ms/token ({row['after_decode_ms'] / row['before_decode_ms']:.3f}x)"
               f"  prefill 1x512 {row['before_prefill_ms']:.2f} -> {row['after_prefill_ms']:.2f} ms "
-              f"({row['after_prefill_ms'] / row['before_prefill_ms']:.3f}x)", flush=True)
+              f"({row['after_prefill_ms'] / row['before_prefill_ms']:.3f}x)  exit status {row['exits']}", flush=True)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "tree-ab.json").write_text(json.dumps(dict(argv=sys.argv, rows=rows), indent=1))

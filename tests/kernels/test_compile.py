@@ -254,3 +254,36 @@ def test_a_strided_view_keeps_its_strides_in_the_compiled_signature():
     view = MetaArray((4, 8, 1, 64), "bfloat16", (64, 256, 64, 1))
     described = launch_job(op, config, kernel, (view,) + args[1:])[4][0]
     assert described == ArraySpec("bfloat16", (4, 8, 1, 64), (64, 256, 64, 1), aligned16=True)
+
+
+def sleep_for(seconds: float) -> float:
+    """A job for the worker pool (importable by its spawned workers)."""
+    import time
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_pool_past_its_deadline_stops_the_jobs_still_running():
+    """A compile that never ends does not hold a start-up or a tuning run: at the deadline the workers still busy are
+    terminated, not waited for, and the jobs that finished are kept."""
+    import time
+
+    from tilekit.autotune.compile import _run_pool
+    start = time.monotonic()
+    ok, errors = _run_pool(sleep_for, [(0.0,), (600.0,), (0.0,)], 2, deadline=start + 30)
+    assert ok == {0, 2} and errors == {}
+    assert time.monotonic() - start < 60
+
+
+def test_launches_not_precompiled_in_time_are_named_with_their_config(tmp_path, monkeypatch):
+    from tilekit.autotune.arrays import ArraySpec, MetaArray
+    from tilekit.autotune.compile import precompile_launches
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path / "cutile"))
+    op = registered_ops()["rms_norm"]
+    problem = PROBLEMS["rms_norm"][0]
+    config = op.default(op.complete(problem))
+    kernel, args = op.compile_args(problem, config)[0]
+    seen = tuple(MetaArray(a.shape, a.dtype, a.element_strides()) if isinstance(a, ArraySpec) else a for a in args)
+    count, errors = precompile_launches([(op, config, kernel, seen)], "sm_90", workers=2, timeout_s=0.001)
+    assert count == 1
+    assert errors == {0: f"rms_norm.{kernel._pyfunc.__name__} {config}: not compiled within 0.001 s"}

@@ -159,11 +159,13 @@ def launch_job(op, config: dict, kernel, args: tuple) -> tuple:
 _precompiled: set[str] = set()       # launches this process compiled ahead already (their cubins are cached)
 
 
-def precompile_launches(collected, arch: str, *, workers: int | None = None) -> tuple[int, dict[int, str]]:
+def precompile_launches(collected, arch: str, *, workers: int | None = None,
+                        timeout_s: float | None = None) -> tuple[int, dict[int, str]]:
     """Compile the distinct launches of collecting_launches() in parallel processes, so that running them next
     finds every cubin in cuTile's cache; launches this process compiled ahead before are skipped (no pool starts
-    when none is left). Returns (how many launches it compiled, {index: error}); a launch that failed here compiles
-    on its first run as before."""
+    when none is left). After timeout_s seconds the workers still compiling are stopped. Returns (how many launches
+    it set out to compile, {index: why one is not compiled}, each naming its kernel and config); a launch not
+    compiled here compiles on its first run as before."""
     jobs, keys, seen = [], [], set(_precompiled)
     for op, config, kernel, args in collected:
         job = launch_job(op, config, kernel, args) + (arch,)
@@ -174,8 +176,13 @@ def precompile_launches(collected, arch: str, *, workers: int | None = None) -> 
             keys.append(key)
     if not jobs:
         return 0, {}
-    ok, errors = _run_pool(compile_launch, jobs, workers)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    ok, errors = _run_pool(compile_launch, jobs, workers, deadline)
     _precompiled.update(keys[i] for i in ok)
+    for i, job in enumerate(jobs):
+        if i not in ok:
+            why = errors.get(i, f"not compiled within {timeout_s:g} s")
+            errors[i] = f"{job[1]}.{job[3]} {job[2]}: {why}"
     return len(jobs), errors
 
 
@@ -211,16 +218,28 @@ def _run_pool(fn, jobs: list[tuple], workers: int | None, deadline: float | None
                 break
             record(i, lambda: fn(*job))
         return ok, errors
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
+    try:
         with _bare_main():                  # workers start as tasks are submitted
             futures = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
-        try:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            for future in as_completed(futures, timeout=remaining):
-                record(futures[future], future.result)
-        except (FutureTimeout, KeyboardInterrupt):
-            for future in futures:
-                future.cancel()
-            if not isinstance(sys.exc_info()[1], FutureTimeout):
-                raise
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        for future in as_completed(futures, timeout=remaining):
+            record(futures[future], future.result)
+    except FutureTimeout:
+        _stop(pool)
+    except BaseException:               # Ctrl-C: the compiles still running are stopped, not waited for
+        _stop(pool)
+        raise
+    else:
+        pool.shutdown()
     return ok, errors
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Stop a pool now: queued jobs cancelled, its workers (a compile may run for minutes) terminated."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())   # no public handle before Python 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(5)

@@ -103,7 +103,7 @@ class PagedExecutor:
 
     def __init__(self, model, *, max_running: int, token_budget: int, block: int, num_blocks: int | None,
                  gpu_memory_utilization: float, kv_cache_dtype: str, max_len: int, use_graphs: bool = True,
-                 compile_workers: int | None = None):
+                 compile_workers: int | None = None, compile_timeout_s: float = 300.0):
         import cupy
         spec = model.cache_spec()
         if isinstance(spec, LatentSpec):
@@ -119,6 +119,9 @@ class PagedExecutor:
         if compile_workers is not None and (not isinstance(compile_workers, int) or isinstance(compile_workers, bool)
                                             or compile_workers < 1):
             raise ValueError(f"compile_workers must be a positive int, got {compile_workers!r}")
+        if isinstance(compile_timeout_s, bool) or not isinstance(compile_timeout_s, (int, float)) \
+                or not 0 < compile_timeout_s < float("inf"):
+            raise ValueError(f"compile_timeout_s must be a positive number of seconds, got {compile_timeout_s!r}")
         if not (isinstance(gpu_memory_utilization, float) and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
         self.model, self.spec, self.block = model, spec, block
@@ -189,7 +192,7 @@ class PagedExecutor:
         self.free_slots = list(range(S - 1, -1, -1))
         self.params: dict[str, tuple] = {}          # request id -> (fparams row, iparams row, picker, eos, banned to)
         self.graphs: dict[tuple, object] = {}
-        self.use_graphs, self.compile_workers = use_graphs, compile_workers
+        self.use_graphs, self.compile_workers, self.compile_timeout_s = use_graphs, compile_workers, compile_timeout_s
         self.warm = False
         lifecycle.track(self)
         self.warm_up()
@@ -394,8 +397,9 @@ class PagedExecutor:
     def warm_up(self) -> None:
         """Every step shape once with padded rows only (kernels compiled, plans chosen), and the decode-only steps
         captured as CUDA graphs. The shapes' kernels are collected first and compiled in parallel processes
-        (precompile_launches), so that a cold compile cache costs start-up seconds rather than minutes. The phases'
-        seconds, the distinct launches and any that failed to precompile are kept in self.startup."""
+        (precompile_launches), so that a cold compile cache costs start-up seconds rather than minutes; a launch not
+        compiled there (an error, or still compiling after compile_timeout_s) compiles here as it first runs. The phases'
+        seconds, the distinct launches and those not precompiled (kernel, config, why) are kept in self.startup."""
         import time
 
         import cupy
@@ -409,8 +413,8 @@ class PagedExecutor:
                 self._every_shape(capture_graphs=False)
             self.stream.synchronize()
         t1 = time.perf_counter()
-        count, errors = (precompile_launches(launches, device_info().arch, workers=self.compile_workers) if launches
-                         else (0, {}))
+        count, errors = (precompile_launches(launches, device_info().arch, workers=self.compile_workers,
+                                             timeout_s=self.compile_timeout_s) if launches else (0, {}))
         t2 = time.perf_counter()
         with self.stream:
             self._every_shape(capture_graphs=self.use_graphs)

@@ -187,10 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         model = family_of_config(config).model_class(config, dtype=args.dtype, seed=0)
     reqs = workload(args.requests, tuple(args.input), tuple(args.output), args.shared_prefix, config.vocab_size)
     max_len = min(model.context_length, args.input[1] + args.output[1])
+    print(f"starting the engine ({args.preset}, max_running {args.max_running}, token budget {args.token_budget}, "
+          f"max_len {max_len})", flush=True)
     t0 = time.perf_counter()
     engine = LLMEngine(model, max_running=args.max_running, token_budget=args.token_budget, max_len=max_len,
                        gpu_memory_utilization=0.5)
     startup = time.perf_counter() - t0
+    phases = engine.executor.startup
+    print(f"engine started in {startup:.1f} s: collect {phases['collect_s']:.1f} s, precompile {phases['precompile_s']:.1f} s "
+          f"({phases['launches']} launches), run and capture {phases['run_s']:.1f} s; not precompiled: "
+          f"{phases['precompile_errors'] or 'none'}", flush=True)
     ttft = first_token_seconds(engine, reqs[0][0])
     engine.pool.queried_tokens = engine.pool.hit_tokens = 0
     engine_s, engine_out = run_engine(engine, reqs)

@@ -284,6 +284,10 @@ def test_launches_not_precompiled_in_time_are_named_with_their_config(tmp_path, 
     config = op.default(op.complete(problem))
     kernel, args = op.compile_args(problem, config)[0]
     seen = tuple(MetaArray(a.shape, a.dtype, a.element_strides()) if isinstance(a, ArraySpec) else a for a in args)
-    count, errors = precompile_launches([(op, config, kernel, seen)], "sm_90", workers=2, timeout_s=0.001)
+    taller = tuple(MetaArray((2 * a.shape[0],) + a.shape[1:], a.dtype) if isinstance(a, MetaArray) and len(a.shape) == 2
+                   else a for a in seen)                  # the same launch at twice the rows: the same cubin
+    assert taller[0].shape == (2 * seen[0].shape[0], seen[0].shape[1])
+    count, errors = precompile_launches([(op, config, kernel, seen), (op, config, kernel, taller)], "sm_90",
+                                        workers=2, timeout_s=0.001)
     assert count == 1
     assert errors == {0: f"rms_norm.{kernel._pyfunc.__name__} {config}: not compiled within 0.001 s"}

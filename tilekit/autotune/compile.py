@@ -161,15 +161,15 @@ _precompiled: set[str] = set()       # launches this process compiled ahead alre
 
 def precompile_launches(collected, arch: str, *, workers: int | None = None,
                         timeout_s: float | None = None) -> tuple[int, dict[int, str]]:
-    """Compile the distinct launches of collecting_launches() in parallel processes, so that running them next
-    finds every cubin in cuTile's cache; launches this process compiled ahead before are skipped (no pool starts
-    when none is left). After timeout_s seconds the workers still compiling are stopped. Returns (how many launches
-    it set out to compile, {index: why one is not compiled}, each naming its kernel and config); a launch not
-    compiled here compiles on its first run as before."""
+    """Compile the distinct launches of collecting_launches() (one per cubin: _compiled_as) in parallel processes, so
+    that running them next finds every cubin in cuTile's cache; launches this process compiled ahead before are
+    skipped (no pool starts when none is left). After timeout_s seconds the workers still compiling are stopped.
+    Returns (how many launches it set out to compile, {index: why one is not compiled}, each naming its kernel and
+    config); a launch not compiled here compiles on its first run as before."""
     jobs, keys, seen = [], [], set(_precompiled)
     for op, config, kernel, args in collected:
         job = launch_job(op, config, kernel, args) + (arch,)
-        key = repr((job, os.environ.get("CUDA_TILE_CACHE_DIR")))      # the cache the workers fill
+        key = repr((_compiled_as(kernel, job), os.environ.get("CUDA_TILE_CACHE_DIR")))    # the cache the workers fill
         if key not in seen:
             seen.add(key)
             jobs.append(job)
@@ -184,6 +184,16 @@ def precompile_launches(collected, arch: str, *, workers: int | None = None,
             why = errors.get(i, f"not compiled within {timeout_s:g} s")
             errors[i] = f"{job[1]}.{job[3]} {job[2]}: {why}"
     return len(jobs), errors
+
+
+def _compiled_as(kernel, job: tuple) -> tuple:
+    """What one cubin serves: the job with its arguments as the JIT's signature sees them (launches whose arrays
+    differ only in sizes of the same divisibility compile once)."""
+    try:
+        described = repr(signature(kernel, job[4]))
+    except (TypeError, ValueError):        # the worker reports what is wrong with it
+        described = repr(job[4])
+    return job[:4] + (described,) + job[5:]
 
 
 def precompile(tasks: Sequence[tuple], arch: str, *, workers: int | None = None,

@@ -3,7 +3,7 @@ own static batching (model.generate over batches of requests in arrival order, e
 request), same random weights, same requests, same process, greedy with eos ignored.
 
     python -m benchmarks.studies.continuous --preset llama-3.2-1b [--requests 256] [--input 256 2048]
-        [--output 64 512] [--shared-prefix 1024] [--static-batch 64] [--max-running 64] [--out DIR]
+        [--output 64 512] [--shared-prefix 1024] [--static-batch 64] [--max-running 64] [--compile-log] [--out DIR]
     python -m benchmarks.studies.continuous --input 256 1024 --output 128 128 --transformers
 
 With --transformers, transformers' own continuous batching (generate_batch with paged attention, greedy, eos off)
@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-static", action="store_true", help="skip the static-batching side")
     parser.add_argument("--transformers", action="store_true",
                         help="also run transformers' generate_batch on the same weights (needs one output length)")
+    parser.add_argument("--compile-log", action="store_true",
+                        help="print each start-up kernel as its compile ends (where a slow start-up spends its time)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.transformers and args.output[0] != args.output[1]:
@@ -190,8 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting the engine ({args.preset}, max_running {args.max_running}, token budget {args.token_budget}, "
           f"max_len {max_len})", flush=True)
     t0 = time.perf_counter()
+
+    def compiled(done, total, name, error):
+        print(f"  {time.perf_counter() - t0:6.1f} s  compiled {done}/{total}  {name}{'  ' + error if error else ''}",
+              flush=True)
     engine = LLMEngine(model, max_running=args.max_running, token_budget=args.token_budget, max_len=max_len,
-                       gpu_memory_utilization=0.5)
+                       gpu_memory_utilization=0.5, compile_progress=compiled if args.compile_log else None)
     startup = time.perf_counter() - t0
     phases = engine.executor.startup
     print(f"engine started in {startup:.1f} s: collect {phases['collect_s']:.1f} s, precompile {phases['precompile_s']:.1f} s "

@@ -428,6 +428,16 @@ def test_progress_shows_only_on_a_terminal_after_two_seconds():
     assert pipe.getvalue() == ""
 
 
+def test_progress_counts_what_it_is_given_a_unit_of():
+    now = [0.0]
+    term = Terminal()
+    bar = hf.Progress("compiling", stream=term, clock=lambda: now[0], unit="kernels")
+    now[0] = 3.0
+    bar.update(62, 163)
+    bar.close()
+    assert term.getvalue() == "\rcompiling:  38% 62/163 kernels \n"
+
+
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-llama-tied"])
 def test_files_transformers_wrote_load_as_the_safetensors_library_reads_them(name):
     """The committed fixtures (save_pretrained's headers, shards and index) pass every check, value for value."""

@@ -185,6 +185,8 @@ def test_latent_caches_and_tensor_parallel_models_are_refused(cpu):
     for bad in (0, -1.0, float("inf"), float("nan"), True, "60"):
         with pytest.raises(ValueError, match="compile_timeout_s must be a positive number"):
             LLMEngine(llama, num_blocks=8, use_graphs=False, compile_timeout_s=bad)
+    with pytest.raises(TypeError, match="compile_progress must be callable or None, got str"):
+        LLMEngine(llama, num_blocks=8, use_graphs=False, compile_progress="print")
 
 
 def test_one_requests_eos_ban_is_its_own(cpu, reference):

@@ -238,8 +238,11 @@ def test_collected_launches_compile_once_each_as_the_jit_sees_them(tmp_path, mon
             collected += [(op, config, kernel, seen)] * 3          # every layer repeats its launches
     distinct = len({repr(launch_job(*c)) for c in collected})
     assert distinct == len(collected) // 3
-    count, errors = precompile_launches(collected, "sm_90", workers=2)
+    ended = []
+    count, errors = precompile_launches(collected, "sm_90", workers=2, progress=lambda *a: ended.append(a))
     assert (count, errors) == (distinct, {})
+    assert [a[:2] for a in ended] == [(i + 1, distinct) for i in range(distinct)]
+    assert {a[2].split(".")[0] for a in ended} == {"rms_norm", "decode_attention"} and {a[3] for a in ended} == {None}
     assert any((tmp_path / "cutile").rglob("*")), "nothing reached cuTile's cache"
     assert precompile_launches(collected, "sm_90", workers=2) == (0, {})      # compiled ahead already: no pool
 

@@ -159,13 +159,14 @@ def launch_job(op, config: dict, kernel, args: tuple) -> tuple:
 _precompiled: set[str] = set()       # launches this process compiled ahead already (their cubins are cached)
 
 
-def precompile_launches(collected, arch: str, *, workers: int | None = None,
-                        timeout_s: float | None = None) -> tuple[int, dict[int, str]]:
+def precompile_launches(collected, arch: str, *, workers: int | None = None, timeout_s: float | None = None,
+                        progress=None) -> tuple[int, dict[int, str]]:
     """Compile the distinct launches of collecting_launches() (one per cubin: _compiled_as) in parallel processes, so
     that running them next finds every cubin in cuTile's cache; launches this process compiled ahead before are
     skipped (no pool starts when none is left). After timeout_s seconds the workers still compiling are stopped.
-    Returns (how many launches it set out to compile, {index: why one is not compiled}, each naming its kernel and
-    config); a launch not compiled here compiles on its first run as before."""
+    progress(done, total, name, error) follows each launch as it ends (name: kernel and config; error: None or why it
+    failed). Returns (how many launches it set out to compile, {index: why one is not compiled}, each naming its
+    kernel and config); a launch not compiled here compiles on its first run as before."""
     jobs, keys, seen = [], [], set(_precompiled)
     for op, config, kernel, args in collected:
         job = launch_job(op, config, kernel, args) + (arch,)
@@ -177,12 +178,18 @@ def precompile_launches(collected, arch: str, *, workers: int | None = None,
     if not jobs:
         return 0, {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    ok, errors = _run_pool(compile_launch, jobs, workers, deadline)
+    names = [f"{job[1]}.{job[3]} {job[2]}" for job in jobs]
+    ended = []
+
+    def ended_one(i: int, error: str | None) -> None:
+        ended.append(i)
+        if progress:
+            progress(len(ended), len(jobs), names[i], error)
+    ok, errors = _run_pool(compile_launch, jobs, workers, deadline, ended_one)
     _precompiled.update(keys[i] for i in ok)
-    for i, job in enumerate(jobs):
+    for i in range(len(jobs)):
         if i not in ok:
-            why = errors.get(i, f"not compiled within {timeout_s:g} s")
-            errors[i] = f"{job[1]}.{job[3]} {job[2]}: {why}"
+            errors[i] = f"{names[i]}: {errors.get(i, f'not compiled within {timeout_s:g} s')}"
     return len(jobs), errors
 
 
@@ -204,12 +211,13 @@ def precompile(tasks: Sequence[tuple], arch: str, *, workers: int | None = None,
     (time.monotonic) are left out; `progress(index)` is called as each finishes.
     """
     jobs = [(op.kernel._pyfunc.__module__, op.name, problem, config, arch) for op, problem, config in tasks]
-    return _run_pool(compile_config, jobs, workers, deadline, progress)
+    return _run_pool(compile_config, jobs, workers, deadline, progress and (lambda i, error: progress(i)))
 
 
 def _run_pool(fn, jobs: list[tuple], workers: int | None, deadline: float | None = None,
               progress=None) -> tuple[set[int], dict[int, str]]:
-    """fn(*job) for every job in spawned worker processes (in this one for workers=1)."""
+    """fn(*job) for every job in spawned worker processes (in this one for workers=1); progress(index, error or None)
+    as each ends."""
     workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2) - 1, 16))
     ok, errors = set(), {}
 
@@ -220,7 +228,7 @@ def _run_pool(fn, jobs: list[tuple], workers: int | None, deadline: float | None
         except Exception as e:  # a config the compiler rejects is simply not a candidate
             errors[i] = describe_error(e)
         if progress:
-            progress(i)
+            progress(i, errors.get(i))
 
     if workers == 1:
         for i, job in enumerate(jobs):

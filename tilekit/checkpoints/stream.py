@@ -285,12 +285,14 @@ class CupyDevice:
 
 
 class Progress:
-    """A one-line progress bar on stderr, drawn once a load has run `after` seconds, only on a terminal."""
+    """A one-line progress bar on stderr, drawn once a task has run `after` seconds, only on a terminal. unit: "GB"
+    (done and total in bytes, with the rate) or what is counted ("kernels")."""
 
-    def __init__(self, label: str, enabled: bool = True, stream=None, after: float = 2.0, clock=time.monotonic):
+    def __init__(self, label: str, enabled: bool = True, stream=None, after: float = 2.0, clock=time.monotonic,
+                 unit: str = "GB"):
         self.stream = sys.stderr if stream is None else stream
         self.on = enabled and bool(getattr(self.stream, "isatty", lambda: False)())
-        self.label, self.after, self.clock = label, after, clock
+        self.label, self.after, self.clock, self.unit = label, after, clock, unit
         self.start, self.drawn = clock(), None
 
     def update(self, done: int, total: int) -> None:
@@ -299,9 +301,12 @@ class Progress:
         now = self.clock()
         if now - self.start < self.after or (self.drawn is not None and now - self.drawn < 0.1 and done < total):
             return
-        rate = done / 1e9 / max(now - self.start, 1e-9)
-        self.stream.write(f"\r{self.label}: {100 * done // max(total, 1):3d}% {done / 1e9:.1f}/{total / 1e9:.1f} GB"
-                          f" {rate:.1f} GB/s ")
+        if self.unit == "GB":
+            rate = done / 1e9 / max(now - self.start, 1e-9)
+            counts = f"{done / 1e9:.1f}/{total / 1e9:.1f} GB {rate:.1f} GB/s"
+        else:
+            counts = f"{done}/{total} {self.unit}"
+        self.stream.write(f"\r{self.label}: {100 * done // max(total, 1):3d}% {counts} ")
         self.stream.flush()
         self.drawn = now
 

@@ -70,12 +70,13 @@ class LLMEngine:
     max_new_tokens (default the model's context); chunk: a prefill chunk's tokens (0: the budget's rest);
     compile_workers: processes that compile the start-up's kernels on a cold cache (default: the cores less one;
     engines starting side by side should share the cores between them); compile_timeout_s: how long they may take
-    (the launches still compiling then are compiled as they first run)."""
+    (the launches still compiling then are compiled as they first run); compile_progress(done, total, name, error):
+    called as each of those compiles ends (default: a progress bar on a terminal)."""
 
     def __init__(self, model, *, max_running: int = 64, token_budget: int = 2048, block: int = 64,
                  num_blocks: int | None = None, gpu_memory_utilization: float = 0.9, kv_cache_dtype: str = "auto",
                  prefix_caching: bool = True, max_len: int | None = None, chunk: int = 0, use_graphs: bool = True,
-                 compile_workers: int | None = None, compile_timeout_s: float = 300.0):
+                 compile_workers: int | None = None, compile_timeout_s: float = 300.0, compile_progress=None):
         from tilekit.models.reference import ReferenceLM
         self.model = model
         self.runner = model.runner
@@ -92,7 +93,8 @@ class LLMEngine:
             self.executor = PagedExecutor(model, max_running=max_running, token_budget=token_budget, block=block,
                                           num_blocks=num_blocks, gpu_memory_utilization=gpu_memory_utilization,
                                           kv_cache_dtype=kv_cache_dtype, max_len=self.max_len, use_graphs=use_graphs,
-                                          compile_workers=compile_workers, compile_timeout_s=compile_timeout_s)
+                                          compile_workers=compile_workers, compile_timeout_s=compile_timeout_s,
+                                          compile_progress=compile_progress)
             num_blocks = self.executor.num_blocks
         self.pool = BlockPool(num_blocks, block, prefix_caching)
         self.scheduler = Scheduler(self.pool, max_running=max_running, token_budget=token_budget,

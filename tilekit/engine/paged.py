@@ -29,6 +29,7 @@ import numpy as np
 from tilekit.autotune.arrays import numpy_dtype, release_scratch
 from tilekit.autotune.compile import precompile_launches
 from tilekit.autotune.op import collecting_launches
+from tilekit.checkpoints.stream import Progress
 from tilekit.device import device_info
 from tilekit.engine import lifecycle
 from tilekit.engine.grammar import ends_only, fill_masks
@@ -103,7 +104,7 @@ class PagedExecutor:
 
     def __init__(self, model, *, max_running: int, token_budget: int, block: int, num_blocks: int | None,
                  gpu_memory_utilization: float, kv_cache_dtype: str, max_len: int, use_graphs: bool = True,
-                 compile_workers: int | None = None, compile_timeout_s: float = 300.0):
+                 compile_workers: int | None = None, compile_timeout_s: float = 300.0, compile_progress=None):
         import cupy
         spec = model.cache_spec()
         if isinstance(spec, LatentSpec):
@@ -122,6 +123,8 @@ class PagedExecutor:
         if isinstance(compile_timeout_s, bool) or not isinstance(compile_timeout_s, (int, float)) \
                 or not 0 < compile_timeout_s < float("inf"):
             raise ValueError(f"compile_timeout_s must be a positive number of seconds, got {compile_timeout_s!r}")
+        if compile_progress is not None and not callable(compile_progress):
+            raise TypeError(f"compile_progress must be callable or None, got {type(compile_progress).__name__}")
         if not (isinstance(gpu_memory_utilization, float) and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
         self.model, self.spec, self.block = model, spec, block
@@ -193,6 +196,7 @@ class PagedExecutor:
         self.params: dict[str, tuple] = {}          # request id -> (fparams row, iparams row, picker, eos, banned to)
         self.graphs: dict[tuple, object] = {}
         self.use_graphs, self.compile_workers, self.compile_timeout_s = use_graphs, compile_workers, compile_timeout_s
+        self.compile_progress = compile_progress
         self.warm = False
         lifecycle.track(self)
         self.warm_up()
@@ -398,8 +402,10 @@ class PagedExecutor:
         """Every step shape once with padded rows only (kernels compiled, plans chosen), and the decode-only steps
         captured as CUDA graphs. The shapes' kernels are collected first and compiled in parallel processes
         (precompile_launches), so that a cold compile cache costs start-up seconds rather than minutes; a launch not
-        compiled there (an error, or still compiling after compile_timeout_s) compiles here as it first runs. The phases'
-        seconds, the distinct launches and those not precompiled (kernel, config, why) are kept in self.startup."""
+        compiled there (an error, or still compiling after compile_timeout_s) compiles here as it first runs. Each
+        precompiled launch is reported to compile_progress(done, total, name, error), by default a progress bar on a
+        terminal. The phases' seconds, the distinct launches and those not precompiled (kernel, config, why) are kept
+        in self.startup."""
         import time
 
         import cupy
@@ -413,8 +419,12 @@ class PagedExecutor:
                 self._every_shape(capture_graphs=False)
             self.stream.synchronize()
         t1 = time.perf_counter()
+        bar = Progress("tilekit: compiling the engine's kernels", unit="kernels")
+        progress = self.compile_progress or (lambda done, total, name, error: bar.update(done, total))
         count, errors = (precompile_launches(launches, device_info().arch, workers=self.compile_workers,
-                                             timeout_s=self.compile_timeout_s) if launches else (0, {}))
+                                             timeout_s=self.compile_timeout_s, progress=progress) if launches
+                         else (0, {}))
+        bar.close()
         t2 = time.perf_counter()
         with self.stream:
             self._every_shape(capture_graphs=self.use_graphs)

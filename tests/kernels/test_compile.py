@@ -294,3 +294,19 @@ def test_launches_not_precompiled_in_time_are_named_with_their_config(tmp_path, 
                                         workers=2, timeout_s=0.001)
     assert count == 1
     assert errors == {0: f"rms_norm.{kernel._pyfunc.__name__} {config}: not compiled within 0.001 s"}
+
+
+def test_ctrl_c_during_a_pool_stops_its_workers_at_once():
+    """Ctrl-C while kernels compile (an engine's start-up, a tune) ends the pool now: the job still running is
+    terminated, not waited for, and the interrupt goes on to the caller."""
+    import time
+
+    from tilekit.autotune.compile import _run_pool
+
+    def interrupt(i, error):
+        raise KeyboardInterrupt
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _run_pool(sleep_for, [(0.0,), (600.0,)], 2, progress=interrupt)
+    assert time.monotonic() - start < 60

@@ -10,6 +10,7 @@ import signal
 import sys
 
 from tilekit.cli.common import UsageError, _count, _dtype, _positive
+from tilekit.untrusted import shown
 
 
 def add_parser(sub) -> None:
@@ -84,6 +85,12 @@ def run(args) -> int:
     engine = AsyncEngine(LLMEngine(model, max_running=args.max_running, token_budget=args.token_budget,
                                    max_len=args.max_len, gpu_memory_utilization=args.gpu_memory_utilization,
                                    kv_cache_dtype=args.kv_cache_dtype, prefix_caching=not args.no_prefix_caching))
+    startup = getattr(engine.engine.executor, "startup", None)        # the GPU engine's start-up phases
+    if startup:
+        print(f"tilekit: engine started: {startup['launches']} kernels compiled ahead in {startup['precompile_s']:.0f} s,"
+              f" the steps run and captured in {startup['run_s']:.0f} s", file=sys.stderr, flush=True)
+        for line in startup["precompile_errors"][:5]:
+            print(f"tilekit: not compiled ahead (compiled as it first ran): {shown(line, 300)}", file=sys.stderr)
     from tilekit.serve.app import Server, build_app
 
     @contextlib.asynccontextmanager

@@ -20,6 +20,7 @@ import itertools
 import json
 import sys
 import threading
+from types import SimpleNamespace
 
 HF_ATTENTION = ("paged|sdpa", "sdpa_paged", "sdpa")     # the first one this transformers loads is used
 
@@ -48,12 +49,23 @@ class Router:
         while not self.stopping.is_set():
             out = self.manager.get_result(timeout=0.1)
             if out is None:
+                if not getattr(self.manager, "is_running", lambda: True)():     # its generation loop ended
+                    self._fail_all("transformers' generation loop stopped")
                 continue
-            with self.lock:
-                target = self.streams.get(out.request_id)
-            if target is not None:
-                queue, loop = target
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+            self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, out) -> None:
+        with self.lock:
+            target = self.streams.get(request_id)
+        if target is not None:
+            queue, loop = target
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail_all(self, why: str) -> None:
+        with self.lock:
+            open_ids = list(self.streams)
+        for request_id in open_ids:
+            self._deliver(request_id, SimpleNamespace(request_id=request_id, error=why, status=None))
 
 
 def failed(out) -> str | None:
@@ -91,7 +103,11 @@ def build_app(manager, router: Router):
             return error(400, f"max_tokens must be a positive integer, got {n!r}")
         request_id = f"bench-{next(counter)}"
         queue = router.open(request_id)
-        manager.add_request(prompt, request_id=request_id, max_new_tokens=n, streaming=True)
+        try:
+            manager.add_request(prompt, request_id=request_id, max_new_tokens=n, streaming=True)
+        except Exception as e:  # noqa: BLE001 - a full input queue, a prompt the model refuses: this request fails
+            router.close(request_id)
+            return error(503, f"transformers refused the request: {type(e).__name__}: {e}")
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
@@ -145,6 +161,8 @@ def load_manager(directory: str, dtype: str):
         raise RuntimeError("transformers loaded none of " + "; ".join(errors))
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=128)
     manager = model.init_continuous_batching(generation_config=config)
+    if hasattr(manager, "warmup"):          # its CUDA graphs captured before the clock, as generate_batch does
+        manager.warmup()
     manager.start()
     return manager, impl
 

@@ -1,7 +1,7 @@
 """The serving benchmark's transformers anchor (benchmarks.hf_serve) on a stand-in for transformers'
 ContinuousBatchingManager (its add_request / get_result / cancel_request, cumulative streamed outputs): every request
-of benchmarks.serve completes with its tokens, bad bodies are 400s, a failed request ends its stream with an error,
-and a client that goes away cancels its request."""
+of benchmarks.serve completes with its tokens, bad bodies are 400s, a failed request or a stopped generation loop ends
+its stream with an error, and a client that goes away cancels its request."""
 
 import json
 import queue
@@ -21,8 +21,11 @@ class FakeManager:
 
     def __init__(self, fail_after: int | None = None):
         self.outputs, self.active, self.cancelled = queue.Queue(), {}, []
-        self.lock, self.fail_after = threading.Lock(), fail_after
+        self.lock, self.fail_after, self.running = threading.Lock(), fail_after, True
         threading.Thread(target=self._steps, daemon=True).start()
+
+    def is_running(self):
+        return self.running
 
     def add_request(self, input_ids, request_id, max_new_tokens, streaming):
         assert streaming and input_ids
@@ -41,7 +44,7 @@ class FakeManager:
             return None
 
     def _steps(self):
-        while True:
+        while self.running:
             time.sleep(0.002)
             with self.lock:
                 for request_id, (n, tokens) in list(self.active.items()):
@@ -49,7 +52,7 @@ class FakeManager:
                     done = len(tokens) == n
                     error = "out of blocks" if self.fail_after is not None and len(tokens) > self.fail_after else None
                     status = types.SimpleNamespace(name="FAILED" if error else "FINISHED" if done else "DECODING")
-                    self.outputs.put(types.SimpleNamespace(request_id=request_id, generated_tokens=list(tokens),
+                    self.outputs.put(types.SimpleNamespace(request_id=request_id, generated_tokens=tokens,
                                                            status=status, error=error,
                                                            is_finished=lambda s=status: s.name == "FINISHED"))
                     if done or error:
@@ -111,3 +114,7 @@ def test_bad_bodies_failures_and_disconnects(anchor):
     while not manager.cancelled and time.monotonic() < deadline:
         time.sleep(0.05)
     assert manager.cancelled and not manager.active
+    manager.running = False                            # the generation loop died: open streams end with an error
+    lines = httpx.post(url + "/v1/completions", json={"prompt": [5], "max_tokens": 10}, timeout=30).text.splitlines()
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "generation loop stopped" in events[-2]["error"]["message"]

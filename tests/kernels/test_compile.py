@@ -260,22 +260,47 @@ def test_a_strided_view_keeps_its_strides_in_the_compiled_signature():
 
 
 def sleep_for(seconds: float) -> float:
-    """A job for the worker pool (importable by its spawned workers)."""
-    import time
-    time.sleep(seconds)
+    """A job for the worker pool (importable by its spawned workers): sleeps in a child process, as a compile runs
+    its compiler."""
+    import subprocess
+    subprocess.run(["sleep", str(seconds)], check=True)
     return seconds
+
+
+def sleepers(seconds: float) -> list[int]:
+    """The pids of `sleep <seconds>` processes still running."""
+    from pathlib import Path
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if cmdline.read_bytes().split(b"\0")[:2] == [b"sleep", str(seconds).encode()]:
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return found
+
+
+def no_children_soon() -> bool:
+    """Whether every worker process this test process started has ended (the pool's manager thread reaps them)."""
+    import multiprocessing
+    import time
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not multiprocessing.active_children()
 
 
 def test_a_pool_past_its_deadline_stops_the_jobs_still_running():
     """A compile that never ends does not hold a start-up or a tuning run: at the deadline the workers still busy are
-    terminated, not waited for, and the jobs that finished are kept."""
+    stopped with the compilers they run, not waited for, and the jobs that finished are kept."""
     import time
 
     from tilekit.autotune.compile import _run_pool
     start = time.monotonic()
-    ok, errors = _run_pool(sleep_for, [(0.0,), (600.0,), (0.0,)], 2, deadline=start + 30)
+    ok, errors = _run_pool(sleep_for, [(0.0,), (611.5,), (0.0,)], 2, deadline=start + 30)
     assert ok == {0, 2} and errors == {}
     assert time.monotonic() - start < 60
+    assert not sleepers(611.5) and no_children_soon()
 
 
 def test_launches_not_precompiled_in_time_are_named_with_their_config(tmp_path, monkeypatch):
@@ -298,7 +323,7 @@ def test_launches_not_precompiled_in_time_are_named_with_their_config(tmp_path, 
 
 def test_ctrl_c_during_a_pool_stops_its_workers_at_once():
     """Ctrl-C while kernels compile (an engine's start-up, a tune) ends the pool now: the job still running is
-    terminated, not waited for, and the interrupt goes on to the caller."""
+    stopped with its compiler, not waited for, and the interrupt goes on to the caller."""
     import time
 
     from tilekit.autotune.compile import _run_pool
@@ -308,5 +333,18 @@ def test_ctrl_c_during_a_pool_stops_its_workers_at_once():
 
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        _run_pool(sleep_for, [(0.0,), (600.0,)], 2, progress=interrupt)
+        _run_pool(sleep_for, [(0.0,), (612.5,)], 2, progress=interrupt)
     assert time.monotonic() - start < 60
+    assert not sleepers(612.5) and no_children_soon()
+
+
+def test_a_launch_that_fails_without_a_timeout_is_named():
+    from tilekit.autotune.arrays import ArraySpec, MetaArray
+    from tilekit.autotune.compile import precompile_launches
+    op = registered_ops()["rms_norm"]
+    problem = PROBLEMS["rms_norm"][1]
+    config = op.default(op.complete(problem))
+    kernel, args = op.compile_args(problem, config)[0]
+    seen = tuple(MetaArray(a.shape, a.dtype, a.element_strides()) if isinstance(a, ArraySpec) else a for a in args)
+    count, errors = precompile_launches([(op, config, kernel, seen[:-1])], "sm_90", workers=1)   # an argument short
+    assert count == 1 and errors[0].startswith(f"rms_norm.{kernel._pyfunc.__name__} {config}: ")

@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import io
 import os
+import signal
 import sys
 import threading
 import time
@@ -188,8 +189,10 @@ def precompile_launches(collected, arch: str, *, workers: int | None = None, tim
     ok, errors = _run_pool(compile_launch, jobs, workers, deadline, ended_one)
     _precompiled.update(keys[i] for i in ok)
     for i in range(len(jobs)):
-        if i not in ok:
-            errors[i] = f"{names[i]}: {errors.get(i, f'not compiled within {timeout_s:g} s')}"
+        if i in errors:
+            errors[i] = f"{names[i]}: {errors[i]}"
+        elif i not in ok:
+            errors[i] = f"{names[i]}: not compiled within {timeout_s:g} s"
     return len(jobs), errors
 
 
@@ -198,7 +201,7 @@ def _compiled_as(kernel, job: tuple) -> tuple:
     differ only in sizes of the same divisibility compile once)."""
     try:
         described = repr(signature(kernel, job[4]))
-    except (TypeError, ValueError):        # the worker reports what is wrong with it
+    except Exception:  # noqa: BLE001 - an argument signature() cannot describe: the worker reports what is wrong
         described = repr(job[4])
     return job[:4] + (described,) + job[5:]
 
@@ -236,7 +239,9 @@ def _run_pool(fn, jobs: list[tuple], workers: int | None, deadline: float | None
                 break
             record(i, lambda: fn(*job))
         return ok, errors
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"))
+    # each worker leads a process group of its own, so that stopping it also stops the compiler it runs
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=os.setpgrp)
+    futures = {}
     try:
         with _bare_main():                  # workers start as tasks are submitted
             futures = {pool.submit(fn, *job): i for i, job in enumerate(jobs)}
@@ -244,6 +249,9 @@ def _run_pool(fn, jobs: list[tuple], workers: int | None, deadline: float | None
         for future in as_completed(futures, timeout=remaining):
             record(futures[future], future.result)
     except FutureTimeout:
+        for future, i in futures.items():      # those that ended while the last one was recorded
+            if future.done() and not future.cancelled() and i not in ok and i not in errors:
+                record(i, future.result)
         _stop(pool)
     except BaseException:               # Ctrl-C: the compiles still running are stopped, not waited for
         _stop(pool)
@@ -254,10 +262,16 @@ def _run_pool(fn, jobs: list[tuple], workers: int | None, deadline: float | None
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
-    """Stop a pool now: queued jobs cancelled, its workers (a compile may run for minutes) terminated."""
+    """Stop a pool now: queued jobs cancelled, each worker's process group (the worker and the compiler it runs, which
+    may take minutes) terminated, then killed if it has not ended within seconds."""
     processes = list((getattr(pool, "_processes", None) or {}).values())   # no public handle before Python 3.14
     pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        process.terminate()
-    for process in processes:
-        process.join(5)
+    for sig in (signal.SIGTERM, signal.SIGKILL):             # SIGKILL: what outlived the SIGTERM
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+                os.killpg(process.pid, sig)          # the worker's group: its compiler too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, sig)             # a worker still starting is not in its group yet
+        deadline = time.monotonic() + 5
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))

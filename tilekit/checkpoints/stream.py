@@ -306,12 +306,17 @@ class Progress:
             counts = f"{done / 1e9:.1f}/{total / 1e9:.1f} GB {rate:.1f} GB/s"
         else:
             counts = f"{done}/{total} {self.unit}"
-        self.stream.write(f"\r{self.label}: {100 * done // max(total, 1):3d}% {counts} ")
-        self.stream.flush()
+        try:
+            self.stream.write(f"\r{self.label}: {100 * done // max(total, 1):3d}% {counts} ")
+            self.stream.flush()
+        except OSError:                 # a closed or broken terminal: no bar, the task goes on
+            self.on = False
+            return
         self.drawn = now
 
     def close(self) -> None:
         if self.drawn is not None:
-            self.stream.write("\n")
-            self.stream.flush()
             self.drawn = None
+            with contextlib.suppress(OSError):
+                self.stream.write("\n")
+                self.stream.flush()

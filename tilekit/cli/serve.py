@@ -87,10 +87,14 @@ def run(args) -> int:
                                    kv_cache_dtype=args.kv_cache_dtype, prefix_caching=not args.no_prefix_caching))
     startup = getattr(engine.engine.executor, "startup", None)        # the GPU engine's start-up phases
     if startup:
-        print(f"tilekit: engine started: {startup['launches']} kernels compiled ahead in {startup['precompile_s']:.0f} s,"
-              f" the steps run and captured in {startup['run_s']:.0f} s", file=sys.stderr, flush=True)
-        for line in startup["precompile_errors"][:5]:
+        left = startup["precompile_errors"]
+        print(f"tilekit: engine started: {startup['launches'] - len(left)} kernels compiled ahead in "
+              f"{startup['precompile_s']:.0f} s, the steps run and captured in {startup['run_s']:.0f} s",
+              file=sys.stderr, flush=True)
+        for line in left[:5]:
             print(f"tilekit: not compiled ahead (compiled as it first ran): {shown(line, 300)}", file=sys.stderr)
+        if len(left) > 5:
+            print(f"tilekit: and {len(left) - 5} more not compiled ahead", file=sys.stderr, flush=True)
     from tilekit.serve.app import Server, build_app
 
     @contextlib.asynccontextmanager

@@ -421,10 +421,12 @@ class PagedExecutor:
         t1 = time.perf_counter()
         bar = Progress("tilekit: compiling the engine's kernels", unit="kernels")
         progress = self.compile_progress or (lambda done, total, name, error: bar.update(done, total))
-        count, errors = (precompile_launches(launches, device_info().arch, workers=self.compile_workers,
-                                             timeout_s=self.compile_timeout_s, progress=progress) if launches
-                         else (0, {}))
-        bar.close()
+        try:
+            count, errors = (precompile_launches(launches, device_info().arch, workers=self.compile_workers,
+                                                 timeout_s=self.compile_timeout_s, progress=progress) if launches
+                             else (0, {}))
+        finally:
+            bar.close()
         t2 = time.perf_counter()
         with self.stream:
             self._every_shape(capture_graphs=self.use_graphs)

@@ -22,8 +22,7 @@ import sys
 import threading
 from types import SimpleNamespace
 
-HF_ATTENTION = ("paged|sdpa", "sdpa_paged", "sdpa")     # the first one this transformers loads is used
-
+from benchmarks.studies.continuous import with_paged_attention
 
 class Router:
     """The one reader of a manager's outputs: each goes to the asyncio queue of its request's stream."""
@@ -149,16 +148,8 @@ def load_manager(directory: str, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation import GenerationConfig
-    errors = []
-    for impl in HF_ATTENTION:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype), device_map="cuda",
-                                                         attn_implementation=impl)
-            break
-        except Exception as e:  # noqa: BLE001 - the next implementation name
-            errors.append(f"{impl}: {type(e).__name__}: {e}")
-    else:
-        raise RuntimeError("transformers loaded none of " + "; ".join(errors))
+    model, impl = with_paged_attention(lambda impl: AutoModelForCausalLM.from_pretrained(
+        directory, dtype=getattr(torch, dtype), device_map="cuda", attn_implementation=impl))
     config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=128)
     manager = model.init_continuous_batching(generation_config=config)
     if hasattr(manager, "warmup"):          # its CUDA graphs captured before the clock, as generate_batch does

@@ -86,17 +86,22 @@ def roofline_seconds(config, reqs, max_running: int, copy_gbs: float, peak_tflop
 HF_ATTENTION = ("paged|sdpa", "sdpa_paged", "sdpa")     # the first one this transformers builds is used
 
 
+def with_paged_attention(build):
+    """(build(impl), impl) for the first of HF_ATTENTION that this transformers builds a model with."""
+    errors = []
+    for impl in HF_ATTENTION:
+        try:
+            return build(impl), impl
+        except Exception as e:  # noqa: BLE001 - the next implementation name
+            errors.append(f"{impl}: {type(e).__name__}: {e}")
+    raise RuntimeError("transformers built none of " + "; ".join(errors))
+
+
 def transformers_model(config, dtype: str):
     """transformers' model of `config` with random weights (seed 0) and paged attention, and the name of its
     attention implementation."""
     from benchmarks.suites.model import build_hf
-    errors = []
-    for impl in HF_ATTENTION:
-        try:
-            return build_hf(config, impl, dtype=dtype, seed=0), impl
-        except Exception as e:  # noqa: BLE001 - the next implementation name
-            errors.append(f"{impl}: {type(e).__name__}: {e}")
-    raise RuntimeError("transformers built none of " + "; ".join(errors))
+    return with_paged_attention(lambda impl: build_hf(config, impl, dtype=dtype, seed=0))
 
 
 def run_transformers(hf, reqs) -> tuple[float, list[list[int]]]:

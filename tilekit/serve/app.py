@@ -132,13 +132,12 @@ class Server:
             raise APIError(400, f"{len(prompts)} prompts x n={sampling.n} is {count} requests, more than this server "
                                 f"queues ({self.max_waiting}): send fewer", param="n")
         fmt = sampling.options.get("response_format")
-        constraints = []                # built off the event loop and the engine's thread (a grammar compile)
+        constraints = None              # one matcher a choice, built off the event loop and the engine's thread
         if fmt is not None:
             try:
-                first = await asyncio.to_thread(self.runner.constraint, fmt)
+                constraints = await asyncio.to_thread(self.runner.constraints, fmt, count)
             except ValueError as e:
                 raise APIError(400, str(e), param=sampling.format_field) from None
-            constraints = [first] + [first.copy() for _ in range(count - 1)]
         if self.engine.queue_depth + count > self.max_waiting:
             raise APIError(503, f"the server is at its limit of {self.max_waiting} waiting requests; retry later",
                            code="overloaded")

@@ -3,7 +3,8 @@ own static batching (model.generate over batches of requests in arrival order, e
 request), same random weights, same requests, same process, greedy with eos ignored.
 
     python -m benchmarks.studies.continuous --preset llama-3.2-1b [--requests 256] [--input 256 2048]
-        [--output 64 512] [--shared-prefix 1024] [--static-batch 64] [--max-running 64] [--compile-log] [--out DIR]
+        [--output 64 512] [--shared-prefix 1024] [--no-prefix-cache] [--static-batch 64] [--max-running 64]
+        [--compile-timeout S] [--compile-log] [--out DIR]
     python -m benchmarks.studies.continuous --input 256 1024 --output 128 128 --transformers
 
 With --transformers, transformers' own continuous batching (generate_batch with paged attention, greedy, eos off)
@@ -169,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-running", type=int, default=64)
     parser.add_argument("--token-budget", type=int, default=2048)
     parser.add_argument("--no-static", action="store_true", help="skip the static-batching side")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="the engine without prefix caching")
     parser.add_argument("--transformers", action="store_true",
                         help="also run transformers' generate_batch on the same weights (needs one output length)")
+    parser.add_argument("--compile-timeout", type=float, default=300.0, metavar="S",
+                        help="seconds the start-up's parallel compile may take (the engine's compile_timeout_s)")
     parser.add_argument("--compile-log", action="store_true",
                         help="print each start-up kernel as its compile ends (where a slow start-up spends its time)")
     parser.add_argument("--out", type=Path)
@@ -202,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {time.perf_counter() - t0:6.1f} s  compiled {done}/{total}  {name}{'  ' + error if error else ''}",
               flush=True)
     engine = LLMEngine(model, max_running=args.max_running, token_budget=args.token_budget, max_len=max_len,
-                       gpu_memory_utilization=0.5, compile_progress=compiled if args.compile_log else None)
+                       gpu_memory_utilization=0.5, prefix_caching=not args.no_prefix_cache,
+                       compile_timeout_s=args.compile_timeout,
+                       compile_progress=compiled if args.compile_log else None)
     startup = time.perf_counter() - t0
     phases = engine.executor.startup
     print(f"engine started in {startup:.1f} s: collect {phases['collect_s']:.1f} s, precompile {phases['precompile_s']:.1f} s "
@@ -231,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     def save():
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
-            name = f"continuous-{args.preset}-{args.requests}-prefix{args.shared_prefix}.json"
+            cache = "-nocache" if args.no_prefix_cache else ""
+            name = f"continuous-{args.preset}-{args.requests}-prefix{args.shared_prefix}{cache}.json"
             (args.out / name).write_text(json.dumps(dict(argv=sys.argv, rows=rows,
                                                          args={k: str(v) for k, v in vars(args).items()}), indent=1))
     save()                    # the engine's row stands even if the static side runs out of time

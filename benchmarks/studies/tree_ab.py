@@ -1,11 +1,12 @@
 """Two source trees of tilekit on the same checkpoints, in fresh processes that alternate: greedy tokens compared
 and decode / prefill timed the same way (the public API: generate() and forward(), host cost included).
 
-    python -m benchmarks.studies.tree_ab --before DIR [--preset gpt2 --preset llama-3.2-1b ...] [--out DIR]
+    python -m benchmarks.studies.tree_ab --before DIR [--after DIR] [--preset gpt2 --preset llama-3.2-1b ...] [--out DIR]
 
-`--before` is another checkout's root (its tilekit/ package; the shipped tuning_db/ of this tree serves both, so
-only code differs). Checkpoints are random weights at the presets' shapes written by this tree's save_pretrained;
-`--layers N` shortens every preset to N layers (DeepSeek-V2-Lite's 27 would take minutes to write and load).
+`--before` and `--after` (default: this checkout) are checkouts' roots (their tilekit/ packages; the shipped
+tuning_db/ of this tree serves both, so only code differs). Checkpoints are random weights at the presets' shapes written by this tree's save_pretrained;
+`--warm` runs every child once first, side by side, so that cold kernel compiles are not paid one process after
+another (those runs are not counted); `--layers N` shortens every preset to N layers (DeepSeek-V2-Lite's 27 would take minutes to write and load).
 Per preset and tree: the first 64 greedy tokens after a 128-token prompt, decode ms/token at batch 1
 ((time of 129 new tokens - time of 1) / 128, median of 5) and a full-logits forward of 1 x 512 tokens (median of
 10), each after a warm-up run.
@@ -75,21 +76,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.tree_ab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", type=Path, required=True, help="the other checkout's root")
+    parser.add_argument("--after", type=Path, default=ROOT, help="the checkout compared with it (default: this one)")
     parser.add_argument("--preset", action="append", dest="presets")
     parser.add_argument("--layers", type=int, help="shorten every preset to this many layers")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warm", action="store_true",
+                        help="first run every child once, all at once, to fill cuTile's cache (not counted)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/tilekit-tree-ab"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    if not (args.before / "tilekit" / "__init__.py").is_file():
-        parser.error(f"--before {args.before} holds no tilekit/ package")
+    for flag, tree in (("--before", args.before), ("--after", args.after)):
+        if not (tree / "tilekit" / "__init__.py").is_file():
+            parser.error(f"{flag} {tree} holds no tilekit/ package")
     import numpy as np
-    trees = {"before": args.before.resolve(), "after": ROOT}
-    rows = []
-    for preset in args.presets or ["gpt2", "llama-3.2-1b", "deepseek-v2-lite"]:
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    rows, presets = [], args.presets or ["gpt2", "llama-3.2-1b", "deepseek-v2-lite"]
+    for preset in presets:
+        if not (args.work / preset / "config.json").is_file():
+            write_checkpoint(preset, args.layers, args.work / preset)
+    if args.warm:                  # cold compiles run side by side; the timed rounds below find them cached
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(len(trees) * len(presets)) as pool:
+            list(pool.map(lambda job: run_child(*job), [(t, args.work / p) for t in trees.values() for p in presets]))
+    for preset in presets:
         checkpoint = args.work / preset
-        if not (checkpoint / "config.json").is_file():
-            write_checkpoint(preset, args.layers, checkpoint)
         runs = {name: [] for name in trees}
         for _ in range(args.rounds):
             for name, tree in trees.items():

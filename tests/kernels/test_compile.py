@@ -48,7 +48,9 @@ PROBLEMS = {
                  dict(dtype="float16", B=1, H=2, T=5, capacity=100, D=80, fp8=1)],
     "next_token": [dict(dtype="bfloat16", B=8, V=128256, pen=1, KS=128, check=1, E=2),
                    dict(dtype="bfloat16", B=1, V=50257, pen=0, KS=64, check=0, E=1),
-                   dict(dtype="float32", B=1, V=1031, pen=0, KS=0, check=0)],
+                   dict(dtype="float32", B=1, V=1031, pen=0, KS=0, check=0),
+                   # the engine's picker: 256 candidate slots force 8192-wide chunks, 32 eos slots
+                   dict(dtype="bfloat16", B=64, V=128256, pen=1, KS=256, check=1, E=32)],
     "moe_router": [dict(dtype="bfloat16", M=1, E=64, C=2048, K=6, shared=2, renorm=0),
                    dict(dtype="bfloat16", M=8192, E=160, C=5120, K=6, shared=2, renorm=1),
                    dict(dtype="float32", M=3, E=8, C=72, K=3, shared=0, renorm=0)],

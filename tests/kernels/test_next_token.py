@@ -206,3 +206,26 @@ def test_banned_eos_is_never_drawn_until_min_new_tokens():
     assert (hist[:, 1:4] != 7).all(), "eos drawn while banned"
     assert (hist[:, 4] == 7).all() and cupy.asnumpy(state.finished).all()
     assert (hist[:, 5] == 0).all(), "a finished row must emit the pad token"
+
+
+@pytest.mark.parametrize("V", [1031, 128256])
+def test_eos_ids_fewer_than_a_power_of_two_leave_token_zero_alone(V):
+    """Three eos ids (as Llama 3's instruct checkpoints have) make E = 4: the fourth, absent id is no token, so token
+    0 is neither banned under min_new_tokens nor taken for an eos; nor with the engine's 32 eos slots."""
+    import cupy
+
+    from tilekit.kernels.checks import rand
+    B = 4
+    logits = rand((B, V), "float32", 0.5)
+    logits[:, 0] = 40.0                      # token 0 wins every greedy pick
+    logits[:, 5] = 50.0                      # unless eos 5 is banned
+    _, fp, ip = params([(0.0, 0, 1.0, 0, 1.0, 0, 0, 1, 0)] * B)      # greedy, eos banned at position 0
+    state = State(B, 6)
+    run(logits, fp, ip, [5, V - 1, V - 2], state)
+    run(logits, fp, ip, [5, V - 1, V - 2], state)
+    assert cupy.asnumpy(state.history)[:, 1:3].tolist() == [[0, 5]] * B, "token 0 taken for an eos or banned"
+    assert cupy.asnumpy(state.finished).tolist() == [1] * B
+    state = State(B, 4)
+    eos32 = [5] + [V - 1 - i for i in range(31)]
+    run(logits, fp, ip, eos32, state)
+    assert cupy.asnumpy(state.history)[:, 1].tolist() == [0] * B and not cupy.asnumpy(state.finished).any()

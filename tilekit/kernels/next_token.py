@@ -98,10 +98,10 @@ def _scores(Logits, Seen, Out, Eos, b, t, T, rep, pres, freq, inv_t, banned, E, 
         x = ct.where(seen > 0, ct.where(x < 0, x * rep, x / rep), x)
         x = x - pres * ct.where(out > 0, 1.0, 0.0) - freq * out
     if banned:
+        # one id at a time: an (E, T) comparison tile takes tileiras minutes to compile at E=32, T=8192
         idx = t * T + ct.arange(T, dtype=ct.int32).reshape((1, T))
-        eos = ct.load(Eos, (0,), (E,), padding_mode=ZERO).reshape((E, 1))
-        hit = ct.max(ct.where(idx == eos, 1, 0), axis=0, keepdims=True)
-        x = ct.where(hit > 0, -math.inf, x)
+        for e in range(E):
+            x = ct.where(idx == ct.gather(Eos, e, padding_value=-1), -math.inf, x)
     return x * inv_t
 
 
@@ -368,7 +368,7 @@ def next_token_finish_kernel(Logits, Seen, Out, Eos, FP, IP, Positions, CMax, CS
     ct.scatter(Tokens, b, token)
     ct.scatter(History, (b, pos + 1), token)
     ct.scatter(Positions, b, pos + 1)
-    eos = ct.load(Eos, (0,), (E,), padding_mode=ZERO)
+    eos = ct.gather(Eos, ct.arange(E, dtype=ct.int32), padding_value=-1)     # E is a power of two >= the ids
     ct.scatter(Finished, b, ct.where(ct.max(ct.where(eos == token, 1, 0)) > 0, 1, done))
     if PEN and (done == 0):
         ct.scatter(Seen, (b, token), ct.gather(Seen, (b, token)) + 1)

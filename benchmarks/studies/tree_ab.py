@@ -1,12 +1,13 @@
 """Two source trees of tilekit on the same checkpoints, in fresh processes that alternate: greedy tokens compared
 and decode / prefill timed the same way (the public API: generate() and forward(), host cost included).
 
-    python -m benchmarks.studies.tree_ab --before DIR [--after DIR] [--preset gpt2 --preset llama-3.2-1b ...] [--out DIR]
+    python -m benchmarks.studies.tree_ab --before DIR [--after DIR] [--warm] [--preset gpt2 ...] [--out DIR]
 
 `--before` and `--after` (default: this checkout) are checkouts' roots (their tilekit/ packages; the shipped
-tuning_db/ of this tree serves both, so only code differs). Checkpoints are random weights at the presets' shapes written by this tree's save_pretrained;
-`--warm` runs every child once first, side by side, so that cold kernel compiles are not paid one process after
-another (those runs are not counted); `--layers N` shortens every preset to N layers (DeepSeek-V2-Lite's 27 would take minutes to write and load).
+tuning_db/ of this tree serves both, so only code differs). Checkpoints are random weights at the presets' shapes
+written by this tree's save_pretrained. `--warm` runs every child once first, side by side, so that cold kernel
+compiles are not paid one process after another (those runs are not counted); `--layers N` shortens every preset to
+N layers (DeepSeek-V2-Lite's 27 would take minutes to write and load).
 Per preset and tree: the first 64 greedy tokens after a 128-token prompt, decode ms/token at batch 1
 ((time of 129 new tokens - time of 1) / 128, median of 5) and a full-logits forward of 1 x 512 tokens (median of
 10), each after a warm-up run.

@@ -22,6 +22,10 @@ SHIPPED = Path(__file__).resolve().parents[2] / "tuning_db"
 FILES = sorted(p for p in SHIPPED.rglob("*") if p.is_file())
 H100_FILE = SHIPPED / "sm_90" / "NVIDIA_H100_80GB_HBM3.json"
 H200_FILE = SHIPPED / "sm_90" / "NVIDIA_H200.json"
+# Ops a kernel change made stale whose entries were re-tuned on one GPU only (that GPU is not lent): the other's file
+# dropped them and answers their shapes through the same-arch rule, from the re-tuned file, until
+# `tilekit tune --stale shipped` runs there. next_token's one-id-at-a-time eos ban, re-tuned on the H200 (no H100 lent).
+RETUNE_PENDING = {H100_FILE: ("next_token", H200_FILE)}
 # sm_90 GPUs without a file of their own
 OTHER_SM90 = [DeviceInfo("NVIDIA H800", "sm_90", 132), DeviceInfo("NVIDIA H20", "sm_90", 78)]
 
@@ -110,6 +114,11 @@ def _missing(path: Path, model: str, dtype: str = "bfloat16") -> list[str]:
                                           ("llama-3.2-1b", "bfloat16"), ("llama-3.1-8b", "bfloat16")])
 def test_each_shipped_gpu_covers_every_model_shape(path, model, dtype):
     missing = _missing(path, model, dtype)
+    if path in RETUNE_PENDING:       # only the pending op's shapes, each held by the file re-tuned for it
+        op, other = RETUNE_PENDING[path]
+        pending = [key for key in missing if parse_key(key)[0] == op]
+        assert not set(pending) - set(_entries(other)), f"{op} shapes in neither {_rel(path)} nor {_rel(other)}"
+        missing = sorted(set(missing) - set(pending))
     assert not missing, f"{len(missing)} {model} {dtype} shapes missing from {_rel(path)}: {missing}"
 
 

@@ -3,6 +3,7 @@ run, beside the host-to-device copy floor of the same bytes.
 
     python -m benchmarks.studies.load [--preset llama-3.2-1b] [--preset llama-3.1-8b] [--writer transformers]
                                       [--single] [--quantize fp8] [--dir DIR] [--reps 3] [--out DIR]
+                                      [--staging 8x32 ...] [--profile]
 
 For each preset (default: both above) a random-weight bfloat16 checkpoint is written once under DIR (default
 /tmp/tilekit-load) by transformers' own save_pretrained (--writer transformers, the default: hub-style 5 GB shards,
@@ -19,14 +20,20 @@ peak of RssAnon (anonymous memory only, sampled every 5 ms). A separate process 
 host-to-device copies of 1 GiB (GB/s; the checkpoint's bytes over it), and the loader's finite check over a 1 GiB
 bf16 array. The table is printed last, with #63's verdict per row (time <= 0.5x transformers', >= 12.5 GB/s from
 the page cache for checkpoints of 8 GB and more, peak anonymous RSS <= the largest tensor + 1 GiB); --out DIR gets
-load.json (every run, the medians, the floor, the GPU and versions).
+load.json (every run, the medians, the floor, the GPU and versions). Each tilekit row gives the seconds its stream
+spent setting up (the pinned staging ring) and running; --staging BxM adds rows of tilekit with another staging ring
+(B buffers of M MiB), and --profile one more tilekit load per checkpoint under cProfile (in load.json and the log).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import json
 import math
+import pstats
 import statistics
 import subprocess
 import sys
@@ -134,8 +141,9 @@ class AnonPeak:
         self.peak = max(self.peak, _status_kb("RssAnon"))
 
 
-def child(who: str, directory: str) -> None:
-    """One load in this fresh process; prints {"seconds", "peak_gib", "anon_peak_gib", "baseline_gib"} as JSON."""
+def child(who: str, directory: str, profile: bool = False) -> None:
+    """One load in this fresh process; prints {"seconds", "peak_gib", "anon_peak_gib", "baseline_gib"} as JSON, for
+    tilekit with its stream's phases (staged) and, with `profile`, cProfile's 30 costliest calls."""
     if who == HF:
         import torch
         import transformers
@@ -153,6 +161,7 @@ def child(who: str, directory: str) -> None:
         from tilekit.models import families
         cls = families.family_of_fields(checkpoints.find_checkpoint(directory).config()).model_class   # imported now
         cupy.zeros(1)
+        phases = staged(who)
 
         def run():
             cls.from_pretrained(directory, dtype="bfloat16")
@@ -163,12 +172,51 @@ def child(who: str, directory: str) -> None:
     except OSError:
         pass
     baseline, anon = _status_kb("VmRSS"), _status_kb("RssAnon")
+    profiler = cProfile.Profile() if profile else None
     with AnonPeak() as peak:
         start = time.perf_counter()
-        run()
+        with profiler or contextlib.nullcontext():
+            run()
         seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "peak_gib": (_status_kb("VmHWM") - baseline) / 2 ** 20,
-                      "anon_peak_gib": (peak.peak - anon) / 2 ** 20, "baseline_gib": baseline / 2 ** 20}))
+    row = {"seconds": seconds, "peak_gib": (_status_kb("VmHWM") - baseline) / 2 ** 20,
+           "anon_peak_gib": (peak.peak - anon) / 2 ** 20, "baseline_gib": baseline / 2 ** 20}
+    if who != HF:
+        row.update(phases)
+    if profiler:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+        row["profile"] = text.getvalue()
+    print(json.dumps(row))
+
+
+def staged(who: str) -> dict:
+    """For a tilekit load: its staging ring as `who` names it ("tilekit BxM": B buffers of M MiB; plain "tilekit":
+    load_tensors' defaults), and the returned dict filled, once the load is done, with the seconds its stream spent
+    setting up (the pinned ring) and running (reads, copies, conversions, checks); the rest of a load is the config,
+    the headers and the model's allocation."""
+    from tilekit.checkpoints import load, stream
+    if who != TILEKIT:
+        buffers, mib = variant(who)
+        load.load_tensors.__kwdefaults__.update(buffers=buffers, buffer_bytes=mib << 20)
+    phases = {"stream_setup_s": 0.0, "stream_run_s": 0.0}
+
+    def timed(method, key):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                phases[key] += time.perf_counter() - start
+        return wrapper
+    stream.LoadStream.__init__ = timed(stream.LoadStream.__init__, "stream_setup_s")
+    stream.LoadStream.run = timed(stream.LoadStream.run, "stream_run_s")
+    return phases
+
+
+def variant(who: str) -> tuple[int, int]:
+    """("tilekit BxM") -> (B buffers, M MiB each)."""
+    buffers, mib = who.removeprefix(TILEKIT + " ").split("x")
+    return int(buffers), int(mib)
 
 
 def floor_child() -> None:
@@ -210,8 +258,11 @@ def measure(argv: list[str]) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def run_checkpoint(label: str, directory: Path, loaders: tuple[str, ...], reps: int, floor: dict, log) -> dict:
-    """Every run of the loaders on one checkpoint, alternating (both orders), the medians and #63's verdict."""
+def run_checkpoint(label: str, directory: Path, loaders: tuple[str, ...], reps: int, floor: dict, log,
+                   profile: bool = False) -> dict:
+    """Every run of the loaders on one checkpoint, alternating (both orders), the medians and #63's verdict (of
+    plain tilekit, load_tensors' defaults; other tilekit rows are staging variants); with `profile`, one more
+    tilekit load under cProfile, its costliest calls kept."""
     warm(directory)
     nbytes = checkpoint_bytes(directory)
     with checkpoints.find_checkpoint(directory).tensor_files() as files:
@@ -221,8 +272,9 @@ def run_checkpoint(label: str, directory: Path, loaders: tuple[str, ...], reps: 
         for who in loaders if rep % 2 == 0 else loaders[::-1]:
             runs[who].append(measure(["--child", who, str(directory)]))
             r = runs[who][-1]
+            stream = f", stream {r['stream_setup_s']:.2f} + {r['stream_run_s']:.2f} s" if "stream_run_s" in r else ""
             log(f"[load {label}] {who}: {r['seconds']:.2f} s, peak RSS +{r['peak_gib']:.2f} GiB, anonymous "
-                f"+{r['anon_peak_gib']:.2f} GiB")
+                f"+{r['anon_peak_gib']:.2f} GiB{stream}")
     median = {who: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for who, rs in runs.items()}
     ours = median[TILEKIT]
     checks = {"anonymous peak <= largest tensor + 1 GiB": ours["anon_peak_gib"] <= largest + 1}
@@ -230,8 +282,12 @@ def run_checkpoint(label: str, directory: Path, loaders: tuple[str, ...], reps: 
         checks[f"<= {TARGET_RATIO}x transformers"] = ours["seconds"] <= TARGET_RATIO * median[HF]["seconds"]
     if nbytes >= LARGE:
         checks[f">= {TARGET_GBS} GB/s"] = nbytes / ours["seconds"] / 1e9 >= TARGET_GBS
-    return {"checkpoint": label, "directory": str(directory), "bytes": nbytes, "largest_tensor_gib": largest,
-            "floor_seconds": nbytes / (floor["h2d_gbs"] * 1e9), "runs": runs, "median": median, "checks_63": checks}
+    result = {"checkpoint": label, "directory": str(directory), "bytes": nbytes, "largest_tensor_gib": largest,
+              "floor_seconds": nbytes / (floor["h2d_gbs"] * 1e9), "runs": runs, "median": median, "checks_63": checks}
+    if profile:
+        result["profile"] = measure(["--child", TILEKIT, str(directory), "--profile"])["profile"]
+        log(f"[load {label}] tilekit under cProfile:\n{result['profile']}")
+    return result
 
 
 def table(results: list[dict], floor: dict, reps: int) -> str:
@@ -242,8 +298,9 @@ def table(results: list[dict], floor: dict, reps: int) -> str:
         for who, m in r["median"].items():
             ratio = f"{m['seconds'] / hf_s:5.2f}x transformers" if hf_s else " " * 18
             rate = r["bytes"] / m["seconds"] / 1e9
+            stream = f", stream {m['stream_setup_s']:.2f} + {m['stream_run_s']:.2f} s" if "stream_run_s" in m else ""
             lines.append(f"load {r['checkpoint']:<34} {who:<12} {m['seconds']:6.2f} s {rate:5.1f} GB/s {ratio}  "
-                         f"peak RSS +{m['peak_gib']:5.2f} GiB, anonymous +{m['anon_peak_gib']:5.2f} GiB")
+                         f"peak RSS +{m['peak_gib']:5.2f} GiB, anonymous +{m['anon_peak_gib']:5.2f} GiB{stream}")
         lines.append(f"load {r['checkpoint']:<34} {'floor':<12} {r['floor_seconds']:6.2f} s (its "
                      f"{r['bytes'] / 1e9:.2f} GB at the copy rate; largest tensor {r['largest_tensor_gib']:.2f} GiB)")
         lines.append("  #63: " + "; ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in r["checks_63"].items()))
@@ -263,12 +320,15 @@ def main(argv=None) -> int:
                         help="where the checkpoints are written, one folder each (default /tmp/tilekit-load)")
     parser.add_argument("--reps", type=int, default=3, help="loads of each loader (default 3)")
     parser.add_argument("--out", type=Path, help="write load.json here")
+    parser.add_argument("--staging", action="append", default=[], metavar="BxM",
+                        help="also time tilekit with B staging buffers of M MiB (repeatable; e.g. 8x32)")
+    parser.add_argument("--profile", action="store_true", help="one more tilekit load per checkpoint under cProfile")
     parser.add_argument("--child", nargs=2, metavar=("WHO", "DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--write-child", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--floor-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        child(*args.child)
+        child(*args.child, profile=args.profile)
         return 0
     if args.write_child:
         write_child(*args.write_child)
@@ -281,6 +341,14 @@ def main(argv=None) -> int:
     unknown = [p for p in presets if p not in families.preset_names()]
     if unknown or args.reps < 1:
         parser.error(f"--preset {', '.join(unknown)}: not a preset" if unknown else "--reps must be >= 1")
+    staging = [f"{TILEKIT} {v}" for v in args.staging]
+    for who in staging:
+        try:
+            buffers, mib = variant(who)
+        except ValueError:
+            buffers = mib = 0
+        if buffers < 1 or mib < 1:
+            parser.error(f"--staging {who.removeprefix(TILEKIT + ' ')}: not BxM with positive integers (e.g. 8x32)")
     if args.quantize and args.writer != "tilekit":
         parser.error("--quantize writes tilekit's quantized checkpoints: give --writer tilekit")
     meta = system.environment("load", list(sys.argv[1:] if argv is None else argv))
@@ -295,8 +363,8 @@ def main(argv=None) -> int:
                                f"{args.quantize or 'bf16'}"
         log(f"[load {label}] writing / checking {directory}")
         write(preset, directory, args.writer, args.single, args.quantize)
-        loaders = (TILEKIT,) if args.quantize else (HF, TILEKIT)
-        results.append(run_checkpoint(label, directory, loaders, args.reps, floor, log))
+        loaders = ((TILEKIT,) if args.quantize else (HF, TILEKIT)) + tuple(staging)
+        results.append(run_checkpoint(label, directory, loaders, args.reps, floor, log, args.profile))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "load.json").write_text(json.dumps({**meta, "reps": args.reps, "floor": floor,

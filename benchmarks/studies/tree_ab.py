@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", type=Path, default=ROOT, help="the checkout compared with it (default: this one)")
     parser.add_argument("--preset", action="append", dest="presets")
     parser.add_argument("--layers", type=int, help="shorten every preset to this many layers")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="timed runs of each tree per preset (0 with --warm: "
+                                                              "write the checkpoints and fill the caches only)")
     parser.add_argument("--warm", action="store_true",
                         help="first run every child once, all at once, to fill cuTile's cache (not counted)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/tilekit-tree-ab"))
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, tree in (("--before", args.before), ("--after", args.after)):
         if not (tree / "tilekit" / "__init__.py").is_file():
             parser.error(f"{flag} {tree} holds no tilekit/ package")
+    if args.rounds < 0 or (args.rounds == 0 and not args.warm):
+        parser.error(f"--rounds {args.rounds}: give 1 or more (0 only with --warm)")
     import numpy as np
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     rows, presets = [], args.presets or ["gpt2", "llama-3.2-1b", "deepseek-v2-lite"]
@@ -99,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(len(trees) * len(presets)) as pool:
             list(pool.map(lambda job: run_child(*job), [(t, args.work / p) for t in trees.values() for p in presets]))
+    if args.rounds == 0:
+        return 0
     for preset in presets:
         checkpoint = args.work / preset
         runs = {name: [] for name in trees}

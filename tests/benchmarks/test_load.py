@@ -112,3 +112,27 @@ def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--quantize", "fp8"])
     assert "--writer tilekit" in capsys.readouterr().err
+
+
+def test_a_staging_variant_sets_the_ring_and_times_the_stream(tmp_path, tiny, monkeypatch):
+    from tilekit.checkpoints import load, stream
+    monkeypatch.setattr(load.load_tensors, "__kwdefaults__", dict(load.load_tensors.__kwdefaults__))
+    for name in ("__init__", "run"):
+        monkeypatch.setattr(stream.LoadStream, name, getattr(stream.LoadStream, name))
+    rings = []
+    real_init = stream.LoadStream.__init__
+    monkeypatch.setattr(stream.LoadStream, "__init__", lambda self, jobs, device, buffers, size, progress: (
+        rings.append((buffers, size)), real_init(self, jobs, device, buffers, size, progress))[-1])
+    bench.write_child("tiny", str(tmp_path), "tilekit", "single", "bf16")
+    phases = bench.staged("tilekit 8x32")
+    Llama.weights.load_state_dict(tmp_path)
+    assert rings == [(8, 32 << 20)]
+    assert phases["stream_setup_s"] > 0 and phases["stream_run_s"] > 0
+    assert bench.variant("tilekit 16x4") == (16, 4)
+
+
+def test_a_malformed_staging_variant_is_refused(capsys):
+    for bad in ("8", "0x32", "8xq"):
+        with pytest.raises(SystemExit):
+            bench.main(["--staging", bad])
+        assert f"--staging {bad}: not BxM" in capsys.readouterr().err

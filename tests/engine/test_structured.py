@@ -13,7 +13,7 @@ import pytest
 
 from tests.engine.test_paged import cpu  # noqa: F401  (a fixture)  # pyflakes: ignore
 from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
-from tilekit.engine.grammar import Constraint, grammar_of, vocabulary
+from tilekit.engine.grammar import Constraint, constraint_masks, grammar_of, vocabulary
 from tilekit.engine.llm import LLMEngine
 from tilekit.kernels.token_bitmask import allowed_tokens, token_bitmask_reference
 from tilekit.models.gpt2.reference import ReferenceGPT
@@ -229,3 +229,14 @@ def test_the_paged_executor_lets_a_complete_grammar_end_below_min_new_tokens(cpu
                           temperature=0, min_new_tokens=3)
     assert out[0]["token_ids"] == [EOS] and out[0]["finish_reason"] == "stop"
     assert text_of(engine, out[1]) == "a" and out[1]["finish_reason"] == "stop"
+
+
+def test_generates_masks_allow_everything_in_stopped_rows_and_every_row_may_stop():
+    """generate()'s masks each step: a running row its matcher's, a stopped row all ones; once every row has
+    stopped (its grammar complete, or max_new_tokens reached) there is nothing to compute and no error."""
+    vocab = vocabulary(tokenizer_text(), V, (EOS,))
+    rows = [Constraint(vocab, grammar_of(schema_format(s)), V) for s in SCHEMAS[:3]]
+    masks = constraint_masks(rows, np.array([False, True, False]))
+    assert (masks[0] == rows[0].mask()).all() and (masks[2] == rows[2].mask()).all()
+    assert (masks[1] == -1).all() and not (masks[0] == -1).all()
+    assert (constraint_masks(rows, np.ones(3, bool)) == -1).all()

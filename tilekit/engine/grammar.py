@@ -108,10 +108,13 @@ _executor = None
 
 def fill_masks(pairs, out: np.ndarray) -> None:
     """Row i of `out` (a C-contiguous (rows, words) int32 array) the allowed tokens of its Constraint, for each
-    (constraint, i) of `pairs`, computed in parallel on llguidance's threads."""
+    (constraint, i) of `pairs`, computed in parallel on llguidance's threads; none (every row stopped): `out` as
+    it is (llguidance refuses an empty batch)."""
     global _executor
     if out.dtype != np.int32 or out.ndim != 2 or not out.flags["C_CONTIGUOUS"]:
         raise ValueError("out must be a C-contiguous (rows, words) int32 array")
+    if not pairs:
+        return
     with _lock:
         if _executor is None:
             _executor = _llguidance().LLExecutor()

@@ -52,11 +52,11 @@ def write_checkpoint(directory: Path) -> None:
     if (directory / "tokenizer.json").is_file():
         return
     from benchmarks.studies.structured import train_tokenizer
+    from tilekit.models.gpt2 import weights
     from tilekit.models.gpt2.config import GPTConfig
-    from tilekit.models.gpt2.reference import ReferenceGPT
-    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, n_positions=4096, vocab_size=VOCAB, eos_token_id=0,
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=4096, vocab_size=VOCAB, eos_token_id=0,
                        bos_token_id=0)
-    ReferenceGPT(config, seed=0).save_pretrained(directory)
+    weights.save_state_dict(directory, config, weights.random_state_dict(config, 0))
     train_tokenizer(VOCAB).save(str(directory / "tokenizer.json"))
 
 

@@ -3,6 +3,7 @@ requests run alone through generate(): ragged arrivals, preemption and prefix hi
 the async API."""
 
 import asyncio
+import time
 import os
 
 import numpy as np
@@ -153,7 +154,25 @@ def test_shutdown_lets_running_requests_finish(model):
         await consumer
         return request
     request = asyncio.run(main())
-    assert len(got) == 30 and got[-1].finish_reason == "length" and request.finish_reason == "length"
+    assert sum(len(o.token_ids) for o in got) == 30 and got[-1].completion_tokens == 30
+    assert got[-1].finish_reason == "length" and request.finish_reason == "length"
+    assert [t for o in got for t in o.token_ids] == request.output
+
+
+def test_a_consumer_behind_the_engine_gets_what_it_missed_as_one_output(model):
+    engine = AsyncEngine(LLMEngine(model, max_running=2, token_budget=8, block=4))
+    alone = LLMEngine(model, max_running=2, token_budget=8, block=4).generate([[1, 2, 3]], 12, temperature=0,
+                                                                             ignore_eos=True)[0]
+
+    async def main():
+        _, outputs = await engine.submit([1, 2, 3], 12, temperature=0, ignore_eos=True)
+        await asyncio.to_thread(time.sleep, 0.5)        # the engine runs all 12 steps meanwhile
+        return [out async for out in outputs]
+    got = asyncio.run(main())
+    engine.shutdown()
+    assert len(got) < 12 and got[-1].finished and got[-1].completion_tokens == 12
+    assert [t for o in got for t in o.token_ids] == alone["token_ids"]
+    assert "".join(o.text for o in got) == alone["text"]
 
 
 async def _collect(outputs, into):

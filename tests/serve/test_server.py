@@ -52,6 +52,12 @@ def check_completions(running):
     streamed = client.completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+    chunks = list(client.completions.create(model="tiny", prompt=["one", "two three"], max_tokens=4, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    for i, choice in enumerate(many.choices):        # several choices' events, interleaved, each to its own text
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == choice.text and mine[-1].finish_reason == "length"
+    assert len({(c.id, c.created, c.model) for c in chunks}) == 1
 
 
 def test_chat_with_the_openai_client(serve):

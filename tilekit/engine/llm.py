@@ -47,6 +47,11 @@ class Output:
     completion_tokens: int
     cached_tokens: int
 
+    def then(self, later: "Output") -> "Output":
+        """This output and the same request's next one as one (a consumer that fell behind takes them together)."""
+        return Output(self.request_id, self.token_ids + later.token_ids, self.text + later.text, later.finished,
+                      later.finish_reason, later.prompt_tokens, later.completion_tokens, later.cached_tokens)
+
 
 @dataclass
 class _Track:
@@ -196,13 +201,13 @@ class LLMEngine:
             track.first_token = time.monotonic()
         self.counters["generation_tokens"] += 1
         piece = track.stream.push(token) if track.stream is not None else ""
-        track.stops.update([token], [piece] if request.stop_strings else None)
+        stopped = track.stops.took(0, token, piece)
         text = track.pending + piece
         complete = refused = False
         if request.constraint is not None:    # a matcher that refuses the token ends this request alone
             refused = not request.constraint.accept(token)
             complete = request.constraint.done
-        finished = bool(track.stops.done[0]) or complete or refused
+        finished = stopped or complete or refused
         reason = None
         if finished:
             if track.stream is not None:
@@ -266,10 +271,19 @@ class LLMEngine:
         self.executor.release()
 
 
+_NOTHING = object()
+
+
+def _put_each(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class AsyncEngine:
     """An LLMEngine stepped by a thread of its own, for a server's event loop: submit() queues a request and yields
-    its Outputs as they are made (the request is aborted when the consumer stops listening: a client that went
-    away); the loop never waits on the GPU, the engine never waits on the loop."""
+    its Outputs as they are made, those made while the consumer was busy as one (the request is aborted when the
+    consumer stops listening: a client that went away); the loop never waits on the GPU, the engine never waits on
+    the loop, which it wakes once a step with every output of that step."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -307,12 +321,15 @@ class AsyncEngine:
                             if listener is not None:
                                 self._send(listener, None)
                 if engine.has_unfinished:
+                    made: dict = {}             # event loop -> [(queue, output)]: one wake-up of each loop a step
                     for out in engine.step():
                         listener = self.listeners.get(out.request_id)
                         if listener is not None:
-                            self._send(listener, out)
+                            made.setdefault(listener[0], []).append((listener[1], out))
                             if out.finished:
                                 self.listeners.pop(out.request_id)
+                    for loop, items in made.items():
+                        self._deliver(loop, items)
         except BaseException as e:      # noqa: BLE001 - reported to every waiting request, then to shutdown()
             with self.lock:
                 self.error = e
@@ -329,11 +346,16 @@ class AsyncEngine:
             for listener in self.listeners.values():
                 self._send(listener, None)
 
-    @staticmethod
-    def _send(listener, item) -> None:
+    @classmethod
+    def _send(cls, listener, item) -> None:
         loop, queue = listener
+        cls._deliver(loop, [(queue, item)])
+
+    @staticmethod
+    def _deliver(loop, items: list) -> None:
+        """Each (queue, item) put on its queue, by one callback on the loop that owns them."""
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            loop.call_soon_threadsafe(_put_each, items)
         except RuntimeError:            # the loop has closed: nobody is listening
             pass
 
@@ -363,14 +385,21 @@ class AsyncEngine:
         return first, self._outputs(first.id, queue)
 
     async def _outputs(self, request_id: str, queue: asyncio.Queue):
-        finished = False
+        """The request's Outputs; those that arrived while the consumer was busy come as one (Output.then)."""
+        finished, held = False, _NOTHING
         try:
             while True:
-                item = await queue.get()
+                item, held = (await queue.get() if held is _NOTHING else held), _NOTHING
                 if item is None:
                     return
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"the engine failed: {item}") from item
+                while not item.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if not isinstance(later, Output):       # an abort or an error: after what came before it
+                        held = later
+                        break
+                    item = item.then(later)
                 yield item
                 if item.finished:
                     finished = True

@@ -24,7 +24,7 @@ class StopChecker:
         if settings.max_new_tokens is None:
             raise ValueError("max_new_tokens must be set to check stops")
         self.settings = settings
-        self.eos = np.array(settings.eos_token_ids, np.int64)
+        self.eos = frozenset(int(t) for t in settings.eos_token_ids)
         self.lengths = np.zeros(batch, np.int64)       # tokens each row keeps
         self.done = np.full(batch, settings.max_new_tokens == 0)
         self.tails = [""] * batch        # the last characters of each row's text that a stop string can span
@@ -37,14 +37,20 @@ class StopChecker:
             raise ValueError(f"tokens must have shape {self.done.shape}, got {tokens.shape}")
         if self.settings.stop_strings and (pieces is None or len(pieces) != len(tokens)):
             raise ValueError("stop strings need each row's decoded text piece")
-        for b in np.flatnonzero(~self.done):
-            self.lengths[b] += 1
-            stop = self.lengths[b] == self.settings.max_new_tokens or bool(np.isin(tokens[b], self.eos))
-            if self.settings.stop_strings:
-                text = self.tails[b] + pieces[b]
-                stop |= any(s in text for s in self.settings.stop_strings)
-                self.tails[b] = text[-self.keep:] if self.keep else ""
-            self.done[b] = stop
+        for b in np.flatnonzero(~self.done).tolist():
+            self.took(b, int(tokens[b]), pieces[b] if pieces is not None else "")
+
+    def took(self, b: int, token: int, piece: str = "") -> bool:
+        """Row b (still running) takes one new token, which printed `piece`; whether the row stops with it. The
+        engine feeds its requests' rows one at a time through this."""
+        self.lengths[b] += 1
+        stop = self.lengths[b] == self.settings.max_new_tokens or token in self.eos
+        if self.settings.stop_strings:
+            text = self.tails[b] + piece
+            stop = stop or any(s in text for s in self.settings.stop_strings)
+            self.tails[b] = text[-self.keep:] if self.keep else ""
+        self.done[b] = stop
+        return stop
 
     @property
     def all_done(self) -> bool:

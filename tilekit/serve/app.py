@@ -30,6 +30,7 @@ from tilekit.serve.protocol import APIError, envelope, new_id, parse_json, parse
     parse_sampling, usage
 
 MAX_BODY = 4 << 20
+_SLOT = "\0"        # where a stream chunk's choice goes in its serialized envelope
 
 
 class _Choice:
@@ -44,8 +45,9 @@ class _Choice:
         now = time.monotonic()
         if self.last is None:
             metrics.ttft.observe(now - self.arrived)
-        else:
-            metrics.itl.observe(now - self.last)
+        else:                   # several tokens in one output (the stream fell behind): the gap shared among them
+            for _ in out.token_ids:
+                metrics.itl.observe((now - self.last) / len(out.token_ids))
         self.last = now
         self.text += out.text
         self.completion_tokens, self.cached_tokens = out.completion_tokens, out.cached_tokens
@@ -224,20 +226,51 @@ class Server:
         return JSONResponse(envelope("chat.completion" if chat else "text_completion", rid, self.model_name, body,
                                      self.total_usage(prompts, choices)))
 
-    async def events(self, chat: bool, rid: str, prompts, choices: list[_Choice], include_usage: bool):
-        """The server-sent events of a streamed response; a client that leaves cancels this, aborting each choice."""
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(choice: _Choice):
+    async def _streams(self, choices: list[_Choice]):
+        """(choice, Output | Exception | None) of every choice as its outputs come, None ending that choice's
+        stream (after an Exception where the engine failed): a lone choice read directly, several merged by a task
+        each."""
+        async def read(choice: _Choice):
             try:
                 async with contextlib.aclosing(choice.outputs) as outputs:
                     async for out in outputs:
                         choice.took(out, self.metrics)
-                        await queue.put((choice, out))
+                        yield choice, out
             except Exception as e:          # noqa: BLE001 - reported in the stream
-                await queue.put((choice, e))
-            await queue.put((choice, None))
+                yield choice, e
+            yield choice, None
+        if len(choices) == 1:
+            async with contextlib.aclosing(read(choices[0])) as items:
+                async for item in items:
+                    yield item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: _Choice):
+            async with contextlib.aclosing(read(choice)) as items:
+                async for item in items:
+                    await queue.put(item)
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        try:
+            open_ = len(choices)
+            while open_:
+                item = await queue.get()
+                open_ -= item[1] is None
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+
+    async def events(self, chat: bool, rid: str, prompts, choices: list[_Choice], include_usage: bool):
+        """The server-sent events of a streamed response; a client that leaves cancels this, aborting each choice.
+        One event an output: a token's text (empty while a character is incomplete), or all that a choice made
+        while its stream was busy sending."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        # every chunk's envelope is this stream's: serialized once, each chunk's choice put in its place
+        head, _, tail = json.dumps(envelope(kind, rid, self.model_name, [_SLOT])).partition(json.dumps([_SLOT]))
 
         def chunk(choice: _Choice, text: str | None, finish: str | None, role: bool = False) -> str:
             if chat:
@@ -245,35 +278,25 @@ class Server:
                 part = {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 part = {"index": choice.index, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return f"data: {json.dumps(envelope(kind, rid, self.model_name, [part]))}\n\n"
+            return f"data: {head}[{json.dumps(part)}]{tail}\n\n"
 
-        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
-        try:
+        async with contextlib.aclosing(self._streams(choices)) as items:
             if chat:
                 for c in choices:
                     yield chunk(c, None, None, role=True)
-            open_ = len(choices)
-            while open_:
-                choice, item = await queue.get()
+            async for choice, item in items:
                 if item is None:
-                    open_ -= 1
                     if choice.finish_reason is None:
                         choice.finish_reason = "abort"
                         yield chunk(choice, None, "abort")
                 elif isinstance(item, Exception):
                     yield f"data: {json.dumps(APIError(500, f'the engine failed: {item}').body())}\n\n"
-                else:               # one event a token (its text may be empty: a character still incomplete)
+                else:
                     yield chunk(choice, item.text, item.finish_reason if item.finished else None)
             if include_usage:
                 final = envelope(kind, rid, self.model_name, [], self.total_usage(prompts, choices))
                 yield f"data: {json.dumps(final)}\n\n"
             yield "data: [DONE]\n\n"
-        finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
 
     # -- routes ---------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:

@@ -124,11 +124,11 @@ def test_a_staging_variant_sets_the_ring_and_times_the_stream(tmp_path, tiny, mo
     monkeypatch.setattr(stream.LoadStream, "__init__", lambda self, jobs, device, buffers, size, progress: (
         rings.append((buffers, size)), real_init(self, jobs, device, buffers, size, progress))[-1])
     bench.write_child("tiny", str(tmp_path), "tilekit", "single", "bf16")
-    phases = bench.staged("tilekit 8x32")
+    phases = bench.staged("tilekit 16x4")
     Llama.weights.load_state_dict(tmp_path)
-    assert rings == [(8, 32 << 20)]
+    assert rings == [(16, 4 << 20)]
     assert phases["stream_setup_s"] > 0 and phases["stream_run_s"] > 0
-    assert bench.variant("tilekit 16x4") == (16, 4)
+    assert bench.variant("tilekit 2x64") == (2, 64)
 
 
 def test_a_malformed_staging_variant_is_refused(capsys):

@@ -326,13 +326,13 @@ def test_plan_mistakes_are_value_errors_before_anything_is_read(tmp_path):
 
 def test_host_memory_is_the_staging_buffers(tmp_path):
     """An 8 MB checkpoint into outputs allocated beforehand: the load itself allocates its four 64 KB buffers and
-    little else (no tensor, no file, on the host)."""
+    little else (no tensor, no file, on the host); the ring is its `buffers`, not more."""
     shapes = {f"w{i}": (256, 1024) for i in range(8)}
     ck = checkpoint(tmp_path, {n: np.ones(s, np.float32) for n, s in shapes.items()})
     outs = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
     tracemalloc.start()
     try:
-        load(ck, {n: Target(s, "float32", out=outs[n]) for n, s in shapes.items()}, buffer_bytes=64 << 10)
+        load(ck, {n: Target(s, "float32", out=outs[n]) for n, s in shapes.items()}, buffers=4, buffer_bytes=64 << 10)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -30,12 +30,13 @@ FLOAT_BITS = {"F8_E4M3": "float8_e4m3fn"}     # a safetensors dtype DTYPES views
 
 
 class LoadStream:
-    """One load: pieces of tensors read into a ring of staging buffers by worker threads and copied to the device in
-    order. A staging buffer is read into again only after the device has finished copying out of it. Everything
-    else the device does with a tensor (its conversion or transform, its finite checks) is queued behind the
-    tensor's last copy on another stream (device.after_copies), so the copies of the next tensors never wait for
-    it; a converted tensor arrives in one of two scratch buffers, which a later tensor is copied into only once its
-    conversion is done (device.copies_wait)."""
+    """One load: pieces of tensors read into a ring of staging buffers by as many worker threads (each buffer
+    allocated by the first read into it, so that they are pinned side by side while the first pieces are read) and
+    copied to the device in order. A staging buffer is read into again only after the device has finished copying
+    out of it. Everything else the device does with a tensor (its conversion or transform, its finite checks) is
+    queued behind the tensor's last copy on another stream (device.after_copies), so the copies of the next tensors
+    never wait for it; a converted tensor arrives in one of two scratch buffers, which a later tensor is copied into
+    only once its conversion is done (device.copies_wait)."""
 
     SCRATCH = 2
 
@@ -45,7 +46,7 @@ class LoadStream:
         self.size = max(1, min(buffer_bytes, largest))
         self.pieces = [(j, lo, min(lo + self.size, info.nbytes))
                        for j, (info, _) in enumerate(jobs) for lo in range(0, max(info.nbytes, 1), self.size)]
-        self.ring = [device.staging(self.size) for _ in range(min(buffers, len(self.pieces)))]
+        self.ring = [None] * min(buffers, len(self.pieces))     # each made by the worker that first reads into it
         self.scratch = [None] * self.SCRATCH        # (buffer, the event its last conversion recorded)
         self.converted = 0
         self.out = {}
@@ -61,7 +62,10 @@ class LoadStream:
             copied()
         j, lo, hi = self.pieces[k]
         info = self.jobs[j][0]
-        info.file.readinto(memoryview(self.ring[k % len(self.ring)])[:hi - lo], info.start + lo)
+        slot = k % len(self.ring)
+        if self.ring[slot] is None:        # pinned in the workers, side by side, while the first pieces are read
+            self.ring[slot] = self.device.staging(self.size)
+        info.file.readinto(memoryview(self.ring[slot])[:hi - lo], info.start + lo)
 
     def begin(self, info: TensorInfo, target: Target):
         """The tensor's output array, the raw device bytes its pieces are copied into, and the scratch slot they

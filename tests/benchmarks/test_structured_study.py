@@ -1,10 +1,10 @@
-"""The structured-output study's own pieces on the CPU: its trained tokenizer and its output check."""
+"""The structured-output study's own pieces on the CPU: its trained tokenizer and its output checks."""
 
 import json
 
 import pytest
 
-from benchmarks.studies.structured import SCHEMA, train_tokenizer, valid
+from benchmarks.studies.structured import SCHEMA, allowed, train_tokenizer, valid
 
 pytest.importorskip("jsonschema")
 
@@ -17,8 +17,20 @@ def test_the_trained_tokenizer_has_its_size_and_end_token_and_round_trips():
 
 
 def test_only_a_valid_answer_passes_the_check():
-    good = {"name": "x" * 210, "n": 5, "tags": ["a"]}
+    good = {"name": "x" * 3100, "n": 5, "tags": ["a"]}
     assert valid(json.dumps(good))
     assert not valid(json.dumps(dict(good, name="short")))
     assert not valid('{"name": ')
-    assert SCHEMA["properties"]["name"]["minLength"] == 200
+    assert SCHEMA["properties"]["name"]["minLength"] == 3000
+
+
+def test_a_prefix_passes_the_token_check_only_while_the_schema_allows_each_token():
+    pytest.importorskip("llguidance")
+    from pathlib import Path
+    from tilekit.models.gpt2.reference import ReferenceGPT
+    runner = ReferenceGPT.from_pretrained(Path(__file__).resolve().parents[1] / "data" / "tiny-gpt2").runner
+    tokenizer = runner.tokenizer()
+    start = tokenizer.encode('{"name":"abc').ids         # (llguidance's JSON is compact: no blank after ':')
+    assert allowed(runner, start)
+    assert not allowed(runner, tokenizer.encode('{"n":5').ids)          # not the schema's first property
+    assert not allowed(runner, tokenizer.encode('{"name":"ab"}').ids)   # a string far below its minimum length

@@ -18,7 +18,7 @@ from tilekit.untrusted import quoted, shown
 
 
 def load_tensors(files: TensorFiles, plan: Mapping[str, Target], *, device=None, ignore: tuple[str, ...] = (),
-                 expected: str = "the model", buffers: int = 8, buffer_bytes: int = 32 << 20,
+                 expected: str = "the model", buffers: int = 16, buffer_bytes: int = 16 << 20,
                  progress: bool = True) -> dict:
     """Every tensor of `plan` from `files` into its target; returns name -> the array written.
 

@@ -7,13 +7,14 @@ free requests share batches; bad formats are a ValueError naming response_format
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from tests.engine.test_paged import cpu  # noqa: F401  (a fixture)  # pyflakes: ignore
 from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
-from tilekit.engine.grammar import Constraint, constraint_masks, grammar_of, vocabulary
+from tilekit.engine.grammar import Constraint, constraint_masks, ends_only, grammar_of, vocabulary
 from tilekit.engine.llm import LLMEngine
 from tilekit.kernels.token_bitmask import allowed_tokens, token_bitmask_reference
 from tilekit.models.gpt2.reference import ReferenceGPT
@@ -240,3 +241,49 @@ def test_generates_masks_allow_everything_in_stopped_rows_and_every_row_may_stop
     assert (masks[0] == rows[0].mask()).all() and (masks[2] == rows[2].mask()).all()
     assert (masks[1] == -1).all() and not (masks[0] == -1).all()
     assert (constraint_masks(rows, np.ones(3, bool)) == -1).all()
+
+
+def test_ends_only_is_the_set_of_allowed_ids_within_the_end_tokens():
+    rng = np.random.default_rng(0)
+    for V, eos in ((1031, (1030,)), (128256, (0,)), (128256, (128001, 128009)), (64, (3, 40))):
+        words = -(-V // 32)
+        cases = [rng.integers(-2**31, 2**31, words, dtype=np.int64).astype(np.int32), np.zeros(words, np.int32)]
+        for ids in ((), eos, eos[:1], eos + (5,)):
+            row = np.zeros(words, np.int32)
+            for t in ids:
+                row.view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
+            cases.append(row)
+        for row in cases:
+            allowed = set(np.flatnonzero(allowed_tokens(row[None], 32 * words)[0]).tolist())
+            assert ends_only(row, eos) == (bool(allowed) and allowed <= set(eos)), (V, eos, sorted(allowed)[:5])
+
+
+def test_generate_asks_whether_a_grammar_has_ended_only_of_rows_whose_eos_is_still_banned(monkeypatch):
+    """StaticRunner._put_masks: the eos ban (min_new_tokens) holds while the pick's position is below iparams[b, 2];
+    a row past it is never asked (at a 128K vocabulary the question cost milliseconds a row, every step), and a
+    banned row whose grammar allows only its end has its ban lifted."""
+    from tilekit.engine import static
+    from tilekit.engine.stops import StopChecker
+    from tilekit.engine.sampling import GenerationSettings
+
+    class Upload:
+        last = None
+
+        def set(self, x):
+            self.last = np.array(x)
+    vocab = vocabulary(tokenizer_text(), V, (EOS,))
+    rows = [Constraint(vocab, grammar_of(schema_format(SCHEMAS[0])), V) for _ in range(3)]
+    asked = []
+    monkeypatch.setattr(static, "ends_only", lambda mask, eos: asked.append(True) or True)
+    lengths = np.array([5, 5, 9])
+    iparams = np.zeros((3, 4), np.int32)
+    iparams[:, 2] = lengths - 1 + np.array([0, 2, 0])       # min_new_tokens 0, 2, 0
+    stops = StopChecker(3, GenerationSettings(max_new_tokens=8))
+    state = SimpleNamespace(bitmask=Upload(), iparams=Upload())
+    static.StaticRunner._put_masks(state, rows, stops, iparams, (EOS,), lengths)
+    assert len(asked) == 1 and iparams[1, 2] == 0 and state.iparams.last[1, 2] == 0   # row 1 alone: banned, lifted
+    stops.lengths[:] = 2
+    asked.clear()
+    iparams[1, 2] = lengths[1] + 1
+    static.StaticRunner._put_masks(state, rows, stops, iparams, (EOS,), lengths)
+    assert not asked                                        # two tokens made: row 1's ban has ended too

@@ -190,7 +190,7 @@ class StaticRunner(Runner):
             state = gen.state
             gen.start(history, lengths - 1, fparams, iparams, seen)
             if constraints:
-                self._put_masks(state, constraints, stops, iparams, eos)
+                self._put_masks(state, constraints, stops, iparams, eos, lengths)
             gen.prefill(padded, lengths, use_graph)
             for produced in range(1, new + 1):
                 if watch:
@@ -199,7 +199,7 @@ class StaticRunner(Runner):
                     stops.update(tokens, None if streams is None else [s.push(t) for s, t in zip(streams, tokens)])
                     if constraints:
                         constraints_took(constraints, tokens, running, stops)
-                        self._put_masks(state, constraints, stops, iparams, eos)
+                        self._put_masks(state, constraints, stops, iparams, eos, lengths)
                     stopped = np.flatnonzero(running & stops.done)
                     if len(stopped) and (streams is not None or constraints):
                         # a stop string, or a complete grammar, ends a row that emits no eos
@@ -223,12 +223,14 @@ class StaticRunner(Runner):
         return [history[b, :lengths[b] + stops.lengths[b]].astype(np.int64) for b in range(B)]
 
     @staticmethod
-    def _put_masks(state, constraints: list, stops, iparams: np.ndarray, eos) -> None:
+    def _put_masks(state, constraints: list, stops, iparams: np.ndarray, eos, lengths: np.ndarray) -> None:
         """The rows' structured-output masks for the next pick; a row whose grammar allows nothing but its end has
-        its eos ban (min_new_tokens) lifted, so that it can end."""
+        its eos ban (min_new_tokens) lifted, so that it can end. The ban holds while the pick's position (the
+        row's newest token's) is below iparams[b, 2]: only such rows are asked."""
         masks = constraint_masks(constraints, stops.done)
         state.bitmask.set(masks)
-        lift = [b for b in np.flatnonzero(~stops.done) if iparams[b, 2] > 0 and ends_only(masks[b], eos)]
+        newest = lengths - 1 + stops.lengths
+        lift = [b for b in np.flatnonzero(~stops.done) if iparams[b, 2] > newest[b] and ends_only(masks[b], eos)]
         if lift:
             iparams[lift, 2] = 0
             state.iparams.set(iparams)

@@ -51,11 +51,13 @@ def write_checkpoint(directory: Path) -> None:
     """A one-layer GPT-2 of random weights (context 4096) and a trained 8192-id tokenizer, unless written already."""
     if (directory / "tokenizer.json").is_file():
         return
+    import dataclasses
+
     from benchmarks.studies.structured import train_tokenizer
-    from tilekit.models.gpt2 import weights
-    from tilekit.models.gpt2.config import GPTConfig
-    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=4096, vocab_size=VOCAB, eos_token_id=0,
-                       bos_token_id=0)
+    from tilekit.models import families
+    config = dataclasses.replace(families.preset_config("gpt2"), n_layer=1, n_head=2, n_embd=16, block_size=4096,
+                                 vocab_size=VOCAB, eos_token_id=0, bos_token_id=0)
+    weights = families.family_of_config(config).module("weights")
     weights.save_state_dict(directory, config, weights.random_state_dict(config, 0))
     train_tokenizer(VOCAB).save(str(directory / "tokenizer.json"))
 
@@ -67,10 +69,9 @@ def serve_once(checkpoint: Path, args, switch_s: float) -> dict:
     import uvicorn
 
     from tilekit.engine.llm import AsyncEngine, LLMEngine
-    from tilekit.models.gpt2.reference import ReferenceGPT
+    from tilekit.models.families import load_reference
     from tilekit.serve.app import Server, build_app
-    llm = LLMEngine(ReferenceGPT.from_pretrained(checkpoint, dtype="float32"), max_running=args.concurrency,
-                    token_budget=4096, block=16)
+    llm = LLMEngine(load_reference(checkpoint), max_running=args.concurrency, token_budget=4096, block=16)
     llm.executor = FixedStepExecutor(args.step_ms / 1e3, VOCAB)
     engine = AsyncEngine(llm)
     with socket.socket() as s:

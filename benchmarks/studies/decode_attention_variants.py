@@ -33,7 +33,7 @@ SHAPES = [  # B, H, Hkv, D, capacity, new_kv
     (1, 16, 4, 128, 256, 1), (1, 32, 8, 128, 256, 1), (8, 32, 8, 128, 256, 1), (1, 12, 12, 64, 256, 1),
     (1, 32, 8, 128, 1024, 1), (1, 32, 8, 128, 4096, 1), (1, 16, 4, 128, 256, 0),
 ]
-K_LOAD = "k = cache_tile(K, b, hk, j, BN, D, LATENCY)"
+K_LOAD = "k = cache_tile(K, Table, b, hk, j, BN, D, LATENCY, PAGED)"
 HINTED_LOAD = ", latency=LATENCY)"
 NEW_START = "    if NEW_KV:\n        if split == (length - 1) // CHUNK:"
 LOOP_START = "    for j in range(start // BN, ct.cdiv(end, BN)):"

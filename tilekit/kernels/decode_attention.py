@@ -51,12 +51,22 @@ def query_rows(QP, nq, hk, group, H):
 
 
 @ct.function
-def cache_tile(C, b, hk, j, BN, D, LATENCY):
-    """Tile j (BN, D) of head (b, hk) of cache C, loaded with latency hint LATENCY (0: none)."""
-    if LATENCY:
-        tile = ct.load(C, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO, latency=LATENCY)
+def cache_tile(C, Table, b, hk, j, BN, D, LATENCY, PAGED):
+    """Tile j (BN, D) of head (b, hk) of cache C, loaded with latency hint LATENCY (0: none): C (B, Hkv, capacity,
+    D), or with PAGED a pool (blocks, Hkv, BLOCK, D) whose block Table[b, p // BLOCK] holds position p (BN divides
+    BLOCK: one load from one block)."""
+    if PAGED:
+        per_block = C.shape[2] // BN
+        block = ct.load(Table, (b, j // per_block), shape=())
+        if LATENCY:
+            tile = ct.load(C, (block, hk, j % per_block, 0), (1, 1, BN, D), padding_mode=ZERO, latency=LATENCY)
+        else:
+            tile = ct.load(C, (block, hk, j % per_block, 0), (1, 1, BN, D), padding_mode=ZERO)
     else:
-        tile = ct.load(C, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO)
+        if LATENCY:
+            tile = ct.load(C, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO, latency=LATENCY)
+        else:
+            tile = ct.load(C, (b, hk, j, 0), (1, 1, BN, D), padding_mode=ZERO)
     return tile.reshape((BN, D))
 
 
@@ -82,6 +92,15 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
     which the merge's weighted sum carries through). LATENCY: the cache tiles' load latency hint (load_latency).
     """
     sync_with_previous_kernel()
+    decode_split(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, Lengths, O, Opart, Mpart, Lpart, qk_scale,
+                 length_offset, QP, BN, D, CHUNK, MERGE, NEW_KV, FP8, LATENCY, False)
+
+
+@ct.function
+def decode_split(Q, Knew, Vnew, K, V, KScale, VScale, Table, Lengths, O, Opart, Mpart, Lpart, qk_scale, length_offset,
+                 QP, BN, D, CHUNK, MERGE, NEW_KV, FP8, LATENCY, PAGED):
+    """The body of decode_attention_kernel and paged_decode_attention_kernel (PAGED: K and V are pools read through
+    Table; the dense kernel passes Lengths in its place, never read). Its kernel has waited for the one before."""
     bh = ct.bid(0)
     b, hk = batch_head(bh, K.shape[1])
     split = ct.bid(1)
@@ -123,10 +142,16 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
                 s_t = ct.sum(q_t.astype(ct.float32) * k_col, axis=0, keepdims=True) * score_scale
                 s_t = ct.where(t <= q_token, s_t, -math.inf)                         # causal among the new
                 m_i, l_i, acc = online_softmax_fold_key(s_t, m_i, l_i, acc, ct.transpose(v_new).astype(ct.float32))
-                ct.scatter(K, (b, hk, first_new + t, dims), k_write)
-                ct.scatter(V, (b, hk, first_new + t, dims), v_write)
+                if PAGED:                                # its block of the pool, its slot there
+                    pos = first_new + t
+                    block = ct.load(Table, (b, pos // K.shape[2]), shape=())
+                    ct.scatter(K, (block, hk, pos % K.shape[2], dims), k_write)
+                    ct.scatter(V, (block, hk, pos % K.shape[2], dims), v_write)
+                else:
+                    ct.scatter(K, (b, hk, first_new + t, dims), k_write)
+                    ct.scatter(V, (b, hk, first_new + t, dims), v_write)
     for j in range(start // BN, ct.cdiv(end, BN)):
-        k = cache_tile(K, b, hk, j, BN, D, LATENCY)
+        k = cache_tile(K, Table, b, hk, j, BN, D, LATENCY, PAGED)
         if FP8:
             k = ct.bitcast(k, ct.float8_e4m3fn).astype(Q.dtype)
         s = ct.mma(k, q_t, ct.zeros((BN, QP), dtype=ct.float32)) * score_scale
@@ -134,7 +159,7 @@ def decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Lengths, O, Opa
         s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
         # V's tile loaded after the scores: loaded beside K's, a 128-wide bf16 head took 225 KB of shared memory
         # (one program an SM) whatever the occupancy (docs/results/decode-attention-cubins-sm90.txt)
-        v = cache_tile(V, b, hk, j, BN, D, LATENCY)
+        v = cache_tile(V, Table, b, hk, j, BN, D, LATENCY, PAGED)
         if FP8:
             v = ct.bitcast(v, ct.float8_e4m3fn).astype(Q.dtype)
         m_i, l_i, acc = online_softmax_step_by_column(s, m_i, l_i, acc, ct.transpose(v))

@@ -1,10 +1,10 @@
 """Decode attention over a paged KV cache: a few new query tokens per sequence against keys and values kept in
 blocks of a shared pool, found through each sequence's block table.
 
-The same flash-decoding as decode_attention (its splits of the context, partial softmax states and merge kernel,
-grouped-query programs that read each key and value tile once per group, the new tokens' keys and values written
-into the cache and folded in from registers, FP8 codes with per-head scales): only where a key tile lives
-differs. Sequence b's position p is slot p % BLOCK of block table[b, p // BLOCK] of the pool (blocks, Hkv,
+decode_attention's flash-decoding, its very body (decode_attention.decode_split: its splits of the context, partial
+softmax states and merge kernel, grouped-query programs that read each key and value tile once per group, the new
+tokens' keys and values written into the cache and folded in from registers, FP8 codes with per-head scales): only
+where a key tile lives differs. Sequence b's position p is slot p % BLOCK of block table[b, p // BLOCK] of the pool (blocks, Hkv,
 BLOCK, D) (tilekit.engine.paged), and a key tile of BN positions (BN dividing BLOCK) is one load from one block.
 The grid depends on the table's width (its capacity, BLOCK x blocks per sequence) and the batch, not on the
 lengths, which live on the device: a CUDA graph replays the step as the sequences grow and as their blocks change.
@@ -23,28 +23,13 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace
 from tilekit.kernels.attention import LOG2E, attention_reference, check_heads_out, check_kv_scales, heads_out, qkv_views
-from tilekit.kernels.decode_attention import MAX_QUERIES, MAX_ROWS, PROGRAMS, decode_merge_kernel, query_rows, split_chunk
+from tilekit.kernels.decode_attention import MAX_QUERIES, MAX_ROWS, PROGRAMS, decode_merge_kernel, decode_split, split_chunk
 from tilekit.kernels.decode_attention import _constants as decode_constants, _fits as decode_fits, _grid as decode_grid
 from tilekit.kernels.decode_attention import _merge_constants, _merge_grid, _scratch as decode_scratch
 from tilekit.kernels.decode_attention import default_config as decode_default
 from tilekit.kernels.paged_write_kv import check_pool
-from tilekit.kernels.quantize_fp8 import fp8_bits, fp8_codes, fp8_values
-from tilekit.kernels.tiles import batch_head, online_softmax_fold_key, online_softmax_step_by_column, \
-    sync_with_previous_kernel
-
-ZERO = ct.PaddingMode.ZERO
-
-
-@ct.function
-def pool_tile(C, Table, b, hk, j, BN, D, LATENCY):
-    """Key tile j (BN positions, BN dividing the block) of sequence b, head hk: its block's slots, one load."""
-    per_block = C.shape[2] // BN
-    block = ct.load(Table, (b, j // per_block), shape=())
-    if LATENCY:
-        tile = ct.load(C, (block, hk, j % per_block, 0), (1, 1, BN, D), padding_mode=ZERO, latency=LATENCY)
-    else:
-        tile = ct.load(C, (block, hk, j % per_block, 0), (1, 1, BN, D), padding_mode=ZERO)
-    return tile.reshape((BN, D))
+from tilekit.kernels.quantize_fp8 import fp8_codes, fp8_values
+from tilekit.kernels.tiles import sync_with_previous_kernel
 
 
 @ct.kernel
@@ -55,73 +40,8 @@ def paged_decode_attention_kernel(Q, Knew, Vnew, K, V, KScale, VScale, Table, Le
     """Attention of split ct.bid(1) of (batch, key/value head) ct.bid(0), as decode_attention_kernel's, over the
     pools K, V (blocks, Hkv, BLOCK, D) through Table (B, blocks per sequence)."""
     sync_with_previous_kernel()
-    b, hk = batch_head(ct.bid(0), K.shape[1])
-    split = ct.bid(1)
-    H = Q.shape[1]
-    nq = Q.shape[2]
-    block = K.shape[2]
-    length = ct.load(Lengths, (b,), shape=()) + length_offset
-    first_new = length - nq
-    start = split * CHUNK
-    cached = length
-    if NEW_KV:
-        cached = first_new
-    end = ct.minimum(cached, start + CHUNK)
-    head, token = query_rows(QP, nq, hk, H // K.shape[1], H)
-    dims = ct.arange(D, dtype=ct.int32).reshape((1, D))
-    q_t = ct.transpose(ct.gather(Q, (b, head, token, dims)))                         # (D, QP)
-    q_token = ct.transpose(token)                                                    # (1, QP)
-    q_pos = q_token + first_new
-    score_scale = qk_scale
-    if FP8:
-        k_scale = ct.load(KScale, (hk,), shape=())
-        v_scale = ct.load(VScale, (hk,), shape=())
-        score_scale = qk_scale * k_scale
-    m_i = ct.full((1, QP), -math.inf, dtype=ct.float32)
-    l_i = ct.zeros((1, QP), dtype=ct.float32)
-    acc = ct.zeros((D, QP), dtype=ct.float32)
-    if NEW_KV:
-        if split == (length - 1) // CHUNK:
-            for t in range(nq):          # each new token a rank-1 update, written into its block
-                k_new = ct.load(Knew, (b, hk, t, 0), (1, 1, 1, D), padding_mode=ZERO).reshape((1, D))
-                v_new = ct.load(Vnew, (b, hk, t, 0), (1, 1, 1, D), padding_mode=ZERO).reshape((1, D))
-                k_write = k_new
-                v_write = v_new
-                if FP8:                                  # attend to what the cache will hold
-                    k_write = fp8_bits(k_new.astype(ct.float32), k_scale)
-                    v_write = fp8_bits(v_new.astype(ct.float32), v_scale)
-                    k_new = ct.bitcast(k_write, ct.float8_e4m3fn).astype(Q.dtype)
-                    v_new = ct.bitcast(v_write, ct.float8_e4m3fn).astype(Q.dtype)
-                k_col = ct.transpose(k_new).astype(ct.float32)                       # (D, 1)
-                s_t = ct.sum(q_t.astype(ct.float32) * k_col, axis=0, keepdims=True) * score_scale
-                s_t = ct.where(t <= q_token, s_t, -math.inf)                         # causal among the new
-                m_i, l_i, acc = online_softmax_fold_key(s_t, m_i, l_i, acc, ct.transpose(v_new).astype(ct.float32))
-                pos = first_new + t
-                slot_block = ct.load(Table, (b, pos // block), shape=())
-                ct.scatter(K, (slot_block, hk, pos % block, dims), k_write)
-                ct.scatter(V, (slot_block, hk, pos % block, dims), v_write)
-    for j in range(start // BN, ct.cdiv(end, BN)):
-        k = pool_tile(K, Table, b, hk, j, BN, D, LATENCY)
-        if FP8:
-            k = ct.bitcast(k, ct.float8_e4m3fn).astype(Q.dtype)
-        s = ct.mma(k, q_t, ct.zeros((BN, QP), dtype=ct.float32)) * score_scale
-        k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((BN, 1))
-        s = ct.where((k_pos < end) & (k_pos <= q_pos), s, -math.inf)
-        v = pool_tile(V, Table, b, hk, j, BN, D, LATENCY)
-        if FP8:
-            v = ct.bitcast(v, ct.float8_e4m3fn).astype(Q.dtype)
-        m_i, l_i, acc = online_softmax_step_by_column(s, m_i, l_i, acc, ct.transpose(v))
-    if not MERGE:
-        out = acc / l_i
-        if FP8:
-            out = out * v_scale
-        ct.scatter(O, (b, head, token, dims), ct.transpose(out).astype(O.dtype))
-    else:
-        if FP8:
-            acc = acc * v_scale
-        ct.store(Opart, (b, hk, split, 0, 0), ct.transpose(acc).reshape((1, 1, 1, QP, D)))
-        ct.store(Mpart, (b, hk, split, 0), m_i.reshape((1, 1, 1, QP)))
-        ct.store(Lpart, (b, hk, split, 0), l_i.reshape((1, 1, 1, QP)))
+    decode_split(Q, Knew, Vnew, K, V, KScale, VScale, Table, Lengths, O, Opart, Mpart, Lpart, qk_scale, length_offset,
+                 QP, BN, D, CHUNK, MERGE, NEW_KV, FP8, LATENCY, True)
 
 
 def _fits(c: dict, p: dict) -> bool:

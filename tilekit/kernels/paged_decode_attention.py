@@ -4,10 +4,11 @@ blocks of a shared pool, found through each sequence's block table.
 decode_attention's flash-decoding, its very body (decode_attention.decode_split: its splits of the context, partial
 softmax states and merge kernel, grouped-query programs that read each key and value tile once per group, the new
 tokens' keys and values written into the cache and folded in from registers, FP8 codes with per-head scales): only
-where a key tile lives differs. Sequence b's position p is slot p % BLOCK of block table[b, p // BLOCK] of the pool (blocks, Hkv,
-BLOCK, D) (tilekit.engine.paged), and a key tile of BN positions (BN dividing BLOCK) is one load from one block.
-The grid depends on the table's width (its capacity, BLOCK x blocks per sequence) and the batch, not on the
-lengths, which live on the device: a CUDA graph replays the step as the sequences grow and as their blocks change.
+where a key tile lives differs. Sequence b's position p is slot p % BLOCK of block table[b, p // BLOCK] of the pool
+(blocks, Hkv, BLOCK, D) (tilekit.engine.paged), and a key tile of BN positions (BN dividing BLOCK) is one load from
+one block. The grid depends on the table's width (its capacity, BLOCK x blocks per sequence) and the batch, not on
+the lengths, which live on the device: a CUDA graph replays the step as the sequences grow and as their blocks
+change.
 """
 
 from __future__ import annotations

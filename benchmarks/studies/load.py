@@ -21,7 +21,7 @@ host-to-device copies of 1 GiB (GB/s; the checkpoint's bytes over it), and the l
 bf16 array. The table is printed last, with #63's verdict per row (time <= 0.5x transformers', >= 12.5 GB/s from
 the page cache for checkpoints of 8 GB and more, peak anonymous RSS <= the largest tensor + 1 GiB); --out DIR gets
 load.json (every run, the medians, the floor, the GPU and versions). Each tilekit row gives the seconds its stream
-spent setting up (the pinned staging ring) and running; --staging BxM adds rows of tilekit with another staging ring
+spent setting up and running (the pinned staging ring included); --staging BxM adds rows of tilekit with another staging ring
 (B buffers of M MiB), and --profile one more tilekit load per checkpoint under cProfile (in load.json and the log).
 """
 
@@ -192,8 +192,8 @@ def child(who: str, directory: str, profile: bool = False) -> None:
 def staged(who: str) -> dict:
     """For a tilekit load: its staging ring as `who` names it ("tilekit BxM": B buffers of M MiB; plain "tilekit":
     load_tensors' defaults), and the returned dict filled, once the load is done, with the seconds its stream spent
-    setting up (the pinned ring) and running (reads, copies, conversions, checks); the rest of a load is the config,
-    the headers and the model's allocation."""
+    setting up (its list of pieces) and running (the ring pinned by the read workers, reads, copies, conversions,
+    checks); the rest of a load is the config, the headers and the model's allocation."""
     from tilekit.checkpoints import load, stream
     if who != TILEKIT:
         buffers, mib = variant(who)

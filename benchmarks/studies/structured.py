@@ -61,16 +61,6 @@ def write_checkpoint(preset: str, directory: Path) -> None:
             path.write_text(json.dumps(fields))
 
 
-def valid(text: str) -> bool:
-    """Whether `text` is a complete answer to SCHEMA."""
-    import jsonschema
-    try:
-        jsonschema.validate(json.loads(text), SCHEMA)
-        return True
-    except (ValueError, jsonschema.ValidationError):
-        return False
-
-
 def allowed(runner, tokens: list[int]) -> bool:
     """Whether a fresh matcher of FORMAT allows every token of `tokens`, one after another (a prefix of an answer)."""
     constraint = runner.constraint(FORMAT)

@@ -1,12 +1,8 @@
 """The structured-output study's own pieces on the CPU: its trained tokenizer and its output checks."""
 
-import json
-
 import pytest
 
-from benchmarks.studies.structured import SCHEMA, allowed, train_tokenizer, valid
-
-pytest.importorskip("jsonschema")
+from benchmarks.studies.structured import SCHEMA, allowed, train_tokenizer
 
 
 def test_the_trained_tokenizer_has_its_size_and_end_token_and_round_trips():
@@ -14,14 +10,6 @@ def test_the_trained_tokenizer_has_its_size_and_end_token_and_round_trips():
     assert tok.get_vocab_size() == 2000 and tok.id_to_token(0) == "<|endoftext|>"
     text = '{"name": "abc", "n": 3}'
     assert tok.decode(tok.encode(text).ids) == text
-
-
-def test_only_a_valid_answer_passes_the_check():
-    good = {"name": "x" * 3100, "n": 5, "tags": ["a"]}
-    assert valid(json.dumps(good))
-    assert not valid(json.dumps(dict(good, name="short")))
-    assert not valid('{"name": ')
-    assert SCHEMA["properties"]["name"]["minLength"] == 3000
 
 
 def test_a_prefix_passes_the_token_check_only_while_the_schema_allows_each_token():
@@ -34,3 +22,4 @@ def test_a_prefix_passes_the_token_check_only_while_the_schema_allows_each_token
     assert allowed(runner, start)
     assert not allowed(runner, tokenizer.encode('{"n":5').ids)          # not the schema's first property
     assert not allowed(runner, tokenizer.encode('{"name":"ab"}').ids)   # a string far below its minimum length
+    assert SCHEMA["properties"]["name"]["minLength"] == 3000              # more than any study run's tokens spell

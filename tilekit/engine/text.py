@@ -147,10 +147,7 @@ class TextStream:
         self.ids.append(token_id)
         if token_id in self.hidden or BYTE_TOKEN.fullmatch(self.tokenizer.id_to_token(token_id) or ""):
             return ""
-        decode, window = self.tokenizer.decode, self.ids[self.prefix:]
-        with tokenizer_failures(self.source, "cannot decode the generated tokens"):
-            before = decode(window[:self.read - self.prefix], skip_special_tokens=self.skip)
-            now = decode(window, skip_special_tokens=self.skip)
+        before, now = self._decode(self.prefix, self.read), self._decode(self.prefix)
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""
         piece = now[len(before):]

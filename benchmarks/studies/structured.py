@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256, help="new tokens of every run (default 256)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/tilekit-structured"))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="after the timed runs, a cProfile of the constrained engine run "
+                                                     "(the 25 costliest functions by own time) into this file")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.tokens < 2:
         parser.error("--requests must be at least 1 and --tokens at least 2")
@@ -131,6 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(dict(case=f"engine x{args.requests}", free_ms_per_token=1e3 * free_s / (n_free / args.requests),
                      json_ms_per_token=1e3 * json_s / (n_json / args.requests), tokens=(n_free, n_json),
                      check=check(None, free_ok) if not free_ok else check(FORMAT, json_ok)))
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+        profiler = cProfile.Profile()
+        profiler.runcall(many, FORMAT)
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        args.profile.parent.mkdir(parents=True, exist_ok=True)
+        args.profile.write_text(text.getvalue())
     engine.close()
     print(f"{args.preset} bf16, {n} tokens a request, a JSON schema with a 3000-3500 character string; decode ms per "
           f"token per request")

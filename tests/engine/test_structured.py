@@ -14,7 +14,7 @@ import pytest
 
 from tests.engine.test_paged import cpu  # noqa: F401  (a fixture)  # pyflakes: ignore
 from tests._numpy_cupy import numpy_cupy  # noqa: F401  (a fixture)
-from tilekit.engine.grammar import Constraint, constraint_masks, ends_only, grammar_of, vocabulary
+from tilekit.engine.grammar import Constraint, accept_tokens, constraint_masks, ends_only, grammar_of, vocabulary
 from tilekit.engine.llm import LLMEngine
 from tilekit.kernels.token_bitmask import allowed_tokens, token_bitmask_reference
 from tilekit.models.gpt2.reference import ReferenceGPT
@@ -199,15 +199,18 @@ def test_a_failing_matcher_ends_its_request_alone(reference, monkeypatch):
                                response_format={"type": "regex", "regex": "()"})
     plain = engine.add_request(PROMPT, 8, temperature=0, ignore_eos=True)
     calls = {"n": 0}
-    accept = Constraint.accept
+    from tilekit.engine import llm
+    accept_tokens = llm.accept_tokens
 
-    def refuse_the_third(self, token):
-        if self is doomed.constraint:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                return False
-        return accept(self, token)
-    monkeypatch.setattr(Constraint, "accept", refuse_the_third)
+    def refuse_the_third(pairs):
+        verdicts = accept_tokens(pairs)
+        for i, (constraint, _) in enumerate(pairs):
+            if constraint is doomed.constraint:
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    verdicts[i] = False
+        return verdicts
+    monkeypatch.setattr(llm, "accept_tokens", refuse_the_third)
     while engine.has_unfinished:
         engine.step()
     assert doomed.finish_reason == "abort" and len(doomed.output) == 3
@@ -269,7 +272,7 @@ def test_generate_asks_whether_a_grammar_has_ended_only_of_rows_whose_eos_is_sti
     class Upload:
         last = None
 
-        def set(self, x):
+        def set(self, x, stream=None):
             self.last = np.array(x)
     vocab = vocabulary(tokenizer_text(), V, (EOS,))
     rows = [Constraint(vocab, grammar_of(schema_format(SCHEMAS[0])), V) for _ in range(3)]
@@ -280,10 +283,39 @@ def test_generate_asks_whether_a_grammar_has_ended_only_of_rows_whose_eos_is_sti
     iparams[:, 2] = lengths - 1 + np.array([0, 2, 0])       # min_new_tokens 0, 2, 0
     stops = StopChecker(3, GenerationSettings(max_new_tokens=8))
     state = SimpleNamespace(bitmask=Upload(), iparams=Upload())
-    static.StaticRunner._put_masks(state, rows, stops, iparams, (EOS,), lengths)
+    gen = SimpleNamespace(state=state, stream=None, host_bitmask=np.zeros((3, rows[0].words), np.int32))
+    gen.set_bitmask = lambda: state.bitmask.set(gen.host_bitmask)
+    static.StaticRunner._put_masks(gen, rows, stops, iparams, (EOS,), lengths)
+    assert (state.bitmask.last == constraint_masks(rows, stops.done)).all()
     assert len(asked) == 1 and iparams[1, 2] == 0 and state.iparams.last[1, 2] == 0   # row 1 alone: banned, lifted
     stops.lengths[:] = 2
     asked.clear()
     iparams[1, 2] = lengths[1] + 1
-    static.StaticRunner._put_masks(state, rows, stops, iparams, (EOS,), lengths)
+    static.StaticRunner._put_masks(gen, rows, stops, iparams, (EOS,), lengths)
     assert not asked                                        # two tokens made: row 1's ban has ended too
+
+
+def test_accepting_a_batch_of_tokens_in_parallel_equals_one_by_one():
+    """accept_tokens (llguidance's parallel consume): the same verdicts and the same matcher states as accept()
+    called row by row, a token outside a row's mask refused in that row alone."""
+    vocab = vocabulary(tokenizer_text(), V, (EOS,))
+    formats = [schema_format(s) for s in SCHEMAS] * 2
+    together = [Constraint(vocab, grammar_of(f), V) for f in formats]
+    alone = [c.copy() for c in together]
+    rng = np.random.default_rng(0)
+    for step in range(12):
+        running = [i for i, c in enumerate(alone) if not c.done]
+        if not running:
+            break
+        picks = []
+        for i in running:
+            allowed = np.flatnonzero(allowed_tokens(alone[i].mask()[None], V)[0])
+            refused = step == 5 and i == running[0]
+            picks.append(int(rng.choice(np.setdiff1d(np.arange(V), allowed))) if refused else int(rng.choice(allowed)))
+        verdicts = accept_tokens([(together[i], t) for i, t in zip(running, picks)])
+        assert verdicts == [alone[i].accept(t) for i, t in zip(running, picks)]
+        assert not all(verdicts) if step == 5 else all(verdicts)
+        for i in running:
+            assert together[i].done == alone[i].done
+            if not alone[i].done:
+                assert (together[i].mask() == alone[i].mask()).all()

@@ -33,12 +33,16 @@ class Generation:
 
     def __init__(self, model: CausalLM, batch: int, capacity: int, picker: Picker, kv_cache_dtype: str = "auto"):
         import cupy
+        import cupyx
         self.model, self.batch = model, batch
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with self.stream:
             self.state = DecodeState(model, batch, capacity, Arrays(), picker, kv_cache_dtype)
         self.prompts: OrderedDict[int, PromptBuffers] = OrderedDict()
-        self.decode_graph = None
+        self.graphs: dict[str, object] = {}        # DecodeState method name -> its captured graph
+        self.host_tokens = cupyx.empty_pinned((batch,), np.int32)     # pinned: copies that do not wait for the host
+        self.host_finished = cupyx.empty_pinned((batch,), np.int32)
+        self.host_bitmask = cupyx.empty_pinned(self.state.bitmask.shape, np.int32) if picker.masked else None
         weakref.finalize(self, release_scratch, self.stream.ptr)   # also when dropped unreleased
 
     def start(self, history: np.ndarray, positions: np.ndarray, fparams: np.ndarray, iparams: np.ndarray,
@@ -90,19 +94,43 @@ class Generation:
         buf.last.set(np.arange(len(ids), dtype=np.int32) * T + lengths - 1 - start)
         return buf
 
-    def decode(self, use_graph: bool) -> None:
-        """One token for every sequence; the first call runs eagerly and captures the step."""
-        if use_graph and self.decode_graph is not None:
-            self.decode_graph.launch(self.stream)
+    @property
+    def decode_graph(self):
+        """The captured decode step (None before its first run)."""
+        return self.graphs.get("step")
+
+    def decode(self, use_graph: bool, part: str = "step") -> None:
+        """One token for every sequence (part "step"), or half of it: "step_logits" (up to the logits) or "pick"
+        (structured output computes its masks between the two). Each part's first call runs eagerly and captures it."""
+        graph = self.graphs.get(part) if use_graph else None
+        if graph is not None:
+            graph.launch(self.stream)
             return
-        self.state.step()
+        run = getattr(self.state, part)
+        run()
         if use_graph:
-            self.decode_graph = capture(self.stream, self.state.step)
+            self.graphs[part] = capture(self.stream, run)
+
+    def set_finished(self, done: np.ndarray) -> None:
+        """Mark the rows the host has stopped (a stop string, a complete grammar) finished for the next pick, without
+        waiting for the work queued before it (the device's own finished rows, at an eos id, are among them)."""
+        self.host_finished[...] = done
+        self.state.finished.set(self.host_finished, stream=self.stream)
+
+    def set_bitmask(self) -> None:
+        """Queue host_bitmask's copy to the next pick's bitmask."""
+        self.state.bitmask.set(self.host_bitmask, stream=self.stream)
+
+    def copy_tokens(self):
+        """Queue the picked tokens' copy to host_tokens (pinned) on the stream; returns the event to wait on before
+        reading them, which later work queued on the stream does not delay."""
+        self.state.tokens.get(stream=self.stream, out=self.host_tokens, blocking=False)
+        return self.stream.record()
 
     def release(self) -> None:
         """Wait for this generation's work, then drop its graphs and its stream's work arrays."""
         self.stream.synchronize()
-        self.decode_graph = None
+        self.graphs.clear()
         for buf in self.prompts.values():      # a caller may still hold a buffer: not its graph
             buf.graph = None
         self.prompts.clear()

@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from tilekit.engine.blocks import BlockPool
-from tilekit.engine.grammar import Constraint
+from tilekit.engine.grammar import Constraint, accept_tokens
 from tilekit.engine.sampling import GenerationSettings
 from tilekit.engine.scheduler import Request, Scheduler
 from tilekit.engine.stops import StopChecker
@@ -189,13 +189,14 @@ class LLMEngine:
         picked = self.executor.execute(step, constraints)
         self.scheduler.advance(step, picked)
         self.counters["prompt_tokens"] += sum(c.n for c in step.chunks)
-        outputs = []
-        for request in step.picks:
-            if request.id in picked:
-                outputs.append(self._took(request, int(picked[request.id])))
-        return outputs
+        took = [q for q in step.picks if q.id in picked]
+        constrained = [q for q in took if q.constraint is not None]
+        accepted = dict(zip((q.id for q in constrained),
+                            accept_tokens([(q.constraint, int(picked[q.id])) for q in constrained])))
+        return [self._took(q, int(picked[q.id]), accepted.get(q.id)) for q in took]
 
-    def _took(self, request: Request, token: int) -> Output:
+    def _took(self, request: Request, token: int, accepted: bool | None) -> Output:
+        """A request's new token; `accepted`: whether its structured output's matcher took it (None: none)."""
         track = self.tracks[request.id]
         if track.first_token is None:
             track.first_token = time.monotonic()
@@ -204,9 +205,8 @@ class LLMEngine:
         stopped = track.stops.took(0, token, piece)
         text = track.pending + piece
         complete = refused = False
-        if request.constraint is not None:    # a matcher that refuses the token ends this request alone
-            refused = not request.constraint.accept(token)
-            complete = request.constraint.done
+        if accepted is not None:              # a matcher that refuses the token ends this request alone
+            refused, complete = not accepted, request.constraint.done
         finished = stopped or complete or refused
         reason = None
         if finished:

@@ -268,12 +268,12 @@ class PagedExecutor:
         fill_masks([(c, self.slot_of[request_id]) for request_id, c in constraints.items()], self.host_bitmask)
         self.bitmask[:rows] = cupy.asarray(self.host_bitmask[:rows])
         banned, V = self.host_views["banned"], self.model.config.vocab_size
+        held = set((banned // V).tolist())                # the slots with banned eos ids (S: the sink row)
         lifted = False
         for request_id in constraints:
             s = self.slot_of[request_id]
-            own = (banned >= s * V) & (banned < (s + 1) * V)
-            if own.any() and ends_only(self.host_bitmask[s], self.params[request_id][3]):
-                banned[own] = self.S * V                 # the sink row
+            if s in held and ends_only(self.host_bitmask[s], self.params[request_id][3]):
+                banned[banned // V == s] = self.S * V     # the sink row
                 lifted = True
         if lifted:
             self.views["banned"][...] = cupy.asarray(banned)

@@ -190,29 +190,34 @@ class StaticRunner(Runner):
             state = gen.state
             gen.start(history, lengths - 1, fparams, iparams, seen)
             if constraints:
-                self._put_masks(state, constraints, stops, iparams, eos, lengths)
+                self._put_masks(gen, constraints, stops, iparams, eos, lengths)
             gen.prefill(padded, lengths, use_graph)
             for produced in range(1, new + 1):
-                if watch:
+                if constraints:        # the next step's forward runs while the host advances the matchers
+                    ready = gen.copy_tokens()
+                    if produced < new:
+                        gen.decode(use_graph, "step_logits")
+                    ready.synchronize()
+                    tokens = gen.host_tokens.copy()
+                elif watch:
                     tokens = state.tokens.get()
+                if watch:
                     running = ~stops.done
                     stops.update(tokens, None if streams is None else [s.push(t) for s, t in zip(streams, tokens)])
                     if constraints:
                         constraints_took(constraints, tokens, running, stops)
-                        self._put_masks(state, constraints, stops, iparams, eos, lengths)
-                    stopped = np.flatnonzero(running & stops.done)
-                    if len(stopped) and (streams is not None or constraints):
-                        # a stop string, or a complete grammar, ends a row that emits no eos
-                        finished = state.finished.get()
-                        finished[stopped] = 1
-                        state.finished.set(finished)
+                    if (running & stops.done).any() and (streams is not None or constraints):
+                        gen.set_finished(stops.done)    # a stop string, or a complete grammar: a row with no eos
                     if on_token is not None:
                         on_token(tokens)
                     if stops.all_done:
                         break
                 elif produced % 8 == 0 and state.finished.get().all():
                     break
-                if produced < new:
+                if produced < new and constraints:
+                    self._put_masks(gen, constraints, stops, iparams, eos, lengths)
+                    gen.decode(use_graph, "pick")
+                elif produced < new:
                     gen.decode(use_graph)
             history = state.history.get()
         if not watch:       # the stop rules over the tokens made (no stop strings here)
@@ -223,17 +228,17 @@ class StaticRunner(Runner):
         return [history[b, :lengths[b] + stops.lengths[b]].astype(np.int64) for b in range(B)]
 
     @staticmethod
-    def _put_masks(state, constraints: list, stops, iparams: np.ndarray, eos, lengths: np.ndarray) -> None:
-        """The rows' structured-output masks for the next pick; a row whose grammar allows nothing but its end has
-        its eos ban (min_new_tokens) lifted, so that it can end. The ban holds while the pick's position (the
-        row's newest token's) is below iparams[b, 2]: only such rows are asked."""
-        masks = constraint_masks(constraints, stops.done)
-        state.bitmask.set(masks)
+    def _put_masks(gen, constraints: list, stops, iparams: np.ndarray, eos, lengths: np.ndarray) -> None:
+        """The rows' structured-output masks for the next pick (queued on the Generation's stream); a row whose
+        grammar allows nothing but its end has its eos ban (min_new_tokens) lifted, so that it can end. The ban
+        holds while the pick's position (the row's newest token's) is below iparams[b, 2]: only such rows are asked."""
+        masks = constraint_masks(constraints, stops.done, gen.host_bitmask)
+        gen.set_bitmask()
         newest = lengths - 1 + stops.lengths
         lift = [b for b in np.flatnonzero(~stops.done) if iparams[b, 2] > newest[b] and ends_only(masks[b], eos)]
         if lift:
             iparams[lift, 2] = 0
-            state.iparams.set(iparams)
+            gen.state.iparams.set(iparams, stream=gen.stream)
 
     def shared_seed(self, seed: int | None) -> int | None:
         """The seed generate() samples with; tensor-parallel and unseeded, rank 0 draws one and the others

@@ -64,17 +64,26 @@ class DecodeState:
         else:         # a whole prompt: the family's own prefill_attend (DeepSeek-V2's takes no past)
             x = self.model.hidden(buf.acts, buf.ids, buf.positions, self.model.prefill_attend(self.cache, buf.zeros))
         if final:
-            self._head(x, buf.last)
+            self._logits(x, buf.last)
+            self.pick()
 
     def step(self) -> None:
         """One token for every sequence."""
-        attend = self.model.decode_attend(self.cache, self.positions)
-        self._head(self.model.hidden(self.acts, self.tokens, self.positions, attend), None)
+        self.step_logits()
+        self.pick()
 
-    def _head(self, x, rows) -> None:
-        """Final norm (of `rows` only, when given), logits, and the next-token pick."""
+    def step_logits(self) -> None:
+        """A decode step up to its logits (structured output runs the pick apart, its masks made meanwhile)."""
+        attend = self.model.decode_attend(self.cache, self.positions)
+        self._logits(self.model.hidden(self.acts, self.tokens, self.positions, attend), None)
+
+    def _logits(self, x, rows) -> None:
+        """Final norm (of `rows` only, when given) and logits."""
         self.model.final_norm(x, self.acts.h, rows=rows)
         self.model.lm_head(self.acts.h, out=self.logits)
+
+    def pick(self) -> None:
+        """The next-token pick from the logits (the bitmask applied first, where structured output keeps one)."""
         p = self.picker
         if self.bitmask is not None:
             token_bitmask(self.logits, self.bitmask)

@@ -12,12 +12,15 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-SCHEMA = {"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer", "minimum": 0,
-                                                                            "maximum": 999},
-                                                 "maxItems": 6},
-                                           "k": {"enum": ["x", "yz", "abc"]}},
-          "required": ["n", "k"], "additionalProperties": False}
-FORMAT = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}    # at most 41 characters
+# a schema each whose greedy answers differ in length from prompt to prompt with the model's random weights
+SCHEMAS = {"tiny-gpt2": {"type": "object",
+                         "properties": {"n": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 999}, "maxItems": 6},
+                                        "k": {"enum": ["x", "yz", "abc"]}},
+                         "required": ["n", "k"], "additionalProperties": False},             # at most 41 characters
+           "tiny-llama": {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5},
+                                                           "k": {"enum": ["x", "yz", "abc"]}},
+                          "required": ["s", "k"], "additionalProperties": False}}           # at most 38 bytes
 EOS = {"tiny-gpt2": {1030}, "tiny-llama": {257, 258}}
 
 
@@ -49,18 +52,20 @@ def test_rows_ending_at_different_steps_each_equal_the_row_alone(checkpoints, na
     pytest.importorskip("llguidance")
     from tilekit.models import load_model
     model = load_model(checkpoints[name], dtype="float32")
+    schema = SCHEMAS[name]
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
     rng = np.random.default_rng(4)
     V = model.config.vocab_size
     prompts = [[int(t) for t in rng.integers(0, min(V, 256), n)] for n in (3, 9, 5, 14)]
-    together = model.generate(prompts, 48, temperature=0, response_format=FORMAT)
-    eager = model.generate(prompts, 48, temperature=0, response_format=FORMAT, use_graph=False)
+    together = model.generate(prompts, 48, temperature=0, response_format=fmt)
+    eager = model.generate(prompts, 48, temperature=0, response_format=fmt, use_graph=False)
     tokenizer = model.runner.tokenizer()
     lengths = []
     for p, row, row_eager in zip(prompts, together, eager):
-        alone = model.generate([p], 48, temperature=0, response_format=FORMAT)[0]
+        alone = model.generate([p], 48, temperature=0, response_format=fmt)[0]
         assert row.tolist() == alone.tolist() == row_eager.tolist()
         out = [int(t) for t in row[len(p):]]
         lengths.append(len(out))
         assert len(out) < 48, f"a row ran out of tokens: {tokenizer.decode(out)!r}"
-        jsonschema.validate(json.loads(tokenizer.decode([t for t in out if t not in EOS[name]])), SCHEMA)
+        jsonschema.validate(json.loads(tokenizer.decode([t for t in out if t not in EOS[name]])), schema)
     assert len(set(lengths)) > 1, f"every row made {lengths[0]} tokens: the batch never ran with a row stopped"

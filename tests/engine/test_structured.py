@@ -6,6 +6,7 @@ free requests share batches; bad formats are a ValueError naming response_format
 
 import json
 import re
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -146,7 +147,7 @@ def test_a_gbnf_grammar_is_read_as_lark(reference):
 
 def test_the_paged_executor_masks_its_rows(cpu, reference, monkeypatch):
     """The PagedExecutor's own step code (NumPy stand-ins for its kernels): constrained greedy rows equal the host
-    loop, a free row in the same steps equals its free run."""
+    loop, a free row in the same steps equals its free run; masks are made ahead on the host thread."""
     from tests.engine.test_paged import PagedKernels
     from tilekit.engine import paged
     from tilekit.models import GPT
@@ -156,15 +157,18 @@ def test_the_paged_executor_masks_its_rows(cpu, reference, monkeypatch):
     forwards_at_fill = []
     fill = paged.fill_masks
 
-    def recording_fill(pairs, out):          # the masks are made once the step's forward is queued
-        forwards_at_fill.append(PagedKernels.calls["decode"] + PagedKernels.calls["prefill"])
+    def recording_fill(pairs, out):
+        forwards_at_fill.append((PagedKernels.calls["decode"] + PagedKernels.calls["prefill"],
+                                 threading.current_thread().name.startswith("tilekit-grammar")))
         fill(pairs, out)
     monkeypatch.setattr(paged, "fill_masks", recording_fill)
     before = PagedKernels.calls["decode"] + PagedKernels.calls["prefill"]
     outs = engine.generate([PROMPT, PROMPT], 30, sampling=[dict(response_format=fmt), {}], temperature=0,
                            ignore_eos=True)
-    assert forwards_at_fill and forwards_at_fill[0] > before
-    assert all(b > a for a, b in zip(forwards_at_fill, forwards_at_fill[1:]))
+    # the first mask made in its step, once the forward is queued; each later one on the host thread from the moment
+    # the previous token was taken (prepare_masks), one a pick, none made twice
+    assert forwards_at_fill and forwards_at_fill[0] == (forwards_at_fill[0][0], False) and forwards_at_fill[0][0] > before
+    assert [on_thread for _, on_thread in forwards_at_fill[1:]] == [True] * (len(outs[0]["token_ids"]) - 1)
     assert outs[0]["token_ids"] == host_greedy(reference, PROMPT, fmt, 30)
     free = [int(t) for t in reference.generate([PROMPT], 30, temperature=0, eos_token_id=[])[0][len(PROMPT):]]
     assert outs[1]["token_ids"] == free
@@ -319,3 +323,26 @@ def test_accepting_a_batch_of_tokens_in_parallel_equals_one_by_one():
             assert together[i].done == alone[i].done
             if not alone[i].done:
                 assert (together[i].mask() == alone[i].mask()).all()
+
+
+@pytest.mark.parametrize("num_blocks", [12, 3])
+def test_masks_made_ahead_follow_their_requests_through_reused_slots_and_preemption(cpu, reference, num_blocks):
+    """Two slots, five requests (constrained and free, ragged lengths): slots pass from request to request and, with
+    3 blocks, requests are preempted and resumed; a mask prepared for a slot's previous holder is never applied to
+    the next, so every constrained output equals the host loop and every free one its free run."""
+    from tilekit.models import GPT
+    model = GPT.from_pretrained(DATA, dtype="float32")
+    engine = LLMEngine(model, max_running=2, token_budget=40, block=16, num_blocks=num_blocks, max_len=64,
+                       use_graphs=False)
+    formats = [schema_format(SCHEMAS[0]), None, schema_format(SCHEMAS[2]), None, schema_format(SCHEMAS[1])]
+    prompts = [PROMPT, PROMPT[:2], [11, 12, 13, 14, 15], [290], PROMPT[::-1]]
+    outs = engine.generate(prompts, 24, sampling=[dict(response_format=f) if f else dict(ignore_eos=True)
+                                                  for f in formats], temperature=0)
+    for prompt, fmt, out in zip(prompts, formats, outs):
+        if fmt is None:
+            free = reference.generate([prompt], 24, temperature=0, eos_token_id=[])[0][len(prompt):]
+            assert out["token_ids"] == [int(t) for t in free]
+        else:
+            assert out["token_ids"] == host_greedy(reference, prompt, fmt, 24)
+    if num_blocks == 3:
+        assert engine.counters["preemptions"] > 0

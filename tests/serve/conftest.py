@@ -58,6 +58,9 @@ class SlowExecutor:
     def forget(self, request):
         self.inner.forget(request)
 
+    def prepare_masks(self, constraints):
+        self.inner.prepare_masks(constraints)
+
     def release(self):
         self.inner.release()
 

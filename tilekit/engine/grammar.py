@@ -127,6 +127,20 @@ def fill_masks(pairs, out: np.ndarray) -> None:
                                        out.shape[0])
 
 
+_host_thread = None
+
+
+def in_background(fn, *args):
+    """fn(*args) on structured output's own host thread (llguidance releases the GIL while it works, so the engine's
+    Python goes on meanwhile); returns its concurrent.futures.Future. One thread: jobs run in the order given."""
+    global _host_thread
+    with _lock:
+        if _host_thread is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _host_thread = ThreadPoolExecutor(1, thread_name_prefix="tilekit-grammar")
+    return _host_thread.submit(fn, *args)
+
+
 def accept_tokens(pairs) -> list[bool]:
     """Constraint.accept(token) of each (constraint, token) of `pairs`, in parallel on llguidance's threads when
     there are several (a step of 64 constrained requests took about 1 ms one by one)."""

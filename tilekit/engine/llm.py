@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from tilekit.engine.blocks import BlockPool
-from tilekit.engine.grammar import Constraint, accept_tokens
+from tilekit.engine.grammar import Constraint, accept_tokens, in_background
 from tilekit.engine.sampling import GenerationSettings
 from tilekit.engine.scheduler import Request, Scheduler
 from tilekit.engine.stops import StopChecker
@@ -191,17 +191,28 @@ class LLMEngine:
         self.counters["prompt_tokens"] += sum(c.n for c in step.chunks)
         took = [q for q in step.picks if q.id in picked]
         constrained = [q for q in took if q.constraint is not None]
-        accepted = dict(zip((q.id for q in constrained),
-                            accept_tokens([(q.constraint, int(picked[q.id])) for q in constrained])))
-        return [self._took(q, int(picked[q.id]), accepted.get(q.id)) for q in took]
+        accepting = in_background(accept_tokens, [(q.constraint, int(picked[q.id])) for q in constrained]) \
+            if constrained else None
+        pieces = [self._text(q, int(picked[q.id])) for q in took]     # while the matchers take their tokens
+        accepted = dict(zip((q.id for q in constrained), accepting.result())) if constrained else {}
+        outputs = [self._took(q, int(picked[q.id]), piece, accepted.get(q.id)) for q, piece in zip(took, pieces)]
+        if constrained:         # the next step's masks, made while the engine schedules and the forward runs
+            self.executor.prepare_masks({q.id: q.constraint for q, out in zip(took, outputs)
+                                         if q.constraint is not None and not out.finished})
+        return outputs
 
-    def _took(self, request: Request, token: int, accepted: bool | None) -> Output:
-        """A request's new token; `accepted`: whether its structured output's matcher took it (None: none)."""
+    def _text(self, request: Request, token: int) -> str:
+        """The text a request's new token prints ("" without a stream)."""
+        stream = self.tracks[request.id].stream
+        return stream.push(token) if stream is not None else ""
+
+    def _took(self, request: Request, token: int, piece: str, accepted: bool | None) -> Output:
+        """A request's new token, which printed `piece`; `accepted`: whether its structured output's matcher took it
+        (None: it has none)."""
         track = self.tracks[request.id]
         if track.first_token is None:
             track.first_token = time.monotonic()
         self.counters["generation_tokens"] += 1
-        piece = track.stream.push(token) if track.stream is not None else ""
         stopped = track.stops.took(0, token, piece)
         text = track.pending + piece
         complete = refused = False

@@ -17,12 +17,15 @@ Start-up sizes every buffer, runs each shape a step can take once (every kernel 
 captures the decode-only steps as CUDA graphs for R in powers of two up to max_running, greedy and sampling picks:
 serving never compiles or captures. Steps with prefill chunks run eagerly at the prefill sizes warmed up (powers of
 two from 64 to the token budget). A step with structured output runs its forward first (a graph of its own when it
-only decodes), computes the constrained requests' masks on the host meanwhile (tilekit.engine.grammar.fill_masks),
-then the masked pick (token_bitmask, then next_token; a graph too). Dense KV caches only: DeepSeek-V2's latent cache
-and tensor-parallel models are refused.
+only decodes), then the masked pick (token_bitmask, then next_token; a graph too). Its rows' masks are made on a host
+thread (tilekit.engine.grammar.fill_masks) from the moment the previous step's tokens were taken (prepare_masks),
+during the engine's own work and this forward. Dense KV caches only: DeepSeek-V2's latent cache and tensor-parallel
+models are refused.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -32,7 +35,7 @@ from tilekit.autotune.op import collecting_launches
 from tilekit.checkpoints.stream import Progress
 from tilekit.device import device_info
 from tilekit.engine import lifecycle
-from tilekit.engine.grammar import ends_only, fill_masks
+from tilekit.engine.grammar import ends_only, fill_masks, in_background
 from tilekit.engine.graphs import capture
 from tilekit.engine.kv_cache import check_kv_cache_dtype, fp8_scales
 from tilekit.engine.picker import Picker
@@ -165,6 +168,8 @@ class PagedExecutor:
             self.bitmask = arrays.zeros((S, words(V)), "int32")      # structured output's allowed tokens
             self.bitmask.fill(-1)
             self.host_bitmask = np.full((S, words(V)), -1, np.int32)
+            self._mask_rows: set[int] = set()      # rows of host_bitmask holding a mask (the others all ones)
+            self._mask_job = None                  # prepare_masks' work in progress
             self.tokens = arrays.zeros((S,), "int32")
             self.finished = arrays.zeros((S,), "int32")
             self.history = arrays.zeros((S, max_len + 1), "int32")
@@ -260,12 +265,36 @@ class PagedExecutor:
         else:
             self._pick(R, picker, masked)
 
+    def prepare_masks(self, constraints: dict) -> None:
+        """Start making the masks of these requests' next picks ({request id: its matcher}, each having taken its
+        newest token) on structured output's host thread, while the engine schedules and the next forward runs; the
+        next masked step takes them and makes any it lacks (a request new to it, a slot given to another)."""
+        rows = self._prepared_rows()
+        self._mask_rows |= set(rows.values())
+        rows = {request_id: self.slot_of[request_id] for request_id in constraints if request_id in self.slot_of}
+        if rows:
+            pairs = [(constraints[request_id], s) for request_id, s in rows.items()]
+            self._mask_job = in_background(lambda: (fill_masks(pairs, self.host_bitmask), rows)[1])
+
+    def _prepared_rows(self) -> dict:
+        """{request id: slot} of the masks prepare_masks made (waiting for them), and none pending after."""
+        job, self._mask_job = self._mask_job, None
+        return job.result() if job is not None else {}
+
     def _upload_masks(self, constraints: dict, rows: int) -> None:
-        """The bitmask rows the pick reads: each constrained slot's allowed tokens, every other row all ones. A slot
-        whose grammar allows nothing but its end has its eos ban (min_new_tokens) lifted, so that it can end."""
+        """The bitmask rows the pick reads: each constrained slot's allowed tokens (those prepare_masks made, and the
+        rest made now), every other row all ones. A slot whose grammar allows nothing but its end has its eos ban
+        (min_new_tokens) lifted, so that it can end."""
         import cupy
-        self.host_bitmask[:rows] = -1
-        fill_masks([(c, self.slot_of[request_id]) for request_id, c in constraints.items()], self.host_bitmask)
+        prepared = self._prepared_rows()
+        current = {request_id: self.slot_of[request_id] for request_id in constraints}
+        for s in (self._mask_rows | set(prepared.values())) - set(current.values()):
+            self.host_bitmask[s] = -1
+        self._mask_rows = set(current.values())
+        missing = [(c, current[request_id]) for request_id, c in constraints.items()
+                   if prepared.get(request_id) != current[request_id]]
+        if missing:
+            fill_masks(missing, self.host_bitmask)
         self.bitmask[:rows] = cupy.asarray(self.host_bitmask[:rows])
         banned, V = self.host_views["banned"], self.model.config.vocab_size
         held = set((banned // V).tolist())                # the slots with banned eos ids (S: the sink row)
@@ -450,6 +479,8 @@ class PagedExecutor:
 
     def release(self) -> None:
         """Drop the graphs and the stream's work arrays (what lifecycle.release_all calls at exit)."""
+        with contextlib.suppress(Exception):        # masks no step will take (a matcher's error ends nothing here)
+            self._prepared_rows()
         self.stream.synchronize()
         self.graphs.clear()
         release_scratch(self.stream.ptr)

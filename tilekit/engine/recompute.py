@@ -96,6 +96,9 @@ class RecomputeExecutor:
     def forget(self, request) -> None:
         """A request has finished or was aborted (nothing kept for it here)."""
 
+    def prepare_masks(self, constraints: dict) -> None:
+        """The next step's masks (each pick here asks its matcher then)."""
+
     def execute(self, step, constraints: dict | None = None) -> dict:
         """{request id: token} of the step's picks; constraints: {request id: its structured output's matcher}."""
         picked = {}

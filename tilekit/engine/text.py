@@ -40,10 +40,18 @@ def tokenizer_failures(path, doing: str):
     past `except Exception`: a Precompiled normalizer with a bad charsmap, an empty Replace regex)."""
     try:
         yield
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+    except PASSED_ON:
         raise
     except BaseException as e:  # noqa: BLE001 - the panics above
-        raise ModelFileError(path, f"{doing} ({shown(str(e).strip(), 300)})") from None
+        raise tokenizer_error(path, doing, e) from None
+
+
+PASSED_ON = (KeyboardInterrupt, SystemExit, GeneratorExit)
+
+
+def tokenizer_error(path, doing: str, e: BaseException) -> ModelFileError:
+    """tokenizer_failures' error for `e`."""
+    return ModelFileError(path, f"{doing} ({shown(str(e).strip(), 300)})")
 
 
 def load_tokenizer(checkpoint):
@@ -133,13 +141,17 @@ class TextStream:
         self.tokenizer, self.skip, self.source = tokenizer, skip_special_tokens, source
         self.hidden = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special and skip_special_tokens}
         self.ids = [int(i) for i in context]
-        self.prefix, self.read = 0, len(self.ids)
+        self.prefix, self.read, self.window = 0, len(self.ids), None
         self.start = len(self._decode(0))   # the context's own text
         self.printed = ""
 
     def _decode(self, start: int, stop: int | None = None) -> str:
-        with tokenizer_failures(self.source, "cannot decode the generated tokens"):
+        try:            # tokenizer_failures without its context manager, which cost a third of a push
             return self.tokenizer.decode(self.ids[start:stop], skip_special_tokens=self.skip)
+        except PASSED_ON:
+            raise
+        except BaseException as e:  # noqa: BLE001 - Rust panics, as tokenizer_failures says
+            raise tokenizer_error(self.source, "cannot decode the generated tokens", e) from None
 
     def push(self, token_id: int) -> str:
         """The text that token_id completes ('' while it is held back)."""
@@ -147,11 +159,13 @@ class TextStream:
         self.ids.append(token_id)
         if token_id in self.hidden or BYTE_TOKEN.fullmatch(self.tokenizer.id_to_token(token_id) or ""):
             return ""
-        before, now = self._decode(self.prefix, self.read), self._decode(self.prefix)
+        if self.window is None:           # the returned part's text, kept while text is held back
+            self.window = self._decode(self.prefix, self.read)
+        before, now = self.window, self._decode(self.prefix)
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""
         piece = now[len(before):]
-        self.prefix, self.read = self.read, len(self.ids)
+        self.prefix, self.read, self.window = self.read, len(self.ids), None
         self.printed += piece
         return piece
 

@@ -191,24 +191,23 @@ class LLMEngine:
         self.counters["prompt_tokens"] += sum(c.n for c in step.chunks)
         took = [q for q in step.picks if q.id in picked]
         constrained = [q for q in took if q.constraint is not None]
-        accepting = in_background(accept_tokens, [(q.constraint, int(picked[q.id])) for q in constrained]) \
-            if constrained else None
+        accepting = None
+        if constrained:         # on the host thread: the accepts, then the next step's masks (the matchers are
+            pairs = [(q.constraint, int(picked[q.id])) for q in constrained]    # touched there alone meanwhile)
+            accepting = in_background(lambda: [(ok, c.done) for (c, _), ok in zip(pairs, accept_tokens(pairs))])
+            self.executor.prepare_masks({q.id: q.constraint for q in constrained})
         pieces = [self._text(q, int(picked[q.id])) for q in took]     # while the matchers take their tokens
         accepted = dict(zip((q.id for q in constrained), accepting.result())) if constrained else {}
-        outputs = [self._took(q, int(picked[q.id]), piece, accepted.get(q.id)) for q, piece in zip(took, pieces)]
-        if constrained:         # the next step's masks, made while the engine schedules and the forward runs
-            self.executor.prepare_masks({q.id: q.constraint for q, out in zip(took, outputs)
-                                         if q.constraint is not None and not out.finished})
-        return outputs
+        return [self._took(q, int(picked[q.id]), piece, accepted.get(q.id)) for q, piece in zip(took, pieces)]
 
     def _text(self, request: Request, token: int) -> str:
         """The text a request's new token prints ("" without a stream)."""
         stream = self.tracks[request.id].stream
         return stream.push(token) if stream is not None else ""
 
-    def _took(self, request: Request, token: int, piece: str, accepted: bool | None) -> Output:
-        """A request's new token, which printed `piece`; `accepted`: whether its structured output's matcher took it
-        (None: it has none)."""
+    def _took(self, request: Request, token: int, piece: str, accepted: tuple[bool, bool] | None) -> Output:
+        """A request's new token, which printed `piece`; `accepted`: whether its structured output's matcher took it,
+        and whether the matcher is then done (None: it has none)."""
         track = self.tracks[request.id]
         if track.first_token is None:
             track.first_token = time.monotonic()
@@ -217,7 +216,7 @@ class LLMEngine:
         text = track.pending + piece
         complete = refused = False
         if accepted is not None:              # a matcher that refuses the token ends this request alone
-            refused, complete = not accepted, request.constraint.done
+            refused, complete = not accepted[0], accepted[1]
         finished = stopped or complete or refused
         reason = None
         if finished:

@@ -266,15 +266,22 @@ class PagedExecutor:
             self._pick(R, picker, masked)
 
     def prepare_masks(self, constraints: dict) -> None:
-        """Start making the masks of these requests' next picks ({request id: its matcher}, each having taken its
-        newest token) on structured output's host thread, while the engine schedules and the next forward runs; the
-        next masked step takes them and makes any it lacks (a request new to it, a slot given to another)."""
+        """Make the masks of these requests' next picks ({request id: its matcher}) on structured output's host
+        thread, once the jobs queued there before (the step's accepts) have run, while the engine decodes text,
+        schedules and runs the next forward; a matcher done by then gets none. The next masked step takes them
+        and makes any it lacks (a request new to it, a slot given to another)."""
         rows = self._prepared_rows()
         self._mask_rows |= set(rows.values())
         rows = {request_id: self.slot_of[request_id] for request_id in constraints if request_id in self.slot_of}
         if rows:
-            pairs = [(constraints[request_id], s) for request_id, s in rows.items()]
-            self._mask_job = in_background(lambda: (fill_masks(pairs, self.host_bitmask), rows)[1])
+            self._mask_job = in_background(self._make_masks, {r: (constraints[r], s) for r, s in rows.items()})
+
+    def _make_masks(self, rows: dict) -> dict:
+        """host_bitmask's rows of {request id: (matcher, slot)} whose matchers are not done; their {id: slot}."""
+        live = {r: cs for r, cs in rows.items() if not cs[0].done}
+        if live:
+            fill_masks(list(live.values()), self.host_bitmask)
+        return {r: s for r, (_, s) in live.items()}
 
     def _prepared_rows(self) -> dict:
         """{request id: slot} of the masks prepare_masks made (waiting for them), and none pending after."""

@@ -346,3 +346,15 @@ def test_masks_made_ahead_follow_their_requests_through_reused_slots_and_preempt
             assert out["token_ids"] == host_greedy(reference, prompt, fmt, 24)
     if num_blocks == 3:
         assert engine.counters["preemptions"] > 0
+
+
+def test_one_constraint_constrains_one_running_request(reference):
+    engine = LLMEngine(reference, max_running=2, token_budget=16, block=4)
+    constraint = engine.runner.constraint(schema_format(SCHEMAS[0]))
+    engine.add_request(PROMPT, 8, temperature=0, response_format=constraint)
+    with pytest.raises(ValueError, match="response_format: this Constraint already constrains"):
+        engine.add_request(PROMPT, 8, temperature=0, response_format=constraint)
+    second = engine.add_request(PROMPT, 8, temperature=0, response_format=constraint.copy())
+    while engine.has_unfinished:
+        engine.step()
+    assert second.output == host_greedy(reference, PROMPT, schema_format(SCHEMAS[0]), 8)

@@ -144,6 +144,9 @@ class LLMEngine:
                           id=request_id or f"req-{next(_ids)}", constraint=constraint)
         if request.id in self.tracks:
             raise ValueError(f"request id {request.id!r} is already running")
+        if constraint is not None and any(t.request.constraint is constraint for t in self.tracks.values()):
+            raise ValueError("response_format: this Constraint already constrains a running request (one matcher "
+                             "a request: Constraint.copy() makes another)")
         if settings.max_new_tokens == 0:
             raise ValueError("max_new_tokens must be at least 1")
         stream = self._text_stream(ids)

@@ -182,3 +182,22 @@ def test_prefilling_requests_that_fill_the_pool_do_not_deadlock():
     for r in reqs:
         assert r.output == alone(r.prompt, 2)
     assert sum(r.preemptions for r in reqs) > 0 and pool.used == 0
+
+
+def test_each_full_block_is_offered_to_the_prefix_cache_once_and_again_after_preemption():
+    """A block enters the prefix cache once it is full, and is not offered again each later step (that cost grew with
+    a sequence's length); a preempted request's recomputed blocks are offered anew, so its prefix is found after."""
+    pool = BlockPool(5, 4)
+    offered = []
+    cache = pool.cache
+    pool.cache = lambda b, key: (offered.append((b, key)), cache(b, key))[1]
+    sched = Scheduler(pool, max_running=2, token_budget=32, max_len=16)
+    a, b = Request([1] * 6, 8), Request([2] * 6, 8)      # b is preempted and recomputed (as in the test above)
+    run(sched, [a, b])
+    assert b.preemptions >= 1
+    offers = {r.id: [key for _, key in offered if key in r.keys] for r in (a, b)}
+    assert len(offers[a.id]) == len(set(offers[a.id])) == 3        # 13 positions computed: 3 full blocks, once each
+    assert len(set(offers[b.id])) == 3 and 3 < len(offers[b.id]) <= 6       # and again after its preemption
+    again = Request([2] * 6 + alone([2] * 6, 8)[:3], 1)
+    run(sched, [again])
+    assert again.cached_tokens == 8

@@ -31,16 +31,25 @@ VOCAB = 8192
 
 
 class FixedStepExecutor:
-    """An executor whose steps take `seconds` (sleeping) and pick a random token for every request picked."""
+    """An executor whose steps take `seconds` from their launch (a GPU that runs while the host goes on: collect()
+    sleeps until then) and pick a random token for every request picked."""
 
     def __init__(self, seconds: float, vocab: int):
         self.seconds, self.vocab, self.rng = seconds, vocab, np.random.default_rng(0)
 
-    def execute(self, step, constraints=None) -> dict:
-        time.sleep(self.seconds)
-        return {request.id: int(t) for request, t in zip(step.picks, self.rng.integers(1, self.vocab, len(step.picks)))}
+    def launch(self, step, constraints=None):
+        picks = {request.id: int(t) for request, t in zip(step.picks, self.rng.integers(1, self.vocab, len(step.picks)))}
+        return time.perf_counter() + self.seconds, picks
+
+    def collect(self, handle) -> dict:
+        ready, picks = handle
+        time.sleep(max(0.0, ready - time.perf_counter()))
+        return picks
 
     def forget(self, request) -> None:
+        pass
+
+    def prepare_masks(self, constraints) -> None:
         pass
 
     def release(self) -> None:

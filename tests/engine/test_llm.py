@@ -185,7 +185,7 @@ def test_a_failed_engine_answers_every_request_and_refuses_new_ones(model):
 
     def broken(step, constraints):
         raise RuntimeError("boom")
-    llm.executor.execute = broken
+    llm.executor.launch = broken
     engine = AsyncEngine(llm)
 
     async def main():
@@ -203,3 +203,29 @@ def test_more_eos_ids_than_the_pick_takes_are_refused(model):
     engine = LLMEngine(model, max_running=2, token_budget=8, block=4)
     with pytest.raises(ValueError, match="at most 32 ids"):
         engine.add_request([1], 4, stop_token_ids=list(range(40)))
+
+
+def test_steps_are_pipelined_and_what_ends_while_a_step_runs_is_dropped(model):
+    """step() launches the next step before it decodes the text of the last one: a request a stop string ends was
+    launched once more, and that pick is dropped (its tokens end with the one that completed the string, as run
+    alone, and no block stays taken); a request aborted while its step runs gets nothing more."""
+    engine = LLMEngine(model, max_running=2, token_budget=16, block=4)
+    prompt = prompts(1, seed=2)[0]
+    full = engine.generate([prompt], 12, temperature=0, ignore_eos=True)[0]
+    tokenizer = engine.runner.tokenizer()
+    stop = full["text"][len(full["text"]) // 2:len(full["text"]) // 2 + 2]
+    ends = next(k for k in range(1, 13) if stop in tokenizer.decode(full["token_ids"][:k]))
+    before = engine.counters["generation_tokens"]
+    outs = engine.generate([prompt, prompts(1, seed=5)[0]], 12, temperature=0, ignore_eos=True,
+                           sampling=[dict(stop_strings=[stop]), {}])
+    assert outs[0]["token_ids"] == full["token_ids"][:ends] and outs[0]["finish_reason"] == "stop"
+    assert engine.counters["generation_tokens"] - before == ends + 12
+    assert engine.pool.used == 0 and not engine.has_unfinished
+
+    a = engine.add_request(prompt, 8, temperature=0, ignore_eos=True)
+    assert engine.step() == []                 # launched: its outputs come with the next call
+    first = engine.step()
+    assert [o.token_ids for o in first] == [full["token_ids"][:1]]
+    assert engine.abort(a.id)                  # its second step is running
+    assert engine.step() == [] and engine.pool.used == 0 and not engine.has_unfinished
+    assert engine.generate([prompt], 3, temperature=0, ignore_eos=True)[0]["token_ids"] == full["token_ids"][:3]

@@ -49,11 +49,14 @@ class SlowExecutor:
     def __init__(self, inner, delay: float):
         self.inner, self.delay = inner, delay
 
-    def execute(self, step, constraints=None):
+    def launch(self, step, constraints=None):
         start = time.monotonic()
-        out = self.inner.execute(step, constraints)
+        handle = self.inner.launch(step, constraints)
         time.sleep(max(0.0, self.delay - (time.monotonic() - start)))
-        return out
+        return handle
+
+    def collect(self, handle):
+        return self.inner.collect(handle)
 
     def forget(self, request):
         self.inner.forget(request)

@@ -7,8 +7,9 @@
 Each step the scheduler (tilekit.engine.scheduler) plans which requests run and how many tokens each, the executor
 runs them in one forward and picks each next token on the GPU, and the engine applies every stop rule of
 generate() (eos ids, stop strings over the decoded text, max_new_tokens; eos banned before min_new_tokens) and
-streams each request's text as it is made. A request's tokens depend on its own prompt, parameters and seed only,
-not on what it was batched with. AsyncEngine runs the step loop in a thread of its own for the server.
+streams each request's text as it is made, the text of one step decoded while the GPU runs the next (step()). A
+request's tokens depend on its own prompt, parameters and seed only, not on what it was batched with. AsyncEngine
+runs the step loop in a thread of its own for the server.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, max_running=max_running, token_budget=token_budget,
                                    max_len=self.max_len, chunk=chunk)
         self.tracks: dict[str, _Track] = {}
+        self._inflight = None          # (Step, the executor's handle) launched and not yet collected
         self.defaults: GenerationSettings = self.runner.generation_defaults()
         self.counters = dict(prompt_tokens=0, generation_tokens=0, finished=0, preemptions=0)
 
@@ -176,32 +178,54 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
+        """Requests running or waiting (a launched step whose requests have all ended needs no more steps: the next
+        step() collects and drops it)."""
         return self.scheduler.unfinished > 0
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[Output]:
-        """One step of every running request; the outputs of those that made a token or finished."""
+        """One step of every running request; the outputs of those that made a token or finished.
+
+        The step is pipelined: it collects the tokens of the step launched last, ends the requests those tokens end
+        by eos, length or grammar, launches the next step, and only then, while the GPU runs it, decodes the collected
+        tokens' text and applies the stop strings (a request a stop string ends was launched once more: that pick is
+        dropped). So a call returns the outputs of the step before the one it launches."""
+        emits = self._collect() if self._inflight is not None else []
         step = self.scheduler.schedule()
         self.counters["preemptions"] += len(step.preempted)
-        if not step.decodes and not step.chunks:
-            if self.scheduler.unfinished and not step.preempted:       # never a silent hang
-                raise RuntimeError(f"the scheduler planned nothing with {len(self.scheduler.running)} running and "
-                                   f"{len(self.scheduler.waiting)} waiting requests ({self.pool.free} free blocks)")
-            return []
-        constraints = {q.id: q.constraint for q in step.picks if q.constraint is not None}
-        picked = self.executor.execute(step, constraints)
-        self.scheduler.advance(step, picked)
+        if step.decodes or step.chunks:
+            constraints = {q.id: q.constraint for q in step.picks if q.constraint is not None}
+            self._inflight = (step, self.executor.launch(step, constraints))
+        elif self.scheduler.unfinished and not step.preempted and not emits:       # never a silent hang
+            raise RuntimeError(f"the scheduler planned nothing with {len(self.scheduler.running)} running and "
+                               f"{len(self.scheduler.waiting)} waiting requests ({self.pool.free} free blocks)")
+        return [self._took(q, token, self._text(q, token), accepted) for q, token, accepted in emits]
+
+    def _collect(self) -> list[tuple]:
+        """The launched step's picks taken: the scheduler advanced, structured output's matchers advanced (and the
+        next masks started), and each request that its token ends by eos, length or its grammar finished, so that it
+        is not scheduled again. Returns (request, token, the matcher's (accepted, done) or None) for each pick of a
+        request still tracked (not aborted, nor ended by a stop string meanwhile)."""
+        step, handle = self._inflight
+        self._inflight = None
+        picked = self.executor.collect(handle)
+        took = [q for q in step.picks if q.id in picked and q.id in self.tracks]
+        self.scheduler.advance(step, {q.id: picked[q.id] for q in took})
         self.counters["prompt_tokens"] += sum(c.n for c in step.chunks)
-        took = [q for q in step.picks if q.id in picked]
         constrained = [q for q in took if q.constraint is not None]
-        accepting = None
+        accepted = {}
         if constrained:         # on the host thread: the accepts, then the next step's masks (the matchers are
             pairs = [(q.constraint, int(picked[q.id])) for q in constrained]    # touched there alone meanwhile)
             accepting = in_background(lambda: [(ok, c.done) for (c, _), ok in zip(pairs, accept_tokens(pairs))])
             self.executor.prepare_masks({q.id: q.constraint for q in constrained})
-        pieces = [self._text(q, int(picked[q.id])) for q in took]     # while the matchers take their tokens
-        accepted = dict(zip((q.id for q in constrained), accepting.result())) if constrained else {}
-        return [self._took(q, int(picked[q.id]), piece, accepted.get(q.id)) for q, piece in zip(took, pieces)]
+            accepted = dict(zip((q.id for q in constrained), accepting.result()))
+        for q in took:
+            verdict = accepted.get(q.id)
+            if (len(q.output) >= q.max_new_tokens or picked[q.id] in q.eos_token_ids
+                    or (verdict is not None and (not verdict[0] or verdict[1]))):
+                self.scheduler.finish(q, None)             # its reason is given once its text is done (_took)
+                self.executor.forget(q)
+        return [(q, int(picked[q.id]), accepted.get(q.id)) for q in took]
 
     def _text(self, request: Request, token: int) -> str:
         """The text a request's new token prints ("" without a stream)."""
@@ -233,6 +257,7 @@ class LLMEngine:
             reason = "abort" if refused else "stop" if (hit or complete or token in request.eos_token_ids) \
                 else "length"
             self.scheduler.finish(request, reason)
+            request.finish_reason = reason            # (also where _collect finished it already)
             self.executor.forget(request)
             self.tracks.pop(request.id)
             self.counters["finished"] += 1
@@ -281,6 +306,7 @@ class LLMEngine:
         """Abort every request and release what the executor captured."""
         for request_id in list(self.tracks):
             self.abort(request_id)
+        self._inflight = None
         self.executor.release()
 
 

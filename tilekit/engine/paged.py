@@ -214,10 +214,10 @@ class PagedExecutor:
             self.free_slots.append(slot)
         self.params.pop(request.id, None)
 
-    def execute(self, step, constraints: dict | None = None) -> dict:
-        """Run one scheduler Step; {request id: the token picked} for its picks. constraints: {request id: its
-        structured output's matcher} for the constrained picks, whose masks are computed on the host while the
-        step's forward runs on the GPU, then put on their logits rows before the pick."""
+    def launch(self, step, constraints: dict | None = None):
+        """Queue one scheduler Step on the GPU and return at once, its handle for collect(). constraints: {request id:
+        its structured output's matcher} for the constrained picks, whose masks are put on their logits rows before
+        the pick (see prepare_masks). Nothing else is launched before this step is collected."""
         for request in step.preempted:
             self.forget(request)
         for request in step.decodes + [c.request for c in step.chunks]:
@@ -244,8 +244,16 @@ class PagedExecutor:
                     self._upload_masks(constraints, max(R, picks_R))
                 if picks:
                     self._pick_step(picks_R, picker, masked)
-            tokens = cupy.asnumpy(self.tokens[:max(R, picks_R)])
-        return {q.id: int(tokens[self.slot_of[q.id]]) for q in picks}
+        return max(R, picks_R), {q.id: self.slot_of[q.id] for q in picks}
+
+    def collect(self, handle) -> dict:
+        """{request id: the token picked} of a launched step's picks, once the GPU has made them (a pick whose request
+        was forgotten meanwhile included: the engine drops it)."""
+        import cupy
+        rows, slots = handle
+        with self.stream:
+            tokens = cupy.asnumpy(self.tokens[:rows])
+        return {request_id: int(tokens[s]) for request_id, s in slots.items()}
 
     def _forward(self, R: int, P: int, step) -> None:
         """The step's forward passes without the pick: the decode rows (a captured graph when alone), the prefill."""

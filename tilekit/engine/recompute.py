@@ -99,8 +99,13 @@ class RecomputeExecutor:
     def prepare_masks(self, constraints: dict) -> None:
         """The next step's masks (each pick here asks its matcher then)."""
 
-    def execute(self, step, constraints: dict | None = None) -> dict:
-        """{request id: token} of the step's picks; constraints: {request id: its structured output's matcher}."""
+    def collect(self, handle) -> dict:
+        """The picks launch() computed."""
+        return handle
+
+    def launch(self, step, constraints: dict | None = None) -> dict:
+        """{request id: token} of the step's picks, computed now (collect() returns them); constraints: {request id:
+        its structured output's matcher}."""
         picked = {}
         for request in step.picks:
             seq = request.tokens

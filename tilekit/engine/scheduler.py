@@ -230,13 +230,14 @@ class Scheduler:
 
     def advance(self, step: Step, picked: dict[str, int]) -> None:
         """After the step ran: the chunks' tokens are computed (their full blocks cached), and each picked request
-        takes its new token."""
+        takes its new token; a request that ended while the step ran is left as it ended."""
         for request in step.decodes:
-            request.computed += 1
+            request.computed += request.status == RUNNING
         for chunk in step.chunks:
-            chunk.request.computed += chunk.n
+            chunk.request.computed += chunk.n if chunk.request.status == RUNNING else 0
         for request in step.decodes + [c.request for c in step.chunks]:
-            self._cache_full_blocks(request)
+            if request.status == RUNNING:
+                self._cache_full_blocks(request)
         for request in step.picks:
             if request.status == RUNNING and request.id in picked:
                 request.tokens.append(int(picked[request.id]))

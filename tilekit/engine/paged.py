@@ -19,7 +19,7 @@ serving never compiles or captures. Steps with prefill chunks run eagerly at the
 two from 64 to the token budget). A step with structured output runs its forward first (a graph of its own when it
 only decodes), then the masked pick (token_bitmask, then next_token; a graph too). Its rows' masks are made on a host
 thread (tilekit.engine.grammar.fill_masks) from the moment the previous step's tokens were taken (prepare_masks),
-during the engine's own work and this forward. Dense KV caches only: DeepSeek-V2's latent cache and tensor-parallel
+during the scheduling and this forward. Dense KV caches only: DeepSeek-V2's latent cache and tensor-parallel
 models are refused.
 """
 
@@ -275,8 +275,8 @@ class PagedExecutor:
 
     def prepare_masks(self, constraints: dict) -> None:
         """Make the masks of these requests' next picks ({request id: its matcher}) on structured output's host
-        thread, once the jobs queued there before (the step's accepts) have run, while the engine decodes text,
-        schedules and runs the next forward; a matcher done by then gets none. The next masked step takes them
+        thread, once the jobs queued there before (the step's accepts) have run, while the engine schedules and the
+        next forward runs; a matcher done by then gets none. The next masked step takes them
         and makes any it lacks (a request new to it, a slot given to another)."""
         rows = self._prepared_rows()
         self._mask_rows |= set(rows.values())

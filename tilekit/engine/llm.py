@@ -220,9 +220,8 @@ class LLMEngine:
             self.executor.prepare_masks({q.id: q.constraint for q in constrained})
             accepted = dict(zip((q.id for q in constrained), accepting.result()))
         for q in took:
-            verdict = accepted.get(q.id)
-            if (len(q.output) >= q.max_new_tokens or picked[q.id] in q.eos_token_ids
-                    or (verdict is not None and (not verdict[0] or verdict[1]))):
+            ok, done = accepted.get(q.id, (True, False))
+            if self.tracks[q.id].stops.ends(0, picked[q.id]) or not ok or done:
                 self.scheduler.finish(q, None)             # its reason is given once its text is done (_took)
                 self.executor.forget(q)
         return [(q, int(picked[q.id]), accepted.get(q.id)) for q in took]
@@ -257,7 +256,6 @@ class LLMEngine:
             reason = "abort" if refused else "stop" if (hit or complete or token in request.eos_token_ids) \
                 else "length"
             self.scheduler.finish(request, reason)
-            request.finish_reason = reason            # (also where _collect finished it already)
             self.executor.forget(request)
             self.tracks.pop(request.id)
             self.counters["finished"] += 1

@@ -231,12 +231,9 @@ class Scheduler:
     def advance(self, step: Step, picked: dict[str, int]) -> None:
         """After the step ran: the chunks' tokens are computed (their full blocks cached), and each picked request
         takes its new token; a request that ended while the step ran is left as it ended."""
-        for request in step.decodes:
-            request.computed += request.status == RUNNING
-        for chunk in step.chunks:
-            chunk.request.computed += chunk.n if chunk.request.status == RUNNING else 0
-        for request in step.decodes + [c.request for c in step.chunks]:
+        for request, n in [(r, 1) for r in step.decodes] + [(c.request, c.n) for c in step.chunks]:
             if request.status == RUNNING:
+                request.computed += n
                 self._cache_full_blocks(request)
         for request in step.picks:
             if request.status == RUNNING and request.id in picked:
@@ -255,9 +252,12 @@ class Scheduler:
             self.pool.cache(b, key)
         request.registered = max(first, full)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """A request is done (stopped, or aborted): its blocks go back (cached ones stay findable)."""
+    def finish(self, request: Request, reason: str | None) -> None:
+        """A request is done (stopped, or aborted): its blocks go back (cached ones stay findable). One finished before
+        its reason was known (None: the engine ends it before its text is decoded) takes the reason given next."""
         if request.status == FINISHED:
+            if request.finish_reason is None:
+                request.finish_reason = reason
             return
         if request in self.running:
             self.running.remove(request)

@@ -43,14 +43,18 @@ class StopChecker:
     def took(self, b: int, token: int, piece: str = "") -> bool:
         """Row b (still running) takes one new token, which printed `piece`; whether the row stops with it. The
         engine feeds its requests' rows one at a time through this."""
+        stop = self.ends(b, token)
         self.lengths[b] += 1
-        stop = self.lengths[b] == self.settings.max_new_tokens or token in self.eos
         if self.settings.stop_strings:
             text = self.tails[b] + piece
             stop = stop or any(s in text for s in self.settings.stop_strings)
             self.tails[b] = text[-self.keep:] if self.keep else ""
         self.done[b] = stop
         return stop
+
+    def ends(self, b: int, token: int) -> bool:
+        """Whether row b's next token ends it by a rule that needs no text: an eos id, or its max_new_tokens-th."""
+        return self.lengths[b] + 1 == self.settings.max_new_tokens or token in self.eos
 
     @property
     def all_done(self) -> bool:

@@ -139,6 +139,56 @@ def kv_width(config) -> int:
     return getattr(config, "n_kv_head", config.n_head) * config.head_dim
 
 
+def kv_values_per_token(config) -> int:
+    """Numbers a KV cache keeps per token per layer: a key and a value (2 x kv_width), or MLA's latent entry (the
+    latent and the rotary key, DeepSeek-V2)."""
+    if hasattr(config, "kv_lora_rank"):
+        return config.kv_lora_rank + config.qk_rope_head_dim
+    return 2 * kv_width(config)
+
+
+def attention_flops_per_pair(config) -> float:
+    """FLOPs of one layer's attention per (query, key) pair, QK^T and PV over every head (MLA: its plain form,
+    query-key width qk_head_dim, value width v_head_dim)."""
+    if hasattr(config, "kv_lora_rank"):
+        return 2.0 * config.n_head * (config.qk_head_dim + config.v_head_dim)
+    return 4.0 * config.n_head * config.head_dim
+
+
+def token_matmul_params(config) -> float:
+    """Weights each token is multiplied by over all layers: every layer's matrices, and of a mixture-of-experts
+    layer's experts (3-D tensors, one slice per expert) only the num_experts_per_tok routed and the shared ones."""
+    from tilekit.models.families import family_of_config
+    weights, total = family_of_config(config).weights, 0.0
+    for i in range(config.n_layer):
+        for shape in weights.block_shapes(config, i).values():
+            if len(shape) == 2:
+                total += math.prod(shape)
+            elif len(shape) == 3:
+                total += math.prod(shape) * _routed_share(config, shape[0], 1)
+    return total
+
+
+def _routed_share(config, experts: int, tokens: float) -> float:
+    """The expected share of an experts tensor's `experts` slices (routed, then shared) that `tokens` tokens read,
+    each routed to num_experts_per_tok of the routed ones uniformly at random."""
+    E, S, K = config.n_routed_experts, config.n_shared_experts, config.num_experts_per_tok
+    routed = E * (1 - (1 - K / E) ** tokens)
+    return (routed + S) / experts
+
+
+def decode_params(config, batch: int) -> float:
+    """Parameters one decode step of `batch` tokens reads: streamed_params, of each experts tensor only the expected
+    share its tokens are routed to (_routed_share)."""
+    from tilekit.models.families import family_of_config
+    weights, unread = family_of_config(config).weights, 0.0
+    for i in range(config.n_layer):
+        for shape in weights.block_shapes(config, i).values():
+            if len(shape) == 3:
+                unread += math.prod(shape) * (1 - _routed_share(config, shape[0], batch))
+    return streamed_params(config, batch) - unread
+
+
 def layer_matmul_params(config) -> int:
     """Weights one layer multiplies each token by: its matrices (q, k, v and output projections, the MLP)."""
     from tilekit.models.families import family_of_config

@@ -70,17 +70,19 @@ def run_engine(engine, reqs) -> tuple[float, list[list[int]]]:
 
 
 def roofline_seconds(config, reqs, max_running: int, copy_gbs: float, peak_tflops: float, itemsize: int = 2) -> float:
-    """A floor for the engine's run of `reqs`: every prompt's prefill (its matrix FLOPs and causal attention) at the
-    measured bf16 matmul rate, plus, at the measured copy bandwidth, the weights read once per decode step (at the
-    least output tokens / max_running steps) and every decode token's keys and values once."""
-    from benchmarks.harness.report import kv_width, layer_matmul_params, streamed_params
-    L, matrices = config.n_layer, layer_matmul_params(config)
-    attention = 2.0 * L * config.n_head * config.head_dim            # per (query, key) pair: QK^T and PV
-    flops = sum(2.0 * len(p) * L * matrices + attention * len(p) * (len(p) + 1) / 2 for p, _ in reqs)
+    """A floor for the engine's run of `reqs`: every prompt's prefill (its matrix FLOPs, of a mixture-of-experts
+    layer's experts only those a token is routed to, and its causal attention) at the measured bf16 matmul rate,
+    plus, at the measured copy bandwidth, the weights read once per decode step (at the least output tokens /
+    max_running steps; of the experts, the share max_running tokens are routed to) and every decode token's KV
+    cache entries once."""
+    from benchmarks.harness.report import attention_flops_per_pair, decode_params, kv_values_per_token
+    from benchmarks.harness.report import token_matmul_params
+    L, matrices, pair = config.n_layer, token_matmul_params(config), attention_flops_per_pair(config)
+    flops = sum(2.0 * len(p) * matrices + L * pair * len(p) * (len(p) + 1) / 2 for p, _ in reqs)
     steps = -(-sum(n for _, n in reqs) // max_running)
-    kv_token = 2 * L * kv_width(config) * itemsize
+    kv_token = L * kv_values_per_token(config) * itemsize
     kv = sum(kv_token * (n * len(p) + n * (n - 1) / 2) for p, n in reqs)
-    weights = steps * streamed_params(config, max_running) * itemsize
+    weights = steps * decode_params(config, max_running) * itemsize
     return flops / (peak_tflops * 1e12) + (weights + kv) / (copy_gbs * 1e9)
 
 

@@ -11,15 +11,19 @@ import pytest
 
 from tests._numpy_cupy import numpy_cupy, step_code_on_numpy  # noqa: F401  (numpy_cupy: a fixture)
 from tests.engine.arrivals import run_ragged
+from tests.models.deepseek_v2 import numpy_kernels as deepseek_kernels
 from tests.models.gpt2 import numpy_kernels as gpt2_kernels
 from tests.models.llama import numpy_kernels
-from tilekit.engine import kv_cache, paged
+from tilekit.engine import kv_cache, paged, paged_cache
 from tilekit.engine.llm import LLMEngine
 from tilekit.kernels.paged_decode_attention import paged_decode_attention_reference
+from tilekit.kernels.paged_mla_decode_attention import paged_mla_decode_attention_reference
 from tilekit.kernels.paged_prefill_attention import paged_prefill_attention_reference
 from tilekit.kernels.paged_write_kv import paged_write_kv_reference
 from tilekit.kernels.token_bitmask import token_bitmask_reference
-from tilekit.models import GPT, Llama, base
+from tilekit.models import GPT, DeepseekV2, Llama, base
+from tilekit.models.deepseek_v2 import model as deepseek_module
+from tilekit.models.deepseek_v2.reference import ReferenceDeepseekV2
 from tilekit.models.gpt2 import model as gpt2_module
 from tilekit.models.gpt2.reference import ReferenceGPT
 from tilekit.models.llama import model as model_module
@@ -31,7 +35,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "tiny-llama"
 class PagedKernels:
     """The kernels engine.paged calls, as NumPy functions writing into the given views."""
 
-    calls = {"decode": 0, "prefill": 0}
+    calls = {"decode": 0, "prefill": 0, "mla": 0}
 
     @staticmethod
     def paged_write_kv(k, v, k_pool, v_pool, slots, k_scale=None, v_scale=None):
@@ -62,6 +66,14 @@ class PagedKernels:
         o = paged_prefill_attention_reference(q[:sum(lengths)], k_pool, v_pool, np.asarray(table), lengths, starts,
                                               k_scale=k_scale, v_scale=v_scale)
         out[:sum(lengths)] = o
+
+    @classmethod
+    def paged_mla_decode_attention(cls, q, q_pe, c_pool, pe_pool, table, lengths, *, scale, new_c=None, new_pe=None,
+                                   length_offset=0, out):
+        cls.calls["mla"] += 1
+        o, cp, pp = paged_mla_decode_attention_reference(q, q_pe, c_pool, pe_pool, table, lengths, scale=scale,
+                                                         new_c=new_c, new_pe=new_pe, length_offset=length_offset)
+        c_pool[...], pe_pool[...], out[...] = cp, pp, o
 
     @staticmethod
     def token_bitmask(logits, mask):
@@ -102,16 +114,28 @@ class FakeStream:
         pass
 
 
+def executor_on_numpy(numpy_cupy, monkeypatch, *model_kernels) -> None:
+    """The executor's step code and the given models' on the CPU, every kernel a NumPy stand-in."""
+    step_code_on_numpy(numpy_cupy, monkeypatch, *model_kernels,
+                       (paged_cache, PagedKernels, ("paged_write_kv", "paged_decode_attention",
+                                                    "paged_prefill_attention", "paged_mla_decode_attention")),
+                       (paged, PagedKernels, ("next_token", "mask_tokens", "token_bitmask")))
+    numpy_cupy.lib, numpy_cupy.copyto, numpy_cupy.take = np.lib, np.copyto, np.take
+    numpy_cupy.cuda = types.SimpleNamespace(Stream=lambda non_blocking=True: FakeStream())
+
+
 @pytest.fixture
 def cpu(numpy_cupy, monkeypatch):
-    step_code_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
-                       (base, numpy_kernels, numpy_kernels.BASE_KERNELS),
-                       (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS),
-                       (gpt2_module, gpt2_kernels, gpt2_kernels.KERNELS),
-                       (paged, PagedKernels, ("paged_write_kv", "paged_decode_attention", "paged_prefill_attention",
-                                              "next_token", "mask_tokens", "token_bitmask")))
-    numpy_cupy.lib, numpy_cupy.copyto = np.lib, np.copyto
-    numpy_cupy.cuda = types.SimpleNamespace(Stream=lambda non_blocking=True: FakeStream())
+    executor_on_numpy(numpy_cupy, monkeypatch, (model_module, numpy_kernels, numpy_kernels.MODEL_KERNELS),
+                      (base, numpy_kernels, numpy_kernels.BASE_KERNELS),
+                      (kv_cache, numpy_kernels, numpy_kernels.CACHE_KERNELS),
+                      (gpt2_module, gpt2_kernels, gpt2_kernels.KERNELS))
+
+
+@pytest.fixture
+def cpu_deepseek(numpy_cupy, monkeypatch):
+    executor_on_numpy(numpy_cupy, monkeypatch, (deepseek_module, deepseek_kernels, deepseek_kernels.KERNELS),
+                      (base, deepseek_kernels, deepseek_kernels.BASE_KERNELS))
 
 
 @pytest.fixture(scope="module")
@@ -171,11 +195,35 @@ def test_min_new_tokens_bans_eos_for_its_request_only(cpu, reference):
     assert free[1] not in out[1]["token_ids"][:4]
 
 
-def test_latent_caches_and_tensor_parallel_models_are_refused(cpu):
-    from tilekit.models import DeepseekV2
+@pytest.mark.parametrize("num_blocks,every", [(40, 3), (6, 1)])
+def test_deepseek_greedy_outputs_equal_the_reference(cpu_deepseek, num_blocks, every):
+    """DeepSeek-V2's paged latent cache: decode rows and prompt-chunk rows alike in the absorbed form over the blocks
+    (a chunk's entries written first), ragged arrivals, chunked prefill, preemption and prefix hits."""
     model = DeepseekV2.from_pretrained(DATA.parent / "tiny-deepseek-v2", dtype="float32")
-    with pytest.raises(ValueError, match="latent KV cache is not paged"):
-        LLMEngine(model, num_blocks=8, use_graphs=False)
+    reference = ReferenceDeepseekV2.from_pretrained(DATA.parent / "tiny-deepseek-v2")
+    engine = LLMEngine(model, max_running=3, token_budget=40, block=16, num_blocks=num_blocks, max_len=80,
+                       use_graphs=False)
+    rng = np.random.default_rng(7)
+    V = model.config.vocab_size
+    shared = [int(t) for t in rng.integers(0, V, 33)]
+    prompts = [[int(t) for t in rng.integers(0, V, n)] for n in (5, 50, 17)] + [shared + [1], shared + [2]]
+    lengths = [6, 4, 9, 5, 7] if every > 1 else [20, 10, 26, 12, 20]
+    before = PagedKernels.calls["mla"]
+    reqs = run_ragged(engine, prompts, lengths, every, temperature=0, ignore_eos=True)
+    for r, p, n in zip(reqs, prompts, lengths):
+        assert r.output == expected(reference, p, n), (r.id, r.preemptions, r.cached_tokens)
+    assert engine.pool.used == 0 and not engine.executor.slot_of
+    assert PagedKernels.calls["mla"] > before
+    if num_blocks == 6:
+        assert engine.counters["preemptions"] > 0
+    else:
+        assert reqs[-1].cached_tokens == 32
+
+
+def test_bad_engine_options_are_refused(cpu):
+    model = DeepseekV2.from_pretrained(DATA.parent / "tiny-deepseek-v2", dtype="float32")
+    with pytest.raises(ValueError, match="latent cache is kept in the model's dtype"):
+        LLMEngine(model, num_blocks=8, use_graphs=False, kv_cache_dtype="fp8")
     llama = Llama.from_pretrained(DATA, dtype="float32")
     with pytest.raises(ValueError, match="block must be one of"):
         LLMEngine(llama, block=48, num_blocks=8, use_graphs=False)

@@ -1,6 +1,6 @@
 """Continuous batching on the GPU (PagedExecutor, CUDA graphs on): every request's greedy tokens equal the same
-request run alone through generate(), for GPT-2 and Llama, float32, bfloat16 and INT8 weights, an FP8 KV cache,
-with ragged arrivals, chunked prefill, preemption and prefix hits; sampled tokens do not depend on the batch; the
+request run alone through generate(), for GPT-2, Llama and DeepSeek-V2 (its paged latent cache), float32, bfloat16
+and INT8 / FP8 weights, an FP8 KV cache, with ragged arrivals, chunked prefill, preemption and prefix hits; sampled tokens do not depend on the batch; the
 server's async API streams and aborts."""
 
 from pathlib import Path
@@ -64,6 +64,33 @@ def test_prompts_prefilled_together_then_decoded_equal_generate_alone(name):
         alone = [int(t) for t in model.generate([p], 8, temperature=0, eos_token_id=[])[0][len(p):]]
         first = next((i for i, (a, b) in enumerate(zip(o["token_ids"], alone)) if a != b), None)
         assert first is None, f"prompt of {len(p)} tokens: token {first} differs: {o['token_ids']} against {alone}"
+    engine.close()
+
+
+@pytest.mark.parametrize("dtype,quantize", [("float32", None), ("bfloat16", None), ("bfloat16", "fp8")])
+@pytest.mark.parametrize("num_blocks,every", [(None, 2), (8, 1)])
+def test_deepseek_greedy_tokens_equal_generate_alone(dtype, quantize, num_blocks, every):
+    """DeepSeek-V2 over paged latents: decode rows and prompt-chunk rows in the absorbed form (paged_mla_decode_
+    attention over the blocks), where generate() prefills whole prompts in the plain form: the same sums in another
+    order. Ragged arrivals, a 40-token prompt in chunks of the 48-token budget, prefix hits and preemption."""
+    model = load("tiny-deepseek-v2", dtype, quantize)
+    engine = new_engine(model, max_running=4, token_budget=48, block=16, num_blocks=num_blocks, max_len=128)
+    rng = np.random.default_rng(4)
+    V = model.config.vocab_size
+    shared = [int(t) for t in rng.integers(0, V, 33)]
+    prompts = [[int(t) for t in rng.integers(0, V, n)] for n in (5, 40, 17, 2)] + [shared + [1], shared + [2]]
+    lengths = [7, 9, 12, 20, 6, 8] if every > 1 else [20, 14, 19, 25, 16, 20]
+    reqs = run_ragged(engine, prompts, lengths, every, temperature=0, ignore_eos=True)
+    for r, p, n in zip(reqs, prompts, lengths):
+        alone = [int(t) for t in model.generate([p], n, temperature=0, eos_token_id=[])[0][len(p):]]
+        first = next((i for i, (a, b) in enumerate(zip(r.output, alone)) if a != b), None)
+        assert first is None, (f"prompt of {len(p)} tokens: token {first} differs", r.preemptions, r.cached_tokens,
+                               r.output, alone)
+    assert engine.pool.used == 0
+    if num_blocks is None:
+        assert reqs[-1].cached_tokens == 32
+    else:
+        assert engine.counters["preemptions"] > 0
     engine.close()
 
 

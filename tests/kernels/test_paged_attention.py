@@ -140,3 +140,61 @@ def test_paged_prefill_attention_over_a_flattened_batch_with_cached_pasts(H, Hkv
         row = int(new[0] - 1)
         expected = fp8_codes(host(k)[row][None, :, None], host(ks))[0, :, 0]
         assert np.array_equal(host(kp)[table[0, row // block], :, row % block], expected)
+
+
+def latent_pools(blocks, block, R, P, dtype):
+    return rand((blocks, block, R), dtype), rand((blocks, block, P), dtype)
+
+
+@pytest.mark.parametrize("B,H,nq,R,P,block,width,dtype,new", [
+    (1, 16, 1, 512, 64, 64, 64, "bfloat16", True), (6, 16, 1, 512, 64, 16, 20, "bfloat16", True),
+    (40, 16, 1, 512, 64, 64, 4, "bfloat16", False),          # prefill rows: many rows, each its own length
+    (3, 4, 2, 32, 16, 32, 6, "float32", True), (5, 4, 1, 32, 16, 16, 5, "float32", False)])   # the tiny DeepSeek-V2
+def test_paged_mla_decode_attention_matches_the_reference(B, H, nq, R, P, block, width, dtype, new):
+    """Lengths from nq to the table's capacity; the new tokens' entries (views of the model's query buffer) land in
+    their blocks and nowhere else."""
+    from tilekit.kernels.paged_mla_decode_attention import (paged_mla_decode_attention,
+                                                            paged_mla_decode_attention_reference)
+    rng = np.random.default_rng()
+    lengths = rng.integers(nq, width * block + 1, B).astype(np.int32)
+    lengths[0] = width * block
+    blocks = int(sum(-(-n // block) for n in lengths)) + 2
+    table = tables(rng, lengths, block, blocks, width)
+    cp, pp = latent_pools(blocks, block, R, P, dtype)
+    qq = rand((B, nq, H + 1, R + P), dtype)               # the queries' heads, then the new entries
+    q, q_pe = qq[:, :, :H, :R].transpose(0, 2, 1, 3), qq[:, :, :H, R:].transpose(0, 2, 1, 3)
+    kw = dict(new_c=qq[:, :, H, :R], new_pe=qq[:, :, H, R:]) if new else {}
+    ref, ref_c, ref_pe = paged_mla_decode_attention_reference(host(q), host(q_pe), host(cp), host(pp), table,
+                                                              lengths - nq, scale=0.07, length_offset=nq,
+                                                              **{k: host(v) for k, v in kw.items()})
+    out = poisoned((B, nq, H, R), dtype).transpose(0, 2, 1, 3)
+    paged_mla_decode_attention(q, q_pe, cp, pp, cupy.asarray(table), cupy.asarray(lengths - nq), scale=0.07,
+                               length_offset=nq, out=out, **kw)
+    assert_close(host(out), ref, TOL[dtype], f"paged MLA decode {B, H, nq, R, P, block, dtype}")
+    assert np.array_equal(host(cp), ref_c.astype(host(cp).dtype)) and np.array_equal(
+        host(pp), ref_pe.astype(host(pp).dtype)), "pool contents"
+
+
+def test_paged_mla_decode_attention_splits_a_long_context_over_programs():
+    """The tuner's space ends for a V2-Lite-shape context: the shortest splits (a merge) and one split give the
+    same output."""
+    from tilekit.kernels.paged_mla_decode_attention import (PAGED_MLA_DECODE_ATTENTION, paged_mla_decode_attention,
+                                                            paged_mla_decode_attention_reference)
+    rng = np.random.default_rng()
+    B, H, R, P, block, width = 2, 16, 512, 64, 64, 96
+    lengths = np.array([width * block, 2500], np.int32)
+    table = tables(rng, lengths, block, 200, width)
+    cp, pp = latent_pools(200, block, R, P, "bfloat16")
+    q, q_pe = rand((B, H, 1, R), "bfloat16"), rand((B, H, 1, P), "bfloat16")
+    ref, _, _ = paged_mla_decode_attention_reference(host(q), host(q_pe), host(cp), host(pp), table, lengths,
+                                                     scale=0.04)
+    problem = dict(dtype="bfloat16", B=B, H=H, nq=1, capacity=width * block, R=R, P=P, new_kv=0, block=block)
+    candidates = PAGED_MLA_DECODE_ATTENTION.space.candidates(PAGED_MLA_DECODE_ATTENTION.tuning_problem(problem))
+    shortest, whole = min(candidates, key=lambda c: c["CHUNK"]), max(candidates, key=lambda c: c["CHUNK"])
+    assert shortest["CHUNK"] <= 128 and whole["CHUNK"] >= width * block
+    for config in (shortest, whole):
+        with PAGED_MLA_DECODE_ATTENTION.pinned(config):
+            out = poisoned((B, 1, H, R), "bfloat16").transpose(0, 2, 1, 3)
+            paged_mla_decode_attention(q, q_pe, cp, pp, cupy.asarray(table), cupy.asarray(lengths), scale=0.04,
+                                       out=out)
+        assert_close(host(out), ref, TOL["bfloat16"], f"paged MLA decode {config}")

@@ -1,13 +1,13 @@
 """Continuous batching's GPU executor: a scheduler step's forwards over a paged KV cache.
 
-The cache is one pool of blocks per layer, keys and values (layers, blocks, kv heads, BLOCK, head_dim), in the model's
-dtype or FP8 codes with the static KVCache scales, block 0 never handed out (padded rows write there). Each running
+The cache is pools of blocks, one per layer (tilekit.engine.paged_cache: per-head keys and values in the model's
+dtype or FP8 codes, or DeepSeek-V2's latent entries), block 0 never handed out (padded rows write there). Each running
 request holds a slot (0 .. max_running - 1) for its decode state: its sampling parameters, seed, token counts for
 penalties and the next-token kernel's bookkeeping. A step runs up to two forwards: the decode rows (row s: slot s's
-newest token; a slot that does not decode is a padded row), each layer's attention one paged_decode_attention that
-also writes their keys and values, into logits row s; then the prefill chunks flattened (paged_write_kv +
-paged_prefill_attention per layer), whose final chunks' newest rows go through the final norm and LM head into their
-slots' logits rows. next_token then picks every slot's token on the GPU. Decode and prefill rows stay in passes of
+newest token; a slot that does not decode is a padded row), each layer's attention one paged decode attention that
+also writes their entries, into logits row s; then the prefill chunks flattened (entries written, then attention over
+the blocks, per layer), whose final chunks' newest rows go through the final norm and LM head into their slots'
+logits rows. next_token then picks every slot's token on the GPU. Decode and prefill rows stay in passes of
 their own so that each token is computed as generate() computes it (a model may choose its arithmetic by the rows of
 a pass: GPT-2's fixed-point residual stream for small ones, FP8 activations for large ones). Every per-step input
 (ids, positions, block tables, write slots, rows, query tiles) goes up in one copy, the picked tokens come back in
@@ -19,8 +19,7 @@ serving never compiles or captures. Steps with prefill chunks run eagerly at the
 two from 64 to the token budget). A step with structured output runs its forward first (a graph of its own when it
 only decodes), then the masked pick (token_bitmask, then next_token; a graph too). Its rows' masks are made on a host
 thread (tilekit.engine.grammar.fill_masks) from the moment the previous step's tokens were taken (prepare_masks),
-during the scheduling and this forward. Dense KV caches only: DeepSeek-V2's latent cache and tensor-parallel
-models are refused.
+during the scheduling and this forward. Tensor-parallel models are refused (one GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import contextlib
 
 import numpy as np
 
-from tilekit.autotune.arrays import numpy_dtype, release_scratch
+from tilekit.autotune.arrays import release_scratch
 from tilekit.autotune.compile import precompile_launches
 from tilekit.autotune.op import collecting_launches
 from tilekit.checkpoints.stream import Progress
@@ -37,14 +36,14 @@ from tilekit.device import device_info
 from tilekit.engine import lifecycle
 from tilekit.engine.grammar import ends_only, fill_masks, in_background
 from tilekit.engine.graphs import capture
-from tilekit.engine.kv_cache import check_kv_cache_dtype, fp8_scales
+from tilekit.engine.paged_cache import paged_cache
 from tilekit.engine.picker import Picker
 from tilekit.engine.sampling import param_arrays, token_counts
-from tilekit.kernels import next_token, paged_decode_attention, paged_prefill_attention, paged_write_kv, token_bitmask
+from tilekit.kernels import next_token, token_bitmask
 from tilekit.kernels.next_token import MAX_EOS, MAX_SLOTS, pack_params
 from tilekit.kernels.paged_prefill_attention import TILE_ROWS, tile_list
 from tilekit.kernels.token_bitmask import words
-from tilekit.models.base import Arrays, LatentSpec
+from tilekit.models.base import Arrays
 
 BLOCKS = (16, 32, 64, 128, 256)      # block sizes the paged kernels take
 PREFILL_PAD = 64                    # a step's prefill rows pad to a power of two from this
@@ -57,19 +56,6 @@ def pow2_at_least(n: int, low: int = 1) -> int:
     while p < n:
         p *= 2
     return p
-
-
-def one_token_rows(x, start: int, n: int):
-    """(n, H, 1, D) of tokens start .. start+n-1 of a (1, H, tokens, D) view: each token a sequence of one."""
-    import cupy
-    rows = x[0, :, start:start + n]
-    s = rows.strides
-    return cupy.lib.stride_tricks.as_strided(rows, (n, rows.shape[0], 1, rows.shape[2]), (s[1], s[0], s[1], s[2]))
-
-
-def token_rows(x, start: int, n: int):
-    """(n, H, D) rows of tokens start .. start+n-1 of a (1, H, tokens, D) view."""
-    return x[0, :, start:start + n].transpose(1, 0, 2)
 
 
 NEG_INF_BITS = {"bfloat16": 0xFF80, "float16": 0xFC00, "float32": 0xFF800000}
@@ -109,15 +95,11 @@ class PagedExecutor:
                  gpu_memory_utilization: float, kv_cache_dtype: str, max_len: int, use_graphs: bool = True,
                  compile_workers: int | None = None, compile_timeout_s: float = 300.0, compile_progress=None):
         import cupy
-        spec = model.cache_spec()
-        if isinstance(spec, LatentSpec):
-            raise ValueError(f"{type(model).__name__}'s latent KV cache is not paged yet: continuous batching takes "
-                             "models with per-head keys and values (GPT-2, Llama); use generate() for this one")
         if model.comm is not None:
             raise ValueError("continuous batching runs one GPU; a tensor-parallel model uses generate()")
-        check_kv_cache_dtype(kv_cache_dtype)
         if block not in BLOCKS:
             raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+        self.cache = paged_cache(model, block, kv_cache_dtype)
         if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 2):
             raise ValueError(f"num_blocks must be an int >= 2, got {num_blocks!r}")
         if compile_workers is not None and (not isinstance(compile_workers, int) or isinstance(compile_workers, bool)
@@ -130,7 +112,7 @@ class PagedExecutor:
             raise TypeError(f"compile_progress must be callable or None, got {type(compile_progress).__name__}")
         if not (isinstance(gpu_memory_utilization, float) and 0 < gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be a float in (0, 1], got {gpu_memory_utilization!r}")
-        self.model, self.spec, self.block = model, spec, block
+        self.model, self.block = model, block
         self.S, self.max_len = max_running, max_len
         self.W = -(-max_len // block)                                  # a block table's width
         self.decode_sizes = [1 << i for i in range(max_running.bit_length()) if 1 << i < max_running] + [max_running]
@@ -145,12 +127,12 @@ class PagedExecutor:
         arrays, S, V, W = Arrays(), max_running, model.config.vocab_size, self.W
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with self.stream:
-            self.decode_acts = {n: model.activations(1, n, arrays) for n in self.decode_sizes}
-            self.prefill_acts = {p: zeroed(model.activations(1, p, arrays)) for p in self.prefill_sizes}
+            self.decode_acts = {n: self.cache.activations(model, n, arrays) for n in self.decode_sizes}
+            self.prefill_acts = {p: zeroed(self.cache.activations(model, p, arrays)) for p in self.prefill_sizes}
             N = S + self.prefill_sizes[-1]          # decode rows from 0, prefill rows from S
-            sizes = dict(ids=N, positions=N, slots=N, lengths=S, newest=S, rows=S, finals=S, eos=MAX_EOS,
-                         banned=S * MAX_EOS,
-                         dtable=S * W, ptable=S * W, tiles=self.n_tiles * 4)
+            sizes = dict(ids=N, positions=N, slots=N, seqs=self.prefill_sizes[-1], lengths=S, newest=S, rows=S,
+                         finals=S, eos=MAX_EOS, banned=S * MAX_EOS, dtable=S * W, ptable=S * W,
+                         tiles=self.n_tiles * 4)
             self.host = np.zeros(sum(sizes.values()), np.int32)
             self.inputs = arrays.zeros(self.host.shape, "int32")
             self.views, self.host_views, at = {}, {}, 0
@@ -177,8 +159,7 @@ class PagedExecutor:
             self.iparams = arrays.zeros((S, 4), "int32")
             self.seen = arrays.zeros((S, V), "int32")
             self.out_counts = arrays.zeros((S, V), "int32")
-            codes = "uint8" if kv_cache_dtype == "fp8" else spec.dtype
-            per_block = 2 * spec.layers * spec.kv_heads * block * spec.head_dim * np.dtype(numpy_dtype(codes)).itemsize
+            per_block = self.cache.block_bytes
             if num_blocks is None:
                 self.stream.synchronize()
                 pool = cupy.get_default_memory_pool()
@@ -188,14 +169,7 @@ class PagedExecutor:
                     raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization} of {free >> 20} MiB free "
                                      f"leaves no room for KV blocks of {per_block >> 10} KiB")
             self.num_blocks = num_blocks
-            shape = (spec.layers, num_blocks, spec.kv_heads, block, spec.head_dim)
-            # zeroed: decode attention multiplies whole key tiles, never-written slots included, by probabilities
-            # that are 0 there, and 0 x NaN from stale memory would be NaN
-            self.k, self.v = arrays.zeros(shape, codes), arrays.zeros(shape, codes)
-            self.scales = None
-            if kv_cache_dtype == "fp8":
-                k, v = fp8_scales(model.kv_scales, spec.layers, spec.kv_heads)
-                self.scales = (cupy.asarray(k), cupy.asarray(v))
+            self.cache.allocate(num_blocks, arrays, self.prefill_sizes[-1], W)
         self.slot_of: dict[str, int] = {}
         self.free_slots = list(range(S - 1, -1, -1))
         self.params: dict[str, tuple] = {}          # request id -> (fparams row, iparams row, picker, eos, banned to)
@@ -351,7 +325,7 @@ class PagedExecutor:
         row S; each slot's newest position for the pick; the prefill rows whose hidden state each final chunk's
         slot takes (rows) and those slots (finals)."""
         h, B, S = self.host_views, self.block, self.S
-        for name in ("ids", "positions", "lengths", "newest", "rows", "finals", "tiles", "dtable", "ptable"):
+        for name in ("ids", "positions", "seqs", "lengths", "newest", "rows", "finals", "tiles", "dtable", "ptable"):
             h[name][:] = 0
         h["slots"][:] = -1
         dtable, ptable = h["dtable"].reshape(S, self.W), h["ptable"].reshape(S, self.W)
@@ -368,6 +342,7 @@ class PagedExecutor:
             h["ids"][at:at + n] = request.tokens[chunk.start:chunk.start + n]
             h["positions"][at:at + n] = positions
             h["slots"][at:at + n] = blocks[positions // B] * B + positions % B
+            h["seqs"][row:row + n] = r
             ptable[r, :len(blocks)] = blocks
             if chunk.final:
                 s = self.slot_of[request.id]
@@ -392,7 +367,7 @@ class PagedExecutor:
     def _decode(self, R: int, picker: Picker | None) -> None:
         """The decode forward of rows 0 .. R-1 into logits[:R] and, given a picker, the pick (a captured step)."""
         model, v = self.model, self.views
-        x = model.hidden(self.decode_acts[R], v["ids"][:R], v["positions"][:R], self._decode_attend(R))
+        x = model.hidden(self.decode_acts[R], v["ids"][:R], v["positions"][:R], self.cache.decode_attend(model, self, R))
         model.final_norm(x, self.h[:R])
         model.lm_head(self.h[:R], out=self.logits[:R])
         if picker is not None:
@@ -402,7 +377,7 @@ class PagedExecutor:
         """The prefill forward of rows S .. S+P-1; with `head`, each final chunk's logits into its slot's row."""
         import cupy
         model, v, S = self.model, self.views, self.S
-        x = model.hidden(self.prefill_acts[P], v["ids"][S:S + P], v["positions"][S:S + P], self._prefill_attend(P))
+        x = model.hidden(self.prefill_acts[P], v["ids"][S:S + P], v["positions"][S:S + P], self.cache.prefill_attend(model, self, P))
         if head:
             model.final_norm(x, self.prefill_h, rows=v["rows"])
             model.lm_head(self.prefill_h, out=self.prefill_logits)
@@ -418,28 +393,6 @@ class PagedExecutor:
         next_token(self.logits[:R], self.fparams[:R], self.iparams[:R], v["eos"], self.tokens[:R], v["newest"][:R],
                    self.history[:R], self.finished[:R], seen=self.seen[:R] if pen else None,
                    out_counts=self.out_counts[:R] if pen else None, slots=picker.slots, check=picker.check, pad=0)
-
-    def _scales(self, i: int) -> dict:
-        return {} if self.scales is None else dict(k_scale=self.scales[0][i], v_scale=self.scales[1][i])
-
-    def _decode_attend(self, R: int):
-        v = self.views
-
-        def attend(i, q, k, vv, out):
-            paged_decode_attention(one_token_rows(q, 0, R), self.k[i], self.v[i], self.dtable[:R], v["lengths"][:R],
-                                   new_k=one_token_rows(k, 0, R), new_v=one_token_rows(vv, 0, R), length_offset=1,
-                                   out=one_token_rows(out, 0, R), **self._scales(i))
-        return attend
-
-    def _prefill_attend(self, P: int):
-        v, S = self.views, self.S
-
-        def attend(i, q, k, vv, out):
-            paged_write_kv(token_rows(k, 0, P), token_rows(vv, 0, P), self.k[i], self.v[i], v["slots"][S:S + P],
-                           **self._scales(i))
-            paged_prefill_attention(token_rows(q, 0, P), self.k[i], self.v[i], self.ptable, self.tiles,
-                                    out=token_rows(out, 0, P), **self._scales(i))
-        return attend
 
     # -- start-up and shutdown ----------------------------------------------------------------
     def warm_up(self) -> None:

@@ -17,6 +17,7 @@ from tilekit.kernels.moe_permute import moe_permute
 from tilekit.kernels.moe_router import moe_router
 from tilekit.kernels.next_token import next_token
 from tilekit.kernels.paged_decode_attention import paged_decode_attention
+from tilekit.kernels.paged_mla_decode_attention import paged_mla_decode_attention
 from tilekit.kernels.paged_prefill_attention import paged_prefill_attention
 from tilekit.kernels.paged_write_kv import paged_write_kv
 from tilekit.kernels.quant_linear import quant_linear
@@ -29,5 +30,6 @@ from tilekit.kernels.write_kv import write_kv
 
 __all__ = ["apply_rope", "attention", "decode_attention", "embedding", "fixed_cast", "gelu", "head_linear", "layer_norm",
            "linear", "mla_decode_attention", "mla_kv", "moe_down_combine", "moe_gate_up", "moe_permute", "moe_router",
-           "next_token", "paged_decode_attention", "paged_prefill_attention", "paged_write_kv", "quant_linear", "quantize_fp8", "residual_linear", "rms_norm", "swiglu_linear",
+           "next_token", "paged_decode_attention", "paged_mla_decode_attention", "paged_prefill_attention",
+           "paged_write_kv", "quant_linear", "quantize_fp8", "residual_linear", "rms_norm", "swiglu_linear",
            "token_bitmask", "write_kv"]

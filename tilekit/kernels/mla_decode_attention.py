@@ -54,6 +54,32 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
     for mla_merge_kernel.
     """
     sync_with_previous_kernel()
+    mla_split(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, Lengths, O, Opart, Mpart, Lpart, qk_scale, length_offset, HT, NQ, BN,
+              R, P, GROUPS, CHUNK, SPLITS, NEW_KV, False)
+
+
+@ct.function
+def latent_tile(C, Kpe, Table, b, j, BN, R, P, PAGED):
+    """Tile j (BN, R) of sequence b's latents and (BN, P) of its rotary keys: from C (B, capacity, R) and Kpe (B,
+    capacity, P), or with PAGED from pools (blocks, BLOCK, R) and (blocks, BLOCK, P) whose block Table[b, p // BLOCK]
+    holds position p (BN divides BLOCK: one load from one block)."""
+    if PAGED:
+        per_block = C.shape[1] // BN
+        block = ct.load(Table, (b, j // per_block), shape=())
+        c = ct.load(C, (block, j % per_block, 0), (1, BN, R), padding_mode=ZERO)
+        k_pe = ct.load(Kpe, (block, j % per_block, 0), (1, BN, P), padding_mode=ZERO)
+    else:
+        c = ct.load(C, (b, j, 0), (1, BN, R), padding_mode=ZERO)
+        k_pe = ct.load(Kpe, (b, j, 0), (1, BN, P), padding_mode=ZERO)
+    return c.reshape((BN, R)), k_pe.reshape((BN, P))
+
+
+@ct.function
+def mla_split(Q, Qpe, Cnew, Pnew, C, Kpe, Table, Lengths, O, Opart, Mpart, Lpart, qk_scale, length_offset, HT, NQ, BN,
+              R, P, GROUPS, CHUNK, SPLITS, NEW_KV, PAGED):
+    """The body of mla_decode_kernel and paged_mla_decode_kernel (PAGED: C and Kpe are pools read and written
+    through Table; the dense kernel passes Lengths in its place, never read). Its kernel has waited for the one
+    before."""
     QP = HT * NQ
     b, g = batch_head(ct.bid(0), GROUPS)
     split = ct.bid(1)
@@ -82,11 +108,16 @@ def mla_decode_kernel(Q, Qpe, Cnew, Pnew, C, Kpe, Lengths, O, Opart, Mpart, Lpar
                                    axis=0, keepdims=True)
                 s_t = ct.where(first_new + t <= q_pos, s_t * qk_scale, -math.inf)     # causal among the new
                 m_i, l_i, acc = online_softmax_fold_key(s_t, m_i, l_i, acc, c_col)
-                ct.store(C, (b, first_new + t, 0), c_t)
-                ct.store(Kpe, (b, first_new + t, 0), pe_t)
+                if PAGED:                        # its block of the pool, its slot there
+                    pos = first_new + t
+                    block = ct.load(Table, (b, pos // C.shape[1]), shape=())
+                    ct.store(C, (block, pos % C.shape[1], 0), c_t)
+                    ct.store(Kpe, (block, pos % C.shape[1], 0), pe_t)
+                else:
+                    ct.store(C, (b, first_new + t, 0), c_t)
+                    ct.store(Kpe, (b, first_new + t, 0), pe_t)
     for j in range(start // BN, ct.cdiv(end, BN)):
-        c = ct.load(C, (b, j, 0), (1, BN, R), padding_mode=ZERO).reshape((BN, R))
-        k_pe = ct.load(Kpe, (b, j, 0), (1, BN, P), padding_mode=ZERO).reshape((BN, P))
+        c, k_pe = latent_tile(C, Kpe, Table, b, j, BN, R, P, PAGED)
         s = ct.mma(c, q_t, ct.zeros((BN, QP), dtype=ct.float32))
         s = ct.mma(k_pe, q_pe_t, s) * qk_scale
         k_pos = (ct.arange(BN, dtype=ct.int32) + j * BN).reshape((BN, 1))

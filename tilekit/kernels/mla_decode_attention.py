@@ -242,8 +242,8 @@ def _check_4d(a, name: str, like, shape: tuple) -> None:
     arrays.check_last_contiguous(a, name)
 
 
-def _bind(a: list, flags: tuple) -> Binding:
-    q, q_pe, c_cache, pe_cache, lengths, c_new, pe_new, out = a
+def check_latent_queries(q, q_pe, op: str) -> tuple:
+    """(B, H, nq, R, P) of absorbed queries q (B, H, nq, R) and rotary queries q_pe (B, H, nq, P) that `op` takes."""
     arrays.check_dtype(q, "q", arrays.FLOAT_DTYPES)
     if len(q.shape) != 4 or len(q_pe.shape) != 4:
         raise ValueError(f"q and q_pe must be 4-D (batch, heads, tokens, dim), got shapes {q.shape}, {q_pe.shape}")
@@ -252,9 +252,27 @@ def _bind(a: list, flags: tuple) -> Binding:
     if not (1 <= R <= MAX_LATENT and 1 <= P <= MAX_ROPE):
         raise ValueError(f"latent width {R} and rotary width {P} must lie in 1..{MAX_LATENT} and 1..{MAX_ROPE}")
     if not 1 <= nq <= MAX_QUERIES:
-        raise ValueError(f"q holds {nq} query tokens per sequence; mla_decode_attention takes 1..{MAX_QUERIES}")
+        raise ValueError(f"q holds {nq} query tokens per sequence; {op} takes 1..{MAX_QUERIES}")
     arrays.check_last_contiguous(q, "q")
     _check_4d(q_pe, "q_pe", q, (B, H, nq, P))
+    return B, H, nq, R, P
+
+
+def check_new_entries(c_new, pe_new, q, views: dict, at: int) -> None:
+    """The new entries' latents c_new (B, nq, R) and rotary keys pe_new (B, nq, P), both or neither; given, they are
+    the op's arguments at and at + 1 (views)."""
+    B, H, nq, R = q.shape
+    if (c_new is None) != (pe_new is None):
+        raise ValueError("pass both new_c and new_pe, or neither")
+    if c_new is not None:
+        _check_4d(c_new, "new_c", q, (B, nq, R))
+        _check_4d(pe_new, "new_pe", q, (B, nq, pe_new.shape[-1]))
+        views.update(c_new=(at, None), pe_new=(at + 1, None))
+
+
+def _bind(a: list, flags: tuple) -> Binding:
+    q, q_pe, c_cache, pe_cache, lengths, c_new, pe_new, out = a
+    B, H, nq, R, P = check_latent_queries(q, q_pe, "mla_decode_attention")
     if len(c_cache.shape) != 3 or c_cache.shape[0] != B or c_cache.shape[2] != R or c_cache.shape[1] < 1:
         raise ValueError(f"c_cache must be ({B}, capacity, {R}), got shape {c_cache.shape}")
     cap = c_cache.shape[1]
@@ -266,12 +284,7 @@ def _bind(a: list, flags: tuple) -> Binding:
                          f"got shape {lengths.shape} on GPU {lengths.device}")
     views = {"q": (0, None), "q_pe": (1, None), "c": (2, None), "k_pe": (3, None), "lengths": (4, None),
              "o": (7, None)}
-    if (c_new is None) != (pe_new is None):
-        raise ValueError("pass both new_c and new_pe, or neither")
-    if c_new is not None:
-        _check_4d(c_new, "new_c", q, (B, nq, R))
-        _check_4d(pe_new, "new_pe", q, (B, nq, P))
-        views.update(c_new=(5, None), pe_new=(6, None))
+    check_new_entries(c_new, pe_new, q, views, 5)
     if out is not None:
         check_heads_out(out, q)
     return Binding(problem=dict(dtype=q.dtype, B=B, H=H, nq=nq, capacity=cap, R=R, P=P,

@@ -26,8 +26,8 @@ from tilekit.autotune.keys import pow2_bucket
 from tilekit.autotune.op import Binding, Launch, Op
 from tilekit.autotune.space import SearchSpace, pow2_ceil
 from tilekit.kernels.attention import LOG2E, check_heads_out, heads_out
-from tilekit.kernels.decode_attention import MAX_QUERIES
-from tilekit.kernels.mla_decode_attention import MAX_LATENT, MAX_ROPE, SPACE as MLA_SPACE, _constants, _fits as mla_fits
+from tilekit.kernels.mla_decode_attention import SPACE as MLA_SPACE, _constants, _fits as mla_fits
+from tilekit.kernels.mla_decode_attention import check_latent_queries, check_new_entries
 from tilekit.kernels.mla_decode_attention import _grid, _groups, _merge_constants, _merge_grid, _scratch, mla_merge_kernel
 from tilekit.kernels.mla_decode_attention import default_config as mla_default, mla_decode_attention_reference
 from tilekit.kernels.mla_decode_attention import mla_split
@@ -92,20 +92,7 @@ def _check_pool(pool, name: str, like, width: int, blocks: int | None = None, bl
 
 def _bind(a: list, flags: tuple) -> Binding:
     q, q_pe, c_pool, pe_pool, table, lengths, c_new, pe_new, out = a
-    arrays.check_dtype(q, "q", arrays.FLOAT_DTYPES)
-    if len(q.shape) != 4 or len(q_pe.shape) != 4:
-        raise ValueError(f"q and q_pe must be 4-D (batch, heads, tokens, dim), got shapes {q.shape}, {q_pe.shape}")
-    B, H, nq, R = q.shape
-    P = q_pe.shape[3]
-    if not (1 <= R <= MAX_LATENT and 1 <= P <= MAX_ROPE):
-        raise ValueError(f"latent width {R} and rotary width {P} must lie in 1..{MAX_LATENT} and 1..{MAX_ROPE}")
-    if not 1 <= nq <= MAX_QUERIES:
-        raise ValueError(f"q holds {nq} query tokens per sequence; paged_mla_decode_attention takes 1..{MAX_QUERIES}")
-    arrays.check_last_contiguous(q, "q")
-    arrays.check_same("q", q, "q_pe", q_pe)
-    if q_pe.shape != (B, H, nq, P):
-        raise ValueError(f"q_pe must have shape {(B, H, nq, P)}, got {q_pe.shape}")
-    arrays.check_last_contiguous(q_pe, "q_pe")
+    B, H, nq, R, P = check_latent_queries(q, q_pe, "paged_mla_decode_attention")
     _check_pool(c_pool, "c_pool", q, R)
     _check_pool(pe_pool, "pe_pool", q, P, *c_pool.shape[:2])
     arrays.check_dtype(table, "table", ("int32",))
@@ -119,15 +106,7 @@ def _bind(a: list, flags: tuple) -> Binding:
                          f"{lengths.shape}")
     views = {"q": (0, None), "q_pe": (1, None), "c": (2, None), "k_pe": (3, None), "table": (4, None),
              "lengths": (5, None), "o": (8, None)}
-    if (c_new is None) != (pe_new is None):
-        raise ValueError("pass both new_c and new_pe, or neither")
-    if c_new is not None:
-        for x, name, width in ((c_new, "new_c", R), (pe_new, "new_pe", P)):
-            arrays.check_same("q", q, name, x)
-            if x.shape != (B, nq, width):
-                raise ValueError(f"{name} must have shape {(B, nq, width)}, got {x.shape}")
-            arrays.check_last_contiguous(x, name)
-        views.update(c_new=(6, None), pe_new=(7, None))
+    check_new_entries(c_new, pe_new, q, views, 6)
     if out is not None:
         check_heads_out(out, q)
     block = c_pool.shape[1]

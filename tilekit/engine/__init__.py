@@ -17,6 +17,7 @@
     scheduler.py    each step's plan: decodes first, chunked prefill, FCFS admission, preemption by recompute
     blocks.py       the paged KV cache's block pool and prefix cache
     paged.py        PagedExecutor: a step's one forward over the paged KV cache on the GPU, CUDA graphs
+    paged_cache.py  the paged caches' pools and attention calls (per-head keys and values, DeepSeek-V2's latents)
 
 A model's generate(), forward(), generate_text() and chat() are thin calls into the runner made here for it
 (tilekit.models.running): importing this package registers the factory; it imports nothing heavy itself.
